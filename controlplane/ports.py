@@ -1,0 +1,56 @@
+"""Ports: what the control plane needs from the outside world, as Protocols.
+
+Only adapter modules (`eventstore.py` for JetStream, `memlog.py` in memory) implement them; the
+contract suite in tests/contract/ runs the same cases against every implementation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from datetime import datetime
+from typing import Protocol
+
+import msgspec
+
+from schemas.events import AnyEvent, Event, Skipped
+
+Stored = tuple[int, AnyEvent | Skipped]  # (stream sequence, decoded event or why it was skipped)
+
+
+class AppendResult(msgspec.Struct, frozen=True, kw_only=True):
+    """Where an append landed. `already_appended`: these event ids were stored before (a resend)."""
+
+    first_seq: int
+    last_seq: int
+    already_appended: bool = False
+
+
+class EventLog(Protocol):
+    async def last_seq(self) -> int:
+        """Sequence of the last stored event (0 when empty)."""
+        ...
+
+    async def append(self, events: Sequence[Event], expected_last_seq: int) -> AppendResult:
+        """Append all of `events` or none, only if the log's last sequence is `expected_last_seq`.
+
+        Raises ConflictError (with the actual last sequence) when the log moved, InvalidCommand for
+        an empty or over-long batch, InfrastructureError when the outcome cannot be established.
+        A resend of already stored event ids returns their positions with `already_appended`.
+        """
+        ...
+
+    def read(self, start_seq: int = 1, *, start_time: datetime | None = None,
+             stop_seq: int | None = None) -> AsyncIterator[Stored]:
+        """Stored events from `start_seq` (or the first at/after `start_time`) up to `stop_seq`
+        (default: the last sequence when the read starts), then stop."""
+        ...
+
+    def follow(self, start_seq: int = 1) -> AsyncIterator[Stored]:
+        """Every stored event from `start_seq` on, live, forever; contiguous sequences, no gaps."""
+        ...
+
+
+class SnapshotStore(Protocol):
+    async def save_snapshot(self, name: str, data: bytes) -> None: ...
+
+    async def load_snapshot(self, name: str) -> bytes | None: ...

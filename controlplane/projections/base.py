@@ -1,0 +1,107 @@
+"""What every projection shares: the position in the log, redelivery and unknown-event handling.
+
+A projection is an accumulator owned by one fold. `apply(seq, item)` is the fold step: the
+per-entity reducers it calls are pure; the container is mutated in place so a fold over 10^5
+events costs O(events), not O(events x state). `evolve()` is the pure form (copy, then apply).
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Iterable
+from typing import Any, Self, TypeVar
+
+import msgspec
+import structlog
+
+from schemas.events import Event, Skipped, event_tag
+
+log = structlog.get_logger("ndif.projection")
+
+MAX_ANOMALIES_KEPT = 1000
+
+
+class Anomaly(msgspec.Struct, frozen=True, kw_only=True):
+    """An event the state machine has no rule for, kept in the state (shown by `ndif status`)."""
+
+    seq: int
+    event_type: str
+    message: str
+    model_key: str | None = None
+    replica_id: int | None = None
+    event_id: str = ""
+
+
+class Projection(abc.ABC):
+    """Base fold: tracks `seq`, drops redeliveries, counts what it could not read."""
+
+    __slots__ = ("seq", "skipped", "event_ids", "anomalies", "anomaly_count")
+
+    def __init__(self) -> None:
+        self.seq = 0  # last stored sequence applied (or skipped)
+        self.skipped = 0  # stored messages no reader of this version can use
+        self.event_ids: set[str] = set()  # applied event ids: a re-appended event changes nothing
+        self.anomalies: list[Anomaly] = []
+        self.anomaly_count = 0
+
+    def apply(self, seq: int, item: Event | Skipped) -> Self:
+        """Fold one stored item at `seq`. Never raises for any decodable input."""
+        if seq <= self.seq:
+            return self  # redelivery by the consumer
+        self.seq = seq
+        if isinstance(item, Skipped):
+            self.skipped += 1
+            log.warning("event_skipped", seq=seq, reason=item.reason, event_type=item.type)
+            return self
+        if item.event_id in self.event_ids:
+            return self  # the same event appended again after the dedup window
+        self.event_ids.add(item.event_id)
+        self._evolve(seq, item)
+        return self
+
+    @abc.abstractmethod
+    def _evolve(self, seq: int, event: Any) -> None:
+        """The projection's reducer for one decoded, first-seen event."""
+
+    def _anomaly(self, seq: int, event: Event, message: str, replica_id: int | None = None) -> None:
+        self.anomaly_count += 1
+        a = Anomaly(
+            seq=seq,
+            event_type=event_tag(event),
+            message=message,
+            model_key=event.model_key,
+            replica_id=replica_id,
+            event_id=event.event_id,
+        )
+        self.anomalies.append(a)
+        if len(self.anomalies) > MAX_ANOMALIES_KEPT:
+            del self.anomalies[0]
+        log.warning("projection_anomaly", seq=seq, event_type=a.event_type, model_key=a.model_key,
+                    replica_id=replica_id, message=message)
+
+    @abc.abstractmethod
+    def copy(self) -> Self:
+        """An independent copy (entity views are frozen, so containers are copied shallowly)."""
+
+    def _copy_base(self, other: Projection) -> None:
+        other.seq = self.seq
+        other.skipped = self.skipped
+        other.event_ids = set(self.event_ids)
+        other.anomalies = list(self.anomalies)
+        other.anomaly_count = self.anomaly_count
+
+
+P = TypeVar("P", bound=Projection)
+
+
+def fold(items: Iterable[tuple[int, Event | Skipped]], state: P) -> P:
+    """Fold `(seq, event)` pairs into `state` (mutated and returned)."""
+    apply = state.apply
+    for seq, item in items:
+        apply(seq, item)
+    return state
+
+
+def evolve(state: P, seq: int, event: Event | Skipped) -> P:
+    """Pure fold step: a new state; `state` is left untouched."""
+    return state.copy().apply(seq, event)

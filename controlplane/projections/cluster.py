@@ -1,0 +1,341 @@
+"""The cluster view: nodes, GPU cards and their memory, models, every replica (DESIGN §3-4, §7).
+
+Memory follows the observed state: a card's reservations are a map replica -> bytes, rebuilt from
+each replica's view whenever it changes, so a redelivered or out-of-order event can never count a
+replica twice or drive a card negative.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Self
+
+import msgspec
+
+from controlplane.projections.base import Anomaly, Projection
+from controlplane.projections.replica import ReplicaView, step
+from schemas.events import (
+    DeploymentRequested,
+    Event,
+    GpuInfo,
+    ModelRegistered,
+    NodeJoined,
+    NodeLost,
+    PlacementRejected,
+    ReplicaEvent,
+    ReplicaScheduled,
+)
+from schemas.status import Level, ModelStatus, ReplicaState
+
+RKey = tuple[str, int]  # (model_key, replica_id)
+CardKey = tuple[str, int]  # (node_id, gpu index)
+
+_replace = msgspec.structs.replace
+_LIVE = frozenset({ReplicaState.AVAILABLE})
+_DEAD = frozenset({ReplicaState.FAILED, ReplicaState.LOAD_FAILED})
+
+
+class NodeView(msgspec.Struct, frozen=True, kw_only=True):
+    node_id: str
+    gpus: tuple[GpuInfo, ...]
+    cpu_cache_bytes: int
+    hostname: str = ""
+    ray_node_id: str = ""
+    alive: bool = True
+    joined_at: datetime | None = None
+    since_seq: int = 0
+
+
+class Registration(msgspec.Struct, frozen=True, kw_only=True):
+    checkpoint: str
+    revision: str | None
+    size_bytes: int
+    dtype: str
+    seq: int
+
+
+class RejectionView(msgspec.Struct, frozen=True, kw_only=True):
+    seq: int
+    needed_bytes: int
+    free_bytes: int
+    replicas: int
+    reason: str
+
+
+class ModelView(msgspec.Struct, frozen=True, kw_only=True):
+    model_key: str
+    registration: Registration | None = None
+    target_hot: int = 0
+    dedicated: bool = False
+    next_replica_id: int = 0  # ids are never reused: new ones come after the highest ever used
+    last_rejection: RejectionView | None = None
+    since_seq: int = 0
+
+
+class CommandRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """Where a command's decision sits in the log: its events are first_seq..last_seq."""
+
+    command_id: str
+    first_seq: int
+    last_seq: int
+    events: int
+
+
+class CardUsage(msgspec.Struct, frozen=True, kw_only=True):
+    node_id: str
+    index: int
+    total_bytes: int
+    reserved_bytes: int  # every replica placed on the card, loading or loaded
+    used_bytes: int  # replicas that are loaded (HOT)
+    replicas: tuple[tuple[str, int, int], ...]  # (model_key, replica_id, bytes)
+
+    @property
+    def free_bytes(self) -> int:
+        return self.total_bytes - self.reserved_bytes
+
+
+class ClusterSnapshot(msgspec.Struct, frozen=True, kw_only=True):
+    """The whole cluster view as data: what snapshots store and what equality compares."""
+
+    kind: str = "cluster"
+    schema: int = 1
+    seq: int
+    skipped: int
+    nodes: list[NodeView]
+    models: list[ModelView]
+    replicas: list[ReplicaView]
+    commands: list[CommandRecord]
+    anomalies: list[Anomaly]
+    anomaly_count: int
+    event_ids: list[str]
+
+
+class ClusterState(Projection):
+    """Fold of NDIF_EVENTS into the cluster placement view."""
+
+    __slots__ = ("nodes", "models", "replicas", "commands", "_cards", "_cpu", "_by_model")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.nodes: dict[str, NodeView] = {}
+        self.models: dict[str, ModelView] = {}
+        self.replicas: dict[RKey, ReplicaView] = {}
+        self.commands: dict[str, CommandRecord] = {}
+        # Derived indexes (not in snapshots): replica -> bytes per card and per node CPU cache.
+        self._cards: dict[CardKey, dict[RKey, int]] = {}
+        self._cpu: dict[str, dict[RKey, int]] = {}
+        self._by_model: dict[str, dict[int, None]] = {}  # model -> replica ids (insertion-ordered set)
+
+    # ---- the reducer -------------------------------------------------------------------------
+
+    def _evolve(self, seq: int, ev: Event) -> None:
+        if ev.command_id is not None:
+            rec = self.commands.get(ev.command_id)
+            self.commands[ev.command_id] = (
+                CommandRecord(command_id=ev.command_id, first_seq=seq, last_seq=seq, events=1)
+                if rec is None
+                else _replace(rec, last_seq=seq, events=rec.events + 1)
+            )
+        if isinstance(ev, ReplicaEvent):
+            self._replica_event(seq, ev)
+            return
+        match ev:
+            case NodeJoined():
+                self.nodes[ev.node_id] = NodeView(
+                    node_id=ev.node_id, gpus=tuple(ev.gpus), cpu_cache_bytes=ev.cpu_cache_bytes,
+                    hostname=ev.hostname, ray_node_id=ev.ray_node_id, alive=True, joined_at=ev.ts, since_seq=seq,
+                )
+            case NodeLost():
+                node = self.nodes.get(ev.node_id)
+                if node is None:
+                    self._anomaly(seq, ev, f"NodeLost for unknown node {ev.node_id!r}")
+                    return
+                self.nodes[ev.node_id] = _replace(node, alive=False, since_seq=seq)
+                for key, r in list(self.replicas.items()):
+                    if r.node_id == ev.node_id and (r.on_gpu or r.cpu_bytes or r.state not in _GONE):
+                        self._put(key, _replace(r, state=ReplicaState.LOST, on_gpu=False, cpu_bytes=0,
+                                                since_seq=seq, error=f"node lost: {ev.reason}"))
+            case ModelRegistered():
+                m = self._model(ev.model_key)
+                if m.registration is not None:
+                    if m.registration.size_bytes != ev.size_bytes or m.registration.checkpoint != ev.checkpoint:
+                        self._anomaly(seq, ev, "ModelRegistered again with a different checkpoint or size; first kept")
+                    return
+                reg = Registration(checkpoint=ev.checkpoint, revision=ev.revision, size_bytes=ev.size_bytes,
+                                   dtype=ev.dtype, seq=seq)
+                self.models[ev.model_key] = _replace(m, registration=reg, since_seq=seq)
+            case DeploymentRequested():
+                m = self._model(ev.model_key)
+                self.models[ev.model_key] = _replace(m, target_hot=ev.target_hot, dedicated=ev.dedicated, since_seq=seq)
+            case PlacementRejected():
+                m = self._model(ev.model_key)
+                rej = RejectionView(seq=seq, needed_bytes=ev.needed_bytes, free_bytes=ev.free_bytes,
+                                    replicas=ev.replicas, reason=ev.reason)
+                self.models[ev.model_key] = _replace(m, last_rejection=rej, since_seq=seq)
+            case _:
+                self._anomaly(seq, ev, f"no cluster rule for {type(ev).__name__}")
+
+    def _replica_event(self, seq: int, ev: ReplicaEvent) -> None:
+        key = (ev.model_key, ev.replica_id)
+        old = self.replicas.get(key)
+        if isinstance(ev, ReplicaScheduled):
+            problem = self._check_placement(ev)
+            if problem:
+                self._anomaly(seq, ev, problem, ev.replica_id)
+                return
+            m = self._model(ev.model_key)
+            if ev.replica_id >= m.next_replica_id:
+                self.models[ev.model_key] = _replace(m, next_replica_id=ev.replica_id + 1)
+        new, anomaly = step(old, ev, seq)
+        if anomaly:
+            self._anomaly(seq, ev, anomaly, ev.replica_id)
+        if new is not old and new is not None:
+            self._put(key, new)
+            if isinstance(ev, ReplicaScheduled):
+                self._check_overcommit(seq, ev)
+
+    def _check_placement(self, ev: ReplicaScheduled) -> str | None:
+        node = self.nodes.get(ev.node_id)
+        if node is None:
+            return f"scheduled on unknown node {ev.node_id!r}"
+        if not node.alive:
+            return f"scheduled on lost node {ev.node_id!r}"
+        have = {g.index for g in node.gpus}
+        missing = [i for i in ev.gpu_indices if i not in have]
+        if missing or not ev.gpu_indices:
+            return f"scheduled on GPUs {list(ev.gpu_indices)} but node {ev.node_id!r} has {sorted(have)}"
+        return None
+
+    def _check_overcommit(self, seq: int, ev: ReplicaScheduled) -> None:
+        for u in self.node_cards(ev.node_id):
+            if u.index in ev.gpu_indices and u.reserved_bytes > u.total_bytes:
+                self._anomaly(seq, ev, f"GPU {u.index} of {ev.node_id!r} over-committed: "
+                              f"{u.reserved_bytes} reserved of {u.total_bytes}", ev.replica_id)
+
+    def _model(self, model_key: str) -> ModelView:
+        m = self.models.get(model_key)
+        if m is None:
+            m = self.models[model_key] = ModelView(model_key=model_key)
+        return m
+
+    def _put(self, key: RKey, new: ReplicaView) -> None:
+        """Store a replica view and move its memory in the indexes: set, never add."""
+        old = self.replicas.get(key)
+        if old is not None:
+            if old.on_gpu:
+                for g in old.gpu_indices:
+                    card = self._cards.get((old.node_id, g))
+                    if card is not None:
+                        card.pop(key, None)
+            if old.cpu_bytes:
+                self._cpu.get(old.node_id, {}).pop(key, None)
+        if new.on_gpu:
+            for g in new.gpu_indices:
+                self._cards.setdefault((new.node_id, g), {})[key] = new.bytes_per_gpu
+        if new.cpu_bytes:
+            self._cpu.setdefault(new.node_id, {})[key] = new.cpu_bytes
+        if old is None:
+            self._by_model.setdefault(key[0], {})[key[1]] = None
+        self.replicas[key] = new
+
+    # ---- reads -------------------------------------------------------------------------------
+
+    def node_cards(self, node_id: str) -> list[CardUsage]:
+        node = self.nodes.get(node_id)
+        if node is None:
+            return []
+        out = []
+        for g in node.gpus:
+            card = self._cards.get((node_id, g.index), {})
+            used = sum(b for k, b in card.items() if self.replicas[k].level is Level.HOT)
+            out.append(CardUsage(
+                node_id=node_id, index=g.index, total_bytes=g.memory_bytes, reserved_bytes=sum(card.values()),
+                used_bytes=used, replicas=tuple(sorted((k[0], k[1], b) for k, b in card.items())),
+            ))
+        return out
+
+    def card_reserved(self, node_id: str, index: int) -> int:
+        return sum(self._cards.get((node_id, index), {}).values())
+
+    def cpu_cached(self, node_id: str) -> int:
+        return sum(self._cpu.get(node_id, {}).values())
+
+    def model_replicas(self, model_key: str) -> list[ReplicaView]:
+        """Every replica of a model ever scheduled, by replica id."""
+        return [self.replicas[(model_key, i)] for i in sorted(self._by_model.get(model_key, ()))]
+
+    def replica_count(self, model_key: str) -> int:
+        """The replica count of a model: replicas whose desired level is HOT."""
+        return sum(1 for r in self.model_replicas(model_key) if r.desired is Level.HOT)
+
+    def model_status(self, model_key: str, min_ready: int = 1) -> ModelStatus:
+        """Seed 002's model status, derived from the replicas."""
+        m = self.models.get(model_key)
+        hot = [r for r in self.model_replicas(model_key) if r.desired is Level.HOT]
+        if m is None or (m.target_hot == 0 and not hot):
+            return ModelStatus.SCALED_DOWN
+        ready = sum(1 for r in hot if r.state in _LIVE)
+        if ready >= max(1, min(min_ready, m.target_hot or 1)):
+            return ModelStatus.AVAILABLE
+        if hot and all(r.state in _DEAD for r in hot):
+            return ModelStatus.FAILED
+        if not hot and m.last_rejection is not None and m.last_rejection.seq >= m.since_seq:
+            return ModelStatus.FAILED
+        return ModelStatus.PROGRESSING
+
+    # ---- snapshots, equality, copies ---------------------------------------------------------
+
+    def to_snapshot(self) -> ClusterSnapshot:
+        return ClusterSnapshot(
+            seq=self.seq,
+            skipped=self.skipped,
+            nodes=[self.nodes[k] for k in sorted(self.nodes)],
+            models=[self.models[k] for k in sorted(self.models)],
+            replicas=[self.replicas[k] for k in sorted(self.replicas)],
+            commands=[self.commands[k] for k in sorted(self.commands)],
+            anomalies=list(self.anomalies),
+            anomaly_count=self.anomaly_count,
+            event_ids=sorted(self.event_ids),
+        )
+
+    @classmethod
+    def from_snapshot(cls, snap: ClusterSnapshot) -> ClusterState:
+        s = cls()
+        s.seq, s.skipped = snap.seq, snap.skipped
+        s.nodes = {n.node_id: n for n in snap.nodes}
+        s.models = {m.model_key: m for m in snap.models}
+        s.commands = {c.command_id: c for c in snap.commands}
+        s.anomalies, s.anomaly_count = list(snap.anomalies), snap.anomaly_count
+        s.event_ids = set(snap.event_ids)
+        for r in snap.replicas:
+            s._put(r.key, r)
+        return s
+
+    def copy(self) -> Self:
+        c = type(self)()
+        self._copy_base(c)
+        c.nodes, c.models, c.replicas = dict(self.nodes), dict(self.models), dict(self.replicas)
+        c.commands = dict(self.commands)
+        c._cards = {k: dict(v) for k, v in self._cards.items()}
+        c._cpu = {k: dict(v) for k, v in self._cpu.items()}
+        c._by_model = {k: dict(v) for k, v in self._by_model.items()}
+        return c
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ClusterState) and self.to_snapshot() == other.to_snapshot()
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+_GONE = frozenset({ReplicaState.UNLOADED, ReplicaState.LOST})
+
+_snapshot_encoder = msgspec.json.Encoder()
+_snapshot_decoder = msgspec.json.Decoder(ClusterSnapshot)
+
+
+def encode_snapshot(state: ClusterState) -> bytes:
+    return _snapshot_encoder.encode(state.to_snapshot())
+
+
+def decode_snapshot(data: bytes) -> ClusterState:
+    return ClusterState.from_snapshot(_snapshot_decoder.decode(data))

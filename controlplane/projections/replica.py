@@ -1,0 +1,212 @@
+"""The replica state machine of DESIGN §4, as one pure function.
+
+`step(replica, event)` returns the next replica view and, when the pair (state, event) is not in the
+table, an anomaly text. It never raises: races (an agent's `ReplicaLoaded` landing after
+`ReplicaEvictionRequested`) are normal and have rules; what has no rule leaves the replica as it is
+(or, for observed facts that cannot be undone, follows reality) and says why.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+import msgspec
+
+from schemas.events import (
+    ReplicaCached,
+    ReplicaDrained,
+    ReplicaEvent,
+    ReplicaEvictionRequested,
+    ReplicaFailed,
+    ReplicaLoaded,
+    ReplicaLoadFailed,
+    ReplicaLoading,
+    ReplicaRestarted,
+    ReplicaRestartRequested,
+    ReplicaScheduled,
+    ReplicaUnloaded,
+)
+from schemas.status import Level, ReplicaState
+
+S = ReplicaState
+
+# States whose actor still occupies its GPUs. `on_gpu` on the view is what memory follows; this set
+# is what `ReplicaScheduled` may not land on (double booking).
+ACTIVE = frozenset({S.LOAD_REQUESTED, S.LOADING, S.AVAILABLE, S.DRAINING, S.UNLOAD_REQUESTED, S.RESTARTING, S.FAILED})
+# States from which a replica may be (re)scheduled.
+SCHEDULABLE = frozenset({S.CACHED, S.UNLOADED, S.LOAD_FAILED, S.LOST})
+SERVING = frozenset({S.AVAILABLE})
+
+
+class ReplicaView(msgspec.Struct, frozen=True, kw_only=True):
+    """One replica: desired level (controller) and observed state (agents), and what it holds."""
+
+    model_key: str
+    replica_id: int
+    desired: Level
+    state: ReplicaState
+    node_id: str = ""
+    gpu_indices: tuple[int, ...] = ()
+    bytes_per_gpu: int = 0
+    on_gpu: bool = False  # bytes_per_gpu reserved on each of gpu_indices of node_id
+    cpu_bytes: int = 0  # held in node_id's CPU cache (WARM)
+    dedicated: bool = False
+    scheduled_at: datetime | None = None
+    loaded_at: datetime | None = None
+    load_seconds: float | None = None
+    restarts: int = 0
+    error: str | None = None
+    since_seq: int = 0  # seq of the event that set `state`
+    cause: str | None = None  # command_id of the last desired change
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.model_key, self.replica_id)
+
+    @property
+    def level(self) -> Level:
+        """Observed level: where the weights are now."""
+        if self.on_gpu and self.state in (S.AVAILABLE, S.DRAINING, S.RESTARTING, S.UNLOAD_REQUESTED):
+            return Level.HOT
+        if self.cpu_bytes:
+            return Level.WARM
+        return Level.COLD
+
+
+_replace = msgspec.structs.replace
+
+
+def _moved(r: ReplicaView, state: ReplicaState, seq: int, **changes: object) -> ReplicaView:
+    return _replace(r, state=state, since_seq=seq, **changes)
+
+
+def step(r: ReplicaView | None, ev: ReplicaEvent, seq: int) -> tuple[ReplicaView | None, str | None]:
+    """Apply one replica event. Returns (next view, anomaly text or None). Pure and total."""
+    if r is None:
+        if isinstance(ev, ReplicaScheduled):
+            return _schedule(
+                ReplicaView(model_key=ev.model_key, replica_id=ev.replica_id, desired=Level.HOT, state=S.UNLOADED),
+                ev,
+                seq,
+            ), None
+        return None, f"{type(ev).__name__} for a replica that was never scheduled"
+
+    if ev.node_id and r.node_id and ev.node_id != r.node_id and not isinstance(ev, ReplicaScheduled):
+        return r, f"{type(ev).__name__} from node {ev.node_id!r}, but the replica is on {r.node_id!r}"
+
+    st = r.state
+    match ev:
+        case ReplicaScheduled():
+            if st in SCHEDULABLE:
+                if ev.source is Level.WARM and st is not S.CACHED:
+                    return _schedule(r, ev, seq), f"scheduled from WARM but the replica is {st}"
+                return _schedule(r, ev, seq), None
+            return r, f"ReplicaScheduled while {st}: the replica already holds a placement"
+
+        case ReplicaLoading():
+            if st is S.LOAD_REQUESTED:
+                return _moved(r, S.LOADING, seq), None
+            if st in (S.LOADING, S.AVAILABLE, S.UNLOAD_REQUESTED, S.DRAINING):
+                return r, None  # late or duplicate progress report; the later state stands
+            return r, f"ReplicaLoading while {st}"
+
+        case ReplicaLoaded():
+            if st in (S.LOAD_REQUESTED, S.LOADING):
+                return _moved(r, S.AVAILABLE, seq, loaded_at=ev.ts, load_seconds=ev.load_seconds, error=None), None
+            if st in (S.AVAILABLE, S.UNLOAD_REQUESTED, S.DRAINING):
+                return r, None  # duplicate, or the load finished after eviction was asked: unload stands
+            return r, f"ReplicaLoaded while {st}"
+
+        case ReplicaLoadFailed():
+            if st in (S.LOAD_REQUESTED, S.LOADING, S.RESTARTING):
+                return _moved(r, S.LOAD_FAILED, seq, on_gpu=False, cpu_bytes=0, error=ev.error), None
+            if st is S.UNLOAD_REQUESTED:  # eviction raced a failing load: nothing left to unload
+                return _moved(r, S.UNLOADED, seq, on_gpu=False, cpu_bytes=0, error=ev.error), None
+            if st is S.LOAD_FAILED:
+                return r, None
+            return r, f"ReplicaLoadFailed while {st}"
+
+        case ReplicaEvictionRequested():
+            r = _replace(r, desired=ev.target, cause=ev.command_id)
+            if st is S.AVAILABLE:
+                return _moved(r, S.DRAINING if ev.drain else S.UNLOAD_REQUESTED, seq), None
+            if st is S.DRAINING:
+                return (r, None) if ev.drain else (_moved(r, S.UNLOAD_REQUESTED, seq), None)
+            if st in (S.LOAD_REQUESTED, S.LOADING, S.RESTARTING, S.FAILED, S.LOAD_FAILED):
+                return _moved(r, S.UNLOAD_REQUESTED, seq), None
+            if st is S.CACHED:
+                return ((_moved(r, S.UNLOAD_REQUESTED, seq), None) if ev.target is Level.COLD else (r, None))
+            if st is S.LOST:  # no agent left to answer: the replica is simply gone
+                return _moved(r, S.UNLOADED, seq, on_gpu=False, cpu_bytes=0), None
+            return r, None  # UnloadRequested / Unloaded: already on its way down
+
+        case ReplicaDrained():
+            if st is S.DRAINING:
+                return _moved(r, S.UNLOAD_REQUESTED, seq), None
+            if st in (S.UNLOAD_REQUESTED, S.CACHED, S.UNLOADED):
+                return r, None  # drain escalated or timed out before the dispatcher said so
+            return r, f"ReplicaDrained while {st}"
+
+        case ReplicaCached():
+            if st is S.UNLOAD_REQUESTED:
+                return _moved(r, S.CACHED, seq, on_gpu=False, cpu_bytes=ev.cpu_bytes), None
+            if st is S.CACHED:
+                return r, None
+            # An observed fact: the weights are on CPU now, whatever was asked.
+            return _moved(r, S.CACHED, seq, on_gpu=False, cpu_bytes=ev.cpu_bytes), f"ReplicaCached while {st}"
+
+        case ReplicaUnloaded():
+            gone = _moved(r, S.UNLOADED, seq, on_gpu=False, cpu_bytes=0)
+            if st in (S.UNLOAD_REQUESTED, S.CACHED, S.FAILED, S.LOAD_FAILED, S.LOST):
+                return gone, None
+            if st is S.UNLOADED:
+                return r, None
+            return gone, f"ReplicaUnloaded while {st} (not requested)"
+
+        case ReplicaRestartRequested():
+            r = _replace(r, desired=Level.HOT, cause=ev.command_id)
+            if st in (S.AVAILABLE, S.FAILED):
+                return _moved(r, S.RESTARTING, seq, restarts=r.restarts + 1), None
+            if st is S.RESTARTING:
+                return r, None
+            return r, f"ReplicaRestartRequested while {st}"
+
+        case ReplicaRestarted():
+            if st is S.RESTARTING:
+                return _moved(r, S.AVAILABLE, seq, loaded_at=ev.ts, error=None), None
+            if st is S.AVAILABLE:
+                return r, None
+            return r, f"ReplicaRestarted while {st}"
+
+        case ReplicaFailed():
+            if st in (S.AVAILABLE, S.DRAINING, S.RESTARTING, S.LOADING, S.LOAD_REQUESTED):
+                # GPU memory stays reserved: the restart policy brings it back on the same cards.
+                return _moved(r, S.FAILED, seq, error=ev.error), None
+            if st in (S.UNLOAD_REQUESTED, S.CACHED):  # died on its way down: nothing survives
+                return _moved(r, S.UNLOADED, seq, on_gpu=False, cpu_bytes=0, error=ev.error), None
+            if st is S.FAILED:
+                return r, None
+            return r, f"ReplicaFailed while {st}"
+
+    return r, f"no rule for {type(ev).__name__}"
+
+
+def _schedule(r: ReplicaView, ev: ReplicaScheduled, seq: int) -> ReplicaView:
+    return _replace(
+        r,
+        desired=Level.HOT,
+        state=S.LOAD_REQUESTED,
+        node_id=ev.node_id,
+        gpu_indices=tuple(ev.gpu_indices),
+        bytes_per_gpu=ev.bytes_per_gpu,
+        on_gpu=True,
+        # From WARM the CPU copy moves to the GPU; from COLD a stale CPU copy elsewhere is dropped.
+        cpu_bytes=0,
+        dedicated=ev.dedicated,
+        scheduled_at=ev.ts,
+        loaded_at=None,
+        load_seconds=None,
+        error=None,
+        since_seq=seq,
+        cause=ev.command_id,
+    )

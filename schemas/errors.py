@@ -1,0 +1,94 @@
+"""The one error tree of ndif: every component raises these, adapters translate into them.
+
+Attributes are keyword-only and read-only; `retryable` tells a caller whether the same call may
+succeed later unchanged.
+"""
+
+from __future__ import annotations
+
+
+class NdifError(Exception):
+    """Base of every ndif error. `str()` is one line a person can act on."""
+
+    default_retryable = False
+
+    def __init__(self, message: str, *, retryable: bool | None = None) -> None:
+        super().__init__(message)
+        self._set(retryable=self.default_retryable if retryable is None else retryable)
+
+    def _set(self, **attrs: object) -> None:
+        for name, value in attrs.items():
+            object.__setattr__(self, "_" + name, value)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if name.startswith("__"):  # exception machinery (__traceback__, __cause__, ...)
+            super().__setattr__(name, value)
+            return
+        raise AttributeError(f"{type(self).__name__}.{name} is read-only")
+
+    @property
+    def retryable(self) -> bool:
+        return bool(self._retryable)  # type: ignore[attr-defined]
+
+    @property
+    def message(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+class InvalidCommand(NdifError, ValueError):
+    """The input is wrong (bad count, malformed JSON, unknown flag combination); nothing was appended."""
+
+
+class NotFound(NdifError, LookupError):
+    """A model, replica, node or request that does not exist."""
+
+
+class UnknownModel(NotFound):
+    """A model key that cannot be resolved offline (no local checkpoint dir, not in the HF cache)."""
+
+
+class ConflictError(NdifError):
+    """An optimistic-concurrency append lost: the log moved past `expected_last_seq`.
+
+    Nothing of the append was stored. Fold the tail up to `actual_last_seq` and decide again.
+    """
+
+    default_retryable = True
+
+    def __init__(self, message: str, *, expected_last_seq: int, actual_last_seq: int | None) -> None:
+        super().__init__(message)
+        self._set(expected_last_seq=expected_last_seq, actual_last_seq=actual_last_seq)
+
+    @property
+    def expected_last_seq(self) -> int:
+        return int(self._expected_last_seq)  # type: ignore[attr-defined]
+
+    @property
+    def actual_last_seq(self) -> int | None:
+        return self._actual_last_seq  # type: ignore[attr-defined,no-any-return]
+
+
+class PlacementError(NdifError):
+    """The cluster cannot hold what was asked (CANT_ACCOMMODATE)."""
+
+
+class InfrastructureError(NdifError):
+    """NATS, Ray or the disk failed or did not answer; usually worth retrying."""
+
+    default_retryable = True
+
+
+class InfrastructureTimeout(InfrastructureError, TimeoutError):
+    """A call did not answer within its timeout; the outcome may be unknown."""
+
+
+class ReplayAnomalyError(NdifError):
+    """`replay --strict` found anomalies (out-of-order or impossible events) in the history."""
+
+    def __init__(self, message: str, *, anomalies: tuple[object, ...]) -> None:
+        super().__init__(message)
+        self._set(anomalies=anomalies)
+
+    @property
+    def anomalies(self) -> tuple[object, ...]:
+        return self._anomalies  # type: ignore[attr-defined,no-any-return]

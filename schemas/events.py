@@ -1,0 +1,255 @@
+"""Every control-plane fact, as frozen msgspec Structs in one tagged union (DESIGN §3).
+
+The tag (`"type"` in JSON) is written out explicitly on every class: renaming a class must never
+orphan stored history. New fields get defaults; a field's type never changes. Schema version 1.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Final, Union
+
+import msgspec
+
+from schemas.status import DeploymentOp, EvictionReason, Level
+from schemas.subjects import HDR_EVENT, HDR_MSG_ID, HDR_SCHEMA, model_subject, node_subject, replica_subject
+
+SCHEMA_VERSION: Final = 1
+MAX_BATCH: Final = 1000  # JetStream atomic batch limit (err 10199 above it)
+
+
+class Event(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
+    """The envelope every event carries.
+
+    `command_id` is the causation (the command that produced it), `correlation_id` ties a chain of
+    decisions together, `actor` says who appended it (`cli:alice`, `controller:<host>`,
+    `agent:<node_id>`, `dispatcher:<host>`).
+    """
+
+    event_id: str
+    ts: datetime
+    actor: str
+    model_key: str | None = None
+    command_id: str | None = None
+    correlation_id: str | None = None
+    schema: int = SCHEMA_VERSION
+
+
+# ---- nodes -------------------------------------------------------------------------------------
+
+
+class GpuInfo(msgspec.Struct, frozen=True, kw_only=True):
+    index: int
+    memory_bytes: int
+    name: str = ""
+
+
+class NodeJoined(Event, frozen=True, kw_only=True, tag="NodeJoined"):
+    """An agent came up on a node with this inventory (appended by the agent)."""
+
+    node_id: str
+    gpus: tuple[GpuInfo, ...]
+    cpu_cache_bytes: int
+    hostname: str = ""
+    ray_node_id: str = ""
+
+
+class NodeLost(Event, frozen=True, kw_only=True, tag="NodeLost"):
+    """The controller saw the node's heartbeat expire; everything on it is gone."""
+
+    node_id: str
+    reason: str = "heartbeat expired"
+
+
+# ---- models (desired) --------------------------------------------------------------------------
+
+
+class ModelRegistered(Event, frozen=True, kw_only=True, tag="ModelRegistered"):
+    """Where a model loads from and how big it is; recorded once so replays never recompute it."""
+
+    model_key: str
+    checkpoint: str
+    revision: str | None = None
+    size_bytes: int
+    dtype: str = "float32"
+
+
+class DeploymentRequested(Event, frozen=True, kw_only=True, tag="DeploymentRequested"):
+    """An operator (or the dispatcher) asked for `target_hot` HOT replicas of a model."""
+
+    model_key: str
+    op: DeploymentOp
+    replicas: int  # the number the operator typed
+    target_hot: int  # resulting desired HOT count
+    dedicated: bool = False
+
+
+class PlacementRejected(Event, frozen=True, kw_only=True, tag="PlacementRejected"):
+    """Part or all of a request could not be placed (CANT_ACCOMMODATE)."""
+
+    model_key: str
+    reason: str = "CANT_ACCOMMODATE"
+    needed_bytes: int
+    free_bytes: int
+    replicas: int = 1  # how many replicas of the request were not placed
+
+
+# ---- replicas (desired, by the controller) -----------------------------------------------------
+
+
+class ReplicaEvent(Event, frozen=True, kw_only=True):
+    """Common fields of every replica event; `node_id` is where it is or goes."""
+
+    model_key: str
+    replica_id: int
+    node_id: str = ""
+
+
+class ReplicaScheduled(ReplicaEvent, frozen=True, kw_only=True, tag="ReplicaScheduled"):
+    """Place the replica on `node_id`, exactly on `gpu_indices`, `bytes_per_gpu` on each card.
+
+    `source` says whether it loads from disk (COLD) or from the node's CPU cache (WARM).
+    `seed` is the tie-break seed placement used, so replay reproduces the decision.
+    """
+
+    gpu_indices: tuple[int, ...]
+    bytes_per_gpu: int
+    source: Level = Level.COLD
+    dedicated: bool = False
+    seed: int = 0
+
+
+class ReplicaEvictionRequested(ReplicaEvent, frozen=True, kw_only=True, tag="ReplicaEvictionRequested"):
+    """Take the replica off its GPUs to `target` (WARM or COLD), after draining if `drain`."""
+
+    reason: EvictionReason
+    target: Level = Level.COLD
+    drain: bool = False
+    by_model_key: str | None = None  # for pressure evictions: who needed the room
+    by_replica_id: int | None = None
+
+
+class ReplicaRestartRequested(ReplicaEvent, frozen=True, kw_only=True, tag="ReplicaRestartRequested"):
+    attempt: int = 1
+
+
+# ---- replicas (observed, by agents and the dispatcher) -----------------------------------------
+
+
+class ReplicaLoading(ReplicaEvent, frozen=True, kw_only=True, tag="ReplicaLoading"):
+    pass
+
+
+class ReplicaLoaded(ReplicaEvent, frozen=True, kw_only=True, tag="ReplicaLoaded"):
+    load_seconds: float = 0.0
+
+
+class ReplicaLoadFailed(ReplicaEvent, frozen=True, kw_only=True, tag="ReplicaLoadFailed"):
+    error: str
+
+
+class ReplicaDrained(ReplicaEvent, frozen=True, kw_only=True, tag="ReplicaDrained"):
+    """The dispatcher saw the draining replica go idle."""
+
+
+class ReplicaCached(ReplicaEvent, frozen=True, kw_only=True, tag="ReplicaCached"):
+    """WARM: GPU memory freed, weights held in CPU memory (`cpu_bytes`)."""
+
+    cpu_bytes: int
+
+
+class ReplicaUnloaded(ReplicaEvent, frozen=True, kw_only=True, tag="ReplicaUnloaded"):
+    """COLD: the actor is gone, nothing of the replica in memory."""
+
+
+class ReplicaRestarted(ReplicaEvent, frozen=True, kw_only=True, tag="ReplicaRestarted"):
+    pass
+
+
+class ReplicaFailed(ReplicaEvent, frozen=True, kw_only=True, tag="ReplicaFailed"):
+    """The actor died at run time."""
+
+    error: str
+
+
+AnyEvent = Union[
+    NodeJoined,
+    NodeLost,
+    ModelRegistered,
+    DeploymentRequested,
+    PlacementRejected,
+    ReplicaScheduled,
+    ReplicaEvictionRequested,
+    ReplicaRestartRequested,
+    ReplicaLoading,
+    ReplicaLoaded,
+    ReplicaLoadFailed,
+    ReplicaDrained,
+    ReplicaCached,
+    ReplicaUnloaded,
+    ReplicaRestarted,
+    ReplicaFailed,
+]
+
+EVENT_TYPES: Final[dict[str, type[Event]]] = {
+    cls.__struct_config__.tag: cls  # type: ignore[misc]
+    for cls in AnyEvent.__args__  # type: ignore[attr-defined]
+}
+
+
+class Skipped(msgspec.Struct, frozen=True, kw_only=True):
+    """Stands in for a stored message no reader of this version can use (malformed or newer type)."""
+
+    reason: str
+    type: str | None = None
+
+
+class _TypeOnly(msgspec.Struct):
+    type: str | None = None
+
+
+_encoder = msgspec.json.Encoder()
+_decoder = msgspec.json.Decoder(AnyEvent)
+_type_decoder = msgspec.json.Decoder(_TypeOnly)
+
+
+def encode_event(event: Event) -> bytes:
+    return _encoder.encode(event)
+
+
+def decode_event(data: bytes) -> AnyEvent:
+    """Decode one event body; raises msgspec.DecodeError/ValidationError."""
+    return _decoder.decode(data)
+
+
+def decode_or_skip(data: bytes) -> AnyEvent | Skipped:
+    """Decode a stored body; what cannot be used becomes `Skipped` with the reason, never an exception."""
+    try:
+        return _decoder.decode(data)
+    except msgspec.DecodeError as exc:
+        try:
+            tag = _type_decoder.decode(data).type
+        except msgspec.DecodeError:
+            return Skipped(reason=f"malformed body: {exc}")
+        if tag is not None and tag not in EVENT_TYPES:
+            return Skipped(reason=f"unknown event type {tag!r} (written by a newer version?)", type=tag)
+        return Skipped(reason=f"invalid {tag or 'untyped'} event: {exc}", type=tag)
+
+
+def event_tag(event: Event) -> str:
+    return event.__struct_config__.tag  # type: ignore[return-value]
+
+
+def event_subject(event: Event) -> str:
+    """The subject an event is stored on (DESIGN §2)."""
+    if isinstance(event, ReplicaEvent):
+        return replica_subject(event.model_key, event.replica_id)
+    if isinstance(event, (NodeJoined, NodeLost)):
+        return node_subject(event.node_id)
+    if event.model_key is None:
+        raise ValueError(f"{event_tag(event)} has no model_key; it has no subject")
+    return model_subject(event.model_key)
+
+
+def event_headers(event: Event) -> dict[str, str]:
+    return {HDR_MSG_ID: event.event_id, HDR_EVENT: event_tag(event), HDR_SCHEMA: str(event.schema)}

@@ -1,0 +1,95 @@
+"""Model keys: one canonical spelling for every way a user names a model.
+
+NDIF names a model by `<class path>:<JSON kwargs>`, e.g.
+`nnsight.modeling.language.LanguageModel:{"repo_id": "openai-community/gpt2", "revision": null}`;
+that is also our canonical form, so keys, actor names and logs stay compatible with NDIF.
+`canonical_model_key()` is pure string work: it never touches the disk or the network.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+from schemas.errors import InvalidCommand
+
+DEFAULT_MODEL_CLASS = "nnsight.modeling.language.LanguageModel"
+
+# `pkg.module.Class:{...json...}`
+_NDIF_KEY = re.compile(r"^(?P<cls>[A-Za-z_][\w.]*):(?P<json>\{.*\})$", re.DOTALL)
+# `org/name`, `name`, optionally `@revision`; HF repo ids are ASCII letters, digits, `-_.`
+_REPO_ID = re.compile(r"^[\w.\-]+(/[\w.\-]+)?$")
+
+
+def _dump(cls: str, kwargs: dict[str, object]) -> str:
+    ordered: dict[str, object] = {"repo_id": kwargs["repo_id"], "revision": kwargs.get("revision")}
+    for k in sorted(kwargs):
+        if k not in ordered:
+            ordered[k] = kwargs[k]
+    # json.dumps' default separators are what NDIF writes: `{"repo_id": "...", "revision": null}`
+    return f"{cls}:{json.dumps(ordered, ensure_ascii=False)}"
+
+
+def _is_path(text: str) -> bool:
+    return text.startswith(("/", "./", "../", "~")) or text in (".", "..")
+
+
+def canonical_model_key(text: str) -> str:
+    """Turn what a user typed into the canonical model key.
+
+    Accepts a repo id (`openai-community/gpt2`, `gpt2@main` for a revision), a local checkpoint
+    directory (`/ckpt/tiny`, `./tiny`, `~/tiny`; made absolute) or an NDIF-style key
+    (`Class:{"repo_id": ..., "revision": ...}`, re-serialised with a stable field order).
+    Raises `InvalidCommand` for empty or unparseable input; whether the model exists is
+    decided elsewhere (registration resolves it offline).
+    """
+    if not isinstance(text, str) or not text.strip():
+        raise InvalidCommand("model key is empty: give a repo id, a checkpoint dir or an NDIF key")
+    text = text.strip()
+    m = _NDIF_KEY.match(text)
+    if m:
+        try:
+            kwargs = json.loads(m.group("json"))
+        except json.JSONDecodeError as exc:
+            raise InvalidCommand(f"model key {text!r}: its JSON part does not parse ({exc.msg})") from None
+        if not isinstance(kwargs, dict) or not isinstance(kwargs.get("repo_id"), str) or not kwargs["repo_id"]:
+            raise InvalidCommand(f"model key {text!r}: its JSON part needs a non-empty \"repo_id\"")
+        rev = kwargs.get("revision")
+        if rev is not None and not isinstance(rev, str):
+            raise InvalidCommand(f"model key {text!r}: \"revision\" must be a string or null")
+        repo = kwargs["repo_id"]
+        if _is_path(repo):
+            kwargs = {**kwargs, "repo_id": _abs(repo)}
+        return _dump(m.group("cls"), kwargs)
+    if _is_path(text):
+        return _dump(DEFAULT_MODEL_CLASS, {"repo_id": _abs(text), "revision": None})
+    repo, _, rev = text.partition("@")
+    if not _REPO_ID.match(repo) or (rev == "" and "@" in text):
+        raise InvalidCommand(
+            f"model key {text!r} is neither a repo id (org/name[@revision]), a path (/…, ./…) "
+            "nor an NDIF key (Class:{\"repo_id\": …})"
+        )
+    return _dump(DEFAULT_MODEL_CLASS, {"repo_id": repo, "revision": rev or None})
+
+
+def _abs(path: str) -> str:
+    return os.path.normpath(os.path.abspath(os.path.expanduser(path)))
+
+
+def model_parts(model_key: str) -> tuple[str, str, str | None]:
+    """Split a canonical key into (class path, repo_id, revision)."""
+    m = _NDIF_KEY.match(model_key)
+    if not m:
+        raise InvalidCommand(f"{model_key!r} is not a canonical model key; pass it through canonical_model_key()")
+    kwargs = json.loads(m.group("json"))
+    return m.group("cls"), str(kwargs["repo_id"]), kwargs.get("revision")
+
+
+def display_name(model_key: str) -> str:
+    """Short name for tables: the repo id (with `@revision` when pinned)."""
+    try:
+        _, repo, rev = model_parts(model_key)
+    except InvalidCommand:
+        return model_key
+    return f"{repo}@{rev}" if rev else repo

@@ -1,0 +1,83 @@
+"""Status vocabularies: replica levels and states, model, processor and request statuses.
+
+String enums, so they encode as their value in JSON and read well in `nats stream view`.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class Level(enum.StrEnum):
+    """Where a replica's weights are (NDIF's deployment levels)."""
+
+    HOT = "HOT"  # on GPU, serving
+    WARM = "WARM"  # weights in CPU memory
+    COLD = "COLD"  # on disk only
+
+
+class ReplicaState(enum.StrEnum):
+    """Observed state of one replica (DESIGN §4; seed 002's replica states)."""
+
+    LOAD_REQUESTED = "LoadRequested"
+    LOADING = "Loading"
+    AVAILABLE = "Available"
+    LOAD_FAILED = "LoadFailed"
+    DRAINING = "Draining"
+    UNLOAD_REQUESTED = "UnloadRequested"
+    CACHED = "Cached"
+    UNLOADED = "Unloaded"
+    RESTARTING = "Restarting"
+    FAILED = "Failed"
+    LOST = "Lost"  # its node was lost; nothing of it survives
+
+
+class ModelStatus(enum.StrEnum):
+    """Seed 002's model states that apply here."""
+
+    PROGRESSING = "Progressing"
+    AVAILABLE = "Available"
+    FAILED = "Failed"
+    SCALED_DOWN = "ScaledDown"
+
+
+class ProcessorStatus(enum.StrEnum):
+    """Queue-side status of one model's processor (seed 000)."""
+
+    UNINITIALIZED = "UNINITIALIZED"
+    PROVISIONING = "PROVISIONING"
+    DEPLOYING = "DEPLOYING"
+    READY = "READY"
+    BUSY = "BUSY"
+    CANCELLED = "CANCELLED"
+
+
+class RequestStatus(enum.StrEnum):
+    """Status of one user request; COMPLETED and ERROR are terminal and written once."""
+
+    RECEIVED = "RECEIVED"
+    QUEUED = "QUEUED"
+    PROVISIONING = "PROVISIONING"
+    DEPLOYING = "DEPLOYING"
+    DISPATCHED = "DISPATCHED"
+    RUNNING = "RUNNING"
+    COMPLETED = "COMPLETED"
+    ERROR = "ERROR"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (RequestStatus.COMPLETED, RequestStatus.ERROR)
+
+
+class EvictionReason(enum.StrEnum):
+    ADMIN = "admin"
+    PRESSURE = "pressure"
+    SCALE_DOWN = "scale-down"
+    NODE_LOST = "node-lost"
+
+
+class DeploymentOp(enum.StrEnum):
+    DEPLOY = "deploy"
+    SCALE = "scale"
+    SCALE_UP = "scale-up"
+    SCALE_DOWN = "scale-down"

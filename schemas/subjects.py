@@ -1,0 +1,82 @@
+"""Stream, bucket and subject names of DESIGN §2, and the token encoding of keys into subjects.
+
+Model keys and node ids hold `.`, `/`, `:`, spaces and JSON; a subject token cannot. A token is a
+readable slug plus 10 hex of the SHA-256 of the full key: routing only, readers check the key in
+the body.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+
+from schemas.keys import model_parts
+
+EVENTS_STREAM = "NDIF_EVENTS"
+REQUESTS_STREAM = "NDIF_REQUESTS"
+HEARTBEATS_BUCKET = "ndif_heartbeats"
+REQUEST_STATUS_BUCKET = "ndif_request_status"
+RESULTS_BUCKET = "ndif_results"
+SNAPSHOTS_BUCKET = "ndif_snapshots"
+
+EVENTS_ALL = "ndif.evt.>"
+REQUESTS_ALL = "ndif.req.>"
+COMMANDS_PREFIX = "ndif.cmd"
+STATUS_PREFIX = "ndif.status"
+
+# Headers on every event message.
+HDR_MSG_ID = "Nats-Msg-Id"
+HDR_EVENT = "Ndif-Event"
+HDR_SCHEMA = "Ndif-Schema"
+
+_SLUG_BAD = re.compile(r"[^A-Za-z0-9_-]+")
+_SLUG_MAX = 40
+
+
+def _token(readable: str, full: str) -> str:
+    slug = _SLUG_BAD.sub("_", readable).strip("_")[:_SLUG_MAX] or "x"
+    return f"{slug}-{hashlib.sha256(full.encode('utf-8')).hexdigest()[:10]}"
+
+
+def model_token(model_key: str) -> str:
+    """`<mtok>`: e.g. `openai-community_gpt2-3f9a1c07e2` for the canonical key of that repo."""
+    try:
+        _, readable, _ = model_parts(model_key)
+    except ValueError:
+        readable = model_key
+    return _token(readable.rsplit("/", 2)[-1] if readable.startswith("/") else readable, model_key)
+
+
+def node_token(node_id: str) -> str:
+    """`<ntok>`: node ids are hostnames or Ray node ids and may hold dots."""
+    return _token(node_id, node_id)
+
+
+def node_subject(node_id: str) -> str:
+    return f"ndif.evt.node.{node_token(node_id)}"
+
+
+def model_subject(model_key: str) -> str:
+    return f"ndif.evt.model.{model_token(model_key)}"
+
+
+def replica_subject(model_key: str, replica_id: int) -> str:
+    return f"ndif.evt.replica.{model_token(model_key)}.{int(replica_id)}"
+
+
+def model_events_filter(model_key: str) -> list[str]:
+    """Subject filters that select every event of one model (model-level and replica-level)."""
+    tok = model_token(model_key)
+    return [f"ndif.evt.model.{tok}", f"ndif.evt.replica.{tok}.*"]
+
+
+def request_subject(model_key: str) -> str:
+    return f"ndif.req.{model_token(model_key)}"
+
+
+def command_subject(verb: str) -> str:
+    return f"{COMMANDS_PREFIX}.{verb}"
+
+
+def status_subject(request_id: str) -> str:
+    return f"{STATUS_PREFIX}.{_token(request_id, request_id)}"
