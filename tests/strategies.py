@@ -1,0 +1,149 @@
+"""Hypothesis strategies: events of every type, and event histories that exercise the state machine.
+
+Histories are drawn from a small world (2 nodes x 2 cards, 2 models, 4 replica ids) so collisions,
+races and duplicates are frequent: lifecycles that follow the table, then shuffled, duplicated and
+mixed with arbitrary events.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from hypothesis import strategies as st
+
+from schemas import events as E
+from schemas.status import DeploymentOp, EvictionReason, Level
+
+NODES = ("node-a.cluster", "node-b.cluster")
+MODELS = (
+    'nnsight.modeling.language.LanguageModel:{"repo_id": "openai-community/gpt2", "revision": null}',
+    'nnsight.modeling.language.LanguageModel:{"repo_id": "meta-llama/Llama-3.1-8B", "revision": "main"}',
+)
+CARD = 80 * 2**30
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
+
+_counter = iter(range(10**12))
+
+
+def _env(actor: str = "test", **kw: Any) -> dict[str, Any]:
+    n = next(_counter)
+    return {"event_id": f"ev-{n}", "ts": T0 + timedelta(milliseconds=n), "actor": actor, **kw}
+
+
+def node_joined(node: str) -> E.NodeJoined:
+    return E.NodeJoined(**_env("agent"), node_id=node, cpu_cache_bytes=4 * CARD,
+                        gpus=(E.GpuInfo(index=0, memory_bytes=CARD), E.GpuInfo(index=1, memory_bytes=CARD)))
+
+
+models = st.sampled_from(MODELS)
+nodes = st.sampled_from(NODES)
+rids = st.integers(0, 3)
+gpu_sets = st.sampled_from([(0,), (1,), (0, 1)])
+nbytes = st.integers(1, 50).map(lambda g: g * 2**30)
+texts = st.text(max_size=20)
+
+
+@st.composite
+def any_event(draw: st.DrawFn) -> E.Event:
+    """One event of any type with fields from the small world (valid or not for the current state)."""
+    kind = draw(st.sampled_from(sorted(E.EVENT_TYPES)))
+    m, rid, node = draw(models), draw(rids), draw(nodes)
+    rep = {"model_key": m, "replica_id": rid, "node_id": node}
+    match kind:
+        case "NodeJoined":
+            return node_joined(node)
+        case "NodeLost":
+            return E.NodeLost(**_env(), node_id=node)
+        case "ModelRegistered":
+            return E.ModelRegistered(**_env(), model_key=m, checkpoint="/ckpt", size_bytes=draw(nbytes))
+        case "DeploymentRequested":
+            return E.DeploymentRequested(**_env(), model_key=m, op=draw(st.sampled_from(list(DeploymentOp))),
+                                         replicas=draw(st.integers(0, 4)), target_hot=draw(st.integers(0, 4)))
+        case "PlacementRejected":
+            return E.PlacementRejected(**_env(), model_key=m, needed_bytes=draw(nbytes), free_bytes=draw(nbytes))
+        case "ReplicaScheduled":
+            return E.ReplicaScheduled(**_env(), **rep, gpu_indices=draw(gpu_sets), bytes_per_gpu=draw(nbytes),
+                                      source=draw(st.sampled_from([Level.COLD, Level.WARM])),
+                                      dedicated=draw(st.booleans()))
+        case "ReplicaEvictionRequested":
+            return E.ReplicaEvictionRequested(**_env(), **rep, reason=draw(st.sampled_from(list(EvictionReason))),
+                                              target=draw(st.sampled_from([Level.WARM, Level.COLD])),
+                                              drain=draw(st.booleans()))
+        case "ReplicaRestartRequested":
+            return E.ReplicaRestartRequested(**_env(), **rep)
+        case "ReplicaLoaded":
+            return E.ReplicaLoaded(**_env(), **rep, load_seconds=draw(st.floats(0, 100)))
+        case "ReplicaLoadFailed" | "ReplicaFailed":
+            return E.EVENT_TYPES[kind](**_env(), **rep, error=draw(texts))  # type: ignore[call-arg]
+        case "ReplicaCached":
+            return E.ReplicaCached(**_env(), **rep, cpu_bytes=draw(nbytes))
+        case _:
+            return E.EVENT_TYPES[kind](**_env(), **rep)  # type: ignore[call-arg]
+
+
+@st.composite
+def lifecycle(draw: st.DrawFn, model: str, rid: int) -> list[E.Event]:
+    """A path through the table for one replica (what a healthy controller and agent would write)."""
+    node = draw(nodes)
+    gpus, size = draw(gpu_sets), draw(nbytes)
+    rep = {"model_key": model, "replica_id": rid, "node_id": node}
+    out: list[E.Event] = []
+    source = Level.COLD
+    for _ in range(draw(st.integers(1, 3))):
+        out.append(E.ReplicaScheduled(**_env("controller"), **rep, gpu_indices=gpus, bytes_per_gpu=size,
+                                      source=source))
+        out.append(E.ReplicaLoading(**_env("agent"), **rep))
+        if draw(st.integers(0, 9)) == 0:
+            out.append(E.ReplicaLoadFailed(**_env("agent"), **rep, error="boom"))
+            source = Level.COLD
+            continue
+        out.append(E.ReplicaLoaded(**_env("agent"), **rep, load_seconds=1.0))
+        if draw(st.booleans()):
+            out.append(E.ReplicaFailed(**_env("agent"), **rep, error="died"))
+            out.append(E.ReplicaRestartRequested(**_env("controller"), **rep))
+            out.append(E.ReplicaRestarted(**_env("agent"), **rep))
+        target = draw(st.sampled_from([Level.WARM, Level.COLD]))
+        drain = draw(st.booleans())
+        out.append(E.ReplicaEvictionRequested(**_env("controller"), **rep, reason=EvictionReason.ADMIN,
+                                              target=target, drain=drain))
+        if drain:
+            out.append(E.ReplicaDrained(**_env("dispatcher"), **rep))
+        if target is Level.WARM:
+            out.append(E.ReplicaCached(**_env("agent"), **rep, cpu_bytes=size * len(gpus)))
+            source = Level.WARM
+        else:
+            out.append(E.ReplicaUnloaded(**_env("agent"), **rep))
+            source = Level.COLD
+    return out
+
+
+@st.composite
+def histories(draw: st.DrawFn, *, chaos: bool = True) -> list[E.Event]:
+    """Nodes join, models register, then interleaved lifecycles; with `chaos`, shuffled windows,
+    duplicates and arbitrary events mixed in."""
+    out: list[E.Event] = [node_joined(n) for n in NODES]
+    for m in MODELS:
+        out.append(E.ModelRegistered(**_env("controller"), model_key=m, checkpoint="/ckpt", size_bytes=2**30))
+    lanes = [draw(lifecycle(m, r)) for m in MODELS for r in range(draw(st.integers(1, 3)))]
+    # Interleave lanes preserving each lane's own order.
+    while any(lanes):
+        lane = draw(st.sampled_from([ln for ln in lanes if ln]))
+        out.append(lane.pop(0))
+    if chaos:
+        for _ in range(draw(st.integers(0, 6))):
+            i = draw(st.integers(0, len(out)))
+            op = draw(st.sampled_from(["dup", "swap", "noise", "drop"]))
+            if op == "dup" and out:
+                out.insert(i, out[min(i, len(out) - 1)])
+            elif op == "swap" and i + 1 < len(out):
+                out[i], out[i + 1] = out[i + 1], out[i]
+            elif op == "noise":
+                out.insert(i, draw(any_event()))
+            elif op == "drop" and i < len(out):
+                del out[i]
+    return out
+
+
+def numbered(events: list[E.Event]) -> list[tuple[int, E.Event]]:
+    return [(i + 1, e) for i, e in enumerate(events)]
