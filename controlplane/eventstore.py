@@ -32,7 +32,7 @@ from nats.js import api
 
 from controlplane.ports import AppendResult, Stored
 from schemas.errors import ConflictError, InfrastructureError, InfrastructureTimeout, InvalidCommand
-from schemas.events import MAX_BATCH, Event, decode_or_skip, encode_event, event_headers, event_subject
+from schemas.events import Event, check_batch, decode_or_skip, encode_event, event_headers, event_subject
 from schemas.subjects import (
     EVENTS_ALL,
     EVENTS_STREAM,
@@ -126,6 +126,11 @@ class JetStreamEventLog:
         self.timeout = timeout
         self.replicas = replicas
         self._owns_nc = False
+        # Client-side buffer of a follower; past it nats-py drops messages (slow consumer) and
+        # the follower's gap check resubscribes. Large by default; tests shrink it.
+        self.pending_msgs_limit = _PENDING_MSGS
+        self.pending_bytes_limit = _PENDING_BYTES
+        self.stall_check_s = 1.0  # a follower idle this long checks the stream for a stall
 
     @classmethod
     async def open(cls, url: str, *, timeout: float = 5.0, replicas: int = 1, ensure: bool = True,
@@ -209,11 +214,8 @@ class JetStreamEventLog:
         return int(info.state.last_seq)
 
     async def append(self, events: Sequence[Event], expected_last_seq: int) -> AppendResult:
+        check_batch(events)
         n = len(events)
-        if n == 0:
-            raise InvalidCommand("append: no events")
-        if n > MAX_BATCH:
-            raise InvalidCommand(f"append: {n} events exceed the atomic batch limit of {MAX_BATCH}")
         try:
             if n == 1:
                 ack = await self._publish_one(events[0], expected_last_seq)
@@ -334,7 +336,14 @@ class JetStreamEventLog:
             try:
                 while True:
                     try:
-                        msg = await sub.next_msg(timeout=None)
+                        msg = await sub.next_msg(timeout=self.stall_check_s)
+                    except nats.errors.TimeoutError:
+                        # Quiet, or stalled: after a client-side drop the consumer's flow control can
+                        # wait forever for a reply that never comes. Ask the stream which it is.
+                        if await self.last_seq() >= expected:
+                            log.warning("event_feed_stalled", expected=expected)
+                            break  # resubscribe from `expected`
+                        continue
                     except nats.errors.ConnectionClosedError:
                         raise InfrastructureError("NATS connection closed while following events") from None
                     if not msg.reply:
@@ -356,7 +365,7 @@ class JetStreamEventLog:
         cfg = api.ConsumerConfig(deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start_seq)
         return await self.js.subscribe(
             EVENTS_ALL, stream=EVENTS_STREAM, ordered_consumer=True, config=cfg, deliver_policy=cfg.deliver_policy,
-            pending_msgs_limit=_PENDING_MSGS, pending_bytes_limit=_PENDING_BYTES,
+            pending_msgs_limit=self.pending_msgs_limit, pending_bytes_limit=self.pending_bytes_limit,
         )
 
     # ---- snapshots ---------------------------------------------------------------------------

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Sequence
-from datetime import datetime
+from datetime import UTC, datetime
 
 from controlplane.ports import AppendResult, Stored
-from schemas.errors import ConflictError, InvalidCommand
-from schemas.events import MAX_BATCH, Event, decode_event, decode_or_skip, encode_event, event_subject
+from schemas.errors import ConflictError
+from schemas.events import Event, check_batch, decode_event, decode_or_skip, encode_event, event_subject
 
 
 class MemoryEventLog:
@@ -28,11 +28,8 @@ class MemoryEventLog:
         return len(self._bodies)
 
     async def append(self, events: Sequence[Event], expected_last_seq: int) -> AppendResult:
+        check_batch(events)
         n = len(events)
-        if n == 0:
-            raise InvalidCommand("append: no events")
-        if n > MAX_BATCH:
-            raise InvalidCommand(f"append: {n} events exceed the atomic batch limit of {MAX_BATCH}")
         last = len(self._ids)
         if last != expected_last_seq:
             if last >= expected_last_seq + n and self._ids[expected_last_seq] == events[0].event_id \
@@ -49,7 +46,7 @@ class MemoryEventLog:
             self._bodies.append(b)
             self._ids.append(e.event_id)
             self._subjects.append(s)
-            self._times.append(e.ts)
+            self._times.append(datetime.now(UTC))  # storage time, as JetStream records it
         async with self._changed:
             self._changed.notify_all()
         return AppendResult(first_seq=last + 1, last_seq=last + n)

@@ -41,7 +41,7 @@ class EventLog(Protocol):
 
     def read(self, start_seq: int = 1, *, start_time: datetime | None = None,
              stop_seq: int | None = None) -> AsyncIterator[Stored]:
-        """Stored events from `start_seq` (or the first at/after `start_time`) up to `stop_seq`
+        """Stored events from `start_seq` (or the first stored at/after `start_time`) up to `stop_seq`
         (default: the last sequence when the read starts), then stop."""
         ...
 

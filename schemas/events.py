@@ -6,11 +6,13 @@ orphan stored history. New fields get defaults; a field's type never changes. Sc
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import datetime
 from typing import Final, Union
 
 import msgspec
 
+from schemas.errors import InvalidCommand
 from schemas.status import DeploymentOp, EvictionReason, Level
 from schemas.subjects import HDR_EVENT, HDR_MSG_ID, HDR_SCHEMA, model_subject, node_subject, replica_subject
 
@@ -234,6 +236,17 @@ def decode_or_skip(data: bytes) -> AnyEvent | Skipped:
         if tag is not None and tag not in EVENT_TYPES:
             return Skipped(reason=f"unknown event type {tag!r} (written by a newer version?)", type=tag)
         return Skipped(reason=f"invalid {tag or 'untyped'} event: {exc}", type=tag)
+
+
+def check_batch(events: Sequence[Event]) -> None:
+    """What no log accepts: an empty batch, more than MAX_BATCH events, one event id twice."""
+    n = len(events)
+    if n == 0:
+        raise InvalidCommand("append: no events")
+    if n > MAX_BATCH:
+        raise InvalidCommand(f"append: {n} events exceed the atomic batch limit of {MAX_BATCH}")
+    if len({e.event_id for e in events}) != n:
+        raise InvalidCommand("append: the batch holds the same event id twice")
 
 
 def event_tag(event: Event) -> str:

@@ -20,15 +20,20 @@ def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedNa
     srv.close()
 
 
-@pytest_asyncio.fixture
-async def event_log(nats_server: EmbeddedNats) -> AsyncIterator[JetStreamEventLog]:
-    """A connected log on empty streams (streams are dropped and re-made for each test)."""
-    log = await JetStreamEventLog.open(nats_server.url, ensure=False)
+async def fresh_event_log(url: str) -> JetStreamEventLog:
+    """A connected log on empty streams (the streams are dropped and re-made)."""
+    log = await JetStreamEventLog.open(url, ensure=False)
     for stream in (EVENTS_STREAM, REQUESTS_STREAM):
         try:
             await log.js.delete_stream(stream)
         except Exception:  # noqa: BLE001 - absent on the first test
             pass
     await log.ensure()
+    return log
+
+
+@pytest_asyncio.fixture
+async def event_log(nats_server: EmbeddedNats) -> AsyncIterator[JetStreamEventLog]:
+    log = await fresh_event_log(nats_server.url)
     yield log
     await log.close()

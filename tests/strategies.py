@@ -147,3 +147,22 @@ def histories(draw: st.DrawFn, *, chaos: bool = True) -> list[E.Event]:
 
 def numbered(events: list[E.Event]) -> list[tuple[int, E.Event]]:
     return [(i + 1, e) for i, e in enumerate(events)]
+
+
+def scripted_history(replicas: int = 20) -> list[E.Event]:
+    """A fixed, healthy history: both nodes join, replicas load, some go WARM, some COLD."""
+    out: list[E.Event] = [node_joined(n) for n in NODES]
+    out.append(E.ModelRegistered(**_env("controller"), model_key=MODELS[0], checkpoint="/ckpt", size_bytes=2**30))
+    for rid in range(replicas):
+        rep = {"model_key": MODELS[0], "replica_id": rid, "node_id": NODES[rid % 2]}
+        out.append(E.ReplicaScheduled(**_env("controller"), **rep, gpu_indices=(rid % 2,), bytes_per_gpu=2**30))
+        out.append(E.ReplicaLoading(**_env("agent"), **rep))
+        out.append(E.ReplicaLoaded(**_env("agent"), **rep, load_seconds=0.5))
+        if rid % 3 == 1:
+            out.append(E.ReplicaEvictionRequested(**_env("controller"), **rep, reason=EvictionReason.ADMIN,
+                                                  target=Level.WARM))
+            out.append(E.ReplicaCached(**_env("agent"), **rep, cpu_bytes=2**30))
+        elif rid % 3 == 2:
+            out.append(E.ReplicaEvictionRequested(**_env("controller"), **rep, reason=EvictionReason.ADMIN))
+            out.append(E.ReplicaUnloaded(**_env("agent"), **rep))
+    return out

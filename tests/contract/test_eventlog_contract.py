@@ -1,0 +1,119 @@
+"""One contract, every EventLog: the in-memory log and JetStream against a real nats-server."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import UTC, datetime
+from collections.abc import AsyncIterator
+
+import pytest
+import pytest_asyncio
+
+from controlplane.memlog import MemoryEventLog
+from controlplane.projections import ClusterState, decode_snapshot, encode_snapshot, fold
+from schemas import events as E
+from schemas.errors import ConflictError, InvalidCommand
+from tests.conftest import fresh_event_log
+from tests.strategies import _env, node_joined
+
+
+@pytest_asyncio.fixture(params=["memory", "jetstream"])
+async def log(request: pytest.FixtureRequest, nats_server) -> AsyncIterator[object]:
+    if request.param == "memory":
+        yield MemoryEventLog()
+        return
+    js_log = await fresh_event_log(nats_server.url)
+    yield js_log
+    await js_log.close()
+
+
+def loads(n: int, start: int = 0) -> list[E.Event]:
+    return [E.ReplicaLoading(**_env("agent"), model_key="m", replica_id=start + i) for i in range(n)]
+
+
+async def collect(it: AsyncIterator, n: int | None = None) -> list:
+    out = []
+    async for pair in it:
+        out.append(pair)
+        if n is not None and len(out) == n:
+            break
+    return out
+
+
+async def test_append_one_and_many(log):
+    assert await log.last_seq() == 0
+    r1 = await log.append([node_joined("n1")], 0)
+    assert (r1.first_seq, r1.last_seq, r1.already_appended) == (1, 1, False)
+    r2 = await log.append(loads(5), 1)
+    assert (r2.first_seq, r2.last_seq) == (2, 6)
+    got = await collect(log.read())
+    assert [s for s, _ in got] == [1, 2, 3, 4, 5, 6]
+    assert [e.replica_id for _, e in got[1:]] == [0, 1, 2, 3, 4]
+
+
+async def test_stale_expectation_is_a_conflict_and_appends_nothing(log):
+    await log.append(loads(2), 0)
+    for batch in (loads(1, 10), loads(3, 10)):
+        with pytest.raises(ConflictError) as exc:
+            await log.append(batch, 1)
+        assert exc.value.actual_last_seq == 2 and exc.value.expected_last_seq == 1 and exc.value.retryable
+    assert await log.last_seq() == 2
+
+
+async def test_resend_is_already_appended_not_a_conflict(log):
+    one, many = loads(1), loads(4, 1)
+    await log.append(one, 0)
+    await log.append(many, 1)
+    await log.append(loads(1, 9), 5)  # the log moved on since
+    again1 = await log.append(one, 0)
+    again2 = await log.append(many, 1)
+    assert (again1.first_seq, again1.last_seq, again1.already_appended) == (1, 1, True)
+    assert (again2.first_seq, again2.last_seq, again2.already_appended) == (2, 5, True)
+    assert await log.last_seq() == 6
+
+
+async def test_bad_batches_are_invalid(log):
+    with pytest.raises(InvalidCommand):
+        await log.append([], 0)
+    with pytest.raises(InvalidCommand, match="1000"):
+        await log.append(loads(1001), 0)
+    e = loads(1)[0]
+    with pytest.raises(InvalidCommand, match="twice"):
+        await log.append([e, e], 0)
+    assert await log.last_seq() == 0
+
+
+async def test_read_from_seq_time_and_to_stop(log):
+    evs = loads(6)
+    await log.append(evs[:3], 0)
+    await asyncio.sleep(0.01)
+    between = datetime.now(UTC)
+    await asyncio.sleep(0.01)
+    await log.append(evs[3:], 3)
+    assert [s for s, _ in await collect(log.read(4))] == [4, 5, 6]
+    assert [s for s, _ in await collect(log.read(2, stop_seq=3))] == [2, 3]
+    assert [s for s, _ in await collect(log.read(start_time=between))] == [4, 5, 6]
+    assert await collect(log.read(7)) == []
+
+
+async def test_follow_sees_live_appends_in_order(log):
+    await log.append(loads(2), 0)
+    task = asyncio.create_task(collect(log.follow(2), n=4))
+    await asyncio.sleep(0.05)
+    await log.append(loads(3, 2), 2)
+    got = await asyncio.wait_for(task, 5)
+    assert [s for s, _ in got] == [2, 3, 4, 5]
+
+
+async def test_snapshot_plus_tail_equals_full_fold(log):
+    await log.append([node_joined("node-a.cluster")], 0)
+    sched = E.ReplicaScheduled(**_env("controller"), model_key="m", replica_id=0, node_id="node-a.cluster",
+                               gpu_indices=(0,), bytes_per_gpu=5)
+    await log.append([sched], 1)
+    prefix = fold(await collect(log.read()), ClusterState())
+    await log.save_snapshot("cluster", encode_snapshot(prefix))
+    await log.append([E.ReplicaLoaded(**_env("agent"), model_key="m", replica_id=0, node_id="node-a.cluster")], 2)
+    snap = decode_snapshot(await log.load_snapshot("cluster"))
+    resumed = fold(await collect(log.read(snap.seq + 1)), snap)
+    assert resumed == fold(await collect(log.read()), ClusterState())
+    assert await log.load_snapshot("absent") is None
