@@ -1,0 +1,60 @@
+"""Golden histories, folded in CI forever. v1 files never change; a new schema adds new files.
+
+`<name>.jsonl`: one stored event body a line (seq = line number), as `nats stream view` shows it.
+`<name>.expected.json`: the cluster view that history must fold to.
+`*bad*`: known-bad histories that `replay --strict` must refuse.
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+import msgspec
+import pytest
+
+from controlplane.projections import ClusterSnapshot, replay
+from schemas.errors import ReplayAnomalyError
+from schemas.events import decode_or_skip
+from schemas.status import Level, ModelStatus, ReplicaState
+
+HERE = pathlib.Path(__file__).parent / "histories"
+GOOD = sorted(p for p in HERE.glob("*.jsonl") if "bad" not in p.name)
+BAD = sorted(p for p in HERE.glob("*.jsonl") if "bad" in p.name)
+
+
+def stored(path: pathlib.Path):
+    return [(i, decode_or_skip(line)) for i, line in enumerate(path.read_bytes().splitlines(), 1) if line.strip()]
+
+
+@pytest.mark.parametrize("path", GOOD, ids=lambda p: p.stem)
+def test_golden_history_folds_to_its_recorded_state(path):
+    state = replay(stored(path), strict=True)
+    expected = msgspec.json.decode((path.with_suffix(".expected.json")).read_bytes(), type=ClusterSnapshot)
+    assert state.to_snapshot() == expected
+
+
+@pytest.mark.parametrize("path", BAD, ids=lambda p: p.stem)
+def test_known_bad_history_fails_strict(path):
+    with pytest.raises(ReplayAnomalyError) as exc:
+        replay(stored(path), strict=True)
+    assert "anomalies" in str(exc.value) and len(exc.value.anomalies) >= 4
+    replay(stored(path))  # without --strict it folds, recording the anomalies
+
+
+def test_v1_lifecycle_says_what_happened():
+    """The recorded state, read as an operator would (guards the expected file against a careless regen)."""
+    path = HERE / "v1_lifecycle.jsonl"
+    s = replay(stored(path), strict=True)
+    gpt2 = 'nnsight.modeling.language.LanguageModel:{"repo_id": "openai-community/gpt2", "revision": null}'
+    llama = 'nnsight.modeling.language.LanguageModel:{"repo_id": "/models/tiny-llama", "revision": null}'
+    r0, r1, r2 = (s.replicas[(gpt2, i)] for i in range(3))
+    assert (r0.state, r0.restarts, r0.level) == (ReplicaState.AVAILABLE, 1, Level.HOT)
+    assert r1.state is ReplicaState.UNLOADED and r2.state is ReplicaState.UNLOADED  # down before node b was lost
+    assert r1.desired is Level.COLD and r2.error == "OSError: config.json is corrupt"
+    assert s.replicas[(llama, 0)].gpu_indices == (0, 1) and s.replicas[(llama, 0)].dedicated
+    assert s.models[gpt2].next_replica_id == 3 and s.replica_count(gpt2) == 1
+    assert s.model_status(gpt2) is ModelStatus.AVAILABLE
+    assert not s.nodes["gpu-b.ndif.internal"].alive
+    a0 = {c.index: c for c in s.node_cards("gpu-a.ndif.internal")}
+    assert a0[0].reserved_bytes == int(0.575 * 2**30) + int(57.5 * 2**30)
+    assert s.commands["cmd-scale-down-gpt2"].events == 3
