@@ -70,6 +70,21 @@ class MemoryEventLog:
             yield seq, decode_or_skip(self._bodies[seq - 1])
             seq += 1
 
+    async def read_batches(self, start_seq: int = 1, *, start_time: datetime | None = None,
+                           stop_seq: int | None = None) -> AsyncIterator[list[Stored]]:
+        batch: list[Stored] = []
+        async for pair in self.read(start_seq, start_time=start_time, stop_seq=stop_seq):
+            batch.append(pair)
+            if len(batch) == 1000:
+                yield batch
+                batch = []
+        if batch:
+            yield batch
+
+    async def follow_batches(self, start_seq: int = 1) -> AsyncIterator[list[Stored]]:
+        async for pair in self.follow(start_seq):
+            yield [pair]
+
     async def follow(self, start_seq: int = 1) -> AsyncIterator[Stored]:
         seq = max(start_seq, 1)
         while True:
@@ -77,11 +92,11 @@ class MemoryEventLog:
                 yield seq, decode_or_skip(self._bodies[seq - 1])
                 seq += 1
             async with self._changed:
-                await self._changed.wait_for(lambda: seq <= len(self._bodies))
+                await self._changed.wait_for(lambda: seq <= len(self._bodies))  # noqa: B023 - current seq wanted
 
     def events(self) -> list[Event]:
         """Every decodable stored event, in order (test helper)."""
-        out = []
+        out: list[Event] = []
         for b in self._bodies:
             try:
                 out.append(decode_event(b))

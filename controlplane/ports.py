@@ -45,8 +45,17 @@ class EventLog(Protocol):
         (default: the last sequence when the read starts), then stop."""
         ...
 
+    def read_batches(self, start_seq: int = 1, *, start_time: datetime | None = None,
+                     stop_seq: int | None = None) -> AsyncIterator[list[Stored]]:
+        """`read` in lists of consecutive events (what arrived together): folds loop without awaiting."""
+        ...
+
     def follow(self, start_seq: int = 1) -> AsyncIterator[Stored]:
         """Every stored event from `start_seq` on, live, forever; contiguous sequences, no gaps."""
+        ...
+
+    def follow_batches(self, start_seq: int = 1) -> AsyncIterator[list[Stored]]:
+        """`follow` in lists of consecutive events."""
         ...
 
 

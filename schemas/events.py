@@ -20,8 +20,11 @@ SCHEMA_VERSION: Final = 1
 MAX_BATCH: Final = 1000  # JetStream atomic batch limit (err 10199 above it)
 
 
-class Event(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
+class Event(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", gc=False):
     """The envelope every event carries.
+
+    `gc=False`: events are acyclic trees of primitives, so the cyclic GC need not track them (a
+    fold keeps hundreds of thousands alive; tracking them made rebuilds spend time in GC passes).
 
     `command_id` is the causation (the command that produced it), `correlation_id` ties a chain of
     decisions together, `actor` says who appended it (`cli:alice`, `controller:<host>`,
@@ -40,7 +43,7 @@ class Event(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
 # ---- nodes -------------------------------------------------------------------------------------
 
 
-class GpuInfo(msgspec.Struct, frozen=True, kw_only=True):
+class GpuInfo(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     index: int
     memory_bytes: int
     name: str = ""
@@ -221,13 +224,15 @@ def encode_event(event: Event) -> bytes:
 
 def decode_event(data: bytes) -> AnyEvent:
     """Decode one event body; raises msgspec.DecodeError/ValidationError."""
-    return _decoder.decode(data)
+    event: AnyEvent = _decoder.decode(data)
+    return event
 
 
 def decode_or_skip(data: bytes) -> AnyEvent | Skipped:
     """Decode a stored body; what cannot be used becomes `Skipped` with the reason, never an exception."""
     try:
-        return _decoder.decode(data)
+        event: AnyEvent = _decoder.decode(data)
+        return event
     except msgspec.DecodeError as exc:
         try:
             tag = _type_decoder.decode(data).type

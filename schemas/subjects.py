@@ -7,6 +7,7 @@ the body.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 
@@ -38,6 +39,7 @@ def _token(readable: str, full: str) -> str:
     return f"{slug}-{hashlib.sha256(full.encode('utf-8')).hexdigest()[:10]}"
 
 
+@functools.lru_cache(maxsize=65536)
 def model_token(model_key: str) -> str:
     """`<mtok>`: e.g. `openai-community_gpt2-3f9a1c07e2` for the canonical key of that repo."""
     try:
@@ -47,6 +49,7 @@ def model_token(model_key: str) -> str:
     return _token(readable.rsplit("/", 2)[-1] if readable.startswith("/") else readable, model_key)
 
 
+@functools.lru_cache(maxsize=65536)
 def node_token(node_id: str) -> str:
     """`<ntok>`: node ids are hostnames or Ray node ids and may hold dots."""
     return _token(node_id, node_id)

@@ -35,7 +35,7 @@ class Anomaly(msgspec.Struct, frozen=True, kw_only=True):
 class Projection(abc.ABC):
     """Base fold: tracks `seq`, drops redeliveries, counts what it could not read."""
 
-    __slots__ = ("seq", "skipped", "event_ids", "anomalies", "anomaly_count")
+    __slots__ = ("anomalies", "anomaly_count", "event_ids", "seq", "skipped")
 
     def __init__(self) -> None:
         self.seq = 0  # last stored sequence applied (or skipped)
@@ -49,13 +49,15 @@ class Projection(abc.ABC):
         if seq <= self.seq:
             return self  # redelivery by the consumer
         self.seq = seq
-        if isinstance(item, Skipped):
+        if item.__class__ is Skipped:
             self.skipped += 1
-            log.warning("event_skipped", seq=seq, reason=item.reason, event_type=item.type)
+            log.warning("event_skipped", seq=seq, reason=item.reason, event_type=item.type)  # type: ignore[union-attr]
             return self
-        if item.event_id in self.event_ids:
+        ids = self.event_ids
+        eid = item.event_id  # type: ignore[union-attr]
+        if eid in ids:
             return self  # the same event appended again after the dedup window
-        self.event_ids.add(item.event_id)
+        ids.add(eid)
         self._evolve(seq, item)
         return self
 

@@ -13,7 +13,7 @@ from typing import Self
 import msgspec
 
 from controlplane.projections.base import Anomaly, Projection
-from controlplane.projections.replica import ReplicaView, step
+from controlplane.projections.replica import OBSERVED_RULES, ReplicaView, step
 from schemas.events import (
     DeploymentRequested,
     Event,
@@ -35,7 +35,7 @@ _LIVE = frozenset({ReplicaState.AVAILABLE})
 _DEAD = frozenset({ReplicaState.FAILED, ReplicaState.LOAD_FAILED})
 
 
-class NodeView(msgspec.Struct, frozen=True, kw_only=True):
+class NodeView(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     node_id: str
     gpus: tuple[GpuInfo, ...]
     cpu_cache_bytes: int
@@ -46,7 +46,7 @@ class NodeView(msgspec.Struct, frozen=True, kw_only=True):
     since_seq: int = 0
 
 
-class Registration(msgspec.Struct, frozen=True, kw_only=True):
+class Registration(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     checkpoint: str
     revision: str | None
     size_bytes: int
@@ -54,7 +54,7 @@ class Registration(msgspec.Struct, frozen=True, kw_only=True):
     seq: int
 
 
-class RejectionView(msgspec.Struct, frozen=True, kw_only=True):
+class RejectionView(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     seq: int
     needed_bytes: int
     free_bytes: int
@@ -62,7 +62,7 @@ class RejectionView(msgspec.Struct, frozen=True, kw_only=True):
     reason: str
 
 
-class ModelView(msgspec.Struct, frozen=True, kw_only=True):
+class ModelView(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     model_key: str
     registration: Registration | None = None
     target_hot: int = 0
@@ -72,7 +72,7 @@ class ModelView(msgspec.Struct, frozen=True, kw_only=True):
     since_seq: int = 0
 
 
-class CommandRecord(msgspec.Struct, frozen=True, kw_only=True):
+class CommandRecord(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """Where a command's decision sits in the log: its events are first_seq..last_seq."""
 
     command_id: str
@@ -113,7 +113,7 @@ class ClusterSnapshot(msgspec.Struct, frozen=True, kw_only=True):
 class ClusterState(Projection):
     """Fold of NDIF_EVENTS into the cluster placement view."""
 
-    __slots__ = ("nodes", "models", "replicas", "commands", "_cards", "_cpu", "_by_model")
+    __slots__ = ("_by_model", "_cards", "_cpu", "commands", "models", "nodes", "replicas")
 
     def __init__(self) -> None:
         super().__init__()
@@ -129,13 +129,27 @@ class ClusterState(Projection):
     # ---- the reducer -------------------------------------------------------------------------
 
     def _evolve(self, seq: int, ev: Event) -> None:
-        if ev.command_id is not None:
-            rec = self.commands.get(ev.command_id)
-            self.commands[ev.command_id] = (
-                CommandRecord(command_id=ev.command_id, first_seq=seq, last_seq=seq, events=1)
+        cid = ev.command_id
+        if cid is not None:
+            rec = self.commands.get(cid)
+            self.commands[cid] = (
+                CommandRecord(command_id=cid, first_seq=seq, last_seq=seq, events=1)
                 if rec is None
                 else _replace(rec, last_seq=seq, events=rec.events + 1)
             )
+        rule = OBSERVED_RULES.get(ev.__class__)
+        if rule is not None:
+            # Hot path (most stored events): an observed event for a known replica from its own
+            # node goes straight to its rule; everything else takes `step`, which words anomalies.
+            key: RKey = (ev.model_key, ev.replica_id)  # type: ignore[attr-defined,assignment]
+            old = self.replicas.get(key)
+            if old is not None and (not ev.node_id or not old.node_id or ev.node_id == old.node_id):  # type: ignore[attr-defined]
+                new, anomaly = rule(old, ev, seq, old.state)
+                if anomaly:
+                    self._anomaly(seq, ev, anomaly, old.replica_id)
+                if new is not old:
+                    self._put(key, new)
+                return
         if isinstance(ev, ReplicaEvent):
             self._replica_event(seq, ev)
             return
@@ -207,10 +221,13 @@ class ClusterState(Projection):
         return None
 
     def _check_overcommit(self, seq: int, ev: ReplicaScheduled) -> None:
-        for u in self.node_cards(ev.node_id):
-            if u.index in ev.gpu_indices and u.reserved_bytes > u.total_bytes:
-                self._anomaly(seq, ev, f"GPU {u.index} of {ev.node_id!r} over-committed: "
-                              f"{u.reserved_bytes} reserved of {u.total_bytes}", ev.replica_id)
+        gpus = self.nodes[ev.node_id].gpus  # placement was checked: the node and cards exist
+        for g in gpus:
+            if g.index in ev.gpu_indices:
+                reserved = self.card_reserved(ev.node_id, g.index)
+                if reserved > g.memory_bytes:
+                    self._anomaly(seq, ev, f"GPU {g.index} of {ev.node_id!r} over-committed: "
+                                  f"{reserved} reserved of {g.memory_bytes}", ev.replica_id)
 
     def _model(self, model_key: str) -> ModelView:
         m = self.models.get(model_key)
@@ -221,7 +238,13 @@ class ClusterState(Projection):
     def _put(self, key: RKey, new: ReplicaView) -> None:
         """Store a replica view and move its memory in the indexes: set, never add."""
         old = self.replicas.get(key)
-        if old is not None:
+        self.replicas[key] = new
+        if old is None:
+            self._by_model.setdefault(key[0], {})[key[1]] = None
+        elif (old.on_gpu == new.on_gpu and old.cpu_bytes == new.cpu_bytes and old.node_id == new.node_id
+              and old.gpu_indices == new.gpu_indices and old.bytes_per_gpu == new.bytes_per_gpu):
+            return  # same footprint (most transitions): the indexes already hold it
+        else:
             if old.on_gpu:
                 for g in old.gpu_indices:
                     card = self._cards.get((old.node_id, g))
@@ -234,9 +257,6 @@ class ClusterState(Projection):
                 self._cards.setdefault((new.node_id, g), {})[key] = new.bytes_per_gpu
         if new.cpu_bytes:
             self._cpu.setdefault(new.node_id, {})[key] = new.cpu_bytes
-        if old is None:
-            self._by_model.setdefault(key[0], {})[key[1]] = None
-        self.replicas[key] = new
 
     # ---- reads -------------------------------------------------------------------------------
 

@@ -8,7 +8,9 @@ table, an anomaly text. It never raises: races (an agent's `ReplicaLoaded` landi
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import datetime
+from typing import Any
 
 import msgspec
 
@@ -38,7 +40,7 @@ SCHEDULABLE = frozenset({S.CACHED, S.UNLOADED, S.LOAD_FAILED, S.LOST})
 SERVING = frozenset({S.AVAILABLE})
 
 
-class ReplicaView(msgspec.Struct, frozen=True, kw_only=True):
+class ReplicaView(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """One replica: desired level (controller) and observed state (agents), and what it holds."""
 
     model_key: str
@@ -84,111 +86,139 @@ def step(r: ReplicaView | None, ev: ReplicaEvent, seq: int) -> tuple[ReplicaView
     """Apply one replica event. Returns (next view, anomaly text or None). Pure and total."""
     if r is None:
         if isinstance(ev, ReplicaScheduled):
-            return _schedule(
-                ReplicaView(model_key=ev.model_key, replica_id=ev.replica_id, desired=Level.HOT, state=S.UNLOADED),
-                ev,
-                seq,
-            ), None
+            fresh = ReplicaView(model_key=ev.model_key, replica_id=ev.replica_id, desired=Level.HOT, state=S.UNLOADED)
+            return _schedule(fresh, ev, seq), None
         return None, f"{type(ev).__name__} for a replica that was never scheduled"
-
     if ev.node_id and r.node_id and ev.node_id != r.node_id and not isinstance(ev, ReplicaScheduled):
         return r, f"{type(ev).__name__} from node {ev.node_id!r}, but the replica is on {r.node_id!r}"
+    rule = _RULES.get(type(ev))
+    if rule is None:
+        return r, f"no rule for {type(ev).__name__}"
+    return rule(r, ev, seq, r.state)
 
-    st = r.state
-    match ev:
-        case ReplicaScheduled():
-            if st in SCHEDULABLE:
-                if ev.source is Level.WARM and st is not S.CACHED:
-                    return _schedule(r, ev, seq), f"scheduled from WARM but the replica is {st}"
-                return _schedule(r, ev, seq), None
-            return r, f"ReplicaScheduled while {st}: the replica already holds a placement"
 
-        case ReplicaLoading():
-            if st is S.LOAD_REQUESTED:
-                return _moved(r, S.LOADING, seq), None
-            if st in (S.LOADING, S.AVAILABLE, S.UNLOAD_REQUESTED, S.DRAINING):
-                return r, None  # late or duplicate progress report; the later state stands
-            return r, f"ReplicaLoading while {st}"
+# One rule per event type: (replica, event, seq, current state) -> (next, anomaly). A table keyed by
+# type rather than one `match`: the fold runs this for every stored event, and a dict lookup beats
+# walking a dozen class patterns.
+Rule = Callable[[ReplicaView, Any, int, ReplicaState], tuple[ReplicaView, str | None]]
 
-        case ReplicaLoaded():
-            if st in (S.LOAD_REQUESTED, S.LOADING):
-                return _moved(r, S.AVAILABLE, seq, loaded_at=ev.ts, load_seconds=ev.load_seconds, error=None), None
-            if st in (S.AVAILABLE, S.UNLOAD_REQUESTED, S.DRAINING):
-                return r, None  # duplicate, or the load finished after eviction was asked: unload stands
-            return r, f"ReplicaLoaded while {st}"
 
-        case ReplicaLoadFailed():
-            if st in (S.LOAD_REQUESTED, S.LOADING, S.RESTARTING):
-                return _moved(r, S.LOAD_FAILED, seq, on_gpu=False, cpu_bytes=0, error=ev.error), None
-            if st is S.UNLOAD_REQUESTED:  # eviction raced a failing load: nothing left to unload
-                return _moved(r, S.UNLOADED, seq, on_gpu=False, cpu_bytes=0, error=ev.error), None
-            if st is S.LOAD_FAILED:
-                return r, None
-            return r, f"ReplicaLoadFailed while {st}"
+def _on_scheduled(r: ReplicaView, ev: ReplicaScheduled, seq: int, st: ReplicaState) -> tuple[ReplicaView, str | None]:
+    if st in SCHEDULABLE:
+        if ev.source is Level.WARM and st is not S.CACHED:
+            return _schedule(r, ev, seq), f"scheduled from WARM but the replica is {st}"
+        return _schedule(r, ev, seq), None
+    return r, f"ReplicaScheduled while {st}: the replica already holds a placement"
 
-        case ReplicaEvictionRequested():
-            r = _replace(r, desired=ev.target, cause=ev.command_id)
-            if st is S.AVAILABLE:
-                return _moved(r, S.DRAINING if ev.drain else S.UNLOAD_REQUESTED, seq), None
-            if st is S.DRAINING:
-                return (r, None) if ev.drain else (_moved(r, S.UNLOAD_REQUESTED, seq), None)
-            if st in (S.LOAD_REQUESTED, S.LOADING, S.RESTARTING, S.FAILED, S.LOAD_FAILED):
-                return _moved(r, S.UNLOAD_REQUESTED, seq), None
-            if st is S.CACHED:
-                return ((_moved(r, S.UNLOAD_REQUESTED, seq), None) if ev.target is Level.COLD else (r, None))
-            if st is S.LOST:  # no agent left to answer: the replica is simply gone
-                return _moved(r, S.UNLOADED, seq, on_gpu=False, cpu_bytes=0), None
-            return r, None  # UnloadRequested / Unloaded: already on its way down
 
-        case ReplicaDrained():
-            if st is S.DRAINING:
-                return _moved(r, S.UNLOAD_REQUESTED, seq), None
-            if st in (S.UNLOAD_REQUESTED, S.CACHED, S.UNLOADED):
-                return r, None  # drain escalated or timed out before the dispatcher said so
-            return r, f"ReplicaDrained while {st}"
+def _on_loading(r: ReplicaView, ev: ReplicaLoading, seq: int, st: ReplicaState) -> tuple[ReplicaView, str | None]:
+    if st is S.LOAD_REQUESTED:
+        return _moved(r, S.LOADING, seq), None
+    if st in (S.LOADING, S.AVAILABLE, S.UNLOAD_REQUESTED, S.DRAINING):
+        return r, None  # late or duplicate progress report; the later state stands
+    return r, f"ReplicaLoading while {st}"
 
-        case ReplicaCached():
-            if st is S.UNLOAD_REQUESTED:
-                return _moved(r, S.CACHED, seq, on_gpu=False, cpu_bytes=ev.cpu_bytes), None
-            if st is S.CACHED:
-                return r, None
-            # An observed fact: the weights are on CPU now, whatever was asked.
-            return _moved(r, S.CACHED, seq, on_gpu=False, cpu_bytes=ev.cpu_bytes), f"ReplicaCached while {st}"
 
-        case ReplicaUnloaded():
-            gone = _moved(r, S.UNLOADED, seq, on_gpu=False, cpu_bytes=0)
-            if st in (S.UNLOAD_REQUESTED, S.CACHED, S.FAILED, S.LOAD_FAILED, S.LOST):
-                return gone, None
-            if st is S.UNLOADED:
-                return r, None
-            return gone, f"ReplicaUnloaded while {st} (not requested)"
+def _on_loaded(r: ReplicaView, ev: ReplicaLoaded, seq: int, st: ReplicaState) -> tuple[ReplicaView, str | None]:
+    if st is S.LOAD_REQUESTED or st is S.LOADING:
+        return _moved(r, S.AVAILABLE, seq, loaded_at=ev.ts, load_seconds=ev.load_seconds, error=None), None
+    if st in (S.AVAILABLE, S.UNLOAD_REQUESTED, S.DRAINING):
+        return r, None  # duplicate, or the load finished after eviction was asked: the unload stands
+    return r, f"ReplicaLoaded while {st}"
 
-        case ReplicaRestartRequested():
-            r = _replace(r, desired=Level.HOT, cause=ev.command_id)
-            if st in (S.AVAILABLE, S.FAILED):
-                return _moved(r, S.RESTARTING, seq, restarts=r.restarts + 1), None
-            if st is S.RESTARTING:
-                return r, None
-            return r, f"ReplicaRestartRequested while {st}"
 
-        case ReplicaRestarted():
-            if st is S.RESTARTING:
-                return _moved(r, S.AVAILABLE, seq, loaded_at=ev.ts, error=None), None
-            if st is S.AVAILABLE:
-                return r, None
-            return r, f"ReplicaRestarted while {st}"
+def _on_load_failed(r: ReplicaView, ev: ReplicaLoadFailed, seq: int, st: ReplicaState) -> tuple[ReplicaView, str | None]:
+    if st in (S.LOAD_REQUESTED, S.LOADING, S.RESTARTING):
+        return _moved(r, S.LOAD_FAILED, seq, on_gpu=False, cpu_bytes=0, error=ev.error), None
+    if st is S.UNLOAD_REQUESTED:  # eviction raced a failing load: nothing left to unload
+        return _moved(r, S.UNLOADED, seq, on_gpu=False, cpu_bytes=0, error=ev.error), None
+    if st is S.LOAD_FAILED:
+        return r, None
+    return r, f"ReplicaLoadFailed while {st}"
 
-        case ReplicaFailed():
-            if st in (S.AVAILABLE, S.DRAINING, S.RESTARTING, S.LOADING, S.LOAD_REQUESTED):
-                # GPU memory stays reserved: the restart policy brings it back on the same cards.
-                return _moved(r, S.FAILED, seq, error=ev.error), None
-            if st in (S.UNLOAD_REQUESTED, S.CACHED):  # died on its way down: nothing survives
-                return _moved(r, S.UNLOADED, seq, on_gpu=False, cpu_bytes=0, error=ev.error), None
-            if st is S.FAILED:
-                return r, None
-            return r, f"ReplicaFailed while {st}"
 
-    return r, f"no rule for {type(ev).__name__}"
+def _on_eviction(r: ReplicaView, ev: ReplicaEvictionRequested, seq: int, st: ReplicaState) -> tuple[ReplicaView, str | None]:
+    r = _replace(r, desired=ev.target, cause=ev.command_id)
+    if st is S.AVAILABLE:
+        return _moved(r, S.DRAINING if ev.drain else S.UNLOAD_REQUESTED, seq), None
+    if st is S.DRAINING:
+        return (r, None) if ev.drain else (_moved(r, S.UNLOAD_REQUESTED, seq), None)
+    if st in (S.LOAD_REQUESTED, S.LOADING, S.RESTARTING, S.FAILED, S.LOAD_FAILED):
+        return _moved(r, S.UNLOAD_REQUESTED, seq), None
+    if st is S.CACHED:
+        return (_moved(r, S.UNLOAD_REQUESTED, seq), None) if ev.target is Level.COLD else (r, None)
+    if st is S.LOST:  # no agent left to answer: the replica is simply gone
+        return _moved(r, S.UNLOADED, seq, on_gpu=False, cpu_bytes=0), None
+    return r, None  # UnloadRequested / Unloaded: already on its way down
+
+
+def _on_drained(r: ReplicaView, ev: ReplicaDrained, seq: int, st: ReplicaState) -> tuple[ReplicaView, str | None]:
+    if st is S.DRAINING:
+        return _moved(r, S.UNLOAD_REQUESTED, seq), None
+    if st in (S.UNLOAD_REQUESTED, S.CACHED, S.UNLOADED):
+        return r, None  # drain escalated or timed out before the dispatcher said so
+    return r, f"ReplicaDrained while {st}"
+
+
+def _on_cached(r: ReplicaView, ev: ReplicaCached, seq: int, st: ReplicaState) -> tuple[ReplicaView, str | None]:
+    if st is S.CACHED:
+        return r, None
+    cached = _moved(r, S.CACHED, seq, on_gpu=False, cpu_bytes=ev.cpu_bytes)
+    # An observed fact: the weights are on CPU now, whatever was asked.
+    return cached, None if st is S.UNLOAD_REQUESTED else f"ReplicaCached while {st}"
+
+
+def _on_unloaded(r: ReplicaView, ev: ReplicaUnloaded, seq: int, st: ReplicaState) -> tuple[ReplicaView, str | None]:
+    if st is S.UNLOADED:
+        return r, None
+    gone = _moved(r, S.UNLOADED, seq, on_gpu=False, cpu_bytes=0)
+    if st in (S.UNLOAD_REQUESTED, S.CACHED, S.FAILED, S.LOAD_FAILED, S.LOST):
+        return gone, None
+    return gone, f"ReplicaUnloaded while {st} (not requested)"
+
+
+def _on_restart_requested(r: ReplicaView, ev: ReplicaRestartRequested, seq: int,
+                          st: ReplicaState) -> tuple[ReplicaView, str | None]:
+    r = _replace(r, desired=Level.HOT, cause=ev.command_id)
+    if st is S.AVAILABLE or st is S.FAILED:
+        return _moved(r, S.RESTARTING, seq, restarts=r.restarts + 1), None
+    if st is S.RESTARTING:
+        return r, None
+    return r, f"ReplicaRestartRequested while {st}"
+
+
+def _on_restarted(r: ReplicaView, ev: ReplicaRestarted, seq: int, st: ReplicaState) -> tuple[ReplicaView, str | None]:
+    if st is S.RESTARTING:
+        return _moved(r, S.AVAILABLE, seq, loaded_at=ev.ts, error=None), None
+    if st is S.AVAILABLE:
+        return r, None
+    return r, f"ReplicaRestarted while {st}"
+
+
+def _on_failed(r: ReplicaView, ev: ReplicaFailed, seq: int, st: ReplicaState) -> tuple[ReplicaView, str | None]:
+    if st in (S.AVAILABLE, S.DRAINING, S.RESTARTING, S.LOADING, S.LOAD_REQUESTED):
+        # GPU memory stays reserved: the restart policy brings it back on the same cards.
+        return _moved(r, S.FAILED, seq, error=ev.error), None
+    if st is S.UNLOAD_REQUESTED or st is S.CACHED:  # died on its way down: nothing survives
+        return _moved(r, S.UNLOADED, seq, on_gpu=False, cpu_bytes=0, error=ev.error), None
+    if st is S.FAILED:
+        return r, None
+    return r, f"ReplicaFailed while {st}"
+
+
+_RULES: dict[type, Rule] = {
+    ReplicaScheduled: _on_scheduled,
+    ReplicaLoading: _on_loading,
+    ReplicaLoaded: _on_loaded,
+    ReplicaLoadFailed: _on_load_failed,
+    ReplicaEvictionRequested: _on_eviction,
+    ReplicaDrained: _on_drained,
+    ReplicaCached: _on_cached,
+    ReplicaUnloaded: _on_unloaded,
+    ReplicaRestartRequested: _on_restart_requested,
+    ReplicaRestarted: _on_restarted,
+    ReplicaFailed: _on_failed,
+}
 
 
 def _schedule(r: ReplicaView, ev: ReplicaScheduled, seq: int) -> ReplicaView:
@@ -210,3 +240,6 @@ def _schedule(r: ReplicaView, ev: ReplicaScheduled, seq: int) -> ReplicaView:
         since_seq=seq,
         cause=ev.command_id,
     )
+
+# The rules a known replica's observed/desired events (all but scheduling) go through.
+OBSERVED_RULES: dict[type, Rule] = {t: r for t, r in _RULES.items() if t is not ReplicaScheduled}

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from datetime import UTC, datetime
 from collections.abc import AsyncIterator
+from datetime import UTC, datetime
 
 import pytest
 import pytest_asyncio
@@ -117,3 +117,22 @@ async def test_snapshot_plus_tail_equals_full_fold(log):
     resumed = fold(await collect(log.read(snap.seq + 1)), snap)
     assert resumed == fold(await collect(log.read()), ClusterState())
     assert await log.load_snapshot("absent") is None
+
+
+async def test_batches_are_the_same_events_in_order(log):
+    await log.append(loads(7), 0)
+    flat = [s for batch in [b async for b in log.read_batches(2, stop_seq=6)] for s, _ in batch]
+    assert flat == [2, 3, 4, 5, 6]
+    got: list[int] = []
+
+    async def follow():
+        async for batch in log.follow_batches(5):
+            got.extend(s for s, _ in batch)
+            if got and got[-1] >= 9:
+                return
+
+    task = asyncio.create_task(follow())
+    await asyncio.sleep(0.05)
+    await log.append(loads(2, 7), 7)
+    await asyncio.wait_for(task, 5)
+    assert got == [5, 6, 7, 8, 9]

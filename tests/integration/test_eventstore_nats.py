@@ -11,7 +11,6 @@ from structlog.testing import capture_logs
 from controlplane.eventstore import JetStreamEventLog
 from controlplane.nats_server import EmbeddedNats
 from controlplane.projections import ClusterState, fold
-from schemas import events as E
 from schemas.errors import ConflictError
 from schemas.subjects import EVENTS_STREAM
 from tests.contract.test_eventlog_contract import collect, loads

@@ -7,8 +7,9 @@ import pytest
 from controlplane.projections import ClusterState, check_strict, fold
 from schemas import events as E
 from schemas.errors import ReplayAnomalyError
-from schemas.status import EvictionReason, Level, ModelStatus, ReplicaState as S
-from tests.strategies import CARD, MODELS, node_joined, numbered, _env
+from schemas.status import EvictionReason, Level, ModelStatus
+from schemas.status import ReplicaState as S
+from tests.strategies import CARD, MODELS, _env, node_joined, numbered
 
 M = MODELS[0]
 N = "node-a.cluster"

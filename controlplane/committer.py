@@ -1,0 +1,201 @@
+"""Decide-and-append with optimistic concurrency and group commit (DESIGN §5).
+
+Callers submit a pure `decide(state) -> events`. Each loop turn takes every pending decision,
+runs them one after another against a working copy of the folded state (each sees the ones before
+it), and appends all their events as one atomic batch expecting the sequence that state was folded
+to. All or nothing: on a conflict the tail is folded and every decision of the turn is taken again
+from the new state. A batch never exceeds MAX_BATCH events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Generic, TypeVar
+
+import msgspec
+import structlog
+
+from controlplane.ports import EventLog, Stored
+from controlplane.projections.base import Projection
+from schemas.errors import ConflictError, NdifError
+from schemas.events import MAX_BATCH, AnyEvent, Event, Skipped
+
+log = structlog.get_logger("ndif.committer")
+
+P = TypeVar("P", bound=Projection)
+Decide = Callable[[P], Sequence[Event]]
+
+
+class Committed(msgspec.Struct, frozen=True, kw_only=True):
+    """A decision in the log: its events are first_seq..last_seq (0..0 when it decided nothing)."""
+
+    first_seq: int
+    last_seq: int
+    events: tuple[Event, ...]
+    already_appended: bool = False
+    attempts: int = 1
+
+
+class _Pending:
+    __slots__ = ("attempts", "decide", "future")
+
+    def __init__(self, decide: Callable[..., Sequence[Event]], future: asyncio.Future[Committed]) -> None:
+        self.decide = decide
+        self.future = future
+        self.attempts = 0
+
+
+async def afold(items: AsyncIterator[Stored], state: P) -> P:
+    """Fold an async stream of stored events into `state`."""
+    apply = state.apply
+    async for seq, item in items:
+        apply(seq, item)
+    return state
+
+
+async def afold_batches(batches: AsyncIterator[list[Stored]], state: P) -> P:
+    """Fold batches of stored events (`EventLog.read_batches`): the fast path for rebuilds."""
+    apply = state.apply
+    async for batch in batches:
+        for seq, item in batch:
+            apply(seq, item)
+    return state
+
+
+class GroupCommitter(Generic[P]):
+    """Owns the authoritative folded state of one writer; `observe()` feeds it events from a follower."""
+
+    def __init__(self, log: EventLog, state: P, *, max_attempts: int = 25, max_events: int = MAX_BATCH) -> None:
+        self.log = log
+        self.state = state
+        self.max_attempts = max_attempts
+        self.max_events = max_events
+        self._pending: list[_Pending] = []
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self.turns = 0
+        self.conflicts = 0
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self) -> GroupCommitter[P]:
+        await self.catch_up()
+        self._task = asyncio.create_task(self._run(), name="group-committer")
+        return self
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        for p in self._pending:
+            if not p.future.done():
+                p.future.set_exception(NdifError("committer stopped before the decision was appended"))
+        self._pending.clear()
+
+    async def __aenter__(self) -> GroupCommitter[P]:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    # ---- API ---------------------------------------------------------------------------------
+
+    async def submit(self, decide: Callable[[P], Sequence[Event]]) -> Committed:
+        """Decide against the latest state and append; returns once the events are in the log.
+
+        `decide` must be pure: it may run more than once (after a conflict). An `NdifError` it
+        raises is the caller's answer, with nothing appended.
+        """
+        fut: asyncio.Future[Committed] = asyncio.get_running_loop().create_future()
+        self._pending.append(_Pending(decide, fut))
+        self._wake.set()
+        return await fut
+
+    def observe(self, seq: int, item: AnyEvent | Skipped) -> None:
+        """Apply an event seen by a follower (ours are already applied: seq <= state.seq skips)."""
+        self.state.apply(seq, item)
+
+    async def catch_up(self, upto: int | None = None) -> None:
+        await afold_batches(self.log.read_batches(self.state.seq + 1, stop_seq=upto), self.state)
+
+    # ---- the loop ----------------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self._pending:
+                await self._turn()
+
+    async def _turn(self) -> None:
+        self.turns += 1
+        base = self.state.seq
+        working = self.state.copy()
+        taken: list[tuple[_Pending, int, tuple[Event, ...]]] = []  # (item, offset, events)
+        events: list[Event] = []
+        while self._pending:
+            item = self._pending[0]
+            if item.future.done():  # the caller gave up (cancelled)
+                self._pending.pop(0)
+                continue
+            try:
+                evs = tuple(item.decide(working))
+            except NdifError as exc:
+                self._pending.pop(0)
+                item.future.set_exception(exc)
+                continue
+            except Exception as exc:
+                log.exception("decide_failed")
+                self._pending.pop(0)
+                item.future.set_exception(exc)
+                continue
+            if events and len(events) + len(evs) > self.max_events:
+                break  # next turn
+            self._pending.pop(0)
+            item.attempts += 1
+            for i, ev in enumerate(evs, start=len(events) + 1):
+                working.apply(base + i, ev)
+            taken.append((item, len(events), evs))
+            events.extend(evs)
+        if not taken:
+            return
+        if not events:
+            for item, _, _ in taken:
+                item.future.set_result(Committed(first_seq=0, last_seq=0, events=(), attempts=item.attempts))
+            return
+        try:
+            res = await self.log.append(events, base)
+        except ConflictError as exc:
+            self.conflicts += 1
+            log.info("append_conflict", expected=exc.expected_last_seq, actual=exc.actual_last_seq,
+                     decisions=len(taken))
+            retry = []
+            for item, _, _ in taken:
+                if item.attempts >= self.max_attempts:
+                    item.future.set_exception(ConflictError(
+                        f"gave up after {item.attempts} conflicting attempts; the log is too busy, try again",
+                        expected_last_seq=exc.expected_last_seq, actual_last_seq=exc.actual_last_seq))
+                else:
+                    retry.append(item)
+            self._pending[:0] = retry
+            await self.catch_up(exc.actual_last_seq)
+            return
+        except NdifError as exc:
+            for item, _, _ in taken:
+                item.future.set_exception(exc)
+            return
+        old, self.state = self.state, working
+        if old.seq > working.seq:  # a follower applied later events to the old state meanwhile
+            await self.catch_up()
+        for item, offset, evs in taken:
+            if item.future.done():
+                continue
+            first = base + offset + 1
+            item.future.set_result(Committed(
+                first_seq=first if evs else 0, last_seq=first + len(evs) - 1 if evs else 0, events=evs,
+                already_appended=res.already_appended, attempts=item.attempts,
+            ))

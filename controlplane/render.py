@@ -1,0 +1,53 @@
+"""Plain-text views of the cluster projection for people (`ndif status`, the demo, `ndif replay`)."""
+
+from __future__ import annotations
+
+from controlplane.projections import ClusterState
+from schemas.keys import display_name
+
+GiB = 2**30
+
+
+def _gib(n: int) -> str:
+    return f"{n / GiB:,.1f}"
+
+
+def _table(rows: list[list[str]], header: list[str]) -> list[str]:
+    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows, strict=False)]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    return [fmt.format(*header), fmt.format(*("-" * w for w in widths))] + [fmt.format(*r) for r in rows]
+
+
+def render_status(state: ClusterState) -> str:
+    """Nodes and cards (GiB reserved / total), models, replicas (desired vs observed), anomalies."""
+    out = [f"cluster at seq {state.seq}"]
+    if state.nodes:
+        rows = []
+        for node_id in sorted(state.nodes):
+            node = state.nodes[node_id]
+            cards = " ".join(f"gpu{c.index}:{_gib(c.reserved_bytes)}/{_gib(c.total_bytes)}"
+                             for c in state.node_cards(node_id))
+            rows.append([node_id, "up" if node.alive else "LOST", cards or "-",
+                         f"{_gib(state.cpu_cached(node_id))}/{_gib(node.cpu_cache_bytes)}"])
+        out += ["", "NODES (GiB reserved/total)"] + _table(rows, ["node", "state", "gpus", "cpu cache"])
+    if state.models:
+        rows = []
+        for mk in sorted(state.models):
+            m = state.models[mk]
+            size = _gib(m.registration.size_bytes) if m.registration else "?"
+            rows.append([display_name(mk), str(state.model_status(mk)), f"{state.replica_count(mk)}/{m.target_hot}",
+                         size, "yes" if m.dedicated else "no"])
+        out += ["", "MODELS"] + _table(rows, ["model", "status", "hot/target", "GiB", "dedicated"])
+    live = [r for r in state.replicas.values()]
+    if live:
+        rows = []
+        for r in sorted(live, key=lambda r: (display_name(r.model_key), r.replica_id)):
+            where = f"{r.node_id}:{','.join(map(str, r.gpu_indices))}" if r.node_id else "-"
+            rows.append([display_name(r.model_key), str(r.replica_id), str(r.level), str(r.desired), str(r.state),
+                         where, str(r.since_seq), (r.error or "")[:40]])
+        out += ["", "REPLICAS"] + _table(rows, ["model", "id", "level", "desired", "state", "node:gpus", "since",
+                                                "error"])
+    if state.anomaly_count or state.skipped:
+        out += ["", f"ANOMALIES: {state.anomaly_count} (unreadable events: {state.skipped})"]
+        out += [f"  seq {a.seq} {a.event_type}: {a.message}" for a in state.anomalies[-5:]]
+    return "\n".join(out)
