@@ -85,13 +85,14 @@ class CardUsage(msgspec.Struct, frozen=True, kw_only=True):
     node_id: str
     index: int
     total_bytes: int
-    reserved_bytes: int  # every replica placed on the card, loading or loaded
+    reserved_bytes: int  # every replica placed on the card, loading or loaded, leaving or not
+    committed_bytes: int  # replicas meant to stay HOT (placement plans against this)
     used_bytes: int  # replicas that are loaded (HOT)
     replicas: tuple[tuple[str, int, int], ...]  # (model_key, replica_id, bytes)
 
     @property
     def free_bytes(self) -> int:
-        return self.total_bytes - self.reserved_bytes
+        return self.total_bytes - self.committed_bytes
 
 
 class ClusterSnapshot(msgspec.Struct, frozen=True, kw_only=True):
@@ -113,7 +114,8 @@ class ClusterSnapshot(msgspec.Struct, frozen=True, kw_only=True):
 class ClusterState(Projection):
     """Fold of NDIF_EVENTS into the cluster placement view."""
 
-    __slots__ = ("_by_model", "_cards", "_cpu", "commands", "models", "nodes", "replicas")
+    __slots__ = ("_by_model", "_card_leaving", "_card_totals", "_cards", "_cpu", "commands", "models", "nodes",
+                 "replicas")
 
     def __init__(self) -> None:
         super().__init__()
@@ -123,6 +125,9 @@ class ClusterState(Projection):
         self.commands: dict[str, CommandRecord] = {}
         # Derived indexes (not in snapshots): replica -> bytes per card and per node CPU cache.
         self._cards: dict[CardKey, dict[RKey, int]] = {}
+        self._card_totals: dict[CardKey, int] = {}  # sum of _cards[k], kept alongside for O(1) reads
+        # Part of that held by replicas asked to leave (desired WARM/COLD, still on the card).
+        self._card_leaving: dict[CardKey, int] = {}
         self._cpu: dict[str, dict[RKey, int]] = {}
         self._by_model: dict[str, dict[int, None]] = {}  # model -> replica ids (insertion-ordered set)
 
@@ -224,10 +229,10 @@ class ClusterState(Projection):
         gpus = self.nodes[ev.node_id].gpus  # placement was checked: the node and cards exist
         for g in gpus:
             if g.index in ev.gpu_indices:
-                reserved = self.card_reserved(ev.node_id, g.index)
-                if reserved > g.memory_bytes:
+                committed = self.card_committed(ev.node_id, g.index)
+                if committed > g.memory_bytes:
                     self._anomaly(seq, ev, f"GPU {g.index} of {ev.node_id!r} over-committed: "
-                                  f"{reserved} reserved of {g.memory_bytes}", ev.replica_id)
+                                  f"{committed} committed of {g.memory_bytes}", ev.replica_id)
 
     def _model(self, model_key: str) -> ModelView:
         m = self.models.get(model_key)
@@ -242,19 +247,33 @@ class ClusterState(Projection):
         if old is None:
             self._by_model.setdefault(key[0], {})[key[1]] = None
         elif (old.on_gpu == new.on_gpu and old.cpu_bytes == new.cpu_bytes and old.node_id == new.node_id
-              and old.gpu_indices == new.gpu_indices and old.bytes_per_gpu == new.bytes_per_gpu):
+              and old.gpu_indices == new.gpu_indices and old.bytes_per_gpu == new.bytes_per_gpu
+              and (old.desired is Level.HOT) == (new.desired is Level.HOT)):
             return  # same footprint (most transitions): the indexes already hold it
         else:
             if old.on_gpu:
+                leaving = old.desired is not Level.HOT
                 for g in old.gpu_indices:
-                    card = self._cards.get((old.node_id, g))
-                    if card is not None:
-                        card.pop(key, None)
+                    ck = (old.node_id, g)
+                    card = self._cards.get(ck)
+                    if card is not None and key in card:
+                        b = card.pop(key)
+                        self._card_totals[ck] -= b
+                        if leaving:
+                            self._card_leaving[ck] -= b
             if old.cpu_bytes:
                 self._cpu.get(old.node_id, {}).pop(key, None)
         if new.on_gpu:
+            leaving = new.desired is not Level.HOT
             for g in new.gpu_indices:
-                self._cards.setdefault((new.node_id, g), {})[key] = new.bytes_per_gpu
+                ck = (new.node_id, g)
+                card = self._cards.setdefault(ck, {})
+                if key in card:  # cannot happen after the removal above; kept exact regardless
+                    self._card_totals[ck] -= card[key]
+                card[key] = new.bytes_per_gpu
+                self._card_totals[ck] = self._card_totals.get(ck, 0) + new.bytes_per_gpu
+                if leaving:
+                    self._card_leaving[ck] = self._card_leaving.get(ck, 0) + new.bytes_per_gpu
         if new.cpu_bytes:
             self._cpu.setdefault(new.node_id, {})[key] = new.cpu_bytes
 
@@ -270,12 +289,30 @@ class ClusterState(Projection):
             used = sum(b for k, b in card.items() if self.replicas[k].level is Level.HOT)
             out.append(CardUsage(
                 node_id=node_id, index=g.index, total_bytes=g.memory_bytes, reserved_bytes=sum(card.values()),
+                committed_bytes=self.card_committed(node_id, g.index),
                 used_bytes=used, replicas=tuple(sorted((k[0], k[1], b) for k, b in card.items())),
             ))
         return out
 
     def card_reserved(self, node_id: str, index: int) -> int:
-        return sum(self._cards.get((node_id, index), {}).values())
+        """Bytes physically held or being loaded on a card (replicas on their way out included)."""
+        return self._card_totals.get((node_id, index), 0)
+
+    def card_committed(self, node_id: str, index: int) -> int:
+        """Bytes of replicas meant to stay HOT on a card: what placement plans against.
+
+        A replica asked to leave still occupies the card until its agent unloads it; the agent
+        unloads before it loads anything new onto the same cards.
+        """
+        ck = (node_id, index)
+        return self._card_totals.get(ck, 0) - self._card_leaving.get(ck, 0)
+
+    def card_replicas(self, node_id: str, index: int) -> dict[RKey, int]:
+        """Replicas holding memory on a card, with their bytes there (read-only view)."""
+        return self._cards.get((node_id, index), {})
+
+    def cpu_replicas(self, node_id: str) -> dict[RKey, int]:
+        return self._cpu.get(node_id, {})
 
     def cpu_cached(self, node_id: str) -> int:
         return sum(self._cpu.get(node_id, {}).values())
@@ -337,6 +374,8 @@ class ClusterState(Projection):
         c.nodes, c.models, c.replicas = dict(self.nodes), dict(self.models), dict(self.replicas)
         c.commands = dict(self.commands)
         c._cards = {k: dict(v) for k, v in self._cards.items()}
+        c._card_totals = dict(self._card_totals)
+        c._card_leaving = dict(self._card_leaving)
         c._cpu = {k: dict(v) for k, v in self._cpu.items()}
         c._by_model = {k: dict(v) for k, v in self._by_model.items()}
         return c

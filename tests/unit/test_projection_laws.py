@@ -82,6 +82,11 @@ def test_any_interleaving_never_crashes_and_memory_stays_exact(events, rnd):
             for card in state.node_cards(node_id):
                 assert card.reserved_bytes >= 0
                 assert card.reserved_bytes == expected.get((node_id, card.index), 0)
+                assert state.card_reserved(node_id, card.index) == card.reserved_bytes
+                staying = sum(r.bytes_per_gpu for r in state.replicas.values()
+                              if r.on_gpu and r.node_id == node_id and card.index in r.gpu_indices
+                              and r.desired == "HOT")
+                assert card.committed_bytes == staying
                 # A replica is on a card at most once (no double count).
                 keys = [(m, r) for m, r, _ in card.replicas]
                 assert len(keys) == len(set(keys))
