@@ -126,8 +126,12 @@ _BYTES_WS = " \t\n\r\x0b\x0c"
 async def connect(url: str, *, name: str = "ndif", timeout: float = 5.0) -> NatsClient:
     """A NATS connection with the settings §10 asks for: endless reconnects, loud slow consumers."""
 
+    connecting = True
+
     async def error_cb(err: Exception) -> None:
-        if isinstance(err, nats.errors.SlowConsumerError):
+        if connecting:
+            log.debug("nats_connect_attempt_failed", url=url, error=str(err) or type(err).__name__)
+        elif isinstance(err, nats.errors.SlowConsumerError):
             log.error("nats_slow_consumer", subject=err.subject, sid=err.sid)
         else:
             log.warning("nats_error", error=str(err) or type(err).__name__)
@@ -142,10 +146,15 @@ async def connect(url: str, *, name: str = "ndif", timeout: float = 5.0) -> Nats
     nc = FastHeaderClient()
     try:
         await nc.connect(
-            url, name=name, connect_timeout=timeout, max_reconnect_attempts=-1, reconnect_time_wait=0.5,  # type: ignore[arg-type]
+            url, name=name, connect_timeout=timeout, reconnect_time_wait=0.5,  # type: ignore[arg-type]
             error_cb=error_cb, disconnected_cb=disconnected_cb, reconnected_cb=reconnected_cb,
             allow_reconnect=True,
+            # The first connect gives up after a few tries (a wrong URL is an error to report);
+            # once connected, reconnects never stop (DESIGN §10).
+            max_reconnect_attempts=2,
         )
+        nc.options["max_reconnect_attempts"] = -1
+        connecting = False
         return nc
     except (TimeoutError, OSError, nats.errors.NoServersError) as exc:
         raise InfrastructureError(
@@ -254,7 +263,8 @@ class JetStreamEventLog:
             raise InfrastructureError(f"stream {EVENTS_STREAM} does not exist: run `ndif up` or ensure()") from None
         return int(info.state.last_seq)
 
-    async def append(self, events: Sequence[Event], expected_last_seq: int) -> AppendResult:
+    async def append(self, events: Sequence[Event], expected_last_seq: int | None,
+                     *, _resend: bool = False) -> AppendResult:
         check_batch(events)
         n = len(events)
         try:
@@ -263,25 +273,31 @@ class JetStreamEventLog:
             else:
                 ack = await self._publish_batch(events, expected_last_seq)
         except (TimeoutError, nats.errors.TimeoutError):
+            if expected_last_seq is None:
+                # Unguarded observed facts: a resend with the same ids is deduplicated by the server.
+                if _resend:
+                    raise InfrastructureTimeout(
+                        f"append of {n} observed events timed out twice; is JetStream up? (`ndif up`)") from None
+                return await self.append(events, None, _resend=True)
             # The request may or may not have been stored: find out before answering.
             found = await self._read_back(events, expected_last_seq)
             if found is not None:
                 return found
             raise InfrastructureTimeout(
-                f"append of {n} events timed out and is not in the log at seq {expected_last_seq + 1}; "
+                f"append of {n} events timed out and is not in the log after seq {expected_last_seq}; "
                 "retry with the same event ids (a late landing is then reported as already appended)"
             ) from None
         except nats.errors.NoRespondersError:
             raise InfrastructureError(f"no stream answers on ndif.evt.>: create {EVENTS_STREAM} (`ndif up`)") from None
         if ack.error is None:
-            if ack.duplicate:  # R3: a resend inside the duplicate window
+            if ack.duplicate and expected_last_seq is not None:  # a resend inside the duplicate window
                 found = await self._read_back(events, expected_last_seq)
                 if found is not None:
                     return found
                 return AppendResult(first_seq=ack.seq - n + 1, last_seq=ack.seq, already_appended=True)
             return AppendResult(first_seq=ack.seq - n + 1, last_seq=ack.seq)
         err = ack.error
-        if err.err_code in (ERR_WRONG_LAST_SEQ, ERR_BATCH_DUPLICATE):
+        if err.err_code in (ERR_WRONG_LAST_SEQ, ERR_BATCH_DUPLICATE) and expected_last_seq is not None:
             found = await self._read_back(events, expected_last_seq)
             if found is not None:
                 return found
@@ -295,20 +311,21 @@ class JetStreamEventLog:
             raise InvalidCommand(f"append: batch refused as too large ({err.description})")
         raise InfrastructureError(f"append refused by JetStream: {err.code}/{err.err_code} {err.description}")
 
-    async def _publish_one(self, ev: Event, expected: int) -> _PubAck:
+    async def _publish_one(self, ev: Event, expected: int | None) -> _PubAck:
         hdr = event_headers(ev)
-        hdr["Nats-Expected-Last-Sequence"] = str(expected)
+        if expected is not None:
+            hdr["Nats-Expected-Last-Sequence"] = str(expected)
         msg = await self.nc.request(event_subject(ev), encode_event(ev), timeout=self.timeout, headers=hdr)
         return _ack_decoder.decode(msg.data)
 
-    async def _publish_batch(self, events: Sequence[Event], expected: int) -> _PubAck:
+    async def _publish_batch(self, events: Sequence[Event], expected: int | None) -> _PubAck:
         batch_id = uuid.uuid4().hex
         last = len(events)
         for i, ev in enumerate(events[:-1], start=1):
             hdr = event_headers(ev)
             hdr["Nats-Batch-Id"] = batch_id
             hdr["Nats-Batch-Sequence"] = str(i)
-            if i == 1:
+            if i == 1 and expected is not None:
                 hdr["Nats-Expected-Last-Sequence"] = str(expected)
             await self.nc.publish(event_subject(ev), encode_event(ev), headers=hdr)
         ev = events[-1]

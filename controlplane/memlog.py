@@ -27,11 +27,15 @@ class MemoryEventLog:
     async def last_seq(self) -> int:
         return len(self._bodies)
 
-    async def append(self, events: Sequence[Event], expected_last_seq: int) -> AppendResult:
+    async def append(self, events: Sequence[Event], expected_last_seq: int | None) -> AppendResult:
         check_batch(events)
         n = len(events)
         last = len(self._ids)
-        if last != expected_last_seq:
+        if expected_last_seq is None:
+            if events[0].event_id in self._ids:  # JetStream's dedup by Nats-Msg-Id
+                i = self._ids.index(events[0].event_id)
+                return AppendResult(first_seq=i + 1, last_seq=i + n, already_appended=True)
+        elif last != expected_last_seq:
             if last >= expected_last_seq + n and self._ids[expected_last_seq] == events[0].event_id \
                     and self._ids[expected_last_seq + n - 1] == events[-1].event_id:
                 return AppendResult(first_seq=expected_last_seq + 1, last_seq=expected_last_seq + n,

@@ -30,9 +30,10 @@ class EventLog(Protocol):
         """Sequence of the last stored event (0 when empty)."""
         ...
 
-    async def append(self, events: Sequence[Event], expected_last_seq: int) -> AppendResult:
+    async def append(self, events: Sequence[Event], expected_last_seq: int | None) -> AppendResult:
         """Append all of `events` or none, only if the log's last sequence is `expected_last_seq`.
 
+        `None`: no expectation, for observed facts (what an agent saw does not depend on state).
         Raises ConflictError (with the actual last sequence) when the log moved, InvalidCommand for
         an empty or over-long batch, InfrastructureError when the outcome cannot be established.
         A resend of already stored event ids returns their positions with `already_appended`.

@@ -51,3 +51,38 @@ def render_status(state: ClusterState) -> str:
         out += ["", f"ANOMALIES: {state.anomaly_count} (unreadable events: {state.skipped})"]
         out += [f"  seq {a.seq} {a.event_type}: {a.message}" for a in state.anomalies[-5:]]
     return "\n".join(out)
+
+
+def status_json(state: ClusterState) -> dict[str, object]:
+    """`ndif status --json` / `ndif replay --json`: the stable shape documented in docs/cli.md."""
+    nodes = []
+    for node_id in sorted(state.nodes):
+        node = state.nodes[node_id]
+        nodes.append({
+            "node_id": node_id, "alive": node.alive, "hostname": node.hostname,
+            "cpu_cache_bytes": node.cpu_cache_bytes, "cpu_cached_bytes": state.cpu_cached(node_id),
+            "gpus": [{"index": c.index, "total_bytes": c.total_bytes, "reserved_bytes": c.reserved_bytes,
+                      "committed_bytes": c.committed_bytes, "used_bytes": c.used_bytes, "free_bytes": c.free_bytes,
+                      "replicas": [{"model_key": m, "replica_id": r, "bytes": b} for m, r, b in c.replicas]}
+                     for c in state.node_cards(node_id)],
+        })
+    models = []
+    for mk in sorted(state.models):
+        m = state.models[mk]
+        models.append({
+            "model_key": mk, "name": display_name(mk), "status": str(state.model_status(mk)),
+            "replica_count": state.replica_count(mk), "target_hot": m.target_hot, "dedicated": m.dedicated,
+            "size_bytes": m.registration.size_bytes if m.registration else None,
+            "checkpoint": m.registration.checkpoint if m.registration else None,
+            "next_replica_id": m.next_replica_id,
+        })
+    replicas = [{
+        "model_key": r.model_key, "replica_id": r.replica_id, "level": str(r.level), "desired": str(r.desired),
+        "state": str(r.state), "node_id": r.node_id, "gpu_indices": list(r.gpu_indices),
+        "bytes_per_gpu": r.bytes_per_gpu, "cpu_bytes": r.cpu_bytes, "dedicated": r.dedicated,
+        "restarts": r.restarts, "error": r.error, "since_seq": r.since_seq,
+    } for r in sorted(state.replicas.values(), key=lambda r: (r.model_key, r.replica_id))]
+    anomalies = [{"seq": a.seq, "event_type": a.event_type, "message": a.message, "model_key": a.model_key,
+                  "replica_id": a.replica_id} for a in state.anomalies]
+    return {"seq": state.seq, "nodes": nodes, "models": models, "replicas": replicas, "anomalies": anomalies,
+            "anomaly_count": state.anomaly_count, "skipped": state.skipped}

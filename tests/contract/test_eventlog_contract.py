@@ -136,3 +136,11 @@ async def test_batches_are_the_same_events_in_order(log):
     await log.append(loads(2, 7), 7)
     await asyncio.wait_for(task, 5)
     assert got == [5, 6, 7, 8, 9]
+
+
+async def test_observed_facts_append_without_expectation(log):
+    await log.append(loads(2), 0)
+    r = await log.append(loads(1, 5), None)
+    assert (r.first_seq, r.last_seq) == (3, 3)
+    r = await log.append(loads(3, 6), None)
+    assert (r.first_seq, r.last_seq) == (4, 6) and await log.last_seq() == 6

@@ -1,0 +1,254 @@
+"""The controller: serves `ndif.cmd.<verb>`, decides against the folded log, appends with OCC.
+
+Several may run at once (queue group `ndif-controller`); optimistic concurrency on the whole stream
+makes their decisions linearizable: a loser folds the tail and decides again (GroupCommitter). It
+replies once the decision is in the log. Policies are decisions too: a failed replica is restarted
+(then replaced), a node whose heartbeat expired is declared lost and its replicas placed elsewhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import socket
+from collections.abc import Coroutine
+from datetime import datetime
+from typing import Any
+
+import msgspec
+import nats.errors
+import structlog
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
+from controlplane.committer import GroupCommitter
+from controlplane.context import DecisionContext, utcnow
+from controlplane.decide import MAX_RESTARTS, Registration, decide, decide_failure, decide_node_lost, summarize
+from controlplane.eventstore import JetStreamEventLog
+from controlplane.placement import MIN_DEPLOY_S
+from controlplane.projections import ClusterState
+from schemas.commands import AnyCommand, CommandResult, decode_command
+from schemas.errors import InfrastructureError, NdifError
+from schemas.events import Event, ReplicaFailed
+from schemas.keys import canonical_model_key
+from schemas.status import Level, ReplicaState
+from schemas.subjects import COMMANDS_PREFIX, HEARTBEATS_BUCKET, node_token
+
+log = structlog.get_logger("ndif.controller")
+
+QUEUE_GROUP = "ndif-controller"
+_result_encoder = msgspec.json.Encoder()
+
+
+def seed_of(command_id: str) -> int:
+    """Placement's tie-break seed, derived from the command id (and recorded in its events)."""
+    return int.from_bytes(hashlib.blake2b(command_id.encode(), digest_size=4).digest(), "big")
+
+
+class Controller:
+    def __init__(self, url: str, *, name: str | None = None, min_deploy_s: float = MIN_DEPLOY_S,
+                 max_restarts: int = MAX_RESTARTS, heartbeat_grace_s: float = 20.0,
+                 policy_interval_s: float = 2.0) -> None:
+        self.url = url
+        self.name = name or f"controller:{socket.gethostname()}"
+        self.min_deploy_s = min_deploy_s
+        self.max_restarts = max_restarts
+        self.heartbeat_grace_s = heartbeat_grace_s
+        self.policy_interval_s = policy_interval_s
+        self.log: JetStreamEventLog | None = None
+        self.committer: GroupCommitter[ClusterState] | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._sub: Subscription | None = None
+        self._resolve_lock = asyncio.Lock()
+        self._bg: set[asyncio.Task[None]] = set()
+
+    def _background(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(coro)
+        self._bg.add(task)
+        task.add_done_callback(self._bg.discard)
+
+    @property
+    def state(self) -> ClusterState:
+        assert self.committer is not None
+        return self.committer.state
+
+    async def start(self) -> Controller:
+        self.log = await JetStreamEventLog.open(self.url, name=self.name)
+        self.committer = await GroupCommitter(self.log, ClusterState()).start()
+        self._tasks.append(asyncio.create_task(self._follow(), name="controller-follow"))
+        self._tasks.append(asyncio.create_task(self._policies(), name="controller-policies"))
+        self._sub = await self.log.nc.subscribe(f"{COMMANDS_PREFIX}.*", queue=QUEUE_GROUP, cb=self._on_command)
+        log.info("controller_started", name=self.name, seq=self.state.seq)
+        return self
+
+    async def stop(self) -> None:
+        if self._sub is not None:
+            with contextlib.suppress(Exception):
+                await self._sub.unsubscribe()
+        for t in [*self._tasks, *self._bg]:
+            t.cancel()
+        for t in [*self._tasks, *self._bg]:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        self._tasks.clear()
+        if self.committer is not None:
+            await self.committer.stop()
+        if self.log is not None:
+            await self.log.close()
+
+    async def __aenter__(self) -> Controller:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    # ---- commands ----------------------------------------------------------------------------
+
+    async def _on_command(self, msg: Msg) -> None:
+        try:
+            result = await self.handle(msg.data)
+        except Exception as exc:
+            log.exception("command_crashed")
+            result = CommandResult(command_id="", ok=False, error=type(exc).__name__,
+                                   message=f"controller error: {exc}")
+        if msg.reply:
+            with contextlib.suppress(nats.errors.ConnectionClosedError):
+                await msg.respond(_result_encoder.encode(result))
+
+    async def handle(self, body: bytes) -> CommandResult:
+        """Decide one command body and append it; every failure becomes a typed error reply."""
+        cid = ""
+        try:
+            cmd = decode_command(body)
+            cid = cmd.command_id
+            cmd = self._canonical(cmd)
+            with structlog.contextvars.bound_contextvars(command_id=cid, model_key=getattr(cmd, "model_key", None)):
+                return await self._decide(cmd)
+        except NdifError as exc:
+            log.info("command_refused", command_id=cid, error=type(exc).__name__, message=str(exc))
+            return CommandResult(command_id=cid, ok=False, error=type(exc).__name__, message=str(exc))
+
+    def _canonical(self, cmd: AnyCommand) -> AnyCommand:
+        mk = getattr(cmd, "model_key", None)
+        if mk:
+            return msgspec.structs.replace(cmd, model_key=canonical_model_key(mk))  # type: ignore[type-var]
+        return cmd
+
+    async def _decide(self, cmd: AnyCommand) -> CommandResult:
+        assert self.committer is not None
+        if cmd.command_id in self.state.commands:
+            return await self._recorded(cmd.command_id)
+        registration = await self._registration(cmd)
+        now = utcnow()
+
+        def run(state: ClusterState) -> list[Event]:
+            ctx = DecisionContext(now=now, actor=cmd.actor, command_id=cmd.command_id, seed=seed_of(cmd.command_id))
+            return decide(state, cmd, ctx, registration=registration, min_deploy_s=self.min_deploy_s)
+
+        res = await self.committer.submit(run)
+        if not res.events and cmd.command_id in self.state.commands:
+            return await self._recorded(cmd.command_id)  # a twin of this command won the same turn
+        log.info("command_decided", verb=cmd.__struct_config__.tag, first_seq=res.first_seq, last_seq=res.last_seq,
+                 events=len(res.events), attempts=res.attempts)
+        return summarize(cmd.command_id, res.events, res.first_seq)
+
+    async def _recorded(self, command_id: str) -> CommandResult:
+        """The first result of an already-decided command, rebuilt from its events in the log."""
+        assert self.log is not None
+        rec = self.state.commands[command_id]
+        events = [e for _, e in [p async for p in self.log.read(rec.first_seq, stop_seq=rec.last_seq)]
+                  if isinstance(e, Event) and e.command_id == command_id]
+        return summarize(command_id, events, rec.first_seq, duplicate=True)
+
+    async def _registration(self, cmd: AnyCommand) -> Registration | None:
+        mk = getattr(cmd, "model_key", None)
+        if mk is None or cmd.__struct_config__.tag not in ("deploy", "scale"):
+            return None
+        m = self.state.models.get(mk)
+        if m is not None and m.registration is not None:
+            return None
+        from controlplane.registry import resolve  # torch/transformers: only when a model is new
+
+        async with self._resolve_lock:
+            return await asyncio.to_thread(resolve, mk, getattr(cmd, "size_bytes", None))
+
+    # ---- the follower and the policies -------------------------------------------------------
+
+    async def _follow(self) -> None:
+        assert self.log is not None and self.committer is not None
+        while True:
+            try:
+                async for batch in self.log.follow_batches(self.state.seq + 1):
+                    for seq, item in batch:
+                        self.committer.observe(seq, item)
+                        if isinstance(item, ReplicaFailed):
+                            self._background(self._on_failure(item.model_key, item.replica_id))
+            except asyncio.CancelledError:
+                raise
+            except InfrastructureError as exc:
+                log.warning("follow_interrupted", error=str(exc))
+                await asyncio.sleep(0.5)
+
+    async def _on_failure(self, model_key: str, replica_id: int) -> None:
+        assert self.committer is not None
+        cid = f"policy-failure-{model_key}-{replica_id}-{self.state.seq}"
+
+        def run(state: ClusterState) -> list[Event]:
+            ctx = DecisionContext(now=utcnow(), actor=self.name, command_id=cid, seed=seed_of(cid))
+            return decide_failure(state, model_key, replica_id, ctx, max_restarts=self.max_restarts)
+
+        with contextlib.suppress(NdifError):
+            res = await self.committer.submit(run)
+            if res.events:
+                log.info("replica_failure_handled", model_key=model_key, replica_id=replica_id,
+                         action=type(res.events[0]).__name__)
+
+    async def _policies(self) -> None:
+        """Failed replicas not yet handled (e.g. failed while no controller ran) and heartbeats: a node
+        whose KV heartbeat is gone for longer than the grace is lost."""
+        assert self.log is not None and self.committer is not None
+        kv = await self.log.js.key_value(HEARTBEATS_BUCKET)
+        missing_since: dict[str, datetime] = {}
+        while True:
+            await asyncio.sleep(self.policy_interval_s)
+            for r in list(self.state.replicas.values()):
+                if r.state is ReplicaState.FAILED and r.desired is Level.HOT:
+                    await self._on_failure(r.model_key, r.replica_id)
+            now = utcnow()
+            for node_id, node in list(self.state.nodes.items()):
+                if not node.alive:
+                    missing_since.pop(node_id, None)
+                    continue
+                try:
+                    await kv.get(node_token(node_id))
+                    missing_since.pop(node_id, None)
+                    continue
+                except Exception:  # noqa: BLE001 - KeyNotFound / deleted: no heartbeat
+                    pass
+                first = missing_since.setdefault(node_id, now)
+                joined = node.joined_at or now
+                if (now - max(first, joined)).total_seconds() < self.heartbeat_grace_s:
+                    continue
+                await self._node_lost(node_id)
+
+    async def _node_lost(self, node_id: str) -> None:
+        assert self.committer is not None
+        cid = f"policy-node-lost-{node_id}-{self.state.nodes[node_id].since_seq}"
+
+        def run(state: ClusterState) -> list[Event]:
+            ctx = DecisionContext(now=utcnow(), actor=self.name, command_id=cid, seed=seed_of(cid))
+            return decide_node_lost(state, node_id, ctx, "heartbeat expired")
+
+        with contextlib.suppress(NdifError):
+            res = await self.committer.submit(run)
+            if res.events:
+                log.warning("node_lost", node_id=node_id, events=len(res.events))
+
+
+async def run_controller(url: str, **kw: object) -> None:
+    """Run a controller until cancelled (`ndif controller`)."""
+    async with Controller(url, **kw):  # type: ignore[arg-type]
+        await asyncio.Event().wait()
+
+
