@@ -22,7 +22,7 @@ from controlplane.eventstore import JetStreamEventLog
 from controlplane.ports import Stored
 from controlplane.projections import ClusterState, replay
 from schemas import errors as errs
-from schemas.commands import AnyCommand, CommandResult, Deploy, Evict, Restart, Scale, ScaleDown
+from schemas.commands import AnyCommand, CommandResult, Deploy, Evict, Restart, Scale, ScaleDown, validate
 from schemas.events import Event, ReplicaEvent
 from schemas.keys import canonical_model_key
 from schemas.status import ReplicaState
@@ -64,6 +64,7 @@ class AdminClient:
 
     async def command(self, cmd: AnyCommand) -> CommandResult:
         """Send a command to a controller; the result once appended, or the refusal as an NdifError."""
+        validate(cmd)  # bad input fails here, before any controller sees it
         verb = cmd.__struct_config__.tag
         try:
             msg = await self.log.nc.request(command_subject(str(verb)), _encoder.encode(cmd), timeout=self.timeout)
@@ -78,7 +79,10 @@ class AdminClient:
             ) from None
         res = _result_decoder.decode(msg.data)
         if not res.ok:
-            raise _ERRORS.get(res.error or "", errs.NdifError)(res.message or "refused")
+            cls = _ERRORS.get(res.error or "", errs.NdifError)
+            if cls is errs.ConflictError:
+                raise errs.ConflictError(res.message or "conflict", expected_last_seq=0, actual_last_seq=None)
+            raise cls(res.message or "refused")
         return res
 
     def _cmd(self, cls: type, command_id: str | None, **fields: object) -> AnyCommand:

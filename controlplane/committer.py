@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Generic, TypeVar
 
@@ -67,7 +68,7 @@ async def afold_batches(batches: AsyncIterator[list[Stored]], state: P) -> P:
 class GroupCommitter(Generic[P]):
     """Owns the authoritative folded state of one writer; `observe()` feeds it events from a follower."""
 
-    def __init__(self, log: EventLog, state: P, *, max_attempts: int = 25, max_events: int = MAX_BATCH) -> None:
+    def __init__(self, log: EventLog, state: P, *, max_attempts: int = 100, max_events: int = MAX_BATCH) -> None:
         self.log = log
         self.state = state
         self.max_attempts = max_attempts
@@ -77,6 +78,8 @@ class GroupCommitter(Generic[P]):
         self._task: asyncio.Task[None] | None = None
         self.turns = 0
         self.conflicts = 0
+        self._streak = 0  # consecutive conflicts
+        self._jitter = random.Random()
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
@@ -182,12 +185,17 @@ class GroupCommitter(Generic[P]):
                 else:
                     retry.append(item)
             self._pending[:0] = retry
+            self._streak += 1
             await self.catch_up(exc.actual_last_seq)
+            # Another writer is mid-burst: back off a jittered, growing moment so that it drains
+            # instead of both folding and losing in lockstep (bounded: ~50 ms).
+            await asyncio.sleep(self._jitter.uniform(0, min(0.001 * 2 ** self._streak, 0.05)))
             return
         except NdifError as exc:
             for item, _, _ in taken:
                 item.future.set_exception(exc)
             return
+        self._streak = 0
         old, self.state = self.state, working
         if old.seq > working.seq:  # a follower applied later events to the old state meanwhile
             await self.catch_up()

@@ -62,6 +62,7 @@ class Controller:
         self._sub: Subscription | None = None
         self._resolve_lock = asyncio.Lock()
         self._bg: set[asyncio.Task[None]] = set()
+        self.handled = 0  # commands answered by this controller (tests, `ndif controller` logs)
 
     def _background(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.create_task(coro)
@@ -106,6 +107,7 @@ class Controller:
     # ---- commands ----------------------------------------------------------------------------
 
     async def _on_command(self, msg: Msg) -> None:
+        self.handled += 1
         try:
             result = await self.handle(msg.data)
         except Exception as exc:

@@ -12,6 +12,13 @@ def _gib(n: int) -> str:
     return f"{n / GiB:,.1f}"
 
 
+def human_bytes(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:,.1f} {unit}"
+    return f"{n} B"
+
+
 def _table(rows: list[list[str]], header: list[str]) -> list[str]:
     widths = [max(len(str(c)) for c in col) for col in zip(header, *rows, strict=False)]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
@@ -34,10 +41,10 @@ def render_status(state: ClusterState) -> str:
         rows = []
         for mk in sorted(state.models):
             m = state.models[mk]
-            size = _gib(m.registration.size_bytes) if m.registration else "?"
-            rows.append([display_name(mk), str(state.model_status(mk)), f"{state.replica_count(mk)}/{m.target_hot}",
-                         size, "yes" if m.dedicated else "no"])
-        out += ["", "MODELS"] + _table(rows, ["model", "status", "hot/target", "GiB", "dedicated"])
+            size = human_bytes(m.registration.size_bytes) if m.registration else "?"
+            rows.append([display_name(mk), str(state.model_status(mk)), str(state.replica_count(mk)),
+                         str(m.target_hot), size, "yes" if m.dedicated else "no"])
+        out += ["", "MODELS"] + _table(rows, ["model", "status", "hot", "last asked", "size", "dedicated"])
     live = [r for r in state.replicas.values()]
     if live:
         rows = []

@@ -1,0 +1,60 @@
+"""Helpers for control-plane integration tests: the `ndif` CLI as a subprocess, settling the cluster."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from controlplane.admin import AdminClient
+from controlplane.projections import ClusterState
+from schemas.status import ReplicaState
+
+S = ReplicaState
+MOVING = {S.LOAD_REQUESTED, S.LOADING, S.DRAINING, S.UNLOAD_REQUESTED, S.RESTARTING}
+
+
+@dataclass
+class Ran:
+    rc: int
+    out: str
+    err: str
+
+    def json(self) -> Any:
+        return json.loads(self.out)
+
+    def lines(self) -> list[Any]:
+        return [json.loads(line) for line in self.out.splitlines() if line.strip()]
+
+
+async def ndif(url: str, *args: str, timeout: float = 60.0) -> Ran:
+    """Run `ndif ARGS --nats URL` in a subprocess (the installed entry point's module)."""
+    env = {**os.environ, "NDIF_LOG_LEVEL": "WARNING"}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "dataplane.cli", *args, "--nats", url,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env,
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), timeout)
+    assert proc.returncode is not None
+    return Ran(proc.returncode, out.decode(), err.decode())
+
+
+async def settle(admin: AdminClient, timeout: float = 15.0) -> ClusterState:
+    """The folded state once no replica is mid-transition (agents have answered everything)."""
+    async with asyncio.timeout(timeout):
+        while True:
+            state = await admin.state()
+            if not any(r.state in MOVING for r in state.replicas.values()):
+                return state
+            await asyncio.sleep(0.05)
+
+
+def by_id(status: dict[str, Any], model_key: str) -> dict[int, dict[str, Any]]:
+    return {r["replica_id"]: r for r in status["replicas"] if r["model_key"] == model_key}
+
+
+def model_row(status: dict[str, Any], model_key: str) -> dict[str, Any]:
+    return next(m for m in status["models"] if m["model_key"] == model_key)

@@ -1,0 +1,357 @@
+"""The controller and the `ndif` CLI end to end: real nats-server, controller(s), scripted node agents.
+
+The lifecycle scenario here is the one the real agent's tests re-run (DESIGN §4, issue 5).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+import pytest_asyncio
+
+from controlplane.admin import AdminClient
+from controlplane.controller import Controller
+from controlplane.eventstore import JetStreamEventLog
+from controlplane.nats_server import EmbeddedNats
+from controlplane.projections import replay
+from controlplane.render import status_json
+from schemas import errors as errs
+from schemas.commands import CommandResult
+from schemas.events import ReplicaEvictionRequested, ReplicaScheduled
+from schemas.keys import canonical_model_key
+from schemas.status import EvictionReason
+from tests.agent_sim import GB, ScriptedAgent
+from tests.conftest import fresh_event_log
+from tests.integration.cluster import by_id, model_row, ndif, settle
+from tools.tiny_models import make_tiny_gpt2
+
+pytestmark = pytest.mark.timeout(240)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_gpt2(tmp_path_factory.mktemp("ckpt") / "tiny-gpt2")
+
+
+def config_only(root: Path, name: str, tiny: Path) -> str:
+    """A checkpoint dir with only a config (sizes come from --size-bytes): a model key for placement tests."""
+    d = root / name
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "config.json").write_bytes((tiny / "config.json").read_bytes())
+    return str(d)
+
+
+@pytest_asyncio.fixture
+async def log(nats_server: EmbeddedNats) -> AsyncIterator[JetStreamEventLog]:
+    lg = await fresh_event_log(nats_server.url)
+    yield lg
+    await lg.close()
+
+
+@pytest_asyncio.fixture
+async def admin(nats_server: EmbeddedNats, log: JetStreamEventLog) -> AsyncIterator[AdminClient]:
+    async with await AdminClient.open(nats_server.url, timeout=20) as a:
+        yield a
+
+
+async def start_all(url: str, *parts: Controller | ScriptedAgent) -> list[Controller | ScriptedAgent]:
+    for p in parts:
+        await p.start()
+    return list(parts)
+
+
+async def stop_all(parts: list[Controller | ScriptedAgent]) -> None:
+    for p in reversed(parts):
+        await p.stop()
+
+
+async def cli_json(url: str, *args: str) -> Any:
+    ran = await ndif(url, *args, "--json")
+    assert ran.rc == 0, ran.err
+    return ran.json() if args[0] in ("status", "replay") else ran.lines()
+
+
+async def test_lifecycle_through_the_cli(nats_server: EmbeddedNats, admin: AdminClient, tiny: Path) -> None:
+    url = nats_server.url
+    mk = canonical_model_key(str(tiny))
+    parts = await start_all(url, Controller(url, policy_interval_s=0.2),
+                            ScriptedAgent(url, "node-a", gpus=2, cpu_cache_bytes=10 * GB))
+    snapshots: list[dict[str, Any]] = []
+    causes: dict[str, str] = {}
+    size = 0
+
+    async def step(name: str, *args: str, settle_first: bool = True) -> CommandResult:
+        ran = await ndif(url, *args, "--json")
+        assert ran.rc == 0, f"{name}: {ran.err}"
+        res = msgspec.json.decode(ran.out.splitlines()[0], type=CommandResult)
+        assert res.ok and not res.duplicate
+        causes[name] = res.command_id
+        if settle_first:
+            await settle(admin)
+        return res
+
+    async def check(expect: dict[int, tuple[str, str, str]], count: int) -> dict[str, Any]:
+        """status --json: each replica's (level, desired, state) and the HOT count; events --json readable."""
+        status = await cli_json(url, "status")
+        got = {rid: (r["level"], r["desired"], r["state"]) for rid, r in by_id(status, mk).items()}
+        assert got == expect, status
+        assert model_row(status, mk)["replica_count"] == count
+        assert status["anomaly_count"] == 0, status["anomalies"]
+        for card in status["nodes"][0]["gpus"]:
+            assert 0 <= card["reserved_bytes"] <= card["total_bytes"]
+        events = await cli_json(url, "events", "--model", str(tiny))
+        assert [e["seq"] for e in events] == sorted(e["seq"] for e in events)
+        assert all(e["event"]["model_key"] == mk and "type" in e["event"] for e in events)
+        snapshots.append(status)
+        return status
+
+    try:
+        res = await step("deploy", "deploy", str(tiny), "--replicas", "1", "--wait")
+        assert [(r.replica_id, r.action) for r in res.replicas] == [(0, "scheduled")]
+        st = await check({0: ("HOT", "HOT", "Available")}, 1)
+        size = model_row(st, mk)["size_bytes"]
+        assert size == 689152  # measured on the meta device: params + buffers of the real checkpoint
+        types = [e["event"]["type"] for e in await cli_json(url, "events", "--model", str(tiny))]
+        assert types == ["ModelRegistered", "DeploymentRequested", "ReplicaScheduled", "ReplicaLoading",
+                         "ReplicaLoaded"]
+
+        res = await step("scale", "scale", str(tiny), "--replicas", "2", "--wait")
+        assert [r.replica_id for r in res.replicas] == [1]
+        await check({0: ("HOT", "HOT", "Available"), 1: ("HOT", "HOT", "Available")}, 2)
+
+        res = await step("scale_up", "scale", str(tiny), "--replicas", "1", "--scale-up", "--wait")
+        assert [r.replica_id for r in res.replicas] == [2]
+        await check({i: ("HOT", "HOT", "Available") for i in range(3)}, 3)
+
+        res = await step("evict_one", "evict", str(tiny), "--replica-id", "2")
+        assert [(r.replica_id, r.level) for r in res.evictions] == [(2, "WARM")]
+        st = await check({0: ("HOT", "HOT", "Available"), 1: ("HOT", "HOT", "Available"),
+                          2: ("WARM", "WARM", "Cached")}, 2)
+        assert by_id(st, mk)[2]["cpu_bytes"] == size
+        assert st["nodes"][0]["cpu_cached_bytes"] == size
+
+        res = await step("scale_back", "scale", str(tiny), "--replicas", "3", "--wait")
+        assert [(r.replica_id, r.action) for r in res.replicas] == [(2, "reused-warm")]  # the WARM id returns
+        st = await check({i: ("HOT", "HOT", "Available") for i in range(3)}, 3)
+        assert model_row(st, mk)["next_replica_id"] == 3 and st["nodes"][0]["cpu_cached_bytes"] == 0
+
+        res = await step("restart", "restart", str(tiny), "--replica-id", "0", "--wait")
+        assert [(r.replica_id, r.action) for r in res.replicas] == [(0, "restarted")]
+        st = await check({i: ("HOT", "HOT", "Available") for i in range(3)}, 3)
+        assert by_id(st, mk)[0]["restarts"] == 1
+
+        res = await step("scale_down", "scale-down", str(tiny), "--replicas", "1")
+        assert sorted((r.replica_id, r.level) for r in res.evictions) == [(1, "COLD"), (2, "COLD")]
+        await check({0: ("HOT", "HOT", "Available"), 1: ("COLD", "COLD", "Unloaded"),
+                     2: ("COLD", "COLD", "Unloaded")}, 1)
+        drained = [e for e in await cli_json(url, "events", "--model", str(tiny))
+                   if e["event"]["type"] == "ReplicaDrained" and e["seq"] > res.last_seq]
+        assert sorted(e["event"]["replica_id"] for e in drained) == [1, 2]  # drained before unloading
+
+        await step("evict_all", "evict", "--all", "--cold")
+        st = await check({i: ("COLD", "COLD", "Unloaded") for i in range(3)}, 0)
+        assert all(c["reserved_bytes"] == 0 for c in st["nodes"][0]["gpus"])
+
+        # Replay reproduces every status printed above, at the sequence it was printed at.
+        for snap in snapshots:
+            assert await cli_json(url, "replay", "--until", str(snap["seq"])) == snap
+        ran = await ndif(url, "replay", "--until", str(snapshots[-1]["seq"]), "--strict")
+        assert ran.rc == 0 and "REPLICAS" in ran.out
+
+        # History explains each step of replica 2: what happened, who did it, which command caused it.
+        ran = await ndif(url, "history", str(tiny), "--replica-id", "2")
+        assert ran.rc == 0, ran.err
+        lines = ran.out.splitlines()
+        story = [(ln.split()[3], ln) for ln in lines]
+        assert [t for t, _ in story] == [
+            "ReplicaScheduled", "ReplicaLoading", "ReplicaLoaded",
+            "ReplicaEvictionRequested", "ReplicaDrained", "ReplicaCached",
+            "ReplicaScheduled", "ReplicaLoading", "ReplicaLoaded",
+            "ReplicaEvictionRequested", "ReplicaDrained", "ReplicaUnloaded",
+        ]
+        assert f"cmd={causes['scale_up']}" in story[0][1] and "by cli:" in story[0][1]
+        assert f"cmd={causes['evict_one']}" in story[3][1]
+        assert "by dispatcher:sim" in story[4][1] and "-> UnloadRequested" in story[4][1]
+        assert "by agent:node-a" in story[5][1] and "-> Cached (WARM, desired WARM)" in story[5][1]
+        assert f"cmd={causes['scale_back']}" in story[6][1] and "-> LoadRequested (COLD, desired HOT)" in story[6][1]
+        assert f"cmd={causes['scale_down']}" in story[9][1] and "by dispatcher:sim" in story[10][1]
+        assert "-> Unloaded (COLD, desired COLD)" in story[11][1]
+
+        ran = await ndif(url, "status")
+        assert ran.rc == 0 and "tiny-gpt2" in ran.out and "node-a" in ran.out
+    finally:
+        await stop_all(parts)
+
+
+async def test_bad_input_appends_nothing(nats_server: EmbeddedNats, admin: AdminClient, log: JetStreamEventLog,
+                                         tiny: Path) -> None:
+    url = nats_server.url
+    parts = await start_all(url, Controller(url), ScriptedAgent(url, "node-a", gpus=1))
+    try:
+        await settle(admin)
+        before = await log.last_seq()
+
+        ran = await ndif(url, "deploy", "nobody/not-in-any-cache", "--replicas", "1")
+        assert ran.rc == 3 and ran.err.startswith("error: unknown model") and ran.err.count("\n") == 1, ran.err
+        ran = await ndif(url, "deploy", str(tiny), "--replicas", "-1")
+        assert ran.rc == 2 and "--replicas" in ran.err
+        ran = await ndif(url, "restart", str(tiny))
+        assert ran.rc == 3 and "never deployed" in ran.err
+        ran = await ndif(url, "evict", "--replica-id", "1")
+        assert ran.rc == 2
+        ran = await ndif(url, "replay", "--until", "yesterday")
+        assert ran.rc == 2 and "ISO time" in ran.err
+        reply = await log.nc.request("ndif.cmd.deploy", b'{"type": "deploy", "replicas": ', timeout=5)
+        bad = msgspec.json.decode(reply.data, type=CommandResult)
+        assert not bad.ok and bad.error == "InvalidCommand" and "malformed" in (bad.message or "")
+        reply = await log.nc.request("ndif.cmd.deploy", b'{"type": "frobnicate"}', timeout=5)
+        assert msgspec.json.decode(reply.data, type=CommandResult).error == "InvalidCommand"
+        assert await log.last_seq() == before
+
+        # Deploy once; deploying again is refused with a pointer to scale.
+        ran = await ndif(url, "deploy", str(tiny), "--replicas", "1", "--command-id", "dup-1", "--json", "--wait")
+        assert ran.rc == 0, ran.err
+        first = msgspec.json.decode(ran.out.splitlines()[0], type=CommandResult)
+        after_first = await log.last_seq()
+        ran = await ndif(url, "deploy", str(tiny), "--replicas", "1")
+        assert ran.rc == 2 and "ndif scale" in ran.err
+        ran = await ndif(url, "evict", str(tiny), "--replica-id", "7")
+        assert ran.rc == 3 and "no replica 7" in ran.err
+        await settle(admin)
+        settled_seq = await log.last_seq()
+        assert settled_seq == after_first  # the refused deploy and evict appended nothing
+
+        # The same command id again: nothing appended, the first result comes back marked duplicate.
+        ran = await ndif(url, "deploy", str(tiny), "--replicas", "1", "--command-id", "dup-1", "--json")
+        assert ran.rc == 0, ran.err
+        again = msgspec.json.decode(ran.out, type=CommandResult)
+        assert again.duplicate and (again.first_seq, again.last_seq) == (first.first_seq, first.last_seq)
+        assert again.replicas == first.replicas
+        # Twins racing (same id, at once, through the queue group) decide once.
+        twins = await asyncio.gather(*(admin.scale(str(tiny), 3, command_id="twin-1") for _ in range(4)))
+        assert len({(t.first_seq, t.last_seq) for t in twins}) == 1
+        assert sum(not t.duplicate for t in twins) <= 1
+        events = [e async for _, e in admin.events() if getattr(e, "command_id", None) == "twin-1"]
+        assert len(events) == twins[0].last_seq - twins[0].first_seq + 1 == 3  # requested + 2 scheduled
+    finally:
+        await stop_all(parts)
+
+
+async def test_no_controller_is_a_clear_error(nats_server: EmbeddedNats, log: JetStreamEventLog,
+                                              tiny: Path) -> None:
+    before = await log.last_seq()
+    ran = await ndif(nats_server.url, "deploy", str(tiny), "--replicas", "1", "--timeout", "2")
+    assert ran.rc == 5 and "no controller" in ran.err and "ndif controller" in ran.err
+    ran = await ndif("nats://127.0.0.1:1", "status")
+    assert ran.rc == 5 and "cannot reach NATS" in ran.err and ran.err.count("\n") == 1
+    assert await log.last_seq() == before
+
+
+async def test_two_controllers_200_concurrent_commands(nats_server: EmbeddedNats, admin: AdminClient,
+                                                       log: JetStreamEventLog, tiny: Path,
+                                                       tmp_path: Path) -> None:
+    url = nats_server.url
+    rng = random.Random(7)
+    models = [config_only(tmp_path, f"m{i}", tiny) for i in range(10)]
+    sizes = {m: rng.choice([8, 20, 35, 60, 110]) * GB for m in models}  # 110 GB spans two cards
+    dedicated = set(models[:2])
+    c1, c2 = Controller(url, name="controller:one", min_deploy_s=0.0), Controller(url, name="controller:two",
+                                                                                  min_deploy_s=0.0)
+    agents = [ScriptedAgent(url, f"node-{i}", gpus=8, cpu_cache_bytes=150 * GB) for i in range(3)]
+    parts = await start_all(url, c1, c2, *agents)
+    clients = [await AdminClient.open(url, timeout=60) for _ in range(8)]
+
+    async def one(i: int) -> str:
+        m = models[rng.randrange(len(models))]
+        a = clients[i % len(clients)]
+        verb = rng.choice(["deploy", "scale", "scale_up", "evict", "scale_down", "restart", "evict_one"])
+        try:
+            match verb:
+                case "deploy":
+                    await a.deploy(m, rng.randint(1, 3), dedicated=m in dedicated, size_bytes=sizes[m])
+                case "scale":
+                    await a.scale(m, rng.randint(1, 4))
+                case "scale_up":
+                    await a.scale(m, rng.randint(1, 2), scale_up=True)
+                case "evict":
+                    await a.evict(m, cold=rng.random() < 0.3)
+                case "evict_one":
+                    await a.evict(m, replica_id=rng.randint(0, 3))
+                case "scale_down":
+                    await a.scale_down(m, rng.randint(0, 2))
+                case "restart":
+                    await a.restart(m)
+            return "ok"
+        except (errs.InvalidCommand, errs.NotFound) as exc:  # deploy twice, unknown replica, evict before deploy
+            return type(exc).__name__
+
+    try:
+        outcomes = await asyncio.gather(*(one(i) for i in range(200)))
+        assert outcomes.count("ok") >= 60, outcomes
+        assert c1.handled > 0 and c2.handled > 0 and c1.handled + c2.handled == 200
+        state = await settle(admin, timeout=60)
+        assert state.anomaly_count == 0, state.anomalies[:5]
+        for node_id in state.nodes:
+            for card in state.node_cards(node_id):
+                assert card.reserved_bytes <= card.total_bytes and card.committed_bytes <= card.total_bytes
+        # No card double-booked at any point: a strict replay of the whole history passes.
+        items = [p async for p in log.read()]
+        replay(items, strict=True)
+        # No dedicated replica was ever evicted by pressure.
+        ded = {(e.model_key, e.replica_id) for _, e in items if isinstance(e, ReplicaScheduled) and e.dedicated}
+        assert not [e for _, e in items if isinstance(e, ReplicaEvictionRequested)
+                    and e.reason is EvictionReason.PRESSURE and (e.model_key, e.replica_id) in ded]
+        assert status_json(state)["anomaly_count"] == 0
+    finally:
+        for a in clients:
+            await a.close()
+        await stop_all(parts)
+
+
+async def test_policies_restart_then_replace_then_node_lost(nats_server: EmbeddedNats, admin: AdminClient,
+                                                            tiny: Path, tmp_path: Path) -> None:
+    url = nats_server.url
+    m = config_only(tmp_path, "big", tiny)
+    mk = canonical_model_key(m)
+    a, b = ScriptedAgent(url, "node-a", gpus=1), ScriptedAgent(url, "node-b", gpus=1)
+    ctl = Controller(url, max_restarts=1, heartbeat_grace_s=0.5, policy_interval_s=0.1)
+    parts = await start_all(url, ctl, a, b)
+    agents = {"node-a": a, "node-b": b}
+
+    async def until(pred: Any, timeout: float = 10.0) -> Any:
+        async with asyncio.timeout(timeout):
+            while True:
+                st = await admin.state()
+                if pred(st):
+                    return st
+                await asyncio.sleep(0.05)
+
+    try:
+        res = await admin.deploy(m, 1, size_bytes=50 * GB)
+        await admin.wait(res)
+        first = res.replicas[0].node_id
+        other = "node-b" if first == "node-a" else "node-a"
+
+        await agents[first].fail(mk, 0, "CUDA error: illegal memory access")
+        st = await until(lambda s: s.replicas[(mk, 0)].restarts == 1 and s.replicas[(mk, 0)].state == "Available")
+        assert st.replicas[(mk, 0)].node_id == first
+
+        await agents[first].fail(mk, 0, "CUDA error again")  # over max_restarts: replaced elsewhere
+        st = await until(lambda s: (mk, 1) in s.replicas and s.replicas[(mk, 1)].state == "Available"
+                         and s.replicas[(mk, 0)].state == "Unloaded")
+        assert st.replicas[(mk, 1)].node_id == other and st.replica_count(mk) == 1
+
+        await agents[other].silence()  # its heartbeat stops: NodeLost, the replica placed on the first node
+        st = await until(lambda s: not s.nodes[other].alive and (mk, 2) in s.replicas
+                         and s.replicas[(mk, 2)].state == "Available")
+        assert st.replicas[(mk, 2)].node_id == first
+        assert st.replicas[(mk, 1)].state == "Unloaded" and st.replica_count(mk) == 1
+        assert st.anomaly_count == 0, st.anomalies
+    finally:
+        await stop_all(parts)

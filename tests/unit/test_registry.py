@@ -1,0 +1,60 @@
+"""Offline model resolution: local checkpoint dirs and the Hugging Face cache, sizes on the meta device."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from controlplane.registry import find_checkpoint, resolve
+from schemas.errors import UnknownModel
+from schemas.keys import canonical_model_key
+from tools.tiny_models import make_tiny_gpt2, make_tiny_llama
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("ckpt")
+    make_tiny_gpt2(root / "gpt2")
+    make_tiny_llama(root / "llama")
+    return root
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_size_measured_on_meta_equals_the_loaded_model(ckpts: Path, name: str) -> None:
+    from transformers import AutoModelForCausalLM
+
+    reg = resolve(canonical_model_key(str(ckpts / name)))
+    model = AutoModelForCausalLM.from_pretrained(ckpts / name)
+    real = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    assert reg.size_bytes == real
+    assert reg.dtype == "float32"
+    assert reg.checkpoint == str(ckpts / name)
+
+
+def test_size_override_skips_measuring(ckpts: Path) -> None:
+    reg = resolve(canonical_model_key(str(ckpts / "gpt2")), size_bytes=40 * 10**9)
+    assert reg.size_bytes == 40 * 10**9
+
+
+def test_hf_cache_layout_is_found_offline(ckpts: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cache = tmp_path / "hub"
+    snap = cache / "models--acme--tiny" / "snapshots" / "0123abcd"
+    shutil.copytree(ckpts / "gpt2", snap)
+    (cache / "models--acme--tiny" / "refs").mkdir(parents=True)
+    (cache / "models--acme--tiny" / "refs" / "main").write_text("0123abcd")
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(cache))
+    path, rev = find_checkpoint(canonical_model_key("acme/tiny"))
+    assert Path(path) == snap and rev is None
+    assert resolve(canonical_model_key("acme/tiny")).size_bytes > 0
+
+
+def test_unknown_models_are_clear_errors(tmp_path: Path) -> None:
+    with pytest.raises(UnknownModel, match="never downloads"):
+        find_checkpoint(canonical_model_key("nobody/nothing-here"))
+    with pytest.raises(UnknownModel, match=r"no config\.json"):
+        find_checkpoint(canonical_model_key(str(tmp_path)))
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(UnknownModel, match="cannot read the config"):
+        resolve(canonical_model_key(str(tmp_path)))

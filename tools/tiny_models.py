@@ -1,0 +1,73 @@
+"""Tiny real checkpoints made locally (no hub): random weights, real configs, `save_pretrained`.
+
+    python tools/tiny_models.py DIR            # DIR/tiny-gpt2 and DIR/tiny-llama
+    python tools/tiny_models.py DIR --mb 300   # also DIR/gpt2-300mb, big enough to time loads
+
+The checkpoints are deterministic (seeded), so the same input gives the same output on every
+replica and every machine. COLD means "on disk" for real: these are what replicas load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def make_tiny_gpt2(path: Path | str, *, n_layer: int = 2, n_embd: int = 64, vocab_size: int = 1000,
+                   seed: int = 0) -> Path:
+    """A 2-layer GPT-2 with random weights saved at `path` (skipped when already there)."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    path = Path(path)
+    if (path / "config.json").is_file() and any(path.glob("*.safetensors")):
+        return path
+    torch.manual_seed(seed)
+    cfg = GPT2Config(n_layer=n_layer, n_embd=n_embd, n_head=max(1, n_embd // 32), n_positions=128,
+                     vocab_size=vocab_size, bos_token_id=0, eos_token_id=0)
+    GPT2LMHeadModel(cfg).eval().save_pretrained(path)
+    return path
+
+
+def make_tiny_llama(path: Path | str, *, layers: int = 2, hidden: int = 64, vocab_size: int = 1000,
+                    seed: int = 1) -> Path:
+    """A small Llama-architecture model with random weights saved at `path`."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = Path(path)
+    if (path / "config.json").is_file() and any(path.glob("*.safetensors")):
+        return path
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(num_hidden_layers=layers, hidden_size=hidden, intermediate_size=hidden * 2,
+                      num_attention_heads=4, num_key_value_heads=2, vocab_size=vocab_size,
+                      max_position_embeddings=128, bos_token_id=0, eos_token_id=0)
+    LlamaForCausalLM(cfg).eval().save_pretrained(path)
+    return path
+
+
+def make_gpt2_of_size(path: Path | str, megabytes: int, seed: int = 2) -> Path:
+    """A GPT-2 of roughly `megabytes` MB of float32 weights (for load-time benchmarks)."""
+    n_embd = 512
+    per_layer = 12 * n_embd * n_embd * 4  # attention + MLP weights, float32
+    layers = max(1, (megabytes * 10**6 - 1000 * n_embd * 4) // per_layer)
+    return make_tiny_gpt2(path, n_layer=int(layers), n_embd=n_embd, seed=seed)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("dir", type=Path)
+    p.add_argument("--mb", type=int, help="also make a GPT-2 of about this many MB")
+    a = p.parse_args(argv)
+    made = [make_tiny_gpt2(a.dir / "tiny-gpt2"), make_tiny_llama(a.dir / "tiny-llama")]
+    if a.mb:
+        made.append(make_gpt2_of_size(a.dir / f"gpt2-{a.mb}mb", a.mb))
+    for m in made:
+        size = sum(f.stat().st_size for f in m.iterdir())
+        print(f"{m}  ({size / 1e6:.1f} MB)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
