@@ -74,12 +74,18 @@ async def _command(a: argparse.Namespace, admin: AdminClient) -> int:
     if getattr(a, "wait", False) and res.replicas:
         state = await admin.wait(res, timeout=a.wait_timeout)
         failed = 0
+        waited = []
         for r in res.replicas:
             view = state.replicas[(r.model_key, r.replica_id)]
             failed += view.state in ("LoadFailed", "Failed")
+            waited.append({"model_key": r.model_key, "replica_id": r.replica_id, "state": str(view.state),
+                           "level": str(view.level), "load_seconds": view.load_seconds, "error": view.error})
             if not a.json:
                 print(f"  replica {r.replica_id} of {display_name(r.model_key)}: {view.state}"
+                      + (f" in {view.load_seconds:.2f}s" if view.load_seconds else "")
                       + (f" ({view.error})" if view.error else ""))
+        if a.json:
+            _out({"waited": waited, "seq": state.seq})
         return 1 if failed else 0
     return 0
 

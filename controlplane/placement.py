@@ -19,7 +19,6 @@ and the tie-break seed come in and are recorded in the events). NDIF's rules:
 from __future__ import annotations
 
 import enum
-import hashlib
 import math
 from collections.abc import Iterable
 
@@ -86,8 +85,17 @@ def padded(size_bytes: int) -> int:
     return int(math.ceil(size_bytes * (1 + PADDING)))
 
 
-def _tiebreak(seed: int, node_id: str) -> int:
-    return int.from_bytes(hashlib.blake2b(f"{seed}:{node_id}".encode(), digest_size=8).digest(), "big")
+def _node_order(state: ClusterState, seed: int) -> list[NodeView]:
+    """Live nodes with GPUs in the order ties are broken: sorted by id, rotated by the seed.
+
+    Each command's seed (recorded in its events) starts the scan at a different node, spreading
+    replicas across equally good nodes; the same seed gives the same order on replay.
+    """
+    live = [n for _, n in sorted(state.nodes.items()) if n.alive and n.gpus]
+    if not live:
+        return live
+    k = seed % len(live)
+    return live[k:] + live[:k]
 
 
 class _Work:
@@ -99,6 +107,7 @@ class _Work:
         self.gone: set[RKey] = set()  # replicas this plan evicts (their memory counts as free)
         self.cpu_extra: dict[str, int] = {}  # node -> CPU cache bytes taken (evicted to WARM) or freed
         self.reused: set[RKey] = set()  # WARM replicas this plan brings back
+        self.touched: set[str] = set()  # nodes whose cards this plan changed (the state's index is stale)
 
     def free(self, node_id: str, g: int, total: int) -> int:
         used = self.state.card_committed(node_id, g) + self.extra.get((node_id, g), 0)
@@ -109,6 +118,7 @@ class _Work:
         return total - used
 
     def take(self, node_id: str, gpus: Iterable[int], bpg: int) -> None:
+        self.touched.add(node_id)
         for g in gpus:
             self.extra[(node_id, g)] = self.extra.get((node_id, g), 0) + bpg
 
@@ -171,8 +181,7 @@ def _assess(w: _Work, node_id: str, req: Request, size: int, warm: ReplicaView |
             allow_evict: bool) -> tuple[Candidate, tuple[int, ...], int, tuple[RKey, ...], int]:
     """Level of one node for one replica: (candidate, cards, bytes per card, evictions, free offered)."""
     node = w.state.nodes[node_id]
-    card_bytes = max(g.memory_bytes for g in node.gpus)
-    n, bpg = _shape(size, card_bytes)
+    n, bpg = _shape(size, node.max_card_bytes)
     frees = [(w.free(node_id, g.index, g.memory_bytes), g.index, g.memory_bytes) for g in node.gpus]
     fitting = sorted((f, i) for f, i, t in frees if f >= bpg)  # best fit: least free first
     offered = sum(sorted((max(f, 0) for f, _, _ in frees), reverse=True)[:n])
@@ -207,8 +216,7 @@ def plan(state: ClusterState, requests: Iterable[Request], *, now_s: float, seed
     evictions: list[Eviction] = []
     shortfalls: list[Shortfall] = []
     next_ids: dict[str, int] = {}
-    nodes = sorted((n for n in state.nodes.values() if n.alive and n.gpus),
-                   key=lambda n: _tiebreak(seed, n.node_id))
+    nodes = _node_order(state, seed)
     for req in sorted(requests, key=lambda r: (-r.size_bytes, r.model_key)):
         size = padded(req.size_bytes)
         m = state.models.get(req.model_key)
@@ -245,7 +253,13 @@ _Choice = tuple[Candidate, str, tuple[int, ...], int, tuple[RKey, ...], "Replica
 
 def _choose(w: _Work, nodes: list[NodeView], req: Request, size: int, now_s: float,
             min_deploy_s: float) -> _Choice | None:
-    """The best node for one more replica: (level, node, cards, bytes per card, evictions, WARM copy)."""
+    """The best node for one more replica: (level, node, cards, bytes per card, evictions, WARM copy).
+
+    Levels are tried best first and the first node (in the plan's seeded order) at a level wins, so
+    the common case stops at the first node that fits: WARM copies that fit (reuse keeps the id and
+    loads from RAM, so CACHED_AND_FREE outranks DEPLOYED), then nodes where the model is HOT, then
+    any node. Only when nothing fits as is are eviction costs computed, over every node.
+    """
     warm_by_node: dict[str, ReplicaView] = {}
     hot_nodes: set[str] = set()
     for r in w.state.model_replicas(req.model_key):
@@ -255,30 +269,67 @@ def _choose(w: _Work, nodes: list[NodeView], req: Request, size: int, now_s: flo
             node = w.state.nodes.get(r.node_id)
             if node is not None and node.alive:
                 warm_by_node[r.node_id] = r
-    best: tuple[tuple[int, Candidate, int, int], _Choice] | None = None
-    for allow_evict in (False, True):  # eviction costs are computed only when nothing fits as is
+    if warm_by_node or hot_nodes:
         for node in nodes:
             warm = warm_by_node.get(node.node_id)
-            level, gpus, bpg, keys, _ = _assess(w, node.node_id, req, size, warm, node.node_id in hot_nodes,
-                                                now_s, min_deploy_s, allow_evict)
-            if level is Candidate.CANT_ACCOMMODATE:
+            if warm is None:
                 continue
-            evicted = sum(w.state.replicas[k].bytes_per_gpu * len(w.state.replicas[k].gpu_indices) for k in keys)
-            # WARM reuse first (CACHED_AND_FREE outranks DEPLOYED: reuse keeps the id, loads from RAM).
-            rank = (0 if level is Candidate.CACHED_AND_FREE else 1, level, len(keys), evicted)
-            if best is None or rank < best[0]:
-                best = (rank, (level, node.node_id, gpus, bpg, keys, warm))
-                if rank[0] == 0:
-                    return best[1]
-        if best is not None:
-            return best[1]
-    return None
+            fit = _fits(w, node, size)
+            if fit is not None:
+                return Candidate.CACHED_AND_FREE, node.node_id, fit[0], fit[1], (), warm
+        for node in nodes:
+            if node.node_id in hot_nodes and node.node_id not in warm_by_node:
+                fit = _fits(w, node, size)
+                if fit is not None:
+                    return Candidate.DEPLOYED, node.node_id, fit[0], fit[1], (), None
+    for node in nodes:
+        if node.node_id in warm_by_node or node.node_id in hot_nodes:
+            continue  # assessed above: it does not fit as is
+        fit = _fits(w, node, size)
+        if fit is not None:
+            return Candidate.FREE, node.node_id, fit[0], fit[1], (), None
+    best: tuple[tuple[Candidate, int, int], _Choice] | None = None
+    for node in nodes:
+        warm = warm_by_node.get(node.node_id)
+        if best is not None and best[0][1] == 1 and (warm is None or best[0][0] is Candidate.CACHED_AND_FULL):
+            # Prune: here at least one eviction of at least the node's smallest replica; it cannot
+            # beat one eviction of fewer bytes at the same or a better level.
+            if w.state.node_free(node.node_id).min_footprint >= best[0][2]:
+                continue
+        level, gpus, bpg, keys, _ = _assess(w, node.node_id, req, size, warm, node.node_id in hot_nodes,
+                                            now_s, min_deploy_s, True)
+        if level is Candidate.CANT_ACCOMMODATE:
+            continue
+        evicted = sum(w.state.replicas[k].bytes_per_gpu * len(w.state.replicas[k].gpu_indices) for k in keys)
+        rank = (level, len(keys), evicted)
+        if best is None or rank < best[0]:
+            best = (rank, (level, node.node_id, gpus, bpg, keys, warm))
+    return best[1] if best is not None else None
+
+
+def _fits(w: _Work, node: NodeView, size: int) -> tuple[tuple[int, ...], int] | None:
+    """(cards, bytes per card) if the replica fits on the node without evictions: best fit by card."""
+    gpus = node.gpus
+    card_bytes, free, _ = w.state.node_free(node.node_id)
+    n, bpg = _shape(size, card_bytes)
+    # The state's per-node index rejects most full nodes in O(1); nodes this plan changed are exact below.
+    if node.node_id not in w.touched and (len(free) < n or free[n - 1] < bpg):
+        return None
+    fitting = []
+    for g in gpus:
+        f = w.free(node.node_id, g.index, g.memory_bytes)
+        if f >= bpg:
+            fitting.append((f, g.index))
+    if len(fitting) < n:
+        return None
+    fitting.sort()
+    return tuple(sorted(i for _, i in fitting[:n])), bpg
 
 
 def _best_offer(w: _Work, nodes: list[NodeView], size: int) -> int:
     best = 0
     for node in nodes:
-        n, _ = _shape(size, max(g.memory_bytes for g in node.gpus))
+        n, _ = _shape(size, node.max_card_bytes)
         frees = sorted((max(w.free(node.node_id, g.index, g.memory_bytes), 0) for g in node.gpus), reverse=True)
         best = max(best, sum(frees[:n]))
     return best
@@ -288,6 +339,7 @@ def _evict(w: _Work, key: RKey, by_model: str, by_rid: int) -> list[Eviction]:
     """Evict a HOT replica under pressure: WARM if its node's CPU cache can make room, else COLD."""
     r = w.state.replicas[key]
     w.gone.add(key)
+    w.touched.add(r.node_id)
     node = w.state.nodes[r.node_id]
     size = r.bytes_per_gpu * len(r.gpu_indices)
     out: list[Eviction] = []

@@ -8,7 +8,7 @@ replica twice or drive a card negative.
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Self
+from typing import NamedTuple, Self
 
 import msgspec
 
@@ -44,6 +44,16 @@ class NodeView(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     alive: bool = True
     joined_at: datetime | None = None
     since_seq: int = 0
+
+    @property
+    def max_card_bytes(self) -> int:
+        return max((g.memory_bytes for g in self.gpus), default=0)
+
+
+class NodeFree(NamedTuple):
+    card_bytes: int  # the node's largest card
+    free: tuple[int, ...]  # total - committed bytes of each card, largest first
+    min_footprint: int  # smallest total bytes (all its cards) of a replica on the node's GPUs; 0 if none
 
 
 class Registration(msgspec.Struct, frozen=True, kw_only=True, gc=False):
@@ -114,8 +124,8 @@ class ClusterSnapshot(msgspec.Struct, frozen=True, kw_only=True):
 class ClusterState(Projection):
     """Fold of NDIF_EVENTS into the cluster placement view."""
 
-    __slots__ = ("_by_model", "_card_leaving", "_card_totals", "_cards", "_cpu", "commands", "models", "nodes",
-                 "replicas")
+    __slots__ = ("_by_model", "_card_leaving", "_card_totals", "_cards", "_cpu", "_node_free", "commands", "models",
+                 "nodes", "replicas")
 
     def __init__(self) -> None:
         super().__init__()
@@ -130,6 +140,9 @@ class ClusterState(Projection):
         self._card_leaving: dict[CardKey, int] = {}
         self._cpu: dict[str, dict[RKey, int]] = {}
         self._by_model: dict[str, dict[int, None]] = {}  # model -> replica ids (insertion-ordered set)
+        # node -> free (total - committed) bytes of its cards, largest first; computed on demand and
+        # dropped whenever a card of the node changes. Lets placement skip full nodes in O(1).
+        self._node_free: dict[str, NodeFree] = {}
 
     # ---- the reducer -------------------------------------------------------------------------
 
@@ -160,6 +173,7 @@ class ClusterState(Projection):
             return
         match ev:
             case NodeJoined():
+                self._node_free.pop(ev.node_id, None)  # a node may re-join with other cards
                 self.nodes[ev.node_id] = NodeView(
                     node_id=ev.node_id, gpus=tuple(ev.gpus), cpu_cache_bytes=ev.cpu_cache_bytes,
                     hostname=ev.hostname, ray_node_id=ev.ray_node_id, alive=True, joined_at=ev.ts, since_seq=seq,
@@ -252,6 +266,7 @@ class ClusterState(Projection):
             return  # same footprint (most transitions): the indexes already hold it
         else:
             if old.on_gpu:
+                self._node_free.pop(old.node_id, None)
                 leaving = old.desired is not Level.HOT
                 for g in old.gpu_indices:
                     ck = (old.node_id, g)
@@ -264,6 +279,7 @@ class ClusterState(Projection):
             if old.cpu_bytes:
                 self._cpu.get(old.node_id, {}).pop(key, None)
         if new.on_gpu:
+            self._node_free.pop(new.node_id, None)
             leaving = new.desired is not Level.HOT
             for g in new.gpu_indices:
                 ck = (new.node_id, g)
@@ -306,6 +322,22 @@ class ClusterState(Projection):
         """
         ck = (node_id, index)
         return self._card_totals.get(ck, 0) - self._card_leaving.get(ck, 0)
+
+    def node_free(self, node_id: str) -> NodeFree:
+        """The node's capacity summary placement scans with (cached until one of its cards changes)."""
+        got = self._node_free.get(node_id)
+        if got is None:
+            node = self.nodes[node_id]
+            footprints = [b * len(self.replicas[k].gpu_indices) for g in node.gpus
+                          for k, b in self._cards.get((node_id, g.index), {}).items()]
+            got = NodeFree(
+                card_bytes=max((g.memory_bytes for g in node.gpus), default=0),
+                free=tuple(sorted((g.memory_bytes - self.card_committed(node_id, g.index) for g in node.gpus),
+                                  reverse=True)),
+                min_footprint=min(footprints, default=0),
+            )
+            self._node_free[node_id] = got
+        return got
 
     def card_replicas(self, node_id: str, index: int) -> dict[RKey, int]:
         """Replicas holding memory on a card, with their bytes there (read-only view)."""
@@ -378,6 +410,7 @@ class ClusterState(Projection):
         c._card_leaving = dict(self._card_leaving)
         c._cpu = {k: dict(v) for k, v in self._cpu.items()}
         c._by_model = {k: dict(v) for k, v in self._by_model.items()}
+        c._node_free = dict(self._node_free)
         return c
 
     def __eq__(self, other: object) -> bool:

@@ -1,0 +1,288 @@
+"""Benchmark of placement and the command path (issue: controller, placement, admin client, CLI).
+
+One run measures:
+ (a) decision time (`decide`: placement included) on a cluster of 1,000 nodes x 8 x 80 GB cards
+     holding 5,000 placed replicas, for scale-up and deploy commands (p50/p99);
+ (b) command round trip, one at a time: admin client -> controller (its own process) -> decided and
+     appended with OCC -> reply (p50/p99), against raw nats-py baselines measured in the same run:
+     a request/reply to a trivial responder, and an awaited guarded publish to the same stream;
+ (c) commands/s with 16 concurrent admin clients (each its own connection).
+The last line printed is one JSON object with the figures.
+
+    python tools/bench/placement.py [--samples 1000] [--commands 1000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from controlplane.admin import AdminClient
+from controlplane.context import DecisionContext, observed
+from controlplane.decide import Registration, decide
+from controlplane.eventstore import JetStreamEventLog
+from controlplane.nats_server import EmbeddedNats
+from controlplane.projections import ClusterState
+from schemas import events as E
+from schemas.commands import Deploy, Scale
+from schemas.keys import canonical_model_key
+from schemas.status import ReplicaState
+
+GB = 10**9
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
+SIZES_GB = [7, 14, 30, 30, 65, 65, 65, 140]  # 140 GB spans two 80 GB cards
+
+
+def pct(xs: list[float], p: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
+
+
+def key(i: int) -> str:
+    return canonical_model_key(f"bench-org/model-{i}")
+
+
+# ---- (a) placement on a large synthetic cluster ----------------------------------------------------
+
+
+def big_cluster(nodes: int, replicas: int, rng: random.Random) -> tuple[ClusterState, list[str]]:
+    """A cluster of `nodes` x 8 x 80 GB cards with `replicas` placed (through decide, then loaded)."""
+    state = ClusterState()
+    n = 0
+
+    def env(actor: str) -> dict[str, object]:
+        nonlocal n
+        n += 1
+        return {"event_id": f"setup-{n}", "ts": T0, "actor": actor}
+
+    for i in range(nodes):
+        state.apply(state.seq + 1, E.NodeJoined(**env("agent"), node_id=f"gpu-{i:04d}", cpu_cache_bytes=500 * GB,
+                                                gpus=tuple(E.GpuInfo(index=g, memory_bytes=80 * GB) for g in range(8))))
+    models: list[str] = []
+    placed = 0
+    i = 0
+    while placed < replicas:
+        mk = key(i)
+        want = min(10, replicas - placed)
+        reg = Registration(checkpoint=f"/ckpt/{i}", size_bytes=rng.choice(SIZES_GB) * GB)
+        cmd = Deploy(command_id=f"setup-deploy-{i}", model_key=mk, replicas=want)
+        ctx = DecisionContext(now=T0, actor="bench", command_id=cmd.command_id, seed=i)
+        for ev in decide(state, cmd, ctx, registration=reg):
+            state.apply(state.seq + 1, ev)
+            if isinstance(ev, E.ReplicaScheduled):
+                placed += 1
+                state.apply(state.seq + 1, E.ReplicaLoaded(**env("agent"), model_key=mk, replica_id=ev.replica_id,
+                                                           node_id=ev.node_id, load_seconds=1.0))
+        models.append(mk)
+        i += 1
+    return state, models
+
+
+def bench_placement(samples: int, rng: random.Random) -> dict[str, float]:
+    t = time.perf_counter()
+    state, models = big_cluster(1000, 5000, rng)
+    hot = sum(1 for r in state.replicas.values() if r.state is ReplicaState.AVAILABLE)
+    cards = [c for node in state.nodes for c in state.node_cards(node)]
+    fill = sum(c.committed_bytes for c in cards) / sum(c.total_bytes for c in cards)
+    print(f"(a) cluster: {len(state.nodes)} nodes, {len(cards)} cards, {hot} replicas HOT, "
+          f"{fill:.0%} of GPU memory committed (built in {time.perf_counter() - t:.1f}s)", flush=True)
+    now = T0 + timedelta(hours=1)
+    times: list[float] = []
+    scheduled = 0
+    for s in range(samples):
+        cid = f"sample-{s}"
+        ctx = DecisionContext(now=now, actor="bench", command_id=cid, seed=s)
+        if s % 4 == 3:  # a new model, 1-4 replicas
+            reg = Registration(checkpoint="/ckpt/new", size_bytes=rng.choice(SIZES_GB) * GB)
+            cmd: Deploy | Scale = Deploy(command_id=cid, model_key=key(100_000 + s), replicas=rng.randint(1, 4))
+        else:  # one more replica of an existing model
+            reg = None
+            cmd = Scale(command_id=cid, model_key=rng.choice(models), replicas=1, scale_up=True)
+        t0 = time.perf_counter()
+        evs = decide(state, cmd, ctx, registration=reg)
+        times.append((time.perf_counter() - t0) * 1000)
+        scheduled += sum(isinstance(e, E.ReplicaScheduled) for e in evs)
+    p50, p99 = pct(times, 50), pct(times, 99)
+    print(f"(a) decide on that cluster: p50 {p50:.2f} ms, p99 {p99:.2f} ms, max {max(times):.2f} ms "
+          f"({samples} decisions, {scheduled} replicas placed; the state is not changed between samples)", flush=True)
+    out = {"placement_p50_ms": p50, "placement_p99_ms": p99, "cluster_fill": fill}
+    return out | bench_pressure(max(50, samples // 10), rng)
+
+
+def bench_pressure(samples: int, rng: random.Random) -> dict[str, float]:
+    """The slow path: every card is nearly full, so a dedicated deploy must evict (fewest, smallest)."""
+    state = ClusterState()
+    for i in range(1000):
+        state.apply(state.seq + 1, E.NodeJoined(event_id=f"p-node-{i}", ts=T0, actor="agent", node_id=f"gpu-{i:04d}",
+                                                cpu_cache_bytes=500 * GB,
+                                                gpus=tuple(E.GpuInfo(index=g, memory_bytes=80 * GB) for g in range(8))))
+    i = 0
+    while True:  # 65 GB replicas (74.75 GB padded): one per card until nothing fits
+        cmd = Deploy(command_id=f"fill-{i}", model_key=key(200_000 + i), replicas=100)
+        ctx = DecisionContext(now=T0, actor="bench", command_id=cmd.command_id, seed=i)
+        evs = decide(state, cmd, ctx, registration=Registration(checkpoint="/c", size_bytes=65 * GB))
+        for ev in evs:
+            state.apply(state.seq + 1, ev)
+            if isinstance(ev, E.ReplicaScheduled):
+                state.apply(state.seq + 1, E.ReplicaLoaded(event_id=f"l-{state.seq}", ts=T0, actor="agent",
+                                                           model_key=ev.model_key, replica_id=ev.replica_id,
+                                                           node_id=ev.node_id))
+        i += 1
+        if any(isinstance(ev, E.PlacementRejected) for ev in evs):
+            break
+    now = T0 + timedelta(hours=1)
+    times: list[float] = []
+    evicted = 0
+    for s in range(samples):
+        cid = f"pressure-{s}"
+        ctx = DecisionContext(now=now, actor="bench", command_id=cid, seed=s)
+        cmd = Deploy(command_id=cid, model_key=key(300_000 + s), replicas=1, dedicated=True)
+        reg = Registration(checkpoint="/c", size_bytes=rng.choice([7, 30, 65]) * GB)
+        t0 = time.perf_counter()
+        evs = decide(state, cmd, ctx, registration=reg)
+        times.append((time.perf_counter() - t0) * 1000)
+        evicted += sum(isinstance(e, E.ReplicaEvictionRequested) for e in evs)
+    p50, p99 = pct(times, 50), pct(times, 99)
+    print(f"(a') full cluster ({len(state.replicas)} replicas, every card ~93% committed), dedicated deploys that "
+          f"must evict: p50 {p50:.2f} ms, p99 {p99:.2f} ms ({samples} decisions, {evicted} evictions)", flush=True)
+    return {"pressure_p50_ms": p50, "pressure_p99_ms": p99}
+
+
+# ---- (b), (c) the command path -----------------------------------------------------------------------
+
+
+async def raw_baselines(url: str, n: int) -> dict[str, float]:
+    """Raw nats-py: request/reply to a trivial responder; awaited guarded publish to our stream."""
+    import nats
+
+    nc = await nats.connect(url)
+    responder = await nats.connect(url)
+
+    async def echo(msg: object) -> None:
+        await msg.respond(b"{}")  # type: ignore[attr-defined]
+
+    await responder.subscribe("bench.echo", cb=echo)
+    rr: list[float] = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        await nc.request("bench.echo", b'{"verb": "scale"}', timeout=5)
+        rr.append((time.perf_counter() - t0) * 1000)
+    js = nc.jetstream()
+    info = await js.stream_info("NDIF_EVENTS")
+    last = info.state.last_seq
+    pub: list[float] = []
+    body = json.dumps({"type": "Bench", "pad": "x" * 300}).encode()
+    for i in range(n):
+        t0 = time.perf_counter()
+        ack = await js.publish("ndif.evt.bench.baseline", body, headers={
+            "Nats-Expected-Last-Sequence": str(last), "Nats-Msg-Id": f"baseline-{i}-{time.time_ns()}"})
+        pub.append((time.perf_counter() - t0) * 1000)
+        last = ack.seq
+    await responder.close()
+    await nc.close()
+    return {"raw_request_reply_p50_ms": pct(rr, 50), "raw_guarded_publish_p50_ms": pct(pub, 50)}
+
+
+async def bench_commands(url: str, commands: int, ckpt: str) -> dict[str, float]:
+    log = await JetStreamEventLog.open(url)
+    for i in range(32):  # a cluster the commands can place on
+        await log.append([observed(E.NodeJoined, actor="bench", node_id=f"node-{i}", cpu_cache_bytes=0,
+                                   gpus=tuple(E.GpuInfo(index=g, memory_bytes=80 * GB) for g in range(8)))], None)
+    await log.close()
+    env = {**os.environ, "NDIF_LOG_LEVEL": "WARNING"}
+    ctl = subprocess.Popen([sys.executable, "-m", "dataplane.cli", "controller", "--nats", url], env=env)
+    try:
+        async with await AdminClient.open(url, timeout=30) as admin:
+            # The controller is up once it answers; the first deploys also register the models.
+            for _ in range(100):
+                try:
+                    await admin.deploy(ckpt + "/m0", 1, size_bytes=5 * GB)
+                    break
+                except Exception:  # noqa: BLE001 - not subscribed yet
+                    await asyncio.sleep(0.1)
+            for m in range(1, 16):
+                await admin.deploy(f"{ckpt}/m{m}", 1, size_bytes=5 * GB)
+            rtt: list[float] = []
+            for i in range(commands):
+                m = f"{ckpt}/m{i % 16}"
+                t0 = time.perf_counter()
+                if i % 2 == 0:
+                    await admin.scale(m, 1, scale_up=True)  # 2 events: requested + scheduled
+                else:
+                    await admin.scale_down(m, 1)  # 2 events: requested + eviction
+                rtt.append((time.perf_counter() - t0) * 1000)
+        p50, p99 = pct(rtt, 50), pct(rtt, 99)
+        print(f"(b) command round trip, one at a time: p50 {p50:.2f} ms, p99 {p99:.2f} ms ({commands} commands)",
+              flush=True)
+        clients = [await AdminClient.open(url, timeout=60) for _ in range(16)]
+        per = max(1, commands // 16)
+
+        async def worker(c: AdminClient, w: int) -> None:
+            for i in range(per):
+                m = f"{ckpt}/m{w}"
+                if i % 2 == 0:
+                    await c.scale(m, 1, scale_up=True)
+                else:
+                    await c.scale_down(m, 1)
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker(c, w) for w, c in enumerate(clients)))
+        el = time.perf_counter() - t0
+        for c in clients:
+            await c.close()
+        cps = 16 * per / el
+        print(f"(c) 16 concurrent clients: {16 * per} commands in {el:.2f}s = {cps:.0f} commands/s", flush=True)
+        return {"command_rtt_p50_ms": p50, "command_rtt_p99_ms": p99, "commands_per_s_16": cps}
+    finally:
+        ctl.terminate()
+        ctl.wait(10)
+
+
+async def amain(a: argparse.Namespace) -> dict[str, float]:
+    rng = random.Random(a.seed)
+    out = bench_placement(a.samples, rng)
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = Path(tmp) / "ckpt"
+        for m in range(16):
+            (ckpt / f"m{m}").mkdir(parents=True)
+            (ckpt / f"m{m}" / "config.json").write_text('{"model_type": "gpt2"}')
+        srv = EmbeddedNats(Path(tmp) / "nats")
+        srv.start()
+        try:
+            lg = await JetStreamEventLog.open(srv.url)
+            await lg.close()
+            out |= await bench_commands(srv.url, a.commands, str(ckpt))
+            base = await raw_baselines(srv.url, 500)
+            out |= base
+            print(f"baselines (raw nats-py, same server): request/reply p50 {base['raw_request_reply_p50_ms']:.2f} ms,"
+                  f" guarded publish p50 {base['raw_guarded_publish_p50_ms']:.2f} ms; the command round trip is "
+                  f"{out['command_rtt_p50_ms'] / (base['raw_request_reply_p50_ms'] + base['raw_guarded_publish_p50_ms']):.2f}"
+                  "x their sum", flush=True)
+        finally:
+            srv.close()
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--samples", type=int, default=1000, help="placement decisions to time")
+    p.add_argument("--commands", type=int, default=1000, help="commands for the round trip and throughput runs")
+    p.add_argument("--seed", type=int, default=1)
+    a = p.parse_args()
+    out = asyncio.run(amain(a))
+    print(json.dumps({k: round(v, 3) for k, v in out.items()}))
+
+
+if __name__ == "__main__":
+    main()
