@@ -49,7 +49,7 @@ def seed_of(command_id: str) -> int:
 class Controller:
     def __init__(self, url: str, *, name: str | None = None, min_deploy_s: float = MIN_DEPLOY_S,
                  max_restarts: int = MAX_RESTARTS, heartbeat_grace_s: float = 20.0,
-                 policy_interval_s: float = 2.0) -> None:
+                 policy_interval_s: float = 2.0, max_inflight: int = 512) -> None:
         self.url = url
         self.name = name or f"controller:{socket.gethostname()}"
         self.min_deploy_s = min_deploy_s
@@ -63,6 +63,7 @@ class Controller:
         self._resolve_lock = asyncio.Lock()
         self._bg: set[asyncio.Task[None]] = set()
         self.handled = 0  # commands answered by this controller (tests, `ndif controller` logs)
+        self._inflight = asyncio.Semaphore(max_inflight)
 
     def _background(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.create_task(coro)
@@ -107,7 +108,19 @@ class Controller:
     # ---- commands ----------------------------------------------------------------------------
 
     async def _on_command(self, msg: Msg) -> None:
+        # nats-py runs a subscription's callbacks one after another: hand each command to its own
+        # task so that concurrent commands meet in the group committer (one append for many).
         self.handled += 1
+        await self._inflight.acquire()
+        self._background(self._answer(msg))
+
+    async def _answer(self, msg: Msg) -> None:
+        try:
+            await self._answer_one(msg)
+        finally:
+            self._inflight.release()
+
+    async def _answer_one(self, msg: Msg) -> None:
         try:
             result = await self.handle(msg.data)
         except Exception as exc:
