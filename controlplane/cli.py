@@ -177,7 +177,8 @@ async def _replay(a: argparse.Namespace, admin: AdminClient) -> int:
 async def _controller(a: argparse.Namespace) -> int:
     from controlplane.controller import run_controller
 
-    await run_controller(a.nats)
+    await run_controller(a.nats, heartbeat_grace_s=a.heartbeat_grace, max_restarts=a.max_restarts,
+                         min_deploy_s=a.min_deploy_s)
     return 0
 
 
@@ -242,6 +243,12 @@ def add_admin_commands(sub: Any) -> None:
     p.add_argument("--strict", action="store_true", help="fail on any anomaly in the history")
     p = sub.add_parser("controller", help="run a controller (several may run: queue group)")
     common(p, json_flag=False)
+    p.add_argument("--heartbeat-grace", type=float, default=20.0,
+                   help="seconds without a node heartbeat before NodeLost (default %(default)s)")
+    p.add_argument("--max-restarts", type=int, default=3,
+                   help="in-place restarts of a failed replica before it is placed elsewhere (default %(default)s)")
+    p.add_argument("--min-deploy-s", type=float, default=300.0,
+                   help="seconds a replica stays before pressure may evict it (default %(default)s)")
 
 
 ADMIN: dict[str, Callable[[argparse.Namespace, AdminClient], Coroutine[Any, Any, int]]] = {

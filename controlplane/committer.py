@@ -137,7 +137,10 @@ class GroupCommitter(Generic[P]):
     async def _turn(self) -> None:
         self.turns += 1
         base = self.state.seq
-        working = self.state.copy()
+        # The first decision reads the folded state itself (decide is pure); a copy is made only
+        # when a second decision joins the turn and must see the first one's events. A lone command
+        # (the common case) never pays for copying a large state.
+        working: P | None = None
         taken: list[tuple[_Pending, int, tuple[Event, ...]]] = []  # (item, offset, events)
         events: list[Event] = []
         while self._pending:
@@ -145,8 +148,12 @@ class GroupCommitter(Generic[P]):
             if item.future.done():  # the caller gave up (cancelled)
                 self._pending.pop(0)
                 continue
+            if taken and working is None:
+                working = self.state.copy()
+                for i, ev in enumerate(events, start=1):
+                    working.apply(base + i, ev)
             try:
-                evs = tuple(item.decide(working))
+                evs = tuple(item.decide(working if working is not None else self.state))
             except NdifError as exc:
                 self._pending.pop(0)
                 item.future.set_exception(exc)
@@ -160,8 +167,9 @@ class GroupCommitter(Generic[P]):
                 break  # next turn
             self._pending.pop(0)
             item.attempts += 1
-            for i, ev in enumerate(evs, start=len(events) + 1):
-                working.apply(base + i, ev)
+            if working is not None:
+                for i, ev in enumerate(evs, start=len(events) + 1):
+                    working.apply(base + i, ev)
             taken.append((item, len(events), evs))
             events.extend(evs)
         if not taken:
@@ -196,9 +204,15 @@ class GroupCommitter(Generic[P]):
                 item.future.set_exception(exc)
             return
         self._streak = 0
-        old, self.state = self.state, working
-        if old.seq > working.seq:  # a follower applied later events to the old state meanwhile
-            await self.catch_up()
+        if working is None:
+            # Our events are base+1..base+n (the expectation held); the follower may have applied
+            # some already, and the projection skips any sequence it has passed.
+            for i, ev in enumerate(events, start=1):
+                self.state.apply(base + i, ev)
+        else:
+            old, self.state = self.state, working
+            if old.seq > working.seq:  # a follower applied later events to the old state meanwhile
+                await self.catch_up()
         for item, offset, evs in taken:
             if item.future.done():
                 continue

@@ -64,6 +64,7 @@ class Controller:
         self._bg: set[asyncio.Task[None]] = set()
         self.handled = 0  # commands answered by this controller (tests, `ndif controller` logs)
         self._inflight = asyncio.Semaphore(max_inflight)
+        self._seen: dict[str, datetime] = {}  # node token -> last heartbeat change seen
 
     def _background(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.create_task(coro)
@@ -79,6 +80,7 @@ class Controller:
         self.log = await JetStreamEventLog.open(self.url, name=self.name)
         self.committer = await GroupCommitter(self.log, ClusterState()).start()
         self._tasks.append(asyncio.create_task(self._follow(), name="controller-follow"))
+        self._tasks.append(asyncio.create_task(self._watch_heartbeats(), name="controller-heartbeats"))
         self._tasks.append(asyncio.create_task(self._policies(), name="controller-policies"))
         self._sub = await self.log.nc.subscribe(f"{COMMANDS_PREFIX}.*", queue=QUEUE_GROUP, cb=self._on_command)
         log.info("controller_started", name=self.name, seq=self.state.seq)
@@ -219,12 +221,33 @@ class Controller:
                 log.info("replica_failure_handled", model_key=model_key, replica_id=replica_id,
                          action=type(res.events[0]).__name__)
 
-    async def _policies(self) -> None:
-        """Failed replicas not yet handled (e.g. failed while no controller ran) and heartbeats: a node
-        whose KV heartbeat is gone for longer than the grace is lost."""
-        assert self.log is not None and self.committer is not None
+    async def _watch_heartbeats(self) -> None:
+        """Keep `_seen[node token]` = when its KV heartbeat last changed (a watch, not a poll: the
+        cost follows the heartbeat rate, not the cluster size times the policy rate)."""
+        assert self.log is not None
         kv = await self.log.js.key_value(HEARTBEATS_BUCKET)
-        missing_since: dict[str, datetime] = {}
+        while True:
+            try:
+                watcher = await kv.watchall()
+                async for entry in watcher:
+                    if entry is None:  # end of the initial values
+                        continue
+                    if entry.operation in ("DEL", "PURGE"):
+                        self._seen.pop(entry.key, None)  # an agent that says goodbye
+                    else:
+                        self._seen[entry.key] = utcnow()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - a broken watch is re-made; nodes are not lost meanwhile
+                log.warning("heartbeat_watch_restarting", error=str(exc) or type(exc).__name__)
+                self._seen = {k: utcnow() for k in self._seen}
+                await asyncio.sleep(0.5)
+
+    async def _policies(self) -> None:
+        """Failed replicas not yet handled (e.g. failed while no controller ran), and heartbeats: a
+        node whose heartbeat has not changed for longer than the grace is lost."""
+        assert self.log is not None and self.committer is not None
+        started = utcnow()
         while True:
             await asyncio.sleep(self.policy_interval_s)
             for r in list(self.state.replicas.values()):
@@ -233,19 +256,12 @@ class Controller:
             now = utcnow()
             for node_id, node in list(self.state.nodes.items()):
                 if not node.alive:
-                    missing_since.pop(node_id, None)
                     continue
-                try:
-                    await kv.get(node_token(node_id))
-                    missing_since.pop(node_id, None)
-                    continue
-                except Exception:  # noqa: BLE001 - KeyNotFound / deleted: no heartbeat
-                    pass
-                first = missing_since.setdefault(node_id, now)
-                joined = node.joined_at or now
-                if (now - max(first, joined)).total_seconds() < self.heartbeat_grace_s:
-                    continue
-                await self._node_lost(node_id)
+                # Silence is counted from the last heartbeat, at the earliest from when this
+                # controller started watching or the node joined.
+                last = max(self._seen.get(node_token(node_id), started), node.joined_at or started)
+                if (now - last).total_seconds() >= self.heartbeat_grace_s:
+                    await self._node_lost(node_id)
 
     async def _node_lost(self, node_id: str) -> None:
         assert self.committer is not None

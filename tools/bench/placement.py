@@ -57,10 +57,17 @@ def key(i: int) -> str:
 # ---- (a) placement on a large synthetic cluster ----------------------------------------------------
 
 
-def big_cluster(nodes: int, replicas: int, rng: random.Random) -> tuple[ClusterState, list[str]]:
-    """A cluster of `nodes` x 8 x 80 GB cards with `replicas` placed (through decide, then loaded)."""
+def big_cluster(nodes: int, replicas: int, rng: random.Random,
+                events: list[E.Event] | None = None) -> tuple[ClusterState, list[str]]:
+    """A cluster of `nodes` x 8 x 80 GB cards with `replicas` placed (through decide, then loaded).
+    The events that built it are appended to `events` when given."""
     state = ClusterState()
     n = 0
+
+    def put(ev: E.Event) -> None:
+        state.apply(state.seq + 1, ev)
+        if events is not None:
+            events.append(ev)
 
     def env(actor: str) -> dict[str, object]:
         nonlocal n
@@ -68,8 +75,8 @@ def big_cluster(nodes: int, replicas: int, rng: random.Random) -> tuple[ClusterS
         return {"event_id": f"setup-{n}", "ts": T0, "actor": actor}
 
     for i in range(nodes):
-        state.apply(state.seq + 1, E.NodeJoined(**env("agent"), node_id=f"gpu-{i:04d}", cpu_cache_bytes=500 * GB,
-                                                gpus=tuple(E.GpuInfo(index=g, memory_bytes=80 * GB) for g in range(8))))
+        put(E.NodeJoined(**env("agent"), node_id=f"gpu-{i:04d}", cpu_cache_bytes=500 * GB,
+                         gpus=tuple(E.GpuInfo(index=g, memory_bytes=80 * GB) for g in range(8))))
     models: list[str] = []
     placed = 0
     i = 0
@@ -80,11 +87,11 @@ def big_cluster(nodes: int, replicas: int, rng: random.Random) -> tuple[ClusterS
         cmd = Deploy(command_id=f"setup-deploy-{i}", model_key=mk, replicas=want)
         ctx = DecisionContext(now=T0, actor="bench", command_id=cmd.command_id, seed=i)
         for ev in decide(state, cmd, ctx, registration=reg):
-            state.apply(state.seq + 1, ev)
+            put(ev)
             if isinstance(ev, E.ReplicaScheduled):
                 placed += 1
-                state.apply(state.seq + 1, E.ReplicaLoaded(**env("agent"), model_key=mk, replica_id=ev.replica_id,
-                                                           node_id=ev.node_id, load_seconds=1.0))
+                put(E.ReplicaLoaded(**env("agent"), model_key=mk, replica_id=ev.replica_id, node_id=ev.node_id,
+                                    load_seconds=1.0))
         models.append(mk)
         i += 1
     return state, models
@@ -179,6 +186,7 @@ async def raw_baselines(url: str, n: int) -> dict[str, float]:
         await msg.respond(b"{}")  # type: ignore[attr-defined]
 
     await responder.subscribe("bench.echo", cb=echo)
+    await responder.flush()  # the subscription is on the server before the first request
     body = json.dumps({"type": "DeploymentRequested", "pad": "x" * 300}).encode()
     rr: list[float] = []
     for _ in range(n):
@@ -210,7 +218,8 @@ async def bench_commands(url: str, commands: int, ckpt: str) -> dict[str, float]
                                    gpus=tuple(E.GpuInfo(index=g, memory_bytes=80 * GB) for g in range(8)))], None)
     await log.close()
     env = {**os.environ, "NDIF_LOG_LEVEL": "WARNING"}
-    ctl = subprocess.Popen([sys.executable, "-m", "dataplane.cli", "controller", "--nats", url], env=env)
+    ctl = subprocess.Popen([sys.executable, "-m", "dataplane.cli", "controller", "--nats", url,
+                            "--heartbeat-grace", "3600"], env=env)  # the bench has no agents
     try:
         async with await AdminClient.open(url, timeout=30) as admin:
             # The controller is up once it answers; the first deploys also register the models.
@@ -252,10 +261,36 @@ async def bench_commands(url: str, commands: int, ckpt: str) -> dict[str, float]
             await c.close()
         cps = 16 * per / el
         print(f"(c) 16 concurrent clients: {16 * per} commands in {el:.2f}s = {cps:.0f} commands/s", flush=True)
-        return {"command_rtt_p50_ms": p50, "command_rtt_p99_ms": p99, "commands_per_s_16": cps}
+        big = await bench_big_rtt(url, max(100, commands // 4))
+        return {"command_rtt_p50_ms": p50, "command_rtt_p99_ms": p99, "commands_per_s_16": cps} | big
     finally:
         ctl.terminate()
         ctl.wait(10)
+
+
+async def bench_big_rtt(url: str, commands: int) -> dict[str, float]:
+    """(d) The round trip again once the controller folds the 1,000-node, 5,000-replica cluster."""
+    events: list[E.Event] = []
+    _, models = big_cluster(1000, 5000, random.Random(5), events)
+    log = await JetStreamEventLog.open(url)
+    for i in range(0, len(events), 1000):
+        await log.append(events[i:i + 1000], None)
+    await log.close()
+    rtt: list[float] = []
+    async with await AdminClient.open(url, timeout=60) as admin:
+        await admin.scale(models[0], 1, scale_up=True)  # the controller has folded the cluster
+        for i in range(commands):
+            m = models[(i // 2) % len(models)]
+            t0 = time.perf_counter()
+            if i % 2 == 0:
+                await admin.scale(m, 1, scale_up=True)
+            else:
+                await admin.scale_down(m, 10)
+            rtt.append((time.perf_counter() - t0) * 1000)
+    p50, p99 = pct(rtt, 50), pct(rtt, 99)
+    print(f"(d) command round trip with the controller holding 1,000 nodes / 5,000 replicas ({len(events):,} events "
+          f"folded): p50 {p50:.2f} ms, p99 {p99:.2f} ms ({commands} commands)", flush=True)
+    return {"command_rtt_big_p50_ms": p50, "command_rtt_big_p99_ms": p99}
 
 
 async def amain(a: argparse.Namespace) -> dict[str, float]:
