@@ -320,8 +320,8 @@ async def test_policies_restart_then_replace_then_node_lost(nats_server: Embedde
     url = nats_server.url
     m = config_only(tmp_path, "big", tiny)
     mk = canonical_model_key(m)
-    a, b = ScriptedAgent(url, "node-a", gpus=1), ScriptedAgent(url, "node-b", gpus=1)
-    ctl = Controller(url, max_restarts=1, heartbeat_grace_s=0.5, policy_interval_s=0.1)
+    a, b = ScriptedAgent(url, "node-a", gpus=1, heartbeat_s=0.1), ScriptedAgent(url, "node-b", gpus=1, heartbeat_s=0.1)
+    ctl = Controller(url, max_restarts=1, heartbeat_grace_s=1.5, policy_interval_s=0.1)
     parts = await start_all(url, ctl, a, b)
     agents = {"node-a": a, "node-b": b}
 
@@ -354,5 +354,6 @@ async def test_policies_restart_then_replace_then_node_lost(nats_server: Embedde
         assert st.replicas[(mk, 2)].node_id == first
         assert st.replicas[(mk, 1)].state == "Unloaded" and st.replica_count(mk) == 1
         assert st.anomaly_count == 0, st.anomalies
+        assert st.nodes[first].alive  # the node that kept its heartbeat was never declared lost
     finally:
         await stop_all(parts)
