@@ -13,6 +13,22 @@ import argparse
 import sys
 from pathlib import Path
 
+EOS = 256  # "<|endoftext|>" in the byte-level tokenizer below
+
+
+def save_byte_tokenizer(path: Path) -> None:
+    """A byte-level tokenizer (256 byte tokens + <|endoftext|> = 256), so prompts work offline."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    vocab["<|endoftext|>"] = EOS
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>",
+                            bos_token="<|endoftext|>").save_pretrained(path)
+
 
 def make_tiny_gpt2(path: Path | str, *, n_layer: int = 2, n_embd: int = 64, vocab_size: int = 1000,
                    seed: int = 0) -> Path:
@@ -25,8 +41,9 @@ def make_tiny_gpt2(path: Path | str, *, n_layer: int = 2, n_embd: int = 64, voca
         return path
     torch.manual_seed(seed)
     cfg = GPT2Config(n_layer=n_layer, n_embd=n_embd, n_head=max(1, n_embd // 32), n_positions=128,
-                     vocab_size=vocab_size, bos_token_id=0, eos_token_id=0)
+                     vocab_size=vocab_size, bos_token_id=EOS, eos_token_id=EOS)
     GPT2LMHeadModel(cfg).eval().save_pretrained(path)
+    save_byte_tokenizer(path)
     return path
 
 
@@ -42,8 +59,9 @@ def make_tiny_llama(path: Path | str, *, layers: int = 2, hidden: int = 64, voca
     torch.manual_seed(seed)
     cfg = LlamaConfig(num_hidden_layers=layers, hidden_size=hidden, intermediate_size=hidden * 2,
                       num_attention_heads=4, num_key_value_heads=2, vocab_size=vocab_size,
-                      max_position_embeddings=128, bos_token_id=0, eos_token_id=0)
+                      max_position_embeddings=128, bos_token_id=EOS, eos_token_id=EOS)
     LlamaForCausalLM(cfg).eval().save_pretrained(path)
+    save_byte_tokenizer(path)
     return path
 
 

@@ -1,0 +1,289 @@
+"""One model replica in one process: real transformers weights, HOT (GPU), WARM (CPU) or COLD (disk).
+
+A plain class, so the same code runs inside the Ray actor (`dataplane/model_actor.py`) and on a GPU
+machine without Ray. COLD -> HOT is `load()` (`from_pretrained` from a local directory or the HF
+cache; never the hub), HOT -> WARM is `to_cache()` (weights to CPU memory, GPU memory released),
+WARM -> HOT is `from_cache(devices)`. Devices are the exact CUDA indices the controller chose; with
+no CUDA (CPU machines, declared GPUs in tests) the model lives on the CPU and HOT vs WARM is
+bookkeeping. A request to a replica that is not HOT fails with `ReplicaNotHot`, which the
+dispatcher recognises and re-queues.
+
+Requests (dicts, so they cross Ray and JSON unchanged):
+    {"op": "forward",  "input_ids": [[...]], "modules": ["transformer.h.0"]?, "top_k": 5?}
+        -> {"next_token_ids": [...], "next_token_logprobs": [...], "top": [[(id, logprob)...]],
+            "modules": {name: {"shape": [...], "mean": float, "norm": float}}}
+    {"op": "generate", "input_ids": [[...]], "max_new_tokens": 8}
+        -> {"output_ids": [[...]]}
+`prompt` (text) may replace `input_ids` when the checkpoint has a tokenizer; outputs then carry `text`.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import gc
+import os
+import threading
+import time
+from typing import Any
+
+import structlog
+
+from schemas.errors import NdifError
+
+log = structlog.get_logger("ndif.model")
+
+MAX_BATCH_TOKENS = 1 << 16  # a request's input_ids may hold at most this many tokens
+MAX_NEW_TOKENS = 1024
+
+
+class ReplicaNotHot(NdifError):
+    """The replica is WARM or COLD: the request was not run; send it to a HOT replica (or re-queue)."""
+
+    default_retryable = True
+
+
+class ExecutionTimeout(NdifError):
+    """The request ran past the replica's execution timeout."""
+
+
+class BadRequest(NdifError, ValueError):
+    """The request is malformed (unknown op, bad input_ids, too large)."""
+
+
+class ModelReplica:
+    """Holds one replica's weights and runs requests on them."""
+
+    def __init__(self, model_key: str, replica_id: int, checkpoint: str, *, revision: str | None = None,
+                 dtype: str = "float32", execution_timeout_s: float = 60.0) -> None:
+        self.model_key = model_key
+        self.replica_id = replica_id
+        self.checkpoint = checkpoint
+        self.revision = revision
+        self.dtype = dtype
+        self.execution_timeout_s = execution_timeout_s
+        self.model: Any = None
+        self.tokenizer: Any = None
+        self.devices: tuple[int, ...] = ()
+        self.level = "COLD"
+        self._lock = threading.Lock()  # one move (load/cache/unload) at a time; requests check the level
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="replica-exec")
+        self.log = log.bind(model_key=model_key, replica_id=replica_id)
+
+    # ---- where the weights are -----------------------------------------------------------------
+
+    @staticmethod
+    def cuda_available() -> bool:
+        import torch
+
+        return bool(torch.cuda.is_available())
+
+    def _device_for(self, devices: tuple[int, ...]) -> str:
+        return f"cuda:{devices[0]}" if devices and self.cuda_available() else "cpu"
+
+    def load(self, devices: tuple[int, ...] = ()) -> float:
+        """COLD -> HOT: read the checkpoint from disk onto `devices` (CPU without CUDA). Seconds taken."""
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        with self._lock:
+            if self.level == "HOT":
+                return 0.0
+            t0 = time.perf_counter()
+            dtype = getattr(torch, self.dtype, None) if self.dtype not in ("", "unknown") else None
+            kwargs: dict[str, Any] = {"local_files_only": True}
+            if self.revision:
+                kwargs["revision"] = self.revision
+            if isinstance(dtype, torch.dtype):
+                kwargs["dtype"] = dtype
+            cuda = self.cuda_available() and len(devices) > 0
+            if cuda and len(devices) > 1:
+                # Spread layers over exactly these cards (accelerate's device map, no other card).
+                per = {i: torch.cuda.get_device_properties(i).total_memory for i in devices}
+                kwargs["device_map"] = "auto"
+                kwargs["max_memory"] = per
+                self.model = AutoModelForCausalLM.from_pretrained(self.checkpoint, **kwargs)
+            else:
+                self.model = AutoModelForCausalLM.from_pretrained(self.checkpoint, **kwargs)
+                self.model.to(self._device_for(devices))
+            self.model.eval()
+            self.tokenizer = _maybe_tokenizer(self.checkpoint)
+            if cuda:
+                torch.cuda.synchronize()
+            self.devices = tuple(devices)
+            self.level = "HOT"
+            took = time.perf_counter() - t0
+            self.log.info("replica_loaded", seconds=round(took, 3), devices=list(devices), cuda=cuda)
+            return took
+
+    def to_cache(self) -> int:
+        """HOT -> WARM: weights to CPU memory, GPU memory released. Returns the bytes held on CPU."""
+        import torch
+
+        with self._lock:
+            if self.level == "COLD" or self.model is None:
+                raise ReplicaNotHot(f"replica {self.replica_id} is COLD: nothing to cache")
+            if self.level == "HOT":
+                self.model.to("cpu")
+                if self.cuda_available():
+                    gc.collect()
+                    torch.cuda.empty_cache()
+                self.level = "WARM"
+                self.devices = ()
+            return self.cpu_bytes()
+
+    def from_cache(self, devices: tuple[int, ...] = ()) -> float:
+        """WARM -> HOT onto `devices`. Seconds taken."""
+        import torch
+
+        with self._lock:
+            if self.level == "HOT":
+                return 0.0
+            if self.level != "WARM" or self.model is None:
+                raise ReplicaNotHot(f"replica {self.replica_id} is {self.level}: nothing cached to load")
+            t0 = time.perf_counter()
+            cuda = self.cuda_available() and len(devices) > 0
+            if cuda and len(devices) > 1:
+                from accelerate import dispatch_model, infer_auto_device_map
+
+                dmap = infer_auto_device_map(self.model, max_memory={
+                    i: torch.cuda.get_device_properties(i).total_memory for i in devices})
+                self.model = dispatch_model(self.model, device_map=dmap)
+            else:
+                self.model.to(self._device_for(devices))
+            if cuda:
+                torch.cuda.synchronize()
+            self.devices = tuple(devices)
+            self.level = "HOT"
+            return time.perf_counter() - t0
+
+    def unload(self) -> None:
+        """-> COLD: drop the weights (GPU and CPU)."""
+        import torch
+
+        with self._lock:
+            self.model = None
+            self.level = "COLD"
+            self.devices = ()
+            gc.collect()
+            if self.cuda_available():
+                torch.cuda.empty_cache()
+
+    def cpu_bytes(self) -> int:
+        if self.model is None:
+            return 0
+        return int(sum(t.numel() * t.element_size() for t in (*self.model.parameters(), *self.model.buffers())))
+
+    def gpu_bytes(self) -> dict[int, int]:
+        """Bytes allocated by this process on each CUDA device (what HOT/WARM changes)."""
+        import torch
+
+        if not self.cuda_available():
+            return {}
+        return {i: int(torch.cuda.memory_allocated(i)) for i in range(torch.cuda.device_count())}
+
+    def info(self) -> dict[str, Any]:
+        return {"model_key": self.model_key, "replica_id": self.replica_id, "level": self.level,
+                "devices": list(self.devices), "checkpoint": self.checkpoint, "pid": os.getpid(),
+                "cpu_bytes": self.cpu_bytes() if self.level == "WARM" else 0}
+
+    # ---- requests ------------------------------------------------------------------------------
+
+    def __call__(self, request: dict[str, Any]) -> dict[str, Any]:
+        if self.level != "HOT" or self.model is None:
+            raise ReplicaNotHot(f"replica {self.replica_id} of {self.model_key} is {self.level}, not HOT")
+        op = request.get("op", "forward")
+        if op not in ("forward", "generate"):
+            raise BadRequest(f"unknown op {op!r}: use 'forward' or 'generate'")
+        fut = self._pool.submit(self._run, op, request)
+        try:
+            return fut.result(timeout=self.execution_timeout_s)
+        except concurrent.futures.TimeoutError:
+            raise ExecutionTimeout(
+                f"request ran longer than {self.execution_timeout_s:.0f}s on replica {self.replica_id}"
+            ) from None
+
+    def _input_ids(self, request: dict[str, Any]) -> Any:
+        import torch
+
+        ids = request.get("input_ids")
+        if ids is None and "prompt" in request:
+            if self.tokenizer is None:
+                raise BadRequest("this checkpoint has no tokenizer: send input_ids instead of prompt")
+            return self.tokenizer(str(request["prompt"]), return_tensors="pt")["input_ids"]
+        if ids is None:
+            raise BadRequest("request needs input_ids (a list of token ids, or a list of such lists) or prompt")
+        if ids and isinstance(ids[0], int):
+            ids = [ids]
+        if (not isinstance(ids, list) or not ids or not all(isinstance(row, list) and row for row in ids)
+                or len({len(row) for row in ids}) != 1):
+            raise BadRequest("input_ids must be a non-empty list of equally long, non-empty lists of ints")
+        if sum(len(r) for r in ids) > MAX_BATCH_TOKENS:
+            raise BadRequest(f"input_ids hold more than {MAX_BATCH_TOKENS} tokens")
+        vocab = int(self.model.config.vocab_size)
+        if any(not isinstance(t, int) or t < 0 or t >= vocab for row in ids for t in row):
+            raise BadRequest(f"input_ids must be ints in [0, {vocab})")
+        return torch.tensor(ids, dtype=torch.long)
+
+    def _run(self, op: str, request: dict[str, Any]) -> dict[str, Any]:
+        import torch
+
+        ids = self._input_ids(request).to(self.model.device)
+        with torch.inference_mode():
+            if op == "generate":
+                n = int(request.get("max_new_tokens", 16))
+                if not 1 <= n <= MAX_NEW_TOKENS:
+                    raise BadRequest(f"max_new_tokens must be in [1, {MAX_NEW_TOKENS}]")
+                out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                                          do_sample=False, pad_token_id=self.model.config.eos_token_id,
+                                          max_time=self.execution_timeout_s)
+                res: dict[str, Any] = {"output_ids": out.tolist()}
+                if self.tokenizer is not None:
+                    res["text"] = self.tokenizer.batch_decode(out, skip_special_tokens=True)
+                return res
+            captured: dict[str, Any] = {}
+            hooks = []
+            names = request.get("modules") or []
+            if names:
+                modules = dict(self.model.named_modules())
+                missing = [n for n in names if n not in modules]
+                if missing:
+                    raise BadRequest(f"unknown modules {missing}; e.g. {list(modules)[1:4]}")
+                for name in names:
+                    hooks.append(modules[name].register_forward_hook(_capture(captured, name)))
+            try:
+                logits = self.model(ids).logits[:, -1, :].float()
+            finally:
+                for h in hooks:
+                    h.remove()
+            logprobs = torch.log_softmax(logits, dim=-1)
+            top_k = max(1, min(int(request.get("top_k", 5)), 50))
+            top = torch.topk(logprobs, top_k, dim=-1)
+            nxt = logprobs.argmax(dim=-1)
+            return {
+                "next_token_ids": nxt.tolist(),
+                "next_token_logprobs": logprobs.gather(-1, nxt[:, None])[:, 0].tolist(),
+                "top": [[(int(i), float(v)) for i, v in zip(ti, tv, strict=True)]
+                        for ti, tv in zip(top.indices.tolist(), top.values.tolist(), strict=True)],
+                "modules": captured,
+            }
+
+
+def _capture(into: dict[str, Any], name: str) -> Any:
+    def hook(module: Any, args: Any, output: Any) -> None:
+        t = output[0] if isinstance(output, tuple) else output
+        t = t.detach().float()
+        into[name] = {"shape": list(t.shape), "mean": float(t.mean()), "norm": float(t.norm())}
+
+    return hook
+
+
+def _maybe_tokenizer(checkpoint: str) -> Any:
+    if not any(os.path.exists(os.path.join(checkpoint, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
+        return None
+    try:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(checkpoint, local_files_only=True)
+    except Exception as exc:  # noqa: BLE001 - a model without a usable tokenizer still serves input_ids
+        log.warning("tokenizer_unusable", checkpoint=checkpoint, error=str(exc))
+        return None

@@ -1,0 +1,111 @@
+"""The Ray actor around one `ModelReplica`, and the naming contract every component uses.
+
+Seed 000: a replica is the Ray actor named exactly `ModelActor:<model_key>:<replica_id>`, in
+namespace `ndif`. It is created `lifetime="detached"` (it outlives the agent that made it, which
+adopts it again after a restart), pinned to the agent's Ray node (hard node affinity) and handed
+exactly the GPU indices of its `ReplicaScheduled` event. Ray's own GPU accounting is not used
+(`num_gpus=0`, `RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1`, as NDIF does): the controller's
+placement is authoritative, and a second allocator that could disagree with it (fractional shares,
+replicas still leaving a card) would only leave actors pending.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from dataplane.model import ModelReplica
+
+NAMESPACE = "ndif"
+PREFIX = "ModelActor:"
+
+
+def actor_name(model_key: str, replica_id: int) -> str:
+    """The one name of a replica's actor (seed 000's contract)."""
+    return f"{PREFIX}{model_key}:{replica_id}"
+
+
+def parse_actor_name(name: str) -> tuple[str, int] | None:
+    """(model_key, replica_id) of a contract name, or None for any other actor."""
+    if not name.startswith(PREFIX):
+        return None
+    model_key, sep, rid = name[len(PREFIX):].rpartition(":")
+    if not sep or not model_key or not rid.isdigit():
+        return None
+    return model_key, int(rid)
+
+
+class ModelActor:
+    """Ray wraps this class; every method is a thin call into `ModelReplica`."""
+
+    def __init__(self, model_key: str, replica_id: int, checkpoint: str, *, revision: str | None = None,
+                 dtype: str = "float32", node_id: str = "", execution_timeout_s: float = 60.0) -> None:
+        self.node_id = node_id
+        self.replica = ModelReplica(model_key, replica_id, checkpoint, revision=revision, dtype=dtype,
+                                    execution_timeout_s=execution_timeout_s)
+
+    def load(self, devices: list[int]) -> float:
+        return self.replica.load(tuple(devices))
+
+    def to_cache(self) -> int:
+        return self.replica.to_cache()
+
+    def from_cache(self, devices: list[int]) -> float:
+        return self.replica.from_cache(tuple(devices))
+
+    def unload(self) -> None:
+        self.replica.unload()
+
+    def info(self) -> dict[str, Any]:
+        return {**self.replica.info(), "node_id": self.node_id,
+                "ray_node_id": ray.get_runtime_context().get_node_id()}
+
+    def ping(self) -> bool:
+        return True
+
+    def __call__(self, request: dict[str, Any]) -> dict[str, Any]:
+        return self.replica(request)
+
+
+RemoteModelActor = ray.remote(ModelActor)
+
+
+def create_actor(model_key: str, replica_id: int, checkpoint: str, *, ray_node_id: str, node_id: str,
+                 revision: str | None = None, dtype: str = "float32", execution_timeout_s: float = 60.0,
+                 max_concurrency: int = 4) -> Any:
+    """Start the detached actor for a replica on `ray_node_id` (it loads nothing until `load`)."""
+    env = {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}
+    for var in ("HF_HOME", "HF_HUB_CACHE", "HF_HUB_OFFLINE", "NDIF_LOG_LEVEL"):
+        if var in os.environ:
+            env[var] = os.environ[var]
+    return RemoteModelActor.options(  # type: ignore[attr-defined]
+        name=actor_name(model_key, replica_id), namespace=NAMESPACE, lifetime="detached",
+        num_cpus=0, num_gpus=0, max_concurrency=max_concurrency, max_restarts=0,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(ray_node_id, soft=False),
+        runtime_env={"env_vars": env},
+    ).remote(model_key, replica_id, checkpoint, revision=revision, dtype=dtype, node_id=node_id,
+             execution_timeout_s=execution_timeout_s)
+
+
+def get_actor(model_key: str, replica_id: int) -> Any | None:
+    """The live actor of a replica, or None."""
+    try:
+        return ray.get_actor(actor_name(model_key, replica_id), namespace=NAMESPACE)
+    except ValueError:
+        return None
+
+
+def list_replica_actors() -> list[tuple[str, int, str]]:
+    """(model_key, replica_id, name) of every live contract-named actor in the namespace."""
+    out = []
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        name, ns = (entry["name"], entry["namespace"]) if isinstance(entry, dict) else (entry, NAMESPACE)
+        if ns != NAMESPACE:
+            continue
+        parsed = parse_actor_name(name)
+        if parsed is not None:
+            out.append((*parsed, name))
+    return out

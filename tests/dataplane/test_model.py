@@ -1,0 +1,95 @@
+"""The plain replica class with real tiny checkpoints on this machine's device (CPU here)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dataplane.model import BadRequest, ExecutionTimeout, ModelReplica, ReplicaNotHot
+from tools.tiny_models import make_tiny_gpt2, make_tiny_llama
+
+IDS = [[5, 17, 42, 7]]
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("ckpt")
+    return {"gpt2": make_tiny_gpt2(root / "gpt2"), "llama": make_tiny_llama(root / "llama")}
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_hot_warm_hot_cold_keeps_outputs(ckpts: dict[str, Path], name: str) -> None:
+    r = ModelReplica(f"k-{name}", 0, str(ckpts[name]))
+    assert r.level == "COLD"
+    assert r.load((0,)) >= 0 and r.level == "HOT"
+    first = r({"op": "forward", "input_ids": IDS})
+    assert len(first["next_token_ids"]) == 1 and first["next_token_logprobs"][0] <= 0
+    assert len(first["top"][0]) == 5 and first["top"][0][0][0] == first["next_token_ids"][0]
+
+    cpu = r.to_cache()
+    assert r.level == "WARM" and cpu == r.cpu_bytes() > 0
+    with pytest.raises(ReplicaNotHot):
+        r({"op": "forward", "input_ids": IDS})
+    r.from_cache((0,))
+    assert r.level == "HOT"
+    assert r({"op": "forward", "input_ids": IDS}) == first  # same weights after the round trip
+
+    other = ModelReplica(f"k-{name}", 1, str(ckpts[name]))
+    other.load(())
+    assert other({"op": "forward", "input_ids": IDS}) == first  # replicas of one checkpoint agree
+
+    r.unload()
+    assert r.level == "COLD" and r.cpu_bytes() == 0
+    with pytest.raises(ReplicaNotHot):
+        r.to_cache()
+
+
+def test_generate_prompt_and_module_outputs(ckpts: dict[str, Path]) -> None:
+    r = ModelReplica("k", 0, str(ckpts["gpt2"]))
+    r.load()
+    out = r({"op": "generate", "input_ids": IDS, "max_new_tokens": 6})
+    assert len(out["output_ids"][0]) == len(IDS[0]) + 6 and out["output_ids"][0][:4] == IDS[0]
+    text = r({"op": "generate", "prompt": "hello", "max_new_tokens": 3})
+    assert isinstance(text["text"][0], str) and text["text"][0].startswith("hello")
+    res = r({"op": "forward", "input_ids": IDS, "modules": ["transformer.h.0", "transformer.h.1.mlp"]})
+    assert res["modules"]["transformer.h.0"]["shape"] == [1, 4, 64]
+    assert set(res["modules"]) == {"transformer.h.0", "transformer.h.1.mlp"}
+
+
+@pytest.mark.parametrize("request_, match", [
+    ({"op": "train"}, "unknown op"),
+    ({"op": "forward"}, "needs input_ids"),
+    ({"op": "forward", "input_ids": [[1, 2], [3]]}, "equally long"),
+    ({"op": "forward", "input_ids": [[1, 5000]]}, r"ints in \[0, 1000\)"),
+    ({"op": "forward", "input_ids": [[1, "a"]]}, "ints in"),
+    ({"op": "generate", "input_ids": [[1]], "max_new_tokens": 0}, "max_new_tokens"),
+    ({"op": "forward", "input_ids": [[1]], "modules": ["nope"]}, "unknown modules"),
+])
+def test_bad_requests_are_clear_errors_and_the_replica_keeps_serving(ckpts: dict[str, Path], request_: dict,
+                                                                      match: str) -> None:
+    r = ModelReplica("k", 0, str(ckpts["gpt2"]))
+    r.load()
+    with pytest.raises(BadRequest, match=match):
+        r(request_)
+    assert r({"op": "forward", "input_ids": IDS})["next_token_ids"]
+
+
+def test_execution_timeout(ckpts: dict[str, Path]) -> None:
+    r = ModelReplica("k", 0, str(ckpts["gpt2"]), execution_timeout_s=0.001)
+    r.load()
+    with pytest.raises(ExecutionTimeout, match="longer than"):
+        r({"op": "forward", "input_ids": [[1] * 100] * 64})
+
+
+def test_corrupt_checkpoint_fails_to_load_with_the_error(ckpts: dict[str, Path], tmp_path: Path) -> None:
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for f in ckpts["gpt2"].iterdir():
+        (bad / f.name).write_bytes(f.read_bytes())
+    (bad / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_embd": "sixty-four"}))
+    r = ModelReplica("k", 0, str(bad))
+    with pytest.raises(Exception) as info:
+        r.load()
+    assert str(info.value) and r.level == "COLD"
