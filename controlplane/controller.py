@@ -33,7 +33,7 @@ from schemas.errors import InfrastructureError, NdifError
 from schemas.events import Event, ReplicaFailed
 from schemas.keys import canonical_model_key
 from schemas.status import Level, ReplicaState
-from schemas.subjects import COMMANDS_PREFIX, HEARTBEATS_BUCKET, node_token
+from schemas.subjects import COMMANDS_PREFIX, HEARTBEATS_BUCKET, model_token, node_token
 
 log = structlog.get_logger("ndif.controller")
 
@@ -209,7 +209,7 @@ class Controller:
 
     async def _on_failure(self, model_key: str, replica_id: int) -> None:
         assert self.committer is not None
-        cid = f"policy-failure-{model_key}-{replica_id}-{self.state.seq}"
+        cid = f"policy-failure-{model_token(model_key)}-{replica_id}-{self.state.seq}"
 
         def run(state: ClusterState) -> list[Event]:
             ctx = DecisionContext(now=utcnow(), actor=self.name, command_id=cid, seed=seed_of(cid))
@@ -265,7 +265,7 @@ class Controller:
 
     async def _node_lost(self, node_id: str) -> None:
         assert self.committer is not None
-        cid = f"policy-node-lost-{node_id}-{self.state.nodes[node_id].since_seq}"
+        cid = f"policy-node-lost-{node_token(node_id)}-{self.state.nodes[node_id].since_seq}"
 
         def run(state: ClusterState) -> list[Event]:
             ctx = DecisionContext(now=utcnow(), actor=self.name, command_id=cid, seed=seed_of(cid))

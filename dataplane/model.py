@@ -104,7 +104,11 @@ class ModelReplica:
                 self.model = AutoModelForCausalLM.from_pretrained(self.checkpoint, **kwargs)
             else:
                 self.model = AutoModelForCausalLM.from_pretrained(self.checkpoint, **kwargs)
-                self.model.to(self._device_for(devices))
+                device = self._device_for(devices)
+                if device == "cpu":
+                    _materialize(self.model)
+                else:
+                    self.model.to(device)
             self.model.eval()
             self.tokenizer = _maybe_tokenizer(self.checkpoint)
             if cuda:
@@ -266,6 +270,16 @@ class ModelReplica:
                         for ti, tv in zip(top.indices.tolist(), top.values.tolist(), strict=True)],
                 "modules": captured,
             }
+
+
+def _materialize(model: Any) -> None:
+    """Copy memory-mapped weights into process memory: HOT on a CPU means read from disk, not a
+    promise to page it in on the first request (safetensors loads map the file lazily)."""
+    import torch
+
+    with torch.no_grad():
+        for t in (*model.parameters(), *model.buffers()):
+            t.data = t.data.clone()
 
 
 def _capture(into: dict[str, Any], name: str) -> Any:

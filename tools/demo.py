@@ -1,126 +1,138 @@
-"""End-to-end demo of the event log (issue 3 stage): embedded NATS, decisions appended with OCC and
-group commit, agents' observations, the folded cluster view, a replay to a past point, and a
-restart of the server on the same store.
+"""End-to-end demo: embedded NATS + local Ray + controller + node agent + real tiny models.
 
-    python tools/demo.py            # prints each step and the commands to look further
+    python tools/demo.py
+
+It starts its own `nats-server` (JetStream, free port, temp store) and a local Ray with 2 declared
+GPUs (CPU machines load the models on the CPU), runs the controller and one node agent in this
+process, makes two tiny real checkpoints (GPT-2 and Llama, random weights, `save_pretrained`), and
+then drives the cluster with the real `ndif` CLI: deploy, a request on each replica, evict to WARM,
+scale back (the same replica id returns from the CPU cache), an actor killed and restarted by the
+controller's policy, history, replay, and evict --all --cold. Every step is an event in the log.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
+import os
 import sys
 import tempfile
+import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
-import structlog
+from controlplane.logs import configure  # noqa: E402
 
-from controlplane.committer import GroupCommitter, afold_batches
-from controlplane.context import DecisionContext, observed, utcnow
-from controlplane.eventstore import JetStreamEventLog
-from controlplane.nats_server import EmbeddedNats
-from controlplane.projections import ClusterState, decode_snapshot, encode_snapshot, replay
-from controlplane.render import render_status
-from schemas import events as E
-from schemas.keys import canonical_model_key
-from schemas.status import DeploymentOp, EvictionReason, Level
+configure("WARNING")
 
-GiB = 2**30
-NODE = "gpu-node-1.local"
+import ray  # noqa: E402
+
+from controlplane.admin import AdminClient  # noqa: E402
+from controlplane.controller import Controller  # noqa: E402
+from controlplane.eventstore import JetStreamEventLog  # noqa: E402
+from controlplane.nats_server import EmbeddedNats  # noqa: E402
+from dataplane.agent import NodeAgent, declared_gpus  # noqa: E402
+from dataplane.model_actor import NAMESPACE, get_actor, list_replica_actors  # noqa: E402
+from schemas.keys import canonical_model_key  # noqa: E402
+from tools.tiny_models import make_tiny_gpt2, make_tiny_llama  # noqa: E402
+
+GB = 10**9
 
 
-def step(msg: str) -> None:
+def say(msg: str) -> None:
     print(f"\n==> {msg}", flush=True)
 
 
-def schedule(model: str, rid: int, gpus: tuple[int, ...], size: int, cmd: str, source: Level = Level.COLD):
-    """A tiny stand-in for placement (the controller issue brings the real one)."""
+async def ndif(url: str, *args: str) -> str:
+    """Run the real CLI and show it, as an operator would type it."""
+    print(f"$ ndif {' '.join(args)}", flush=True)
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "dataplane.cli", *args, env={**os.environ, "NDIF_NATS_URL": url,
+                                                           "NDIF_LOG_LEVEL": "WARNING"},
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, cwd=ROOT)
+    out, _ = await proc.communicate()
+    text = out.decode()
+    print("  " + text.rstrip().replace("\n", "\n  "), flush=True)
+    if proc.returncode:
+        raise SystemExit(f"demo: `ndif {' '.join(args)}` exited {proc.returncode}")
+    return text
 
-    def decide(state: ClusterState) -> list[E.Event]:
-        ctx = DecisionContext(now=utcnow(), actor="demo-controller", command_id=cmd)
-        m = state.models.get(model)
-        target = (m.target_hot if m else 0) + 1
-        return [ctx.event(E.DeploymentRequested, model_key=model, op=DeploymentOp.SCALE, replicas=target,
-                          target_hot=target),
-                ctx.event(E.ReplicaScheduled, model_key=model, replica_id=rid, node_id=NODE, gpu_indices=gpus,
-                          bytes_per_gpu=size, source=source)]
 
-    return decide
-
-
-async def agent(log: JetStreamEventLog, gc: GroupCommitter[ClusterState], *events: E.Event) -> None:
-    """An agent's observations, appended with OCC like every writer's."""
-    for ev in events:
-        while True:
-            try:
-                res = await log.append([ev], gc.state.seq)
-                break
-            except Exception:  # noqa: BLE001 - a conflict: catch up and try again
-                await gc.catch_up()
-        await gc.catch_up(res.last_seq)
+async def settle(admin: AdminClient, timeout: float = 120) -> None:
+    moving = {"LoadRequested", "Loading", "Draining", "UnloadRequested", "Restarting"}
+    async with asyncio.timeout(timeout):
+        while any(str(r.state) in moving for r in (await admin.state()).replicas.values()):
+            await asyncio.sleep(0.1)
 
 
 async def main() -> None:
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
-    gpt2 = canonical_model_key("openai-community/gpt2")
-    llama = canonical_model_key("meta-llama/Llama-3.1-8B")
-    with tempfile.TemporaryDirectory(prefix="ndif-demo-") as tmp:
-        srv = EmbeddedNats(Path(tmp) / "nats")
-        step("starting an embedded nats-server with JetStream")
-        srv.start()
-        print(f"    {srv.url}  store: {srv.store_dir}")
-        async with await JetStreamEventLog.open(srv.url) as log:
-            gc: GroupCommitter[ClusterState] = await GroupCommitter(log, ClusterState()).start()
-            step("an agent joins: 1 node, 2 x 80 GiB GPUs, 64 GiB CPU cache")
-            await agent(log, gc, observed(E.NodeJoined, actor=f"agent:{NODE}", node_id=NODE, cpu_cache_bytes=64 * GiB,
-                                          gpus=tuple(E.GpuInfo(index=i, memory_bytes=80 * GiB, name="H100")
-                                                     for i in range(2))))
-            step("3 deploy decisions at once, group-committed as one atomic batch (one OCC expectation)")
-            turns = gc.turns
-            results = await asyncio.gather(
-                gc.submit(schedule(gpt2, 0, (0,), GiB, "demo-deploy-gpt2-0")),
-                gc.submit(schedule(gpt2, 1, (1,), GiB, "demo-deploy-gpt2-1")),
-                gc.submit(schedule(llama, 0, (0, 1), 9 * GiB, "demo-deploy-llama-0")),
-            )
-            for r in results:
-                print(f"    seq {r.first_seq}..{r.last_seq}: {', '.join(type(e).__name__ for e in r.events)}")
-            print(f"    loop turns used: {gc.turns - turns}")
-            step("the agent loads them (observed events)")
-            for m, rid in ((gpt2, 0), (gpt2, 1), (llama, 0)):
-                rep = {"model_key": m, "replica_id": rid, "node_id": NODE}
-                await agent(log, gc, observed(E.ReplicaLoading, actor=f"agent:{NODE}", **rep),
-                            observed(E.ReplicaLoaded, actor=f"agent:{NODE}", load_seconds=1.5, **rep))
-            loaded_seq = gc.state.seq
-            step("evict gpt2 replica 1 to WARM, then the agent caches it on CPU")
-            await gc.submit(lambda s: [DecisionContext(now=utcnow(), actor="demo-cli", command_id="demo-evict").event(
-                E.ReplicaEvictionRequested, model_key=gpt2, replica_id=1, node_id=NODE, reason=EvictionReason.ADMIN,
-                target=Level.WARM)])
-            await agent(log, gc, observed(E.ReplicaCached, actor=f"agent:{NODE}", model_key=gpt2, replica_id=1,
-                                          node_id=NODE, cpu_bytes=GiB))
-            print(render_status(gc.state))
-            step(f"replay: the cluster as it was at seq {loaded_seq} (before the eviction)")
-            past = replay([p async for p in log.read(stop_seq=loaded_seq)], strict=True)
-            print(render_status(past))
-            step("snapshot to the Object Store, then snapshot + tail == full fold")
-            await log.save_snapshot("demo", encode_snapshot(past))
-            snap = decode_snapshot(await log.load_snapshot("demo"))
-            snap_seq = snap.seq
-            resumed = await afold_batches(log.read_batches(snap_seq + 1), snap)  # folds into `snap`
-            print(f"    snapshot at seq {snap_seq} + tail -> seq {resumed.seq}; equal to the full fold: "
-                  f"{resumed == gc.state}")
-            await gc.stop()
-        step("kill -9 the server, restart it on the same store, fold again")
-        srv.kill()
-        srv.start()
-        async with await JetStreamEventLog.open(srv.url) as log:
-            again = await afold_batches(log.read_batches(), ClusterState())
-            print(f"    {again.seq} events back; same state as before the crash: {again == gc.state}")
-        step("look further with the nats CLI while a server runs (subjects and headers in docs/architecture.md):")
-        print("    nats stream view NDIF_EVENTS       # JSON bodies, Nats-Msg-Id / Ndif-Event / Ndif-Schema headers")
-        print("    nats stream info NDIF_EVENTS       # deny_delete, deny_purge, allow_atomic")
+    t_start = time.perf_counter()
+    tmp = Path(tempfile.mkdtemp(prefix="ndif-demo-"))
+    say("Starting nats-server (JetStream, temp store) and a local Ray with 2 declared GPUs")
+    srv = EmbeddedNats(tmp / "nats")
+    await srv.astart()
+    url = srv.url
+    lg = await JetStreamEventLog.open(url)  # creates the streams and buckets
+    await lg.close()
+    ray.init(num_gpus=2, namespace=NAMESPACE, include_dashboard=False, log_to_driver=False)
+    print(f"  NATS {url}; Ray namespace '{NAMESPACE}'", flush=True)
+
+    say("Making two tiny real checkpoints (random weights, save_pretrained)")
+    gpt2 = str(make_tiny_gpt2(tmp / "models" / "tiny-gpt2"))
+    llama = str(make_tiny_llama(tmp / "models" / "tiny-llama"))
+    print(f"  {gpt2}\n  {llama}", flush=True)
+    mk = canonical_model_key(gpt2)
+
+    try:
+        async with Controller(url, policy_interval_s=0.2), \
+                NodeAgent(url, "node-1", gpus=declared_gpus(2, 80 * GB), cpu_cache_bytes=20 * GB,
+                          drain_timeout_s=0.5, heartbeat_s=1.0, health_interval_s=0.5), \
+                await AdminClient.open(url) as admin:
+            say("Deploy 2 replicas of tiny-gpt2 (the controller registers it: size measured on the meta device)")
+            await ndif(url, "deploy", gpt2, "--replicas", "2", "--wait")
+            await ndif(url, "deploy", llama, "--replicas", "1", "--wait")
+
+            say("Each replica is a detached Ray actor named ModelActor:<model_key>:<replica_id>; same input, "
+                "same output")
+            for rid in (0, 1):
+                actor = get_actor(mk, rid)
+                out = await actor.__call__.remote({"op": "generate", "prompt": "hello", "max_new_tokens": 5})
+                print(f"  replica {rid}: {out['output_ids'][0]}", flush=True)
+
+            say("Evict replica 1: HOT -> WARM (weights kept in the actor's CPU memory)")
+            await ndif(url, "evict", gpt2, "--replica-id", "1")
+            await settle(admin)
+            await ndif(url, "status")
+            warm_seq = (await admin.state()).seq
+
+            say("Scale back to 2: placement reuses the WARM copy, so replica 1 returns with its id")
+            await ndif(url, "scale", gpt2, "--replicas", "2", "--wait")
+
+            say("Kill replica 0's actor behind the agent's back: ReplicaFailed, then the controller restarts it")
+            ray.kill(get_actor(mk, 0), no_restart=True)
+            async with asyncio.timeout(120):
+                while (r := (await admin.state()).replicas[(mk, 0)]).restarts < 1 or str(r.state) != "Available":
+                    await asyncio.sleep(0.2)
+            print("  replica 0 is Available again (restarts: 1)", flush=True)
+
+            say("Every step of replica 1, with the command and actor that caused it")
+            await ndif(url, "history", gpt2, "--replica-id", "1")
+
+            say(f"Replay: the cluster as it was at seq {warm_seq} (replica 1 WARM)")
+            await ndif(url, "replay", "--until", str(warm_seq))
+
+            say("Evict everything to COLD: the actors are gone, the log keeps the story")
+            await ndif(url, "evict", "--all", "--cold")
+            await settle(admin)
+            print(f"  actors left: {len(list_replica_actors())}", flush=True)
+            await ndif(url, "events", "--since", "1")
+    finally:
+        ray.shutdown()
         srv.close()
+    say(f"Done in {time.perf_counter() - t_start:.0f}s. To keep a cluster running: `ndif up`, then in another "
+        "shell `ndif deploy DIR --replicas 2 --wait`, `ndif status --watch`, `ndif history DIR`, "
+        "`ndif replay --until SEQ`, `nats stream view NDIF_EVENTS` (docs/cli.md).")
 
 
 if __name__ == "__main__":
