@@ -178,7 +178,7 @@ async def _controller(a: argparse.Namespace) -> int:
     from controlplane.controller import run_controller
 
     await run_controller(a.nats, heartbeat_grace_s=a.heartbeat_grace, max_restarts=a.max_restarts,
-                         min_deploy_s=a.min_deploy_s)
+                         min_deploy_s=a.min_deploy_s, stream_replicas=a.stream_replicas)
     return 0
 
 
@@ -247,6 +247,8 @@ def add_admin_commands(sub: Any) -> None:
                    help="seconds without a node heartbeat before NodeLost (default %(default)s)")
     p.add_argument("--max-restarts", type=int, default=3,
                    help="in-place restarts of a failed replica before it is placed elsewhere (default %(default)s)")
+    p.add_argument("--stream-replicas", type=int, default=1,
+                   help="replicas of the streams and buckets it creates (3 on a NATS cluster)")
     p.add_argument("--min-deploy-s", type=float, default=300.0,
                    help="seconds a replica stays before pressure may evict it (default %(default)s)")
 

@@ -49,13 +49,14 @@ def seed_of(command_id: str) -> int:
 class Controller:
     def __init__(self, url: str, *, name: str | None = None, min_deploy_s: float = MIN_DEPLOY_S,
                  max_restarts: int = MAX_RESTARTS, heartbeat_grace_s: float = 20.0,
-                 policy_interval_s: float = 2.0, max_inflight: int = 512) -> None:
+                 policy_interval_s: float = 2.0, max_inflight: int = 512, stream_replicas: int = 1) -> None:
         self.url = url
         self.name = name or f"controller:{socket.gethostname()}"
         self.min_deploy_s = min_deploy_s
         self.max_restarts = max_restarts
         self.heartbeat_grace_s = heartbeat_grace_s
         self.policy_interval_s = policy_interval_s
+        self.stream_replicas = stream_replicas  # R3 on a NATS cluster (deploy/nats/)
         self.log: JetStreamEventLog | None = None
         self.committer: GroupCommitter[ClusterState] | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -77,7 +78,7 @@ class Controller:
         return self.committer.state
 
     async def start(self) -> Controller:
-        self.log = await JetStreamEventLog.open(self.url, name=self.name)
+        self.log = await JetStreamEventLog.open(self.url, name=self.name, replicas=self.stream_replicas)
         self.committer = await GroupCommitter(self.log, ClusterState()).start()
         self._tasks.append(asyncio.create_task(self._follow(), name="controller-follow"))
         self._tasks.append(asyncio.create_task(self._watch_heartbeats(), name="controller-heartbeats"))

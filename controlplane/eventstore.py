@@ -145,8 +145,9 @@ async def connect(url: str, *, name: str = "ndif", timeout: float = 5.0) -> Nats
 
     nc = FastHeaderClient()
     try:
+        servers: str | list[str] = [u.strip() for u in url.split(",") if u.strip()] if "," in url else url
         await nc.connect(
-            url, name=name, connect_timeout=timeout, reconnect_time_wait=0.5,  # type: ignore[arg-type]
+            servers, name=name, connect_timeout=timeout, reconnect_time_wait=0.5,  # type: ignore[arg-type]
             error_cb=error_cb, disconnected_cb=disconnected_cb, reconnected_cb=reconnected_cb,
             allow_reconnect=True,
             # The first connect gives up after a few tries (a wrong URL is an error to report);
