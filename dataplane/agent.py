@@ -155,7 +155,7 @@ class NodeAgent:
     async def _adopt(self) -> None:
         """Take over the live actors of this node: keep the ones the log wants, kill the others."""
         for model_key, rid, name in await asyncio.to_thread(list_replica_actors):
-            handle = get_actor(model_key, rid)
+            handle = await _get(model_key, rid)
             if handle is None:
                 continue
             try:
@@ -319,11 +319,12 @@ class NodeAgent:
                 reg = self.state.models[r.model_key].registration if r.model_key in self.state.models else None
                 if reg is None:
                     raise InfrastructureError(f"{r.model_key} has no registration in the log")
-                handle = get_actor(*key)  # a leftover from before (same id): reuse, never duplicate
+                handle = await _get(*key)  # a leftover from before (same id): reuse, never duplicate
                 if handle is None:
-                    handle = create_actor(r.model_key, r.replica_id, reg.checkpoint, revision=reg.revision,
-                                          dtype=reg.dtype, ray_node_id=self.ray_node_id, node_id=self.node_id,
-                                          execution_timeout_s=self.execution_timeout_s)
+                    handle = await asyncio.to_thread(
+                        create_actor, r.model_key, r.replica_id, reg.checkpoint, revision=reg.revision,
+                        dtype=reg.dtype, ray_node_id=self.ray_node_id, node_id=self.node_id,
+                        execution_timeout_s=self.execution_timeout_s)
                 self.actors[key] = handle
                 await _aw(handle.load.remote(devices))
         except Exception as exc:  # noqa: BLE001 - whatever the load raised is the replica's error
@@ -348,7 +349,7 @@ class NodeAgent:
     async def _unload(self, r: ReplicaView) -> None:
         key = r.key
         kw = self._kw(r)
-        handle = self.actors.get(key) or get_actor(*key)
+        handle = self.actors.get(key) or await _get(*key)
         if r.desired is Level.WARM and handle is not None:
             try:
                 cpu = await _aw(handle.to_cache.remote())
@@ -368,9 +369,9 @@ class NodeAgent:
         try:
             if reg is None:
                 raise InfrastructureError(f"{r.model_key} has no registration in the log")
-            handle = create_actor(r.model_key, r.replica_id, reg.checkpoint, revision=reg.revision, dtype=reg.dtype,
-                                  ray_node_id=self.ray_node_id, node_id=self.node_id,
-                                  execution_timeout_s=self.execution_timeout_s)
+            handle = await asyncio.to_thread(
+                create_actor, r.model_key, r.replica_id, reg.checkpoint, revision=reg.revision, dtype=reg.dtype,
+                ray_node_id=self.ray_node_id, node_id=self.node_id, execution_timeout_s=self.execution_timeout_s)
             self.actors[key] = handle
             await _aw(handle.load.remote(list(r.gpu_indices)))
         except Exception as exc:  # noqa: BLE001
@@ -380,7 +381,7 @@ class NodeAgent:
         await self._append(observed(ReplicaRestarted, **kw))
 
     async def _lost_cache(self, r: ReplicaView) -> None:
-        handle = get_actor(*r.key)
+        handle = await _get(*r.key)
         if handle is not None:
             self.actors[r.key] = handle
             return
@@ -388,11 +389,11 @@ class NodeAgent:
 
     async def _reap(self, key: RKey) -> None:
         """Kill the replica's actor if there is one (and wait until its name is free)."""
-        handle = self.actors.pop(key, None) or get_actor(*key)
+        handle = self.actors.pop(key, None) or await _get(*key)
         if handle is not None:
             await self._kill(handle)
             for _ in range(100):  # the name is released asynchronously
-                if get_actor(*key) is None:
+                if await _get(*key) is None:
                     break
                 await asyncio.sleep(0.05)
 
@@ -400,7 +401,7 @@ class NodeAgent:
         with contextlib.suppress(Exception):
             await asyncio.wait_for(_aw(handle.unload.remote()), 10)
         with contextlib.suppress(Exception):
-            ray.kill(handle, no_restart=True)
+            await asyncio.to_thread(ray.kill, handle, no_restart=True)
 
     async def _append(self, ev: Event) -> None:
         assert self.log_ is not None
@@ -412,6 +413,11 @@ class NodeAgent:
                 self.log.warning("append_retry", event=type(ev).__name__, attempt=attempt, error=str(exc))
                 await asyncio.sleep(min(0.1 * 2**attempt, 5))
         raise InfrastructureError(f"could not append {type(ev).__name__} after 20 tries; is NATS up?")
+
+
+async def _get(model_key: str, replica_id: int) -> Any:
+    """`get_actor` is a blocking GCS call: keep it off the event loop (heartbeats must not stall)."""
+    return await asyncio.to_thread(get_actor, model_key, replica_id)
 
 
 def _aw(ref: Any) -> Any:

@@ -4,6 +4,10 @@
         embedded NATS + local Ray + controller + one node agent, until Ctrl-C
     ndif agent --nats URL [--ray-address ADDR] [--node-id ID] [--gpus N --gpu-memory-gb G]
         one node agent (run one per Ray node)
+    ndif dispatcher --nats URL [--ray-address ADDR]      the request dispatcher
+    ndif submit MODEL (--prompt TEXT | --input-ids 1,2,3) [--max-new-tokens N] [--forward] [--json]
+    ndif queue [--json]                                  each processor's state
+    ndif kill REQUEST_ID                                 cancel a queued or running request
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import asyncio
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +37,11 @@ def _node_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heartbeat", type=float, default=2.0, help="heartbeat interval in seconds")
 
 
+def _nats(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--nats", default=os.environ.get("NDIF_NATS_URL", "nats://127.0.0.1:4222"),
+                   help="NATS URL (env NDIF_NATS_URL)")
+
+
 def add_dataplane_commands(sub: Any) -> None:
     p = sub.add_parser("up", help="embedded NATS + local Ray + controller + agent on this machine")
     p.add_argument("--port", type=int, default=4222, help="NATS port (default 4222)")
@@ -39,10 +49,28 @@ def add_dataplane_commands(sub: Any) -> None:
                    help="JetStream store directory (kept across runs)")
     _node_args(p)
     p = sub.add_parser("agent", help="run the node agent of this Ray node")
-    p.add_argument("--nats", default=os.environ.get("NDIF_NATS_URL", "nats://127.0.0.1:4222"))
+    _nats(p)
     p.add_argument("--ray-address", default=os.environ.get("RAY_ADDRESS", "auto"),
                    help="Ray cluster to join (default: auto, the cluster of this machine)")
     _node_args(p)
+    p = sub.add_parser("dispatcher", help="run the request dispatcher (processors per model)")
+    _nats(p)
+    p.add_argument("--ray-address", default=os.environ.get("RAY_ADDRESS", "auto"))
+    p = sub.add_parser("submit", help="send a request to a model and show its statuses")
+    p.add_argument("model")
+    _nats(p)
+    p.add_argument("--prompt", help="text (the checkpoint needs a tokenizer)")
+    p.add_argument("--input-ids", help="comma-separated token ids")
+    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--forward", action="store_true", help="one forward pass (next-token logprobs) instead of generate")
+    p.add_argument("--timeout", type=float, default=600.0)
+    p.add_argument("--json", action="store_true", help="print each status as a JSON line")
+    p = sub.add_parser("queue", help="each model processor's state")
+    _nats(p)
+    p.add_argument("--json", action="store_true")
+    p = sub.add_parser("kill", help="cancel a queued or running request")
+    p.add_argument("request_id")
+    _nats(p)
 
 
 def _agent_kwargs(a: argparse.Namespace) -> dict[str, Any]:
@@ -83,6 +111,7 @@ async def _up(a: argparse.Namespace) -> int:
     from controlplane.eventstore import JetStreamEventLog
     from controlplane.nats_server import EmbeddedNats
     from dataplane.agent import NodeAgent, detect_gpus
+    from dataplane.dispatcher import Dispatcher
     from dataplane.model_actor import NAMESPACE
 
     srv = EmbeddedNats(a.store, port=a.port)
@@ -99,12 +128,13 @@ async def _up(a: argparse.Namespace) -> int:
         gpus = kw.get("gpus") or detect_gpus()
         print(f"ndif up: NATS {url} (store {a.store}); starting Ray with {len(gpus)} GPU(s)...", flush=True)
         ray.init(num_gpus=len(gpus), namespace=NAMESPACE, include_dashboard=False, log_to_driver=False)
-        async with Controller(url), NodeAgent(url, **{**kw, "gpus": gpus}) as agent:
-            print(f"ndif up: controller and agent {agent.node_id} running. In another shell:\n"
+        async with Controller(url), NodeAgent(url, **{**kw, "gpus": gpus}) as agent, Dispatcher(url):
+            print(f"ndif up: controller, agent {agent.node_id} and dispatcher running. In another shell:\n"
                   f"  export NDIF_NATS_URL={url}\n"
                   "  python tools/tiny_models.py /tmp/ndif-models\n"
                   "  ndif deploy /tmp/ndif-models/tiny-gpt2 --replicas 2 --wait\n"
                   "  ndif status\n"
+                  "  ndif submit /tmp/ndif-models/tiny-gpt2 --prompt 'Hello'\n"
                   "Ctrl-C stops everything.", flush=True)
             await _until_signal()
         print("ndif up: stopping", flush=True)
@@ -115,8 +145,103 @@ async def _up(a: argparse.Namespace) -> int:
     return 0
 
 
+async def _dispatcher(a: argparse.Namespace) -> int:
+    import ray
+
+    from dataplane.dispatcher import Dispatcher
+    from dataplane.model_actor import NAMESPACE
+
+    ray.init(address=a.ray_address, namespace=NAMESPACE, log_to_driver=False)
+    async with Dispatcher(a.nats):
+        await _until_signal()
+    return 0
+
+
+async def _submit(a: argparse.Namespace) -> int:
+    import msgspec
+
+    from dataplane.client import Client, RequestFailed
+
+    payload: dict[str, Any] = {"op": "forward" if a.forward else "generate", "max_new_tokens": a.max_new_tokens}
+    if a.prompt is not None:
+        payload["prompt"] = a.prompt
+    elif a.input_ids:
+        try:
+            payload["input_ids"] = [[int(x) for x in a.input_ids.split(",")]]
+        except ValueError:
+            raise errs.InvalidCommand("--input-ids takes comma-separated integers, e.g. 1,2,3") from None
+    else:
+        raise errs.InvalidCommand("give --prompt TEXT or --input-ids 1,2,3")
+    async with Client(a.nats) as c:
+        job = await c.submit(a.model, payload)
+        t0 = time.perf_counter()
+        if not a.json:
+            print(f"request {job.request_id}", flush=True)
+        async for s in job.statuses(timeout=a.timeout):
+            if a.json:
+                print(msgspec.json.encode(s).decode(), flush=True)
+                continue
+            extra = f" (position {s.queue_position})" if s.queue_position is not None else ""
+            extra += f" on replica {s.replica_id}" if s.replica_id is not None and not s.terminal else ""
+            print(f"  {time.perf_counter() - t0:6.2f}s  {s.status}{extra}" + (f"  {s.message}" if s.message else ""),
+                  flush=True)
+        try:
+            result = await job.result()
+        except RequestFailed as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+        if not a.json:
+            print(result.get("text", result) if isinstance(result, dict) else result)
+    return 0
+
+
+async def _queue(a: argparse.Namespace) -> int:
+    import json
+
+    import nats as nats_mod
+
+    nc = await nats_mod.connect(a.nats, max_reconnect_attempts=1)
+    try:
+        msg = await nc.request("ndif.dispatcher.state", b"", timeout=5)
+    except nats_mod.errors.NoRespondersError:
+        raise errs.InfrastructureError("no dispatcher is answering: start one (`ndif up` or `ndif dispatcher`)") from None
+    finally:
+        await nc.close()
+    state = json.loads(msg.data)
+    if a.json:
+        print(json.dumps(state, sort_keys=True))
+        return 0
+    print(f"dispatcher {state['dispatcher']}")
+    for p in state["processors"]:
+        print(f"  {p['model_key']}\n    {p['status']}: {p['queued']} queued, {p['in_flight']} running, "
+              f"workers {p['workers']} (ready {p['ready_replicas']}, draining {p['draining_replicas']}, "
+              f"starting {p['starting_replicas']}), {p['completed']} completed, {p['errors']} errors")
+    return 0
+
+
+async def _kill(a: argparse.Namespace) -> int:
+    import json
+
+    import nats as nats_mod
+
+    nc = await nats_mod.connect(a.nats, max_reconnect_attempts=1)
+    try:
+        msg = await nc.request("ndif.dispatcher.kill", a.request_id.encode(), timeout=10)
+    except nats_mod.errors.NoRespondersError:
+        raise errs.InfrastructureError("no dispatcher is answering: start one (`ndif up` or `ndif dispatcher`)") from None
+    finally:
+        await nc.close()
+    ans = json.loads(msg.data)
+    if not ans.get("ok"):
+        raise errs.NotFound(ans.get("message", "not found"))
+    print(f"killed {a.request_id}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
-    return admin_main(argv, extra=add_dataplane_commands, runners={"up": _up, "agent": _agent})
+    return admin_main(argv, extra=add_dataplane_commands,
+                      runners={"up": _up, "agent": _agent, "dispatcher": _dispatcher, "submit": _submit,
+                               "queue": _queue, "kill": _kill})
 
 
 if __name__ == "__main__":

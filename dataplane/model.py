@@ -46,6 +46,10 @@ class ExecutionTimeout(NdifError):
     """The request ran past the replica's execution timeout."""
 
 
+class LoadError(NdifError):
+    """The checkpoint could not be loaded; the message carries the loader's own error."""
+
+
 class BadRequest(NdifError, ValueError):
     """The request is malformed (unknown op, bad input_ids, too large)."""
 

@@ -17,7 +17,7 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from dataplane.model import ModelReplica
+from dataplane.model import LoadError, ModelReplica
 
 NAMESPACE = "ndif"
 PREFIX = "ModelActor:"
@@ -48,7 +48,11 @@ class ModelActor:
                                     execution_timeout_s=execution_timeout_s)
 
     def load(self, devices: list[int]) -> float:
-        return self.replica.load(tuple(devices))
+        try:
+            return self.replica.load(tuple(devices))
+        except Exception as exc:  # noqa: BLE001 - every load failure is reported the same way
+            # transformers' errors do not always pickle; the agent needs their text, not their class.
+            raise LoadError(f"{type(exc).__name__}: {exc}") from None
 
     def to_cache(self) -> int:
         return self.replica.to_cache()

@@ -26,6 +26,13 @@ class NdifError(Exception):
             return
         raise AttributeError(f"{type(self).__name__}.{name} is read-only")
 
+    def __reduce__(self) -> tuple[object, ...]:
+        # Errors cross process boundaries (a replica's BadRequest travels back through Ray): rebuild
+        # the same class with the same message and read-only attributes, bypassing __init__'s
+        # per-class keyword arguments.
+        attrs = {k[1:]: v for k, v in self.__dict__.items() if k.startswith("_") and not k.startswith("__")}
+        return (_rebuild, (type(self), self.args, attrs))
+
     @property
     def retryable(self) -> bool:
         return bool(self._retryable)  # type: ignore[attr-defined]
@@ -92,3 +99,10 @@ class ReplayAnomalyError(NdifError):
     @property
     def anomalies(self) -> tuple[object, ...]:
         return self._anomalies  # type: ignore[attr-defined,no-any-return]
+
+
+def _rebuild(cls: type[NdifError], args: tuple[object, ...], attrs: dict[str, object]) -> NdifError:
+    err = cls.__new__(cls)
+    Exception.__init__(err, *args)
+    err._set(**attrs)
+    return err

@@ -1,0 +1,181 @@
+"""The async client SDK for researchers: submit a request, stream its statuses, get the result.
+
+    async with Client("nats://127.0.0.1:4222") as c:
+        job = await c.submit("openai-community/gpt2", {"op": "generate", "prompt": "Hello", "max_new_tokens": 8})
+        async for s in job.statuses():
+            print(s.status, s.queue_position)
+        result = await job.result()
+
+A request is durable once `submit` returns (stored in the `NDIF_REQUESTS` stream; the same request
+id re-submitted within the dedup window is stored once). Statuses arrive live on
+`ndif.status.<id>`; a client that connects later (or reconnects) first reads the latest one kept in
+KV, so it never misses the terminal status. `result()` raises `RequestFailed` for an ERROR.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime
+from types import TracebackType
+from typing import Any
+
+import msgspec
+import nats.errors
+import nats.js.errors
+
+from controlplane.eventstore import JetStreamEventLog
+from schemas import errors as errs
+from schemas.keys import canonical_model_key
+from schemas.requests import MAX_REQUEST_BYTES, Request, StatusUpdate, check_request_id, encoder, status_decoder
+from schemas.status import RequestStatus
+from schemas.subjects import REQUEST_STATUS_BUCKET, RESULTS_BUCKET, request_subject, status_subject
+
+
+class RequestFailed(errs.NdifError):
+    """The request ended in ERROR; `error` is the error class, `status` the terminal update."""
+
+    def __init__(self, message: str, *, error: str | None = None, status: StatusUpdate | None = None) -> None:
+        super().__init__(message)
+        self._set(error=error, status=status)
+
+    @property
+    def error(self) -> str | None:
+        return self._error  # type: ignore[attr-defined,no-any-return]
+
+    @property
+    def status(self) -> StatusUpdate | None:
+        return self._status  # type: ignore[attr-defined,no-any-return]
+
+
+class Job:
+    """One submitted request."""
+
+    def __init__(self, client: Client, request_id: str, model_key: str) -> None:
+        self.client = client
+        self.request_id = request_id
+        self.model_key = model_key
+        self.last: StatusUpdate | None = None
+        self._queue: asyncio.Queue[StatusUpdate] = asyncio.Queue()
+        self._sub: Any = None
+
+    async def _listen(self) -> None:
+        async def cb(msg: Any) -> None:
+            with contextlib.suppress(msgspec.DecodeError):
+                self._queue.put_nowait(status_decoder.decode(msg.data))
+
+        self._sub = await self.client.log.nc.subscribe(status_subject(self.request_id), cb=cb)
+        await self.client.log.nc.flush()
+
+    async def latest(self) -> StatusUpdate | None:
+        """The latest status kept in KV (what a reconnecting client starts from)."""
+        try:
+            e = await self.client.kv.get(self.request_id)
+        except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
+            return None
+        return status_decoder.decode(e.value) if e.value else None
+
+    async def statuses(self, timeout: float | None = None) -> AsyncIterator[StatusUpdate]:
+        """Every status from now to the terminal one (starting from the latest kept, if newer)."""
+        if self._sub is None:
+            await self._listen()
+        kept = await self.latest()
+        if kept is not None and (self.last is None or kept.ts > self.last.ts):
+            self.last = kept
+            yield kept
+            if kept.terminal:
+                return
+        while True:
+            try:
+                u = await asyncio.wait_for(self._queue.get(), timeout)
+            except TimeoutError:
+                # Missed a live message while reconnecting? KV has the latest.
+                kept = await self.latest()
+                if kept is not None and kept.terminal:
+                    self.last = kept
+                    yield kept
+                    return
+                raise errs.InfrastructureTimeout(
+                    f"no status for {self.request_id} within {timeout}s (last: "
+                    f"{self.last.status if self.last else 'none'}); is a dispatcher running?") from None
+            if self.last is not None and self.last.terminal:
+                return
+            if self.last is not None and (u.ts < self.last.ts or u == self.last):
+                continue  # already seen (kept in KV and also received live)
+            self.last = u
+            yield u
+            if u.terminal:
+                await self.close()
+                return
+
+    async def result(self, timeout: float | None = 300.0) -> Any:
+        """The result of a COMPLETED request; `RequestFailed` for ERROR."""
+        final = self.last if self.last is not None and self.last.terminal else None
+        if final is None:
+            async for u in self.statuses(timeout=timeout):
+                final = u
+        assert final is not None
+        if final.status is RequestStatus.ERROR:
+            raise RequestFailed(f"{final.error or 'error'}: {final.message}", error=final.error, status=final)
+        if final.result_ref:
+            obj = await self.client.results.get(final.result_ref)
+            return msgspec.json.decode(obj.data)
+        return final.result
+
+    async def close(self) -> None:
+        if self._sub is not None:
+            with contextlib.suppress(Exception):
+                await self._sub.unsubscribe()
+            self._sub = None
+
+
+class Client:
+    def __init__(self, url: str, *, name: str = "ndif-client", timeout: float = 10.0) -> None:
+        self.url = url
+        self.name = name
+        self.timeout = timeout
+        self.log: JetStreamEventLog = None  # type: ignore[assignment]
+        self.kv: Any = None
+        self.results: Any = None
+
+    async def __aenter__(self) -> Client:
+        self.log = await JetStreamEventLog.open(self.url, ensure=False, name=self.name, timeout=self.timeout)
+        self.kv = await self.log.js.key_value(REQUEST_STATUS_BUCKET)
+        self.results = await self.log.js.object_store(RESULTS_BUCKET)
+        return self
+
+    async def __aexit__(self, t: type[BaseException] | None, e: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        await self.log.close()
+
+    async def submit(self, model: str, payload: dict[str, Any], *, request_id: str | None = None) -> Job:
+        """Store the request durably and return its job (statuses are listened to before it is sent)."""
+        mk = canonical_model_key(model)
+        rid = check_request_id(request_id or uuid.uuid4().hex)
+        body = encoder.encode(Request(request_id=rid, model_key=mk, payload=payload, submitted_at=datetime.now(UTC),
+                                      client=self.name))
+        if len(body) > MAX_REQUEST_BYTES:
+            raise errs.InvalidCommand(f"request of {len(body)} bytes is over the {MAX_REQUEST_BYTES} byte limit")
+        job = Job(self, rid, mk)
+        await job._listen()
+        try:
+            await self.log.js.publish(request_subject(mk), body, headers={"Nats-Msg-Id": rid}, timeout=self.timeout)
+        except nats.errors.NoRespondersError:
+            await job.close()
+            raise errs.InfrastructureError("no NDIF_REQUESTS stream: start the service (`ndif up`)") from None
+        except nats.errors.TimeoutError:
+            await job.close()
+            raise errs.InfrastructureTimeout(
+                f"submit of {rid} timed out; re-submit with request_id={rid!r} (it is stored at most once)") from None
+        return job
+
+    async def job(self, request_id: str, model: str = "") -> Job:
+        """A handle on an earlier request (e.g. after a reconnect): its statuses resume from KV."""
+        return Job(self, check_request_id(request_id), canonical_model_key(model) if model else "")
+
+    async def run(self, model: str, payload: dict[str, Any], *, timeout: float | None = 300.0) -> Any:
+        """Submit and wait for the result."""
+        job = await self.submit(model, payload)
+        return await job.result(timeout=timeout)

@@ -1,0 +1,386 @@
+"""The dispatcher: durable requests in, one Processor per model, statuses out (DESIGN §1, §4).
+
+- It folds the event stream with the same reducer as every component and hands each processor its
+  queue view on every event: the processor's replica set is the log's, with no second control
+  plane to lag behind.
+- Requests live in the work-queue stream `NDIF_REQUESTS` (`ndif.req.<mtok>`). Each model subject
+  gets its own durable pull consumer (`proc-<mtok>`): a model waiting for provisioning holds its own
+  requests only and never stalls another model's. A request is acked only at COMPLETED or ERROR;
+  while held (queued or running) it is kept alive with in-progress acks. Execution is
+  at-least-once (a dispatcher that dies loses its acks, so the requests are redelivered); the
+  terminal status is written exactly once (KV compare-and-set), and a redelivered request that
+  already has one is acked without running again.
+- The first request for a model with no replicas sends `deploy` with NDIF_MODEL_REPLICAS_DEFAULT
+  replicas; requests are served once NDIF_PROCESSOR_MIN_READY_REPLICAS are ready. If the last
+  replica goes while requests wait, it provisions again and tells the waiting users.
+- A draining replica takes no new request; once idle the dispatcher appends `ReplicaDrained`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+from collections.abc import Coroutine
+from datetime import UTC, datetime
+from typing import Any
+
+import msgspec
+import nats.errors
+import nats.js.errors
+import structlog
+from nats.aio.msg import Msg
+from nats.js import api
+
+from controlplane.admin import AdminClient
+from controlplane.context import observed
+from controlplane.eventstore import JetStreamEventLog
+from controlplane.projections import ClusterState
+from controlplane.projections.queue import queue_view
+from dataplane.processor import Pending, Processor
+from schemas import errors as errs
+from schemas.events import ReplicaDrained
+from schemas.keys import canonical_model_key
+from schemas.requests import (
+    INLINE_RESULT_BYTES,
+    Request,
+    StatusUpdate,
+    check_request_id,
+    decode_request,
+    encoder,
+    status_decoder,
+)
+from schemas.status import RequestStatus
+from schemas.subjects import (
+    REQUEST_STATUS_BUCKET,
+    REQUESTS_ALL,
+    REQUESTS_STREAM,
+    RESULTS_BUCKET,
+    model_token,
+    status_subject,
+)
+
+log = structlog.get_logger("ndif.dispatcher")
+R = RequestStatus
+_KV_STATUSES = {R.RECEIVED, R.QUEUED, R.RUNNING, R.PROVISIONING, R.DEPLOYING}
+ACK_WAIT_S = 30.0
+
+
+def _env_int(name: str, default: int) -> int:
+    try:
+        return max(1, int(os.environ.get(name, default)))
+    except ValueError:
+        return default
+
+
+class Dispatcher:
+    def __init__(self, url: str, *, name: str | None = None, default_replicas: int | None = None,
+                 min_ready: int | None = None, fetch_batch: int = 64) -> None:
+        self.url = url
+        self.name = name or f"dispatcher:{socket.gethostname()}"
+        self.default_replicas = default_replicas or _env_int("NDIF_MODEL_REPLICAS_DEFAULT", 1)
+        self.min_ready = min_ready or _env_int("NDIF_PROCESSOR_MIN_READY_REPLICAS", 1)
+        self.fetch_batch = fetch_batch
+        self.state = ClusterState()
+        self.processors: dict[str, Processor] = {}  # model token -> processor
+        self.log_: JetStreamEventLog | None = None
+        self.admin: AdminClient | None = None
+        self.kv: Any = None
+        self.results: Any = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._bg: set[asyncio.Task[Any]] = set()
+        self._drained: set[tuple[str, int, int]] = set()
+        self._subs: list[Any] = []
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self) -> Dispatcher:
+        self.log_ = await JetStreamEventLog.open(self.url, name=self.name)
+        self.admin = AdminClient(self.log_, actor=self.name)
+        self.kv = await self.log_.js.key_value(REQUEST_STATUS_BUCKET)
+        self.results = await self.log_.js.object_store(RESULTS_BUCKET)
+        async for batch in self.log_.read_batches():
+            for seq, item in batch:
+                self.state.apply(seq, item)
+        nc = self.log_.nc
+        # New model subjects are discovered from the publishes themselves; existing ones from the stream.
+        self._subs.append(await nc.subscribe(REQUESTS_ALL, cb=self._on_publish))
+        self._subs.append(await nc.subscribe("ndif.dispatcher.state", cb=self._on_state))
+        self._subs.append(await nc.subscribe("ndif.dispatcher.kill", cb=self._on_kill))
+        with contextlib.suppress(nats.js.errors.NotFoundError):
+            info = await self.log_.js.stream_info(REQUESTS_STREAM, subjects_filter=REQUESTS_ALL)
+            for subject in (info.state.subjects or {}):
+                self._processor(subject.rsplit(".", 1)[-1])
+        self._tasks += [asyncio.create_task(self._follow(), name="dispatcher-follow"),
+                        asyncio.create_task(self._keepalive(), name="dispatcher-keepalive")]
+        log.info("dispatcher_started", name=self.name, seq=self.state.seq, processors=len(self.processors))
+        return self
+
+    async def stop(self) -> None:
+        for s in self._subs:
+            with contextlib.suppress(Exception):
+                await s.unsubscribe()
+        tasks = [*self._tasks, *self._bg]
+        for p in self.processors.values():
+            tasks += [*p.workers.values()]
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        if self.log_ is not None:
+            await self.log_.close()
+
+    async def __aenter__(self) -> Dispatcher:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+        t = asyncio.create_task(coro)
+        self._bg.add(t)
+        t.add_done_callback(self._bg.discard)
+
+    # ---- the log -----------------------------------------------------------------------------
+
+    async def _follow(self) -> None:
+        assert self.log_ is not None
+        while True:
+            try:
+                async for batch in self.log_.follow_batches(self.state.seq + 1):
+                    for seq, item in batch:
+                        self.state.apply(seq, item)
+                    self._sync_all()
+            except asyncio.CancelledError:
+                raise
+            except errs.InfrastructureError as exc:
+                log.warning("follow_interrupted", error=str(exc))
+                await asyncio.sleep(0.5)
+
+    def _sync_all(self) -> None:
+        for p in self.processors.values():
+            if p.model_key is not None:
+                p.sync(queue_view(self.state, p.model_key))
+
+    def report_drained(self, model_key: str, replica_id: int) -> None:
+        r = self.state.replicas.get((model_key, replica_id))
+        if r is None or str(r.state) != "Draining":
+            return
+        mark = (model_key, replica_id, r.since_seq)
+        if mark in self._drained:
+            return
+        self._drained.add(mark)
+        assert self.log_ is not None
+        ev = observed(ReplicaDrained, actor=self.name, model_key=model_key, replica_id=replica_id, node_id=r.node_id)
+        self.spawn(self.log_.append([ev], None))
+        log.info("replica_drained", model_key=model_key, replica_id=replica_id)
+
+    # ---- provisioning ------------------------------------------------------------------------
+
+    def maybe_provision(self, p: Processor) -> None:
+        """Requests wait and the model has no replica asked for: deploy it (once at a time)."""
+        if p.model_key is None or not p.queue or p.provisioning:
+            return
+        if p.view is not None and p.view.requested > 0:
+            return
+        p.provisioning = True
+        self.spawn(self._provision(p))
+
+    async def _provision(self, p: Processor) -> None:
+        assert self.admin is not None and p.model_key is not None
+        try:
+            await self.admin.deploy(p.model_key, self.default_replicas)
+            log.info("provisioned", model_key=p.model_key, replicas=self.default_replicas)
+        except errs.InvalidCommand as exc:
+            if "already has" not in str(exc):  # another dispatcher (or an operator) was first: fine
+                p.fail_all(type(exc).__name__, f"cannot deploy {p.model_key}: {exc}")
+        except errs.NotFound as exc:
+            p.fail_all(type(exc).__name__, str(exc))
+        except errs.NdifError as exc:
+            log.warning("provision_failed", model_key=p.model_key, error=str(exc))
+            await asyncio.sleep(2.0)  # no controller yet: try again on the next event
+        finally:
+            p.provisioning = False
+            await asyncio.sleep(0)
+            if p.model_key in self.state.models:
+                p.sync(queue_view(self.state, p.model_key))
+
+    # ---- requests in -------------------------------------------------------------------------
+
+    def _processor(self, token: str) -> Processor:
+        p = self.processors.get(token)
+        if p is None:
+            p = self.processors[token] = Processor(token, self)
+            self._tasks.append(asyncio.create_task(self._consume(p), name=f"consume-{token}"))
+        return p
+
+    async def _on_publish(self, msg: Msg) -> None:
+        token = msg.subject.rsplit(".", 1)[-1]
+        if token not in self.processors:
+            self._processor(token)
+
+    async def _consume(self, p: Processor) -> None:
+        assert self.log_ is not None
+        js = self.log_.js
+        subject = f"ndif.req.{p.token}"
+        cfg = api.ConsumerConfig(durable_name=f"proc-{p.token}", filter_subject=subject,
+                                 ack_policy=api.AckPolicy.EXPLICIT, ack_wait=ACK_WAIT_S, max_deliver=-1,
+                                 max_ack_pending=100_000, deliver_policy=api.DeliverPolicy.ALL)
+        while True:
+            try:
+                sub = await js.pull_subscribe(subject, durable=f"proc-{p.token}", stream=REQUESTS_STREAM, config=cfg)
+                while True:
+                    try:
+                        msgs = await sub.fetch(self.fetch_batch, timeout=5)
+                    except nats.errors.TimeoutError:
+                        continue
+                    for m in msgs:
+                        await self._accept(p, m)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - NATS away or consumer gone: make it again
+                log.warning("consumer_restarting", token=p.token, error=str(exc) or type(exc).__name__)
+                await asyncio.sleep(1.0)
+
+    async def _accept(self, p: Processor, m: Msg) -> None:
+        try:
+            req = decode_request(m.data)
+            mk = canonical_model_key(req.model_key)
+            if model_token(mk) != p.token:
+                raise errs.InvalidCommand(f"request for {req.model_key!r} arrived on another model's subject")
+        except errs.NdifError as exc:
+            rid = _request_id_of(m.data) or (m.headers or {}).get("Nats-Msg-Id", "")
+            log.warning("request_refused", request_id=rid, error=str(exc))
+            if rid:
+                bogus = Request(request_id=rid, model_key="", payload={}, submitted_at=datetime.now(UTC))
+                await self.finish(Pending(bogus, m), R.ERROR, error=type(exc).__name__, message=str(exc))
+            else:
+                await m.ack()
+            return
+        if req.model_key != mk:
+            req = msgspec.structs.replace(req, model_key=mk)
+        attempt = int(m.metadata.num_delivered) if m.metadata else 1
+        if await self._terminal(req.request_id) is not None:
+            await m.ack()  # finished by an earlier delivery: never run twice to the client's eyes
+            return
+        if p.model_key is None:
+            p.model_key = mk
+            p.log = p.log.bind(model_key=mk)
+            p.sync(queue_view(self.state, mk))
+        p.enqueue(Pending(req, m, attempt=attempt))
+
+    # ---- statuses out ------------------------------------------------------------------------
+
+    async def _terminal(self, request_id: str) -> StatusUpdate | None:
+        try:
+            e = await self.kv.get(request_id)
+        except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
+            return None
+        cur = status_decoder.decode(e.value) if e.value else None
+        return cur if cur is not None and cur.terminal else None
+
+    def _update(self, p: Pending, status: RequestStatus, **kw: Any) -> StatusUpdate:
+        return StatusUpdate(request_id=p.req.request_id, status=status, ts=datetime.now(UTC),
+                            model_key=p.req.model_key, attempt=p.attempt, **kw)
+
+    async def status(self, p: Pending, status: RequestStatus, **kw: Any) -> None:
+        """A non-terminal status: published always, kept in KV for the ones a reconnecting client needs."""
+        assert self.log_ is not None
+        u = self._update(p, status, **kw)
+        data = encoder.encode(u)
+        await self.log_.nc.publish(status_subject(u.request_id), data)
+        if status in _KV_STATUSES:
+            await self._kv_write(u, data, terminal=False)
+
+    async def finish(self, p: Pending, status: RequestStatus, **kw: Any) -> bool:
+        """The terminal status, written exactly once (CAS); then the request is acked."""
+        assert self.log_ is not None
+        if status is R.COMPLETED and "result" in kw:
+            body = msgspec.json.encode(kw["result"])
+            if len(body) > INLINE_RESULT_BYTES:
+                name = f"{p.req.request_id}.json"
+                await self.results.put(name, body)
+                kw = {**kw, "result": None, "result_ref": name}
+        u = self._update(p, status, **kw)
+        data = encoder.encode(u)
+        wrote = await self._kv_write(u, data, terminal=True)
+        if wrote:
+            await self.log_.nc.publish(status_subject(u.request_id), data)
+        if p.msg is not None:
+            with contextlib.suppress(Exception):
+                await p.msg.ack()
+        return wrote
+
+    async def _kv_write(self, u: StatusUpdate, data: bytes, *, terminal: bool) -> bool:
+        """Write unless a terminal status is already there (compare-and-set on the key's revision)."""
+        key = u.request_id
+        for _ in range(20):
+            try:
+                e = await self.kv.get(key)
+                cur = status_decoder.decode(e.value) if e.value else None
+                rev = e.revision
+            except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
+                cur, rev = None, None
+            if cur is not None and cur.terminal:
+                return False
+            try:
+                if rev is None:
+                    await self.kv.create(key, data)
+                else:
+                    await self.kv.update(key, data, last=rev)
+                return True
+            except nats.js.errors.KeyWrongLastSequenceError:
+                continue
+        if terminal:
+            log.error("terminal_status_not_written", request_id=key)
+        return False
+
+    # ---- keep-alive, state, kill -------------------------------------------------------------
+
+    async def _keepalive(self) -> None:
+        """In-progress acks for every held request, well inside the ack wait."""
+        while True:
+            await asyncio.sleep(ACK_WAIT_S / 3)
+            for p in list(self.processors.values()):
+                for held in p.held():
+                    if held.msg is not None:
+                        with contextlib.suppress(Exception):
+                            await held.msg.in_progress()
+
+    def get_state(self) -> list[dict[str, Any]]:
+        return [p.state() for p in self.processors.values() if p.model_key is not None]
+
+    async def _on_state(self, msg: Msg) -> None:
+        if msg.reply:
+            await msg.respond(msgspec.json.encode({"dispatcher": self.name, "processors": self.get_state()}))
+
+    async def _on_kill(self, msg: Msg) -> None:
+        request_id = msg.data.decode(errors="replace").strip()
+        for p in self.processors.values():
+            pend = p.cancel(request_id)
+            if pend is not None:
+                await self.finish(pend, R.ERROR, error="Cancelled", message="cancelled by `ndif kill`")
+                if msg.reply:
+                    await msg.respond(b'{"ok": true}')
+                return
+        if msg.reply:
+            await msg.respond(msgspec.json.encode({"ok": False, "message": f"{request_id} is not queued or running "
+                                                                          "here (finished, or never submitted)"}))
+
+
+def _request_id_of(data: bytes) -> str | None:
+    try:
+        rid = msgspec.json.decode(data).get("request_id")
+    except Exception:  # noqa: BLE001 - malformed bodies have no id
+        return None
+    try:
+        return check_request_id(rid)
+    except errs.InvalidCommand:
+        return None
+
+
+async def run_dispatcher(url: str, **kw: Any) -> None:
+    async with Dispatcher(url, **kw):
+        await asyncio.Event().wait()

@@ -1,0 +1,72 @@
+"""User requests and their statuses (DESIGN §2, §4): what the SDK publishes and what it is told.
+
+A request is a JSON object on `ndif.req.<mtok>` in the work-queue stream `NDIF_REQUESTS`, with
+`Nats-Msg-Id` = request id (a resend within the dedup window is stored once). Each status change is
+a `StatusUpdate` on `ndif.status.<request id token>`; the latest is kept in KV
+`ndif_request_status` under the request id, and a terminal one (COMPLETED or ERROR) is written
+there exactly once (compare-and-set), so a client sees exactly one.
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import datetime
+from typing import Any
+
+import msgspec
+
+from schemas.errors import InvalidCommand
+from schemas.status import RequestStatus
+
+MAX_REQUEST_BYTES = 1 << 20  # larger payloads are refused (ERROR), not queued
+INLINE_RESULT_BYTES = 256 * 1024  # larger results go to the `ndif_results` Object Store
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
+
+
+class Request(msgspec.Struct, frozen=True, kw_only=True):
+    request_id: str
+    model_key: str
+    payload: dict[str, Any]
+    submitted_at: datetime
+    client: str = ""
+
+
+class StatusUpdate(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    request_id: str
+    status: RequestStatus
+    ts: datetime
+    model_key: str = ""
+    message: str = ""
+    queue_position: int | None = None  # QUEUED: 0 = next
+    replica_id: int | None = None  # DISPATCHED / RUNNING / COMPLETED: which replica
+    result: Any = None  # COMPLETED, when small
+    result_ref: str | None = None  # COMPLETED, when large: object name in `ndif_results`
+    error: str | None = None  # ERROR: the error class (BadRequest, UnknownModel, ...)
+    attempt: int = 1  # > 1 after a redelivery or a replica lost mid-request
+
+    @property
+    def terminal(self) -> bool:
+        return self.status.terminal
+
+
+_request_decoder = msgspec.json.Decoder(Request)
+status_decoder = msgspec.json.Decoder(StatusUpdate)
+encoder = msgspec.json.Encoder()
+
+
+def check_request_id(request_id: str) -> str:
+    if not isinstance(request_id, str) or not _REQUEST_ID.match(request_id):
+        raise InvalidCommand(f"request id {request_id!r}: 1-128 characters of [A-Za-z0-9_-]")
+    return request_id
+
+
+def decode_request(data: bytes) -> Request:
+    """Decode and check a request body; malformed input is InvalidCommand, never a crash."""
+    if len(data) > MAX_REQUEST_BYTES:
+        raise InvalidCommand(f"request of {len(data)} bytes is over the {MAX_REQUEST_BYTES} byte limit")
+    try:
+        req = _request_decoder.decode(data)
+    except msgspec.DecodeError as exc:
+        raise InvalidCommand(f"malformed request: {exc}") from None
+    check_request_id(req.request_id)
+    return req
