@@ -76,12 +76,14 @@ def _env_int(name: str, default: int) -> int:
 
 class Dispatcher:
     def __init__(self, url: str, *, name: str | None = None, default_replicas: int | None = None,
-                 min_ready: int | None = None, fetch_batch: int = 64) -> None:
+                 min_ready: int | None = None, fetch_batch: int = 64, ack_wait_s: float | None = None) -> None:
         self.url = url
         self.name = name or f"dispatcher:{socket.gethostname()}"
         self.default_replicas = default_replicas or _env_int("NDIF_MODEL_REPLICAS_DEFAULT", 1)
         self.min_ready = min_ready or _env_int("NDIF_PROCESSOR_MIN_READY_REPLICAS", 1)
         self.fetch_batch = fetch_batch
+        # How long a request held by a dead dispatcher waits before redelivery (kept alive meanwhile).
+        self.ack_wait_s = ack_wait_s or float(os.environ.get("NDIF_REQUEST_ACK_WAIT_S", ACK_WAIT_S))
         self.state = ClusterState()
         self.processors: dict[str, Processor] = {}  # model token -> processor
         self.log_: JetStreamEventLog | None = None
@@ -226,7 +228,7 @@ class Dispatcher:
         js = self.log_.js
         subject = f"ndif.req.{p.token}"
         cfg = api.ConsumerConfig(durable_name=f"proc-{p.token}", filter_subject=subject,
-                                 ack_policy=api.AckPolicy.EXPLICIT, ack_wait=ACK_WAIT_S, max_deliver=-1,
+                                 ack_policy=api.AckPolicy.EXPLICIT, ack_wait=self.ack_wait_s, max_deliver=-1,
                                  max_ack_pending=100_000, deliver_policy=api.DeliverPolicy.ALL)
         while True:
             try:
@@ -342,7 +344,7 @@ class Dispatcher:
     async def _keepalive(self) -> None:
         """In-progress acks for every held request, well inside the ack wait."""
         while True:
-            await asyncio.sleep(ACK_WAIT_S / 3)
+            await asyncio.sleep(self.ack_wait_s / 3)
             for p in list(self.processors.values()):
                 for held in p.held():
                     if held.msg is not None:

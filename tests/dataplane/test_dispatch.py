@@ -6,8 +6,14 @@ Real nats-server, real local Ray (declared GPUs), real controller, node agent an
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +31,10 @@ from dataplane.dispatcher import Dispatcher
 from dataplane.model import ModelReplica
 from dataplane.model_actor import NAMESPACE, get_actor, list_replica_actors
 from schemas.keys import canonical_model_key
+from schemas.requests import status_decoder
 from schemas.subjects import request_subject
 from tests.conftest import fresh_event_log
+from tests.integration.cluster import ndif
 from tools.tiny_models import make_tiny_gpt2, make_tiny_llama
 
 pytestmark = pytest.mark.timeout(300)
@@ -34,10 +42,10 @@ GB = 10**9
 
 
 @pytest.fixture(scope="module")
-def local_ray() -> Iterator[None]:
+def local_ray() -> Iterator[str]:
     ray.init(num_gpus=2, num_cpus=2, namespace=NAMESPACE, include_dashboard=False, log_to_driver=False)
     try:
-        yield
+        yield ray.get_runtime_context().gcs_address
     finally:
         ray.shutdown()
 
@@ -56,7 +64,7 @@ def kill_all_actors() -> None:
 
 
 @pytest_asyncio.fixture
-async def service(nats_server: EmbeddedNats, local_ray: None) -> AsyncIterator[dict[str, Any]]:
+async def service(nats_server: EmbeddedNats, local_ray: str) -> AsyncIterator[dict[str, Any]]:
     """Controller + agent + dispatcher on fresh streams; yields the parts."""
     kill_all_actors()
     lg: JetStreamEventLog = await fresh_event_log(nats_server.url)
@@ -67,7 +75,8 @@ async def service(nats_server: EmbeddedNats, local_ray: None) -> AsyncIterator[d
     disp = await Dispatcher(url).start()
     admin = await AdminClient.open(url, timeout=30)
     try:
-        yield {"url": url, "controller": ctl, "agent": agent, "dispatcher": disp, "admin": admin, "log": lg}
+        yield {"url": url, "controller": ctl, "agent": agent, "dispatcher": disp, "admin": admin, "log": lg,
+               "gcs": local_ray}
     finally:
         await admin.close()
         await disp.stop()
@@ -164,3 +173,124 @@ async def _final_kept(job: Any) -> Any:
             if kept is not None and kept.terminal:
                 return kept
             await asyncio.sleep(0.1)
+
+
+async def test_a_model_that_cannot_be_placed_does_not_stall_another(service: dict[str, Any],
+                                                                    models: dict[str, Path]) -> None:
+    url, admin = service["url"], service["admin"]
+    huge = await admin.deploy(str(models["llama"]), 1, size_bytes=10_000 * GB)  # fits nowhere: rejected
+    assert huge.rejections
+    res = await admin.deploy(str(models["gpt2"]), 1)
+    await admin.wait(res, timeout=120)
+    async with Client(url) as c:
+        stuck = [await c.submit(str(models["llama"]), {"op": "forward", "input_ids": [[1]]}) for _ in range(20)]
+        served = [await c.submit(str(models["gpt2"]), {"op": "forward", "input_ids": [[i + 1]]}) for i in range(20)]
+        done = await asyncio.gather(*(j.result(timeout=60) for j in served))
+        assert all(d["next_token_ids"] for d in done)
+        waiting = [await j.latest() for j in stuck]
+        assert all(w is not None and not w.terminal for w in waiting)  # still waiting, none lost
+    async with asyncio.timeout(10):
+        while True:
+            q = service["dispatcher"].get_state()
+            llama = next(p for p in q if p["model_key"] == canonical_model_key(str(models["llama"])))
+            if llama["queued"] == 20:
+                break
+            await asyncio.sleep(0.1)
+    assert llama["status"] in ("CANCELLED", "PROVISIONING")
+
+
+async def test_scale_adds_a_worker_as_soon_as_the_replica_is_loaded(service: dict[str, Any],
+                                                                   models: dict[str, Path]) -> None:
+    admin, disp = service["admin"], service["dispatcher"]
+    url = service["url"]
+    res = await admin.deploy(str(models["gpt2"]), 1)
+    await admin.wait(res, timeout=120)
+    async with Client(url) as c:
+        await c.run(str(models["gpt2"]), {"op": "forward", "input_ids": [[1]]}, timeout=60)  # processor exists
+    mk = canonical_model_key(str(models["gpt2"]))
+    proc = next(p for p in disp.processors.values() if p.model_key == mk)
+    res = await admin.scale(str(models["gpt2"]), 2)
+    async with asyncio.timeout(120):
+        while 1 not in proc.workers:
+            await asyncio.sleep(0.005)
+    seen = datetime.now(UTC)
+    loaded = [e async for _, e in admin.events(model=str(models["gpt2"]))
+              if type(e).__name__ == "ReplicaLoaded" and e.replica_id == 1]
+    lag = (seen - loaded[0].ts).total_seconds()
+    assert lag < 2.0, lag  # loose here; the tight figure is the benchmark's
+
+
+async def test_kill_and_queue_through_the_cli(service: dict[str, Any], models: dict[str, Path]) -> None:
+    url, admin = service["url"], service["admin"]
+    await admin.deploy(str(models["llama"]), 1, size_bytes=10_000 * GB)  # never placed: requests wait
+    async with Client(url) as c:
+        job = await c.submit(str(models["llama"]), {"op": "forward", "input_ids": [[1]]})
+        async with asyncio.timeout(30):
+            while (k := await job.latest()) is None or str(k.status) == "RECEIVED":
+                await asyncio.sleep(0.05)
+        ran = await ndif(url, "queue", "--json")
+        assert ran.rc == 0, ran.err
+        procs = json.loads(ran.out)["processors"]
+        assert any(p["queued"] == 1 for p in procs)
+        ran = await ndif(url, "kill", job.request_id)
+        assert ran.rc == 0, ran.err
+        with pytest.raises(RequestFailed, match="cancelled"):
+            await job.result(timeout=30)
+        ran = await ndif(url, "kill", job.request_id)
+        assert ran.rc == 3 and "not queued or running" in ran.err
+
+
+async def test_large_results_go_to_the_object_store(service: dict[str, Any], models: dict[str, Path]) -> None:
+    url, admin = service["url"], service["admin"]
+    res = await admin.deploy(str(models["gpt2"]), 1)
+    await admin.wait(res, timeout=120)
+    async with Client(url) as c:
+        job = await c.submit(str(models["gpt2"]), {"op": "generate", "input_ids": [[1] * 64] * 1024,
+                                                   "max_new_tokens": 64})
+        out = await job.result(timeout=120)
+        assert job.last is not None and job.last.result_ref and job.last.result is None
+        assert len(out["output_ids"]) == 1024 and len(out["output_ids"][0]) == 128
+
+
+def dispatcher_process(url: str, gcs: str) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "NDIF_REQUEST_ACK_WAIT_S": "3", "NDIF_LOG_LEVEL": "WARNING"}
+    return subprocess.Popen([sys.executable, "-m", "dataplane.cli", "dispatcher", "--nats", url, "--ray-address", gcs],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+async def test_dispatcher_sigkilled_mid_burst_every_request_ends_once(service: dict[str, Any],
+                                                                      models: dict[str, Path]) -> None:
+    url, admin, lg = service["url"], service["admin"], service["log"]
+    await service["dispatcher"].stop()  # this test runs its dispatchers as processes it can SIGKILL
+    res = await admin.deploy(str(models["gpt2"]), 2)
+    await admin.wait(res, timeout=120)
+    terminal: Counter[str] = Counter()
+
+    async def count(msg: Any) -> None:
+        u = status_decoder.decode(msg.data)
+        if u.terminal:
+            terminal[u.request_id] += 1
+
+    sub = await lg.nc.subscribe("ndif.status.>", cb=count)
+    proc = dispatcher_process(url, service["gcs"])
+    try:
+        async with Client(url) as c:
+            payload = {"op": "generate", "input_ids": [[3, 1, 4, 1, 5]], "max_new_tokens": 24}
+            jobs = [await c.submit(str(models["gpt2"]), payload) for _ in range(120)]
+            async with asyncio.timeout(120):
+                while sum(terminal.values()) < 15:
+                    await asyncio.sleep(0.05)
+            proc.send_signal(signal.SIGKILL)  # mid-burst: requests queued and running are held, unacked
+            proc.wait(10)
+            at_kill = sum(terminal.values())
+            assert at_kill < 120
+            proc = dispatcher_process(url, service["gcs"])
+            results = await asyncio.gather(*(j.result(timeout=180) for j in jobs))
+        first = results[0]
+        assert all(r == first for r in results)  # same input, same greedy output, whoever ran it
+        await asyncio.sleep(1.0)  # a late duplicate would show up here
+        assert len(terminal) == 120 and set(terminal.values()) == {1}, terminal.most_common(3)
+    finally:
+        await sub.unsubscribe()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(20)
