@@ -60,6 +60,7 @@ class Job:
         self.last: StatusUpdate | None = None
         self._queue: asyncio.Queue[StatusUpdate] = asyncio.Queue()
         self._sub: Any = None
+        self._live_from_start = False  # submitted by us, listened to before it was sent: nothing to catch up
 
     async def _listen(self) -> None:
         async def cb(msg: Any) -> None:
@@ -81,7 +82,7 @@ class Job:
         """Every status from now to the terminal one (starting from the latest kept, if newer)."""
         if self._sub is None:
             await self._listen()
-        kept = await self.latest()
+        kept = None if self._live_from_start else await self.latest()
         if kept is not None and (self.last is None or kept.ts > self.last.ts):
             self.last = kept
             yield kept
@@ -160,6 +161,7 @@ class Client:
             raise errs.InvalidCommand(f"request of {len(body)} bytes is over the {MAX_REQUEST_BYTES} byte limit")
         job = Job(self, rid, mk)
         await job._listen()
+        job._live_from_start = True
         try:
             await self.log.js.publish(request_subject(mk), body, headers={"Nats-Msg-Id": rid}, timeout=self.timeout)
         except nats.errors.NoRespondersError:

@@ -93,6 +93,8 @@ class Dispatcher:
         self._tasks: list[asyncio.Task[None]] = []
         self._bg: set[asyncio.Task[Any]] = set()
         self._drained: set[tuple[str, int, int]] = set()
+        self._rev: dict[str, int] = {}  # request id -> KV revision of our last status write
+        self._seen_keys: set[str] = set()
         self._subs: list[Any] = []
 
     # ---- lifecycle ---------------------------------------------------------------------------
@@ -316,25 +318,41 @@ class Dispatcher:
         return wrote
 
     async def _kv_write(self, u: StatusUpdate, data: bytes, *, terminal: bool) -> bool:
-        """Write unless a terminal status is already there (compare-and-set on the key's revision)."""
+        """Write unless a terminal status is already there (compare-and-set on the key's revision).
+
+        The revision of our own last write is remembered, so the usual write is one round trip
+        (create, or update expecting that revision); only a lost race reads the key first.
+        """
         key = u.request_id
+        rev = self._rev.get(key)
+        fresh = rev is None and key not in self._seen_keys
         for _ in range(20):
             try:
-                e = await self.kv.get(key)
-                cur = status_decoder.decode(e.value) if e.value else None
-                rev = e.revision
-            except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
-                cur, rev = None, None
-            if cur is not None and cur.terminal:
-                return False
-            try:
-                if rev is None:
-                    await self.kv.create(key, data)
+                if fresh:
+                    new_rev = await self.kv.create(key, data)
+                elif rev is not None:
+                    new_rev = await self.kv.update(key, data, last=rev)
                 else:
-                    await self.kv.update(key, data, last=rev)
+                    raise nats.js.errors.KeyWrongLastSequenceError()
+                if terminal:
+                    self._rev.pop(key, None)
+                    self._seen_keys.discard(key)
+                else:
+                    self._rev[key] = new_rev
+                    self._seen_keys.add(key)
                 return True
             except nats.js.errors.KeyWrongLastSequenceError:
-                continue
+                fresh = False
+                try:
+                    e = await self.kv.get(key)
+                    cur = status_decoder.decode(e.value) if e.value else None
+                    rev = e.revision
+                except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
+                    cur, rev, fresh = None, None, True
+                if cur is not None and cur.terminal:
+                    self._rev.pop(key, None)
+                    self._seen_keys.discard(key)
+                    return False
         if terminal:
             log.error("terminal_status_not_written", request_id=key)
         return False

@@ -200,8 +200,10 @@ class ModelReplica:
         if self.level != "HOT" or self.model is None:
             raise ReplicaNotHot(f"replica {self.replica_id} of {self.model_key} is {self.level}, not HOT")
         op = request.get("op", "forward")
+        if op == "echo":  # no model work: health checks and the dispatch benchmark's no-op replicas
+            return {"echo": request.get("data"), "replica_id": self.replica_id}
         if op not in ("forward", "generate"):
-            raise BadRequest(f"unknown op {op!r}: use 'forward' or 'generate'")
+            raise BadRequest(f"unknown op {op!r}: use 'forward', 'generate' or 'echo'")
         fut = self._pool.submit(self._run, op, request)
         try:
             return fut.result(timeout=self.execution_timeout_s)

@@ -170,7 +170,9 @@ class Processor:
             if actor is None:
                 raise ray.exceptions.RayActorError()
             self._actors[rid] = actor
-            await self.d.status(p, R.RUNNING, replica_id=rid)
+            # Status writes are not on the request's path: RUNNING goes out while the replica works
+            # (the KV compare-and-set keeps it from ever overwriting the terminal status).
+            self.d.spawn(self.d.status(p, R.RUNNING, replica_id=rid))
             try:
                 result = await actor.__call__.remote(p.req.payload)
             except Exception as exc:  # noqa: BLE001 - sorted below: the replica's fault or the request's

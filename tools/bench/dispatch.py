@@ -1,0 +1,206 @@
+"""Benchmark of the request path (issue: dispatcher, processors, durable requests, SDK).
+
+One run, one machine, 2 no-op replicas (real ModelActors of a tiny checkpoint answering `echo`):
+ (a) 1 request in flight: our path (SDK -> NDIF_REQUESTS -> dispatcher -> replica -> terminal
+     status, exactly once) vs a raw Ray actor call on the same actors: added latency p50/p99;
+ (b) 16 in flight: requests/s through our path vs Ray Serve (`serve.run` of a 2-replica no-op
+     deployment, handle calls) vs raw pipelined Ray actor calls;
+ (c) event-to-worker: `ReplicaLoaded` appended -> the processor's worker for it taking requests
+     (a replica evicted to WARM and scaled back, repeatedly).
+The last line printed is one JSON object with the figures.
+
+    python tools/bench/dispatch.py [--requests 2000] [--single 400] [--cycles 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from controlplane.logs import configure
+
+configure("ERROR")
+logging.getLogger("ray").setLevel(logging.ERROR)
+
+import ray  # noqa: E402
+
+from controlplane.admin import AdminClient  # noqa: E402
+from controlplane.controller import Controller  # noqa: E402
+from controlplane.eventstore import JetStreamEventLog  # noqa: E402
+from controlplane.nats_server import EmbeddedNats  # noqa: E402
+from dataplane.agent import NodeAgent, declared_gpus  # noqa: E402
+from dataplane.client import Client  # noqa: E402
+from dataplane.dispatcher import Dispatcher  # noqa: E402
+from dataplane.model_actor import NAMESPACE, get_actor  # noqa: E402
+from schemas.keys import canonical_model_key  # noqa: E402
+from tools.tiny_models import make_tiny_gpt2  # noqa: E402
+
+NOOP = {"op": "echo", "data": 1}
+
+
+def pct(xs: list[float], p: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
+
+
+async def raw_single(actors: list[Any], n: int) -> list[float]:
+    lat = []
+    for i in range(n):
+        t0 = time.perf_counter()
+        await actors[i % 2].__call__.remote(NOOP)
+        lat.append((time.perf_counter() - t0) * 1000)
+    return lat
+
+
+async def ours_single(c: Client, model: str, n: int) -> list[float]:
+    lat = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        await c.run(model, NOOP, timeout=60)
+        lat.append((time.perf_counter() - t0) * 1000)
+    return lat
+
+
+async def in_flight(call: Any, total: int, width: int = 16) -> float:
+    done = 0
+
+    async def lane() -> None:
+        nonlocal done
+        while done < total:
+            done += 1
+            await call()
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(lane() for _ in range(width)))
+    return total / (time.perf_counter() - t0)
+
+
+def serve_rps(total: int) -> float:
+    """Ray Serve: a 2-replica no-op deployment, 16 handle calls in flight."""
+    from ray import serve
+
+    @serve.deployment(num_replicas=2, ray_actor_options={"num_cpus": 0})
+    class Noop:
+        async def __call__(self, req: dict[str, Any]) -> dict[str, Any]:
+            return {"echo": req.get("data")}
+
+    handle = serve.run(Noop.bind(), name="bench-noop", route_prefix=None)
+
+    async def go() -> float:
+        for _ in range(50):
+            await handle.remote(NOOP)
+        return await in_flight(lambda: handle.remote(NOOP), total)
+
+    try:
+        return asyncio.run_coroutine_threadsafe(go(), _serve_loop()).result()
+    finally:
+        serve.shutdown()
+
+
+_loop: asyncio.AbstractEventLoop | None = None
+
+
+def _serve_loop() -> asyncio.AbstractEventLoop:
+    """Serve handles want their own running loop (not the benchmark's, which is blocked meanwhile)."""
+    import threading
+
+    global _loop
+    if _loop is None:
+        _loop = asyncio.new_event_loop()
+        threading.Thread(target=_loop.run_forever, daemon=True).start()
+    return _loop
+
+
+async def main(a: argparse.Namespace) -> dict[str, float]:
+    tmp = Path(tempfile.mkdtemp(prefix="ndif-bench-"))
+    srv = EmbeddedNats(tmp / "nats")
+    await srv.astart()
+    url = srv.url
+    lg = await JetStreamEventLog.open(url)
+    await lg.close()
+    ray.init(num_gpus=2, num_cpus=4, namespace=NAMESPACE, include_dashboard=False, log_to_driver=False)
+    ckpt = str(make_tiny_gpt2(tmp / "tiny"))
+    mk = canonical_model_key(ckpt)
+    out: dict[str, float] = {}
+    try:
+        async with Controller(url, policy_interval_s=0.5), \
+                NodeAgent(url, "bench-node", gpus=declared_gpus(2, 80 * 10**9), cpu_cache_bytes=10**10,
+                          drain_timeout_s=0.05, heartbeat_s=1.0) as _agent, \
+                Dispatcher(url) as disp, await AdminClient.open(url) as admin, Client(url) as c:
+            res = await admin.deploy(ckpt, 2)
+            await admin.wait(res, timeout=120)
+            actors = [get_actor(mk, 0), get_actor(mk, 1)]
+            for _ in range(50):  # warm both paths
+                await c.run(ckpt, NOOP, timeout=60)
+                await actors[0].__call__.remote(NOOP)
+
+            raw = await raw_single(actors, a.single)
+            ours = await ours_single(c, ckpt, a.single)
+            out["raw_ray_p50_ms"], out["raw_ray_p99_ms"] = pct(raw, 50), pct(raw, 99)
+            out["ours_p50_ms"], out["ours_p99_ms"] = pct(ours, 50), pct(ours, 99)
+            out["p50_overhead_ms"] = out["ours_p50_ms"] - out["raw_ray_p50_ms"]
+            out["p99_overhead_ms"] = out["ours_p99_ms"] - out["raw_ray_p99_ms"]
+            print(f"(a) 1 in flight: raw Ray p50 {out['raw_ray_p50_ms']:.2f} / p99 {out['raw_ray_p99_ms']:.2f} ms; "
+                  f"ours p50 {out['ours_p50_ms']:.2f} / p99 {out['ours_p99_ms']:.2f} ms; added p50 "
+                  f"{out['p50_overhead_ms']:.2f} ms, p99 {out['p99_overhead_ms']:.2f} ms", flush=True)
+
+            i = 0
+
+            async def raw_call() -> None:
+                nonlocal i
+                i += 1
+                await actors[i % 2].__call__.remote(NOOP)
+
+            out["raw_ray_rps"] = await in_flight(raw_call, a.requests)
+            out["ours_rps"] = await in_flight(lambda: c.run(ckpt, NOOP, timeout=120), a.requests)
+            print(f"(b) 16 in flight: ours {out['ours_rps']:.0f} req/s, raw pipelined Ray {out['raw_ray_rps']:.0f} "
+                  "req/s", flush=True)
+
+            # (c) event -> worker: evict replica 1 to WARM and scale back, `cycles` times.
+            proc = next(p for p in disp.processors.values() if p.model_key == mk)
+            lags = []
+            for _ in range(a.cycles):
+                await admin.evict(ckpt, replica_id=1)
+                async with asyncio.timeout(60):
+                    while 1 in proc.workers or str((await admin.state()).replicas[(mk, 1)].state) != "Cached":
+                        await asyncio.sleep(0.01)
+                seq0 = (await admin.state()).seq
+                await admin.scale(ckpt, 2)
+                async with asyncio.timeout(60):
+                    while 1 not in proc.workers:
+                        await asyncio.sleep(0)
+                seen = time.time()
+                loaded = [e async for _, e in admin.events(start_seq=seq0 + 1)
+                          if type(e).__name__ == "ReplicaLoaded" and e.replica_id == 1]
+                lags.append((seen - loaded[0].ts.timestamp()) * 1000)
+            out["event_to_worker_p50_ms"], out["event_to_worker_p99_ms"] = pct(lags, 50), pct(lags, 99)
+            print(f"(c) ReplicaLoaded -> worker: p50 {out['event_to_worker_p50_ms']:.2f} ms, p99 "
+                  f"{out['event_to_worker_p99_ms']:.2f} ms ({a.cycles} cycles)", flush=True)
+        out["ray_serve_rps"] = await asyncio.to_thread(serve_rps, a.requests)
+        out["throughput_ratio_vs_serve"] = out["ours_rps"] / out["ray_serve_rps"]
+        print(f"(b) Ray Serve 2 replicas, 16 in flight: {out['ray_serve_rps']:.0f} req/s; ours / Serve = "
+              f"{out['throughput_ratio_vs_serve']:.2f}", flush=True)
+    finally:
+        ray.shutdown()
+        srv.close()
+    return out
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--requests", type=int, default=2000)
+    p.add_argument("--single", type=int, default=400)
+    p.add_argument("--cycles", type=int, default=20)
+    res = asyncio.run(main(p.parse_args()))
+    keys = ["ours_rps", "ray_serve_rps", "raw_ray_rps", "throughput_ratio_vs_serve", "p50_overhead_ms",
+            "p99_overhead_ms", "event_to_worker_p99_ms"]
+    print(json.dumps({k: round(res[k], 3) for k in [*keys, *sorted(set(res) - set(keys))]}))
