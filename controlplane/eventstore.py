@@ -134,7 +134,7 @@ async def connect(url: str, *, name: str = "ndif", timeout: float = 5.0) -> Nats
         elif isinstance(err, nats.errors.SlowConsumerError):
             log.error("nats_slow_consumer", subject=err.subject, sid=err.sid)
         else:
-            log.warning("nats_error", error=str(err) or type(err).__name__)
+            log.warning("nats_error", connection=name, error=str(err) or type(err).__name__)
 
     async def disconnected_cb() -> None:
         if not (nc.is_closed or nc.is_draining):
@@ -149,7 +149,7 @@ async def connect(url: str, *, name: str = "ndif", timeout: float = 5.0) -> Nats
         await nc.connect(
             servers, name=name, connect_timeout=timeout, reconnect_time_wait=0.5,  # type: ignore[arg-type]
             error_cb=error_cb, disconnected_cb=disconnected_cb, reconnected_cb=reconnected_cb,
-            allow_reconnect=True,
+            allow_reconnect=True, drain_timeout=5,
             # The first connect gives up after a few tries (a wrong URL is an error to report);
             # once connected, reconnects never stop (DESIGN §10).
             max_reconnect_attempts=2,

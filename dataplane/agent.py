@@ -101,6 +101,7 @@ class NodeAgent:
         self.ray_node_id = ""
         self.actors: dict[RKey, Any] = {}  # replica -> live actor handle on this node
         self._busy: dict[RKey, asyncio.Task[None]] = {}  # one action per replica at a time
+        self._drain_timers: dict[RKey, asyncio.Task[None]] = {}  # not actions: the drain report ends them early
         self._done: set[tuple[object, ...]] = set()  # actions taken, by (replica, what, state stamp)
         self._tasks: list[asyncio.Task[None]] = []
         self._kick = asyncio.Event()
@@ -134,13 +135,14 @@ class NodeAgent:
 
     async def stop(self) -> None:
         """Stop acting; the detached actors stay (a restarted agent adopts them)."""
-        for t in [*self._tasks, *self._busy.values()]:
+        for t in [*self._tasks, *self._busy.values(), *self._drain_timers.values()]:
             t.cancel()
-        for t in [*self._tasks, *self._busy.values()]:
+        for t in [*self._tasks, *self._busy.values(), *self._drain_timers.values()]:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
         self._tasks.clear()
         self._busy.clear()
+        self._drain_timers.clear()
         if self.log_ is not None:
             await self.log_.close()
 
@@ -244,6 +246,11 @@ class NodeAgent:
         """Start what the folded state asks of this node (each replica one action at a time)."""
         mine = [r for r in self.state.replicas.values() if r.node_id == self.node_id]
         leaving = [r for r in mine if r.on_gpu and r.desired is not Level.HOT]
+        for key, timer in list(self._drain_timers.items()):
+            now = self.state.replicas.get(key)
+            if timer.done() or now is None or now.state is not S.DRAINING:
+                timer.cancel()  # drained (or moved on): the unload must not wait for the timeout
+                del self._drain_timers[key]
         for r in sorted(mine, key=lambda r: (r.since_seq, r.model_key, r.replica_id)):
             key = r.key
             if key in self._busy:
@@ -260,7 +267,8 @@ class NodeAgent:
                 case S.DRAINING:
                     mark = (key, "drain", r.since_seq)
                     if mark not in self._done:
-                        self._start(key, mark, self._drain_timer(r))
+                        self._done.add(mark)
+                        self._drain_timers[key] = asyncio.create_task(self._drain_timer(r))
                 case S.UNLOAD_REQUESTED:
                     mark = (key, "unload", r.since_seq)
                     if mark not in self._done:

@@ -1,7 +1,9 @@
 """`ndif`: the admin commands (controlplane/cli.py) plus the data-plane ones.
 
     ndif up [--port 4222] [--store DIR] [--gpus N --gpu-memory-gb G] [--cpu-cache-gb C]
-        embedded NATS + local Ray + controller + one node agent, until Ctrl-C
+        embedded NATS + local Ray + controller + one node agent + dispatcher, until Ctrl-C
+    ndif up --demo [--requests 200] [--stay]
+        the same, driven end to end: deploy, request bursts through the SDK, scale, evict mid-burst
     ndif agent --nats URL [--ray-address ADDR] [--node-id ID] [--gpus N --gpu-memory-gb G]
         one node agent (run one per Ray node)
     ndif dispatcher --nats URL [--ray-address ADDR]      the request dispatcher
@@ -44,9 +46,14 @@ def _nats(p: argparse.ArgumentParser) -> None:
 
 def add_dataplane_commands(sub: Any) -> None:
     p = sub.add_parser("up", help="embedded NATS + local Ray + controller + agent on this machine")
-    p.add_argument("--port", type=int, default=4222, help="NATS port (default 4222)")
-    p.add_argument("--store", type=Path, default=Path(os.environ.get("NDIF_HOME", Path.home() / ".ndif")) / "nats",
-                   help="JetStream store directory (kept across runs)")
+    p.add_argument("--port", type=int, help="NATS port (default 4222; a free one with --demo)")
+    p.add_argument("--store", type=Path,
+                   help="JetStream store directory, kept across runs (default $NDIF_HOME/nats, ~/.ndif/nats; "
+                        "a fresh temp one with --demo)")
+    p.add_argument("--demo", action="store_true",
+                   help="run the end-to-end demo: deploy, bursts of requests, scale, evict while requests flow")
+    p.add_argument("--requests", type=int, default=200, help="requests per burst in the demo (default 200)")
+    p.add_argument("--stay", action="store_true", help="after the demo, keep the cluster up until Ctrl-C")
     _node_args(p)
     p = sub.add_parser("agent", help="run the node agent of this Ray node")
     _nats(p)
@@ -105,6 +112,13 @@ async def _agent(a: argparse.Namespace) -> int:
 
 
 async def _up(a: argparse.Namespace) -> int:
+    if a.demo:
+        from dataplane.demo import run_demo
+
+        if a.requests < 1:
+            raise errs.InvalidCommand("--requests must be at least 1")
+        return await run_demo(port=a.port, store=a.store, gpus=_agent_kwargs(a).get("gpus"), requests=a.requests,
+                              stay=a.stay)
     import ray
 
     from controlplane.controller import Controller
@@ -114,11 +128,13 @@ async def _up(a: argparse.Namespace) -> int:
     from dataplane.dispatcher import Dispatcher
     from dataplane.model_actor import NAMESPACE
 
-    srv = EmbeddedNats(a.store, port=a.port)
+    store = a.store or Path(os.environ.get("NDIF_HOME", Path.home() / ".ndif")) / "nats"
+    port = a.port or 4222
+    srv = EmbeddedNats(store, port=port)
     try:
         await srv.astart()
     except Exception as exc:  # noqa: BLE001 - port taken, binary missing: one clear line
-        raise errs.InfrastructureError(f"cannot start nats-server on port {a.port} ({exc}); "
+        raise errs.InfrastructureError(f"cannot start nats-server on port {port} ({exc}); "
                                        "is another `ndif up` running? try --port") from None
     url = srv.url
     try:
@@ -126,12 +142,12 @@ async def _up(a: argparse.Namespace) -> int:
         await log.close()
         kw = _agent_kwargs(a)
         gpus = kw.get("gpus") or detect_gpus()
-        print(f"ndif up: NATS {url} (store {a.store}); starting Ray with {len(gpus)} GPU(s)...", flush=True)
+        print(f"ndif up: NATS {url} (store {store}); starting Ray with {len(gpus)} GPU(s)...", flush=True)
         ray.init(num_gpus=len(gpus), namespace=NAMESPACE, include_dashboard=False, log_to_driver=False)
         async with Controller(url), NodeAgent(url, **{**kw, "gpus": gpus}) as agent, Dispatcher(url):
             print(f"ndif up: controller, agent {agent.node_id} and dispatcher running. In another shell:\n"
                   f"  export NDIF_NATS_URL={url}\n"
-                  "  python tools/tiny_models.py /tmp/ndif-models\n"
+                  "  python -m dataplane.tiny_models /tmp/ndif-models\n"
                   "  ndif deploy /tmp/ndif-models/tiny-gpt2 --replicas 2 --wait\n"
                   "  ndif status\n"
                   "  ndif submit /tmp/ndif-models/tiny-gpt2 --prompt 'Hello'\n"

@@ -9,13 +9,15 @@
 A request is durable once `submit` returns (stored in the `NDIF_REQUESTS` stream; the same request
 id re-submitted within the dedup window is stored once). Statuses arrive live on
 `ndif.status.<id>`; a client that connects later (or reconnects) first reads the latest one kept in
-KV, so it never misses the terminal status. `result()` raises `RequestFailed` for an ERROR.
+KV, and a job that has been quiet for a while re-reads it, so a live status lost on the way (core
+NATS is at-most-once) never leaves a user waiting for a terminal status that is already kept. `result()` raises `RequestFailed` for an ERROR.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 import uuid
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
@@ -32,6 +34,10 @@ from schemas.keys import canonical_model_key
 from schemas.requests import MAX_REQUEST_BYTES, Request, StatusUpdate, check_request_id, encoder, status_decoder
 from schemas.status import RequestStatus
 from schemas.subjects import REQUEST_STATUS_BUCKET, RESULTS_BUCKET, request_subject, status_subject
+
+# While a job is quiet its kept status is re-read from KV, first after 2 s, backing off to 30 s.
+KV_POLL_FIRST_S = 2.0
+KV_POLL_MAX_S = 30.0
 
 
 class RequestFailed(errs.NdifError):
@@ -62,12 +68,14 @@ class Job:
         self._sub: Any = None
         self._live_from_start = False  # submitted by us, listened to before it was sent: nothing to catch up
 
-    async def _listen(self) -> None:
+    async def _listen(self, *, flush: bool = True) -> None:
         async def cb(msg: Any) -> None:
             with contextlib.suppress(msgspec.DecodeError):
                 self._queue.put_nowait(status_decoder.decode(msg.data))
 
         self._sub = await self.client.log.nc.subscribe(status_subject(self.request_id), cb=cb)
+        if not flush:
+            return  # the request is published next on this connection: the server sees the SUB first
         await self.client.log.nc.flush()
 
     async def latest(self) -> StatusUpdate | None:
@@ -88,19 +96,30 @@ class Job:
             yield kept
             if kept.terminal:
                 return
+        quiet_since = time.monotonic()
+        poll = KV_POLL_FIRST_S
         while True:
+            wait = poll if timeout is None else max(0.0, min(poll, quiet_since + timeout - time.monotonic()))
             try:
-                u = await asyncio.wait_for(self._queue.get(), timeout)
+                u = await asyncio.wait_for(self._queue.get(), wait)
             except TimeoutError:
-                # Missed a live message while reconnecting? KV has the latest.
+                # Quiet for a while: a live status may have been missed (a reconnect, or a dispatcher
+                # that died between keeping a status and publishing it). KV has the latest.
                 kept = await self.latest()
-                if kept is not None and kept.terminal:
-                    self.last = kept
+                if kept is not None and (self.last is None or kept.ts > self.last.ts):
+                    self.last, quiet_since, poll = kept, time.monotonic(), KV_POLL_FIRST_S
                     yield kept
-                    return
-                raise errs.InfrastructureTimeout(
-                    f"no status for {self.request_id} within {timeout}s (last: "
-                    f"{self.last.status if self.last else 'none'}); is a dispatcher running?") from None
+                    if kept.terminal:
+                        await self.close()
+                        return
+                    continue
+                if timeout is not None and time.monotonic() - quiet_since >= timeout:
+                    raise errs.InfrastructureTimeout(
+                        f"no status for {self.request_id} within {timeout}s (last: "
+                        f"{self.last.status if self.last else 'none'}); is a dispatcher running?") from None
+                poll = min(poll * 2, KV_POLL_MAX_S)
+                continue
+            quiet_since, poll = time.monotonic(), KV_POLL_FIRST_S
             if self.last is not None and self.last.terminal:
                 return
             if self.last is not None and (u.ts < self.last.ts or u == self.last):
@@ -160,7 +179,7 @@ class Client:
         if len(body) > MAX_REQUEST_BYTES:
             raise errs.InvalidCommand(f"request of {len(body)} bytes is over the {MAX_REQUEST_BYTES} byte limit")
         job = Job(self, rid, mk)
-        await job._listen()
+        await job._listen(flush=False)
         job._live_from_start = True
         try:
             await self.log.js.publish(request_subject(mk), body, headers={"Nats-Msg-Id": rid}, timeout=self.timeout)

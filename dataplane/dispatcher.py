@@ -65,6 +65,7 @@ log = structlog.get_logger("ndif.dispatcher")
 R = RequestStatus
 _KV_STATUSES = {R.RECEIVED, R.QUEUED, R.RUNNING, R.PROVISIONING, R.DEPLOYING}
 ACK_WAIT_S = 30.0
+STATUS_KV_DELAY_S = 0.02  # a non-terminal status reaches KV this late at most (it is published at once)
 
 
 def _env_int(name: str, default: int) -> int:
@@ -76,12 +77,18 @@ def _env_int(name: str, default: int) -> int:
 
 class Dispatcher:
     def __init__(self, url: str, *, name: str | None = None, default_replicas: int | None = None,
-                 min_ready: int | None = None, fetch_batch: int = 64, ack_wait_s: float | None = None) -> None:
+                 min_ready: int | None = None, fetch_batch: int = 64, ack_wait_s: float | None = None,
+                 replica_lanes: int | None = None) -> None:
         self.url = url
         self.name = name or f"dispatcher:{socket.gethostname()}"
         self.default_replicas = default_replicas or _env_int("NDIF_MODEL_REPLICAS_DEFAULT", 1)
         self.min_ready = min_ready or _env_int("NDIF_PROCESSOR_MIN_READY_REPLICAS", 1)
         self.fetch_batch = fetch_batch
+        # Requests a replica is handed at once: with 2, the next one is already at the replica when
+        # the current one ends, so the dispatch round trip never leaves it idle (the replica still
+        # runs one at a time; its execution timeout counts from the start of the run).
+        self.replica_lanes = replica_lanes or _env_int("NDIF_REPLICA_LANES", 2)
+        self.status_kv_delay_s = STATUS_KV_DELAY_S
         # How long a request held by a dead dispatcher waits before redelivery (kept alive meanwhile).
         self.ack_wait_s = ack_wait_s or float(os.environ.get("NDIF_REQUEST_ACK_WAIT_S", ACK_WAIT_S))
         self.state = ClusterState()
@@ -95,6 +102,7 @@ class Dispatcher:
         self._drained: set[tuple[str, int, int]] = set()
         self._rev: dict[str, int] = {}  # request id -> KV revision of our last status write
         self._seen_keys: set[str] = set()
+        self._writes: dict[str, _Writes] = {}  # request id -> its status writes
         self._subs: list[Any] = []
 
     # ---- lifecycle ---------------------------------------------------------------------------
@@ -122,12 +130,15 @@ class Dispatcher:
         return self
 
     async def stop(self) -> None:
+        for w in self._writes.values():
+            if w.timer is not None:
+                w.timer.cancel()
         for s in self._subs:
             with contextlib.suppress(Exception):
                 await s.unsubscribe()
         tasks = [*self._tasks, *self._bg]
         for p in self.processors.values():
-            tasks += [*p.workers.values()]
+            tasks += [t for lanes in p.workers.values() for t in lanes]
         for t in tasks:
             t.cancel()
         for t in tasks:
@@ -266,8 +277,15 @@ class Dispatcher:
         if req.model_key != mk:
             req = msgspec.structs.replace(req, model_key=mk)
         attempt = int(m.metadata.num_delivered) if m.metadata else 1
-        if await self._terminal(req.request_id) is not None:
-            await m.ack()  # finished by an earlier delivery: never run twice to the client's eyes
+        # Only a redelivery can find its terminal status already kept (a first delivery that does,
+        # a request id re-sent past the dedup window, runs again and its compare-and-set loses).
+        done = await self._terminal(req.request_id) if attempt > 1 else None
+        if done is not None:
+            # Finished by an earlier delivery whose dispatcher died before acking: never run twice.
+            # It may also have died before publishing, so the kept terminal status is published again
+            # (same bytes; clients stop at the first terminal status they see).
+            await self.log_.nc.publish(status_subject(req.request_id), encoder.encode(done))
+            await m.ack()
             return
         if p.model_key is None:
             p.model_key = mk
@@ -296,7 +314,7 @@ class Dispatcher:
         data = encoder.encode(u)
         await self.log_.nc.publish(status_subject(u.request_id), data)
         if status in _KV_STATUSES:
-            await self._kv_write(u, data, terminal=False)
+            await self._kv_put(u, data, terminal=False)
 
     async def finish(self, p: Pending, status: RequestStatus, **kw: Any) -> bool:
         """The terminal status, written exactly once (CAS); then the request is acked."""
@@ -309,13 +327,65 @@ class Dispatcher:
                 kw = {**kw, "result": None, "result_ref": name}
         u = self._update(p, status, **kw)
         data = encoder.encode(u)
-        wrote = await self._kv_write(u, data, terminal=True)
+        wrote = await self._kv_put(u, data, terminal=True)
         if wrote:
             await self.log_.nc.publish(status_subject(u.request_id), data)
         if p.msg is not None:
             with contextlib.suppress(Exception):
                 await p.msg.ack()
         return wrote
+
+    def _kv_put(self, u: StatusUpdate, data: bytes, *, terminal: bool) -> asyncio.Future[bool]:
+        """Keep a status in KV: per request one write in flight, a newer status replaces a waiting one.
+
+        KV keeps only the latest status, so a QUEUED still waiting when RUNNING comes is never sent
+        (and two writes of one request never race each other's revision). A waiting terminal status
+        is never replaced: whatever comes after it resolves False, as the compare-and-set would.
+        """
+        fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        w = self._writes.get(u.request_id)
+        if w is None:
+            w = self._writes[u.request_id] = _Writes()
+        if w.waiting is not None:
+            if w.waiting[2]:
+                fut.set_result(False)
+                return fut
+            _resolve(w.waiting[3], True)  # superseded: the newer status is what KV will keep
+        w.waiting = (u, data, terminal, fut)
+        if w.task is None:
+            if terminal or self.status_kv_delay_s <= 0:
+                if w.timer is not None:
+                    w.timer.cancel()
+                self._start_writes(u.request_id, w)
+            elif w.timer is None:
+                # A status superseded within the delay is never written: a request that runs at
+                # once costs one KV write (its terminal status), not three.
+                w.timer = asyncio.get_running_loop().call_later(self.status_kv_delay_s, self._start_writes,
+                                                                u.request_id, w)
+        return fut
+
+    def _start_writes(self, key: str, w: _Writes) -> None:
+        w.timer = None
+        if w.task is None and w.waiting is not None:
+            w.task = asyncio.create_task(self._write_loop(key, w))
+            self._bg.add(w.task)
+            w.task.add_done_callback(self._bg.discard)
+
+    async def _write_loop(self, key: str, w: _Writes) -> None:
+        try:
+            while w.waiting is not None:
+                u, data, terminal, fut = w.waiting
+                w.waiting = None
+                try:
+                    _resolve(fut, await self._kv_write(u, data, terminal=terminal))
+                except Exception as exc:  # noqa: BLE001 - handed to whoever awaits this write
+                    if not fut.done():
+                        fut.set_exception(exc)
+        finally:
+            if self._writes.get(key) is w:
+                del self._writes[key]
+            if w.waiting is not None:  # cancelled (stopping) with one waiting
+                w.waiting[3].cancel()
 
     async def _kv_write(self, u: StatusUpdate, data: bytes, *, terminal: bool) -> bool:
         """Write unless a terminal status is already there (compare-and-set on the key's revision).
@@ -388,6 +458,20 @@ class Dispatcher:
         if msg.reply:
             await msg.respond(msgspec.json.encode({"ok": False, "message": f"{request_id} is not queued or running "
                                                                           "here (finished, or never submitted)"}))
+
+
+class _Writes:
+    __slots__ = ("task", "timer", "waiting")
+
+    def __init__(self) -> None:
+        self.task: asyncio.Task[None] | None = None
+        self.timer: asyncio.TimerHandle | None = None
+        self.waiting: tuple[StatusUpdate, bytes, bool, asyncio.Future[bool]] | None = None
+
+
+def _resolve(fut: asyncio.Future[bool], value: bool) -> None:
+    if not fut.done():
+        fut.set_result(value)
 
 
 def _request_id_of(data: bytes) -> str | None:

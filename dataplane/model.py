@@ -204,8 +204,20 @@ class ModelReplica:
             return {"echo": request.get("data"), "replica_id": self.replica_id}
         if op not in ("forward", "generate"):
             raise BadRequest(f"unknown op {op!r}: use 'forward', 'generate' or 'echo'")
-        fut = self._pool.submit(self._run, op, request)
+        # One run at a time on the replica; the timeout counts from the start of this run (a request
+        # handed over while another runs waits its turn first, at most one more timeout).
+        started = threading.Event()
+
+        def run() -> dict[str, Any]:
+            started.set()
+            return self._run(op, request)
+
+        fut = self._pool.submit(run)
         try:
+            if not started.wait(self.execution_timeout_s):
+                fut.cancel()
+                raise ExecutionTimeout(f"replica {self.replica_id} was busy for {self.execution_timeout_s:.0f}s "
+                                       "with an earlier request")
             return fut.result(timeout=self.execution_timeout_s)
         except concurrent.futures.TimeoutError:
             raise ExecutionTimeout(

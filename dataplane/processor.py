@@ -58,15 +58,16 @@ class Processor:
         self.d = dispatcher
         self.queue: collections.deque[Pending] = collections.deque()
         self.view: ModelQueueView | None = None
-        self.workers: dict[int, asyncio.Task[None]] = {}
-        self.in_flight: dict[int, Pending] = {}
+        self.workers: dict[int, list[asyncio.Task[None]]] = {}  # replica id -> its lanes
+        self.in_flight: dict[int, dict[str, Pending]] = {}  # replica id -> request id -> request
+        self.lanes = dispatcher.replica_lanes
         self.ready: set[int] = set()
         self.draining: set[int] = set()
         self.provisioning = False
         self.status = ProcessorStatus.UNINITIALIZED
         self.completed = 0
         self.errors = 0
-        self._wake = asyncio.Condition()
+        self._idle: collections.deque[asyncio.Future[None]] = collections.deque()  # lanes waiting for work
         self._actors: dict[int, Any] = {}
         self.log = log.bind(model_key=None, token=token)
 
@@ -79,21 +80,22 @@ class Processor:
         gone = self.ready - ready
         self.ready = ready
         for rid in ready - set(self.workers):
-            self.workers[rid] = asyncio.create_task(self._worker(rid), name=f"worker-{self.token}-{rid}")
-            self.log.info("worker_added", replica_id=rid)
+            self.workers[rid] = [asyncio.create_task(self._worker(rid), name=f"worker-{self.token}-{rid}-{lane}")
+                                 for lane in range(self.lanes)]
+            self.log.info("worker_added", replica_id=rid, lanes=self.lanes)
         for rid in gone:
             self._actors.pop(rid, None)
         for rid in self.draining:
-            if rid not in self.in_flight:
+            if not self.in_flight.get(rid):
                 self.d.report_drained(self.model_key or "", rid)
         self._refresh_status()
-        self._notify()
+        self._notify(everyone=True)  # lanes of replicas that left must see it and retire
 
     def _refresh_status(self) -> None:
         if self.view is None:
             new = ProcessorStatus.PROVISIONING if (self.queue or self.provisioning) else ProcessorStatus.UNINITIALIZED
         else:
-            new = processor_status(self.view, in_flight=len(self.in_flight), queued=len(self.queue),
+            new = processor_status(self.view, in_flight=self.running(), queued=len(self.queue),
                                    provisioning=self.provisioning)
         if new is not self.status:
             self.status = new
@@ -119,8 +121,9 @@ class Processor:
             if p.req.request_id == request_id:
                 self.queue.remove(p)
                 return p
-        for p in self.in_flight.values():
-            if p.req.request_id == request_id:
+        for running in self.in_flight.values():
+            p = running.get(request_id)
+            if p is not None:
                 p.cancelled = True
                 return p
         return None
@@ -131,24 +134,36 @@ class Processor:
             self.d.spawn(self.d.finish(p, R.ERROR, error=error, message=message))
 
     def held(self) -> list[Pending]:
-        return [*self.queue, *self.in_flight.values()]
+        return [*self.queue, *(p for running in self.in_flight.values() for p in running.values())]
 
-    def _notify(self) -> None:
-        async def wake() -> None:
-            async with self._wake:
-                self._wake.notify_all()
+    def running(self) -> int:
+        return sum(len(r) for r in self.in_flight.values())
 
-        self.d.spawn(wake())
+    def _notify(self, *, everyone: bool = False) -> None:
+        """Wake as many idle lanes as there are queued requests (all of them when the set changed)."""
+        n = len(self._idle) if everyone else min(len(self.queue), len(self._idle))
+        for _ in range(n):
+            fut = self._idle.popleft()
+            if not fut.done():
+                fut.set_result(None)
 
     async def _next(self, rid: int) -> Pending | None:
-        async with self._wake:
-            while not self.queue and rid in self.ready:
-                await self._wake.wait()
-            if rid not in self.ready:
-                return None
-            return self.queue.popleft()
+        while rid in self.ready:
+            if self.queue:
+                return self.queue.popleft()
+            fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self._idle.append(fut)
+            try:
+                await fut
+            except asyncio.CancelledError:
+                fut.cancel()
+                raise
+        self._notify()  # this lane's replica left: a wake-up meant for work goes to another lane
+        return None
 
     async def _worker(self, rid: int) -> None:
+        """One lane of replica `rid`: take the head of the queue, run it there, repeat."""
+        me = asyncio.current_task()
         try:
             while rid in self.ready:
                 p = await self._next(rid)
@@ -156,14 +171,19 @@ class Processor:
                     break
                 await self._run(rid, p)
         finally:
-            self.workers.pop(rid, None)
-            if rid in self.draining and rid not in self.in_flight:
+            lanes = self.workers.get(rid, [])
+            if me in lanes:
+                lanes.remove(me)  # type: ignore[arg-type]
+            if not lanes:
+                self.workers.pop(rid, None)
+                self.log.info("worker_retired", replica_id=rid)
+            if rid in self.draining and not self.in_flight.get(rid):
                 self.d.report_drained(self.model_key or "", rid)
-            self.log.info("worker_retired", replica_id=rid)
 
     async def _run(self, rid: int, p: Pending) -> None:
         assert self.model_key is not None
-        self.in_flight[rid] = p
+        running = self.in_flight.setdefault(rid, {})
+        running[p.req.request_id] = p
         self._refresh_status()
         try:
             actor = self._actors.get(rid) or get_actor(self.model_key, rid)
@@ -183,21 +203,25 @@ class Processor:
                     self.log.info("request_requeued", request_id=p.req.request_id, replica_id=rid,
                                   reason=type(exc).__name__)
                     self.queue.appendleft(p)
-                    self._notify()
+                    self._notify(everyone=True)
                     return
                 cause = getattr(exc, "cause", None) or exc
                 self.errors += 1
-                await self.d.finish(p, R.ERROR, replica_id=rid, error=type(cause).__name__,
-                                    message=str(cause).strip().splitlines()[-1][:1000] if str(cause).strip()
-                                    else type(cause).__name__)
+                self.d.spawn(self.d.finish(p, R.ERROR, replica_id=rid, error=type(cause).__name__,
+                                           message=str(cause).strip().splitlines()[-1][:1000] if str(cause).strip()
+                                           else type(cause).__name__))
                 return
             if p.cancelled:
                 return  # its terminal status (cancelled) is already written
             self.completed += 1
-            await self.d.finish(p, R.COMPLETED, replica_id=rid, result=result)
+            # The replica is free once it answered: the terminal status and the ack go out while
+            # this lane takes the next request.
+            self.d.spawn(self.d.finish(p, R.COMPLETED, replica_id=rid, result=result))
         finally:
-            self.in_flight.pop(rid, None)
-            if rid in self.draining:
+            running.pop(p.req.request_id, None)
+            if not running and self.in_flight.get(rid) is running:
+                del self.in_flight[rid]
+            if rid in self.draining and not self.in_flight.get(rid):
                 self.d.report_drained(self.model_key, rid)
             self._refresh_status()
 
@@ -206,7 +230,7 @@ class Processor:
         v = self.view
         return {
             "model_key": self.model_key, "status": str(self.status), "queued": len(self.queue),
-            "in_flight": len(self.in_flight), "ready_replicas": sorted(self.ready),
+            "in_flight": self.running(), "lanes_per_replica": self.lanes, "ready_replicas": sorted(self.ready),
             "draining_replicas": sorted(self.draining), "starting_replicas": list(v.starting) if v else [],
             "requested_replicas": v.requested if v else 0, "workers": sorted(self.workers),
             "completed": self.completed, "errors": self.errors, "provisioning": self.provisioning,

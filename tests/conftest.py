@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import faulthandler
+import os
+import sys
+import threading
+import time
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
@@ -10,6 +15,26 @@ import pytest_asyncio
 from controlplane.eventstore import JetStreamEventLog
 from controlplane.nats_server import EmbeddedNats
 from schemas.subjects import EVENTS_STREAM, REQUESTS_STREAM
+
+EXIT_GRACE_S = 120
+_exit_status = 0
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    global _exit_status
+    _exit_status = int(exitstatus)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """The results are in: if shutting down (Ray, threads, atexit) hangs, dump stacks and exit anyway."""
+
+    def watchdog() -> None:
+        time.sleep(EXIT_GRACE_S)
+        sys.stderr.write(f"\npytest finished but the process did not exit within {EXIT_GRACE_S}s; stacks:\n")
+        faulthandler.dump_traceback(all_threads=True)
+        os._exit(_exit_status or 1)
+
+    threading.Thread(target=watchdog, name="exit-watchdog", daemon=True).start()
 
 
 @pytest.fixture(scope="module")

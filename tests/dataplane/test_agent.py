@@ -27,10 +27,10 @@ from controlplane.eventstore import JetStreamEventLog
 from controlplane.nats_server import EmbeddedNats
 from dataplane.agent import NodeAgent, declared_gpus
 from dataplane.model_actor import NAMESPACE, actor_name, get_actor, list_replica_actors, parse_actor_name
+from dataplane.tiny_models import make_tiny_gpt2
 from schemas.keys import canonical_model_key
 from tests.conftest import fresh_event_log
 from tests.integration.scenario import lifecycle_scenario
-from tools.tiny_models import make_tiny_gpt2
 
 pytestmark = pytest.mark.timeout(300)
 GB = 10**9

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from dataplane.model import BadRequest, ExecutionTimeout, ModelReplica, ReplicaNotHot
-from tools.tiny_models import make_tiny_gpt2, make_tiny_llama
+from dataplane.tiny_models import make_tiny_gpt2, make_tiny_llama
 
 IDS = [[5, 17, 42, 7]]
 

@@ -21,6 +21,7 @@ from controlplane.eventstore import JetStreamEventLog
 from controlplane.nats_server import EmbeddedNats
 from controlplane.projections import replay
 from controlplane.render import status_json
+from dataplane.tiny_models import make_tiny_gpt2
 from schemas import errors as errs
 from schemas.commands import CommandResult
 from schemas.events import ReplicaEvictionRequested, ReplicaScheduled
@@ -30,7 +31,6 @@ from tests.agent_sim import GB, ScriptedAgent
 from tests.conftest import fresh_event_log
 from tests.integration.cluster import ndif, settle
 from tests.integration.scenario import lifecycle_scenario
-from tools.tiny_models import make_tiny_gpt2
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from controlplane.registry import find_checkpoint, resolve
+from dataplane.tiny_models import make_tiny_gpt2, make_tiny_llama
 from schemas.errors import UnknownModel
 from schemas.keys import canonical_model_key
-from tools.tiny_models import make_tiny_gpt2, make_tiny_llama
 
 
 @pytest.fixture(scope="module")

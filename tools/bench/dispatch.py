@@ -9,7 +9,10 @@ One run, one machine, 2 no-op replicas (real ModelActors of a tiny checkpoint an
      (a replica evicted to WARM and scaled back, repeatedly).
 The last line printed is one JSON object with the figures.
 
-    python tools/bench/dispatch.py [--requests 2000] [--single 400] [--cycles 20]
+The dispatcher runs in its own process (`ndif dispatcher`), as deployed; the client, controller
+and agent in this one.
+
+    python tools/bench/dispatch.py [--requests 2000] [--single 400] [--cycles 20] [--in-process]
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ import argparse
 import asyncio
 import json
 import logging
+import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -41,8 +46,8 @@ from dataplane.agent import NodeAgent, declared_gpus  # noqa: E402
 from dataplane.client import Client  # noqa: E402
 from dataplane.dispatcher import Dispatcher  # noqa: E402
 from dataplane.model_actor import NAMESPACE, get_actor  # noqa: E402
+from dataplane.tiny_models import make_tiny_gpt2  # noqa: E402
 from schemas.keys import canonical_model_key  # noqa: E402
-from tools.tiny_models import make_tiny_gpt2  # noqa: E402
 
 NOOP = {"op": "echo", "data": 1}
 
@@ -135,53 +140,67 @@ async def main(a: argparse.Namespace) -> dict[str, float]:
         async with Controller(url, policy_interval_s=0.5), \
                 NodeAgent(url, "bench-node", gpus=declared_gpus(2, 80 * 10**9), cpu_cache_bytes=10**10,
                           drain_timeout_s=0.05, heartbeat_s=1.0) as _agent, \
-                Dispatcher(url) as disp, await AdminClient.open(url) as admin, Client(url) as c:
+                await AdminClient.open(url) as admin, Client(url) as c:
             res = await admin.deploy(ckpt, 2)
             await admin.wait(res, timeout=120)
             actors = [get_actor(mk, 0), get_actor(mk, 1)]
-            for _ in range(50):  # warm both paths
-                await c.run(ckpt, NOOP, timeout=60)
-                await actors[0].__call__.remote(NOOP)
+            # The dispatcher runs as deployed (`ndif dispatcher`, its own process), unless --in-process.
+            disp_proc = None if a.in_process else subprocess.Popen(
+                [sys.executable, "-m", "dataplane.cli", "dispatcher", "--nats", url, "--ray-address",
+                 ray.get_runtime_context().gcs_address], env={**os.environ, "NDIF_LOG_LEVEL": "WARNING"})
+            inproc = await Dispatcher(url).start() if a.in_process else None
+            try:
+                for _ in range(50):  # warm both paths (the first request also waits for the dispatcher)
+                    await c.run(ckpt, NOOP, timeout=60)
+                    await actors[0].__call__.remote(NOOP)
 
-            raw = await raw_single(actors, a.single)
-            ours = await ours_single(c, ckpt, a.single)
-            out["raw_ray_p50_ms"], out["raw_ray_p99_ms"] = pct(raw, 50), pct(raw, 99)
-            out["ours_p50_ms"], out["ours_p99_ms"] = pct(ours, 50), pct(ours, 99)
-            out["p50_overhead_ms"] = out["ours_p50_ms"] - out["raw_ray_p50_ms"]
-            out["p99_overhead_ms"] = out["ours_p99_ms"] - out["raw_ray_p99_ms"]
-            print(f"(a) 1 in flight: raw Ray p50 {out['raw_ray_p50_ms']:.2f} / p99 {out['raw_ray_p99_ms']:.2f} ms; "
-                  f"ours p50 {out['ours_p50_ms']:.2f} / p99 {out['ours_p99_ms']:.2f} ms; added p50 "
-                  f"{out['p50_overhead_ms']:.2f} ms, p99 {out['p99_overhead_ms']:.2f} ms", flush=True)
+                raw = await raw_single(actors, a.single)
+                ours = await ours_single(c, ckpt, a.single)
+                out["raw_ray_p50_ms"], out["raw_ray_p99_ms"] = pct(raw, 50), pct(raw, 99)
+                out["ours_p50_ms"], out["ours_p99_ms"] = pct(ours, 50), pct(ours, 99)
+                out["p50_overhead_ms"] = out["ours_p50_ms"] - out["raw_ray_p50_ms"]
+                out["p99_overhead_ms"] = out["ours_p99_ms"] - out["raw_ray_p99_ms"]
+                print(f"(a) 1 in flight: raw Ray p50 {out['raw_ray_p50_ms']:.2f} / p99 {out['raw_ray_p99_ms']:.2f} "
+                      f"ms; ours p50 {out['ours_p50_ms']:.2f} / p99 {out['ours_p99_ms']:.2f} ms; added p50 "
+                      f"{out['p50_overhead_ms']:.2f} ms, p99 {out['p99_overhead_ms']:.2f} ms", flush=True)
 
-            i = 0
+                i = 0
 
-            async def raw_call() -> None:
-                nonlocal i
-                i += 1
-                await actors[i % 2].__call__.remote(NOOP)
+                async def raw_call() -> None:
+                    nonlocal i
+                    i += 1
+                    await actors[i % 2].__call__.remote(NOOP)
 
-            out["raw_ray_rps"] = await in_flight(raw_call, a.requests)
-            out["ours_rps"] = await in_flight(lambda: c.run(ckpt, NOOP, timeout=120), a.requests)
-            print(f"(b) 16 in flight: ours {out['ours_rps']:.0f} req/s, raw pipelined Ray {out['raw_ray_rps']:.0f} "
-                  "req/s", flush=True)
+                out["raw_ray_rps"] = await in_flight(raw_call, a.requests)
+                out["ours_rps"] = await in_flight(lambda: c.run(ckpt, NOOP, timeout=120), a.requests)
+                print(f"(b) 16 in flight: ours {out['ours_rps']:.0f} req/s, raw pipelined Ray "
+                      f"{out['raw_ray_rps']:.0f} req/s", flush=True)
+            finally:
+                if disp_proc is not None:
+                    disp_proc.terminate()
+                    disp_proc.wait(30)
+                if inproc is not None:
+                    await inproc.stop()
 
-            # (c) event -> worker: evict replica 1 to WARM and scale back, `cycles` times.
-            proc = next(p for p in disp.processors.values() if p.model_key == mk)
-            lags = []
-            for _ in range(a.cycles):
-                await admin.evict(ckpt, replica_id=1)
-                async with asyncio.timeout(60):
-                    while 1 in proc.workers or str((await admin.state()).replicas[(mk, 1)].state) != "Cached":
-                        await asyncio.sleep(0.01)
-                seq0 = (await admin.state()).seq
-                await admin.scale(ckpt, 2)
-                async with asyncio.timeout(60):
-                    while 1 not in proc.workers:
-                        await asyncio.sleep(0)
-                seen = time.time()
-                loaded = [e async for _, e in admin.events(start_seq=seq0 + 1)
-                          if type(e).__name__ == "ReplicaLoaded" and e.replica_id == 1]
-                lags.append((seen - loaded[0].ts.timestamp()) * 1000)
+            # (c) event -> worker, seen inside a dispatcher: evict replica 1 to WARM and scale back.
+            async with Dispatcher(url) as disp:
+                await c.run(ckpt, NOOP, timeout=60)  # the processor exists once a request came
+                proc = next(p for p in disp.processors.values() if p.model_key == mk)
+                lags = []
+                for _ in range(a.cycles):
+                    await admin.evict(ckpt, replica_id=1)
+                    async with asyncio.timeout(60):
+                        while 1 in proc.workers or str((await admin.state()).replicas[(mk, 1)].state) != "Cached":
+                            await asyncio.sleep(0.01)
+                    seq0 = (await admin.state()).seq
+                    await admin.scale(ckpt, 2)
+                    async with asyncio.timeout(60):
+                        while 1 not in proc.workers:
+                            await asyncio.sleep(0)
+                    seen = time.time()
+                    loaded = [e async for _, e in admin.events(start_seq=seq0 + 1)
+                              if type(e).__name__ == "ReplicaLoaded" and e.replica_id == 1]
+                    lags.append((seen - loaded[0].ts.timestamp()) * 1000)
             out["event_to_worker_p50_ms"], out["event_to_worker_p99_ms"] = pct(lags, 50), pct(lags, 99)
             print(f"(c) ReplicaLoaded -> worker: p50 {out['event_to_worker_p50_ms']:.2f} ms, p99 "
                   f"{out['event_to_worker_p99_ms']:.2f} ms ({a.cycles} cycles)", flush=True)
@@ -200,6 +219,8 @@ if __name__ == "__main__":
     p.add_argument("--requests", type=int, default=2000)
     p.add_argument("--single", type=int, default=400)
     p.add_argument("--cycles", type=int, default=20)
+    p.add_argument("--in-process", action="store_true",
+                   help="run the dispatcher in the benchmark's process (default: its own, as deployed)")
     res = asyncio.run(main(p.parse_args()))
     keys = ["ours_rps", "ray_serve_rps", "raw_ray_rps", "throughput_ratio_vs_serve", "p50_overhead_ms",
             "p99_overhead_ms", "event_to_worker_p99_ms"]

@@ -25,7 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from dataplane.model import ModelReplica
-from tools.tiny_models import make_gpt2_of_size
+from dataplane.tiny_models import make_gpt2_of_size
 
 
 def bench_plain(ckpt: str, reps: int, devices: tuple[int, ...]) -> dict[str, float]:
