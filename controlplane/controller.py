@@ -28,6 +28,7 @@ from controlplane.decide import MAX_RESTARTS, Registration, decide, decide_failu
 from controlplane.eventstore import JetStreamEventLog
 from controlplane.placement import MIN_DEPLOY_S
 from controlplane.projections import ClusterState
+from controlplane.tasks import cancel_and_wait
 from schemas.commands import AnyCommand, CommandResult, decode_command
 from schemas.errors import InfrastructureError, NdifError
 from schemas.events import Event, ReplicaFailed
@@ -91,11 +92,7 @@ class Controller:
         if self._sub is not None:
             with contextlib.suppress(Exception):
                 await self._sub.unsubscribe()
-        for t in [*self._tasks, *self._bg]:
-            t.cancel()
-        for t in [*self._tasks, *self._bg]:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
+        await cancel_and_wait([*self._tasks, *self._bg], owner=self.name)
         self._tasks.clear()
         if self.committer is not None:
             await self.committer.stop()

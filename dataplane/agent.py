@@ -35,6 +35,7 @@ from controlplane.context import observed
 from controlplane.eventstore import JetStreamEventLog
 from controlplane.projections import ClusterState
 from controlplane.projections.replica import ReplicaView
+from controlplane.tasks import cancel_and_wait
 from dataplane.model_actor import NAMESPACE, create_actor, get_actor, list_replica_actors
 from schemas.errors import InfrastructureError
 from schemas.events import (
@@ -135,11 +136,7 @@ class NodeAgent:
 
     async def stop(self) -> None:
         """Stop acting; the detached actors stay (a restarted agent adopts them)."""
-        for t in [*self._tasks, *self._busy.values(), *self._drain_timers.values()]:
-            t.cancel()
-        for t in [*self._tasks, *self._busy.values(), *self._drain_timers.values()]:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
+        await cancel_and_wait([*self._tasks, *self._busy.values(), *self._drain_timers.values()], owner=self.actor)
         self._tasks.clear()
         self._busy.clear()
         self._drain_timers.clear()

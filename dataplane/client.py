@@ -65,7 +65,7 @@ class Job:
         self.model_key = model_key
         self.last: StatusUpdate | None = None
         self._queue: asyncio.Queue[StatusUpdate] = asyncio.Queue()
-        self._sub: Any = None
+        self._subs: list[Any] = []
         self._live_from_start = False  # submitted by us, listened to before it was sent: nothing to catch up
 
     async def _listen(self, *, flush: bool = True) -> None:
@@ -73,7 +73,11 @@ class Job:
             with contextlib.suppress(msgspec.DecodeError):
                 self._queue.put_nowait(status_decoder.decode(msg.data))
 
-        self._sub = await self.client.log.nc.subscribe(status_subject(self.request_id), cb=cb)
+        nc = self.client.log.nc
+        # Live statuses, and the kept ones as KV stores them: the terminal status reaches us as soon
+        # as it is kept, without waiting for the dispatcher's own publish after the store's ack.
+        self._subs = [await nc.subscribe(status_subject(self.request_id), cb=cb),
+                      await nc.subscribe(f"$KV.{REQUEST_STATUS_BUCKET}.{self.request_id}", cb=cb)]
         if not flush:
             return  # the request is published next on this connection: the server sees the SUB first
         await self.client.log.nc.flush()
@@ -88,7 +92,7 @@ class Job:
 
     async def statuses(self, timeout: float | None = None) -> AsyncIterator[StatusUpdate]:
         """Every status from now to the terminal one (starting from the latest kept, if newer)."""
-        if self._sub is None:
+        if not self._subs:
             await self._listen()
         kept = None if self._live_from_start else await self.latest()
         if kept is not None and (self.last is None or kept.ts > self.last.ts):
@@ -145,10 +149,10 @@ class Job:
         return final.result
 
     async def close(self) -> None:
-        if self._sub is not None:
+        for sub in self._subs:
             with contextlib.suppress(Exception):
-                await self._sub.unsubscribe()
-            self._sub = None
+                await sub.unsubscribe()
+        self._subs = []
 
 
 class Client:
