@@ -253,8 +253,8 @@ class Dispatcher:
                 while True:
                     try:
                         msgs = await sub.fetch(self.fetch_batch, timeout=5)
-                    except nats.errors.TimeoutError:
-                        continue
+                    except (nats.errors.TimeoutError, TimeoutError):
+                        continue  # nothing for 5 s (nats-py raises either kind)
                     for m in msgs:
                         await self._accept(p, m)
             except asyncio.CancelledError:
