@@ -108,6 +108,8 @@ class Dispatcher:
         self._writes: dict[str, _Writes] = {}  # request id -> its status writes
         self._subs: list[Any] = []
         self._stopped = False
+        self._outbox: list[tuple[str, bytes]] = []
+        self._outbox_task: asyncio.Task[None] | None = None
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
@@ -311,14 +313,32 @@ class Dispatcher:
         return StatusUpdate(request_id=p.req.request_id, status=status, ts=datetime.now(UTC),
                             model_key=p.req.model_key, attempt=p.attempt, **kw)
 
-    async def status(self, p: Pending, status: RequestStatus, **kw: Any) -> None:
-        """A non-terminal status: published always, kept in KV for the ones a reconnecting client needs."""
-        assert self.log_ is not None
+    def status(self, p: Pending, status: RequestStatus, **kw: Any) -> None:
+        """A non-terminal status: published always, kept in KV for the ones a reconnecting client needs.
+
+        It never holds up the caller: publishes go out in order from one outbox task per loop turn.
+        """
+        if self._stopped:
+            return
         u = self._update(p, status, **kw)
         data = encoder.encode(u)
-        await self.log_.nc.publish(status_subject(u.request_id), data)
+        self._outbox.append((status_subject(u.request_id), data))
+        if self._outbox_task is None:
+            self._outbox_task = asyncio.create_task(self._flush_outbox())
+            self._bg.add(self._outbox_task)
+            self._outbox_task.add_done_callback(self._bg.discard)
         if status in _KV_STATUSES:
-            await self._kv_put(u, data, terminal=False)
+            self._kv_put(u, data, terminal=False).add_done_callback(_retrieve)
+
+    async def _flush_outbox(self) -> None:
+        assert self.log_ is not None
+        try:
+            while self._outbox:
+                batch, self._outbox = self._outbox, []
+                for subject, data in batch:
+                    await self.log_.nc.publish(subject, data)
+        finally:
+            self._outbox_task = None
 
     async def finish(self, p: Pending, status: RequestStatus, **kw: Any) -> bool:
         """The terminal status, written exactly once (CAS); then the request is acked."""
@@ -471,6 +491,12 @@ class _Writes:
         self.task: asyncio.Task[None] | None = None
         self.timer: asyncio.TimerHandle | None = None
         self.waiting: tuple[StatusUpdate, bytes, bool, asyncio.Future[bool]] | None = None
+
+
+def _retrieve(fut: asyncio.Future[bool]) -> None:
+    """Nobody waits for a non-terminal status write: look at its outcome so a failure is logged once."""
+    if not fut.cancelled() and fut.exception() is not None:
+        log.warning("status_not_kept", error=str(fut.exception()))
 
 
 def _resolve(fut: asyncio.Future[bool], value: bool) -> None:

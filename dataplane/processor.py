@@ -102,7 +102,7 @@ class Processor:
             if new in (ProcessorStatus.PROVISIONING, ProcessorStatus.DEPLOYING):
                 waiting = R.PROVISIONING if new is ProcessorStatus.PROVISIONING else R.DEPLOYING
                 for p in list(self.queue):
-                    self.d.spawn(self.d.status(p, waiting, message=f"model is {new.lower()}"))
+                    self.d.status(p, waiting, message=f"model is {new.lower()}")
         self.d.maybe_provision(self)
 
     # ---- requests ----------------------------------------------------------------------------
@@ -112,7 +112,7 @@ class Processor:
             self.queue.appendleft(p)
         else:
             self.queue.append(p)
-        self.d.spawn(self.d.status(p, R.QUEUED, queue_position=0 if head else len(self.queue) - 1))
+        self.d.status(p, R.QUEUED, queue_position=0 if head else len(self.queue) - 1)
         self._refresh_status()
         self._notify()
 
@@ -192,7 +192,7 @@ class Processor:
             self._actors[rid] = actor
             # Status writes are not on the request's path: RUNNING goes out while the replica works
             # (the KV compare-and-set keeps it from ever overwriting the terminal status).
-            self.d.spawn(self.d.status(p, R.RUNNING, replica_id=rid))
+            self.d.status(p, R.RUNNING, replica_id=rid)
             try:
                 result = await actor.__call__.remote(p.req.payload)
             except Exception as exc:  # noqa: BLE001 - sorted below: the replica's fault or the request's

@@ -2,9 +2,10 @@
 
 One run, one machine, 2 no-op replicas (real ModelActors of a tiny checkpoint answering `echo`):
  (a) 1 request in flight: our path (SDK -> NDIF_REQUESTS -> dispatcher -> replica -> terminal
-     status, exactly once) vs a raw Ray actor call on the same actors: added latency p50/p99;
+     status, exactly once) vs a raw Ray actor call on the same actors, alternating: added latency
+     p50/p99;
  (b) 16 in flight: requests/s through our path vs Ray Serve (`serve.run` of a 2-replica no-op
-     deployment, handle calls) vs raw pipelined Ray actor calls;
+     deployment, handle calls) vs raw pipelined Ray actor calls, in paired rounds (medians);
  (c) event-to-worker: `ReplicaLoaded` appended -> the processor's worker for it taking requests
      (a replica evicted to WARM and scaled back, repeatedly).
 The last line printed is one JSON object with the figures.
@@ -12,7 +13,7 @@ The last line printed is one JSON object with the figures.
 The dispatcher runs in its own process (`ndif dispatcher`), as deployed; the client, controller
 and agent in this one.
 
-    python tools/bench/dispatch.py [--requests 2000] [--single 400] [--cycles 20] [--in-process]
+    python tools/bench/dispatch.py [--requests 2000] [--rounds 5] [--single 400] [--cycles 20] [--in-process]
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import asyncio
 import json
 import logging
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -57,22 +59,18 @@ def pct(xs: list[float], p: float) -> float:
     return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
 
 
-async def raw_single(actors: list[Any], n: int) -> list[float]:
-    lat = []
+async def single(c: Client, model: str, actors: list[Any], n: int) -> tuple[list[float], list[float]]:
+    """1 in flight, our path and a raw Ray call alternating (paired: drift hits both alike)."""
+    raw, ours = [], []
     for i in range(n):
         t0 = time.perf_counter()
         await actors[i % 2].__call__.remote(NOOP)
-        lat.append((time.perf_counter() - t0) * 1000)
-    return lat
-
-
-async def ours_single(c: Client, model: str, n: int) -> list[float]:
-    lat = []
-    for _ in range(n):
-        t0 = time.perf_counter()
+        t1 = time.perf_counter()
         await c.run(model, NOOP, timeout=60)
-        lat.append((time.perf_counter() - t0) * 1000)
-    return lat
+        t2 = time.perf_counter()
+        raw.append((t1 - t0) * 1000)
+        ours.append((t2 - t1) * 1000)
+    return raw, ours
 
 
 async def in_flight(call: Any, total: int, width: int = 16) -> float:
@@ -89,25 +87,28 @@ async def in_flight(call: Any, total: int, width: int = 16) -> float:
     return total / (time.perf_counter() - t0)
 
 
-def serve_rps(total: int) -> float:
-    """Ray Serve: a 2-replica no-op deployment, 16 handle calls in flight."""
-    from ray import serve
+class ServeNoop:
+    """Ray Serve: a 2-replica no-op deployment, called through its handle (16 in flight)."""
 
-    @serve.deployment(num_replicas=2, ray_actor_options={"num_cpus": 0})
-    class Noop:
-        async def __call__(self, req: dict[str, Any]) -> dict[str, Any]:
-            return {"echo": req.get("data")}
+    def start(self) -> ServeNoop:
+        from ray import serve
 
-    handle = serve.run(Noop.bind(), name="bench-noop", route_prefix=None)
+        @serve.deployment(num_replicas=2, ray_actor_options={"num_cpus": 0})
+        class Noop:
+            async def __call__(self, req: dict[str, Any]) -> dict[str, Any]:
+                return {"echo": req.get("data")}
 
-    async def go() -> float:
-        for _ in range(50):
-            await handle.remote(NOOP)
-        return await in_flight(lambda: handle.remote(NOOP), total)
+        self.handle = serve.run(Noop.bind(), name="bench-noop", route_prefix=None)
+        self.rps(50)  # warm
+        return self
 
-    try:
-        return asyncio.run_coroutine_threadsafe(go(), _serve_loop()).result()
-    finally:
+    def rps(self, total: int) -> float:
+        return asyncio.run_coroutine_threadsafe(in_flight(lambda: self.handle.remote(NOOP), total),
+                                                _serve_loop()).result()
+
+    def stop(self) -> None:
+        from ray import serve
+
         serve.shutdown()
 
 
@@ -154,8 +155,7 @@ async def main(a: argparse.Namespace) -> dict[str, float]:
                     await c.run(ckpt, NOOP, timeout=60)
                     await actors[0].__call__.remote(NOOP)
 
-                raw = await raw_single(actors, a.single)
-                ours = await ours_single(c, ckpt, a.single)
+                raw, ours = await single(c, ckpt, actors, a.single)
                 out["raw_ray_p50_ms"], out["raw_ray_p99_ms"] = pct(raw, 50), pct(raw, 99)
                 out["ours_p50_ms"], out["ours_p99_ms"] = pct(ours, 50), pct(ours, 99)
                 out["p50_overhead_ms"] = out["ours_p50_ms"] - out["raw_ray_p50_ms"]
@@ -171,10 +171,27 @@ async def main(a: argparse.Namespace) -> dict[str, float]:
                     i += 1
                     await actors[i % 2].__call__.remote(NOOP)
 
-                out["raw_ray_rps"] = await in_flight(raw_call, a.requests)
-                out["ours_rps"] = await in_flight(lambda: c.run(ckpt, NOOP, timeout=120), a.requests)
-                print(f"(b) 16 in flight: ours {out['ours_rps']:.0f} req/s, raw pipelined Ray "
-                      f"{out['raw_ray_rps']:.0f} req/s", flush=True)
+                # Paired rounds (ours, Serve, raw Ray back to back), medians: this VM's speed drifts
+                # between runs by +-30%, a ratio within one round does not.
+                serve = await asyncio.to_thread(ServeNoop().start)
+                rounds: list[tuple[float, float, float]] = []
+                try:
+                    for r in range(a.rounds):
+                        ours_r = await in_flight(lambda: c.run(ckpt, NOOP, timeout=120), a.requests)
+                        serve_r = await asyncio.to_thread(serve.rps, a.requests)
+                        raw_r = await in_flight(raw_call, a.requests)
+                        rounds.append((ours_r, serve_r, raw_r))
+                        print(f"(b) round {r + 1}, 16 in flight: ours {ours_r:.0f} req/s, Ray Serve {serve_r:.0f}, "
+                              f"raw pipelined Ray {raw_r:.0f}; ours / Serve {ours_r / serve_r:.2f}", flush=True)
+                finally:
+                    await asyncio.to_thread(serve.stop)
+                out["ours_rps"] = statistics.median(x[0] for x in rounds)
+                out["ray_serve_rps"] = statistics.median(x[1] for x in rounds)
+                out["raw_ray_rps"] = statistics.median(x[2] for x in rounds)
+                out["throughput_ratio_vs_serve"] = statistics.median(x[0] / x[1] for x in rounds)
+                print(f"(b) medians of {a.rounds} rounds: ours {out['ours_rps']:.0f} req/s, Ray Serve "
+                      f"{out['ray_serve_rps']:.0f}, raw Ray {out['raw_ray_rps']:.0f}; ours / Serve "
+                      f"{out['throughput_ratio_vs_serve']:.2f}", flush=True)
             finally:
                 if disp_proc is not None:
                     disp_proc.terminate()
@@ -204,10 +221,6 @@ async def main(a: argparse.Namespace) -> dict[str, float]:
             out["event_to_worker_p50_ms"], out["event_to_worker_p99_ms"] = pct(lags, 50), pct(lags, 99)
             print(f"(c) ReplicaLoaded -> worker: p50 {out['event_to_worker_p50_ms']:.2f} ms, p99 "
                   f"{out['event_to_worker_p99_ms']:.2f} ms ({a.cycles} cycles)", flush=True)
-        out["ray_serve_rps"] = await asyncio.to_thread(serve_rps, a.requests)
-        out["throughput_ratio_vs_serve"] = out["ours_rps"] / out["ray_serve_rps"]
-        print(f"(b) Ray Serve 2 replicas, 16 in flight: {out['ray_serve_rps']:.0f} req/s; ours / Serve = "
-              f"{out['throughput_ratio_vs_serve']:.2f}", flush=True)
     finally:
         ray.shutdown()
         srv.close()
@@ -219,6 +232,7 @@ if __name__ == "__main__":
     p.add_argument("--requests", type=int, default=2000)
     p.add_argument("--single", type=int, default=400)
     p.add_argument("--cycles", type=int, default=20)
+    p.add_argument("--rounds", type=int, default=5, help="paired throughput rounds (median reported)")
     p.add_argument("--in-process", action="store_true",
                    help="run the dispatcher in the benchmark's process (default: its own, as deployed)")
     res = asyncio.run(main(p.parse_args()))
