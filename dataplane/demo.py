@@ -1,4 +1,4 @@
-"""`ndif up --demo`: the whole service on this machine, end to end, in about a minute.
+"""`ndif up --demo`: the whole service on this machine, end to end (about 25 s on a 2-core VM).
 
 Embedded NATS (JetStream, temp store, free port), a local Ray (2 declared GPUs on a CPU-only
 machine, the real ones otherwise), the controller, one node agent and the dispatcher run in this

@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import os
 import socket
+import time
 from collections.abc import Coroutine
 from datetime import UTC, datetime
 from typing import Any
@@ -66,6 +67,8 @@ log = structlog.get_logger("ndif.dispatcher")
 R = RequestStatus
 _KV_STATUSES = {R.RECEIVED, R.QUEUED, R.RUNNING, R.PROVISIONING, R.DEPLOYING}
 ACK_WAIT_S = 30.0
+PROVISION_RETRY_S = 5.0  # a model the cluster has no room for is deployed again after 5 s, 10 s, ... 60 s
+PROVISION_RETRY_MAX_S = 60.0
 STATUS_KV_DELAY_S = 0.02  # a non-terminal status reaches KV this late at most (it is published at once)
 
 
@@ -206,13 +209,37 @@ class Dispatcher:
             return
         if p.view is not None and p.view.requested > 0:
             return
+        if time.monotonic() < p.provision_not_before:
+            return  # the cluster had no room: retried by the timer set then
         p.provisioning = True
         self.spawn(self._provision(p))
+
+    def _retry_provision_later(self, p: Processor) -> None:
+        p.provision_backoff_s = min(max(p.provision_backoff_s * 2, PROVISION_RETRY_S), PROVISION_RETRY_MAX_S)
+        p.provision_not_before = time.monotonic() + p.provision_backoff_s
+
+        def retry() -> None:
+            if not self._stopped:
+                self.maybe_provision(p)
+
+        asyncio.get_running_loop().call_later(p.provision_backoff_s, retry)
 
     async def _provision(self, p: Processor) -> None:
         assert self.admin is not None and p.model_key is not None
         try:
-            await self.admin.deploy(p.model_key, self.default_replicas)
+            res = await self.admin.deploy(p.model_key, self.default_replicas)
+            if res.rejections and not res.replicas:
+                # No room anywhere now: tell the waiting users why and try again later (not in a loop).
+                r = res.rejections[0]
+                self._retry_provision_later(p)
+                msg = (f"no room for {p.model_key}: needs {r.needed_bytes} bytes, {r.free_bytes} free; "
+                       f"trying again in {p.provision_backoff_s:.0f}s (or scale/evict to make room)")
+                log.warning("provision_rejected", model_key=p.model_key, needed=r.needed_bytes, free=r.free_bytes,
+                            retry_s=p.provision_backoff_s)
+                for w in list(p.queue):
+                    self.status(w, R.PROVISIONING, message=msg)
+                return
+            p.provision_backoff_s = 0.0
             log.info("provisioned", model_key=p.model_key, replicas=self.default_replicas)
         except errs.InvalidCommand as exc:
             if "already has" not in str(exc):  # another dispatcher (or an operator) was first: fine

@@ -64,6 +64,8 @@ class Processor:
         self.ready: set[int] = set()
         self.draining: set[int] = set()
         self.provisioning = False
+        self.provision_not_before = 0.0  # monotonic time before which no new deploy is sent
+        self.provision_backoff_s = 0.0
         self.status = ProcessorStatus.UNINITIALIZED
         self.completed = 0
         self.errors = 0

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import faulthandler
 import os
 import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
 import pytest
 import pytest_asyncio
@@ -35,6 +37,17 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         os._exit(_exit_status or 1)
 
     threading.Thread(target=watchdog, name="exit-watchdog", daemon=True).start()
+
+
+async def bounded(aw: Any, what: str, timeout: float = 30.0) -> None:
+    """Await a teardown step; if it hangs, show every asyncio task's stack and fail (never hang)."""
+    try:
+        await asyncio.wait_for(aw, timeout)
+    except TimeoutError:
+        for t in asyncio.all_tasks():
+            sys.stderr.write(f"--- task {t.get_name()}\n")
+            t.print_stack(limit=6, file=sys.stderr)
+        raise AssertionError(f"teardown step {what!r} did not finish within {timeout}s (task stacks above)") from None
 
 
 @pytest.fixture(scope="module")

@@ -34,7 +34,7 @@ from dataplane.tiny_models import make_tiny_gpt2, make_tiny_llama
 from schemas.keys import canonical_model_key
 from schemas.requests import status_decoder
 from schemas.subjects import REQUEST_STATUS_BUCKET, request_subject
-from tests.conftest import fresh_event_log
+from tests.conftest import bounded, fresh_event_log
 from tests.integration.cluster import ndif
 
 pytestmark = pytest.mark.timeout(300)
@@ -78,11 +78,11 @@ async def service(nats_server: EmbeddedNats, local_ray: str) -> AsyncIterator[di
         yield {"url": url, "controller": ctl, "agent": agent, "dispatcher": disp, "admin": admin, "log": lg,
                "gcs": local_ray}
     finally:
-        await admin.close()
-        await disp.stop()
-        await agent.stop()
-        await ctl.stop()
-        await lg.close()
+        await bounded(admin.close(), "admin.close")
+        await bounded(disp.stop(), "dispatcher.stop")
+        await bounded(agent.stop(), "agent.stop")
+        await bounded(ctl.stop(), "controller.stop")
+        await bounded(lg.close(), "log.close")
         kill_all_actors()
 
 
@@ -184,13 +184,23 @@ async def test_a_model_that_cannot_be_placed_does_not_stall_another(service: dic
     assert huge.rejections
     res = await admin.deploy(str(models["gpt2"]), 1)
     await admin.wait(res, timeout=120)
+    deploys: list[bytes] = []
+
+    async def on_deploy(msg: Any) -> None:
+        deploys.append(msg.data)
+
+    sub = await service["log"].nc.subscribe("ndif.cmd.deploy", cb=on_deploy)
     async with Client(url) as c:
         stuck = [await c.submit(str(models["llama"]), {"op": "forward", "input_ids": [[1]]}) for _ in range(20)]
         served = [await c.submit(str(models["gpt2"]), {"op": "forward", "input_ids": [[i + 1]]}) for i in range(20)]
         done = await asyncio.gather(*(j.result(timeout=60) for j in served))
         assert all(d["next_token_ids"] for d in done)
+        await asyncio.sleep(1.0)
         waiting = [await j.latest() for j in stuck]
         assert all(w is not None and not w.terminal for w in waiting)  # still waiting, none lost
+        assert any("no room" in (w.message or "") for w in waiting if w is not None)  # and told why
+    await sub.unsubscribe()
+    assert 1 <= len(deploys) <= 3, len(deploys)  # provisioning backs off; it does not loop on the controller
     async with asyncio.timeout(10):
         while True:
             q = service["dispatcher"].get_state()
