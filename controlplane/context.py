@@ -45,4 +45,3 @@ def new_id() -> str:
 def observed(cls: type[E], *, actor: str, **fields: Any) -> E:
     """An observed fact stamped now with a fresh id (agents, dispatcher: adapters only)."""
     return cls(event_id=new_id(), ts=utcnow(), actor=actor, **fields)
-

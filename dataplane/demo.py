@@ -29,7 +29,7 @@ GB = 10**9
 PAYLOAD = {"op": "generate", "prompt": "The control plane is", "max_new_tokens": 12}
 
 
-def _say(msg: str) -> None:
+def say(msg: str) -> None:
     print(f"\n==> {msg}", flush=True)
 
 
@@ -60,7 +60,7 @@ class Progress:
             print(line, flush=True)
 
 
-async def _ndif(url: str, *args: str) -> str:
+async def run_cli(url: str, *args: str) -> str:
     """Run the real CLI and show it, as an operator would type it."""
     print(f"$ ndif {' '.join(args)}", flush=True)
     proc = await asyncio.create_subprocess_exec(
@@ -151,7 +151,7 @@ async def run_demo(*, port: int | None, store: Path | None, gpus: list[Any] | No
     gpus = gpus or detect_gpus() or declared_gpus(2, 80 * GB)
     real = bool(detect_gpus())
 
-    _say("Starting nats-server (JetStream), a local Ray, the controller, a node agent and the dispatcher")
+    say("Starting nats-server (JetStream), a local Ray, the controller, a node agent and the dispatcher")
     srv = EmbeddedNats(store, port=port)
     await srv.astart()
     url = srv.url
@@ -160,7 +160,7 @@ async def run_demo(*, port: int | None, store: Path | None, gpus: list[Any] | No
     ray.init(num_gpus=len(gpus), namespace=NAMESPACE, include_dashboard=False, log_to_driver=False)
     print(f"  NATS {url} (store {store}); Ray with {len(gpus)} {'real' if real else 'declared'} GPU(s)", flush=True)
 
-    _say(f"Tiny real checkpoints (random weights, save_pretrained) in {home / 'models'}")
+    say(f"Tiny real checkpoints (random weights, save_pretrained) in {home / 'models'}")
     t0 = time.perf_counter()
     gpt2 = str(make_tiny_gpt2(home / "models" / "tiny-gpt2"))
     make_tiny_llama(home / "models" / "tiny-llama")
@@ -174,23 +174,23 @@ async def run_demo(*, port: int | None, store: Path | None, gpus: list[Any] | No
                 Dispatcher(url), \
                 await AdminClient.open(url) as admin, \
                 Client(url) as client:
-            _say("Deploy 2 replicas (the controller registers the model: its size measured on the meta device)")
-            await _ndif(url, "deploy", gpt2, "--replicas", "2", "--wait")
+            say("Deploy 2 replicas (the controller registers the model: its size measured on the meta device)")
+            await run_cli(url, "deploy", gpt2, "--replicas", "2", "--wait")
 
-            _say(f"A burst of {requests} requests through the async SDK (generate, 12 new tokens)")
+            say(f"A burst of {requests} requests through the async SDK (generate, 12 new tokens)")
             outcome["burst1"] = b1 = await _burst(client, gpt2, requests, "burst 1")
             _report(b1)
 
-            _say("Scale to 3 replicas: the dispatcher adds a worker as soon as ReplicaLoaded is in the log")
-            await _ndif(url, "scale", gpt2, "--replicas", "3", "--wait")
+            say("Scale to 3 replicas: the dispatcher adds a worker as soon as ReplicaLoaded is in the log")
+            await run_cli(url, "scale", gpt2, "--replicas", "3", "--wait")
             before_evict = (await admin.state()).seq
 
             async def evict() -> None:
                 bar_note = "evicting replica 0 while requests flow"
                 print(f"\n  ({bar_note})", flush=True)
-                await _ndif(url, "evict", gpt2, "--replica-id", "0")
+                await run_cli(url, "evict", gpt2, "--replica-id", "0")
 
-            _say(f"A second burst of {requests}; replica 0 is evicted once a quarter of it is done")
+            say(f"A second burst of {requests}; replica 0 is evicted once a quarter of it is done")
             outcome["burst2"] = b2 = await _burst(client, gpt2, requests, "burst 2", during=evict,
                                                   during_at=requests // 4)
             _report(b2)
@@ -198,16 +198,16 @@ async def run_demo(*, port: int | None, store: Path | None, gpus: list[Any] | No
                 while str((await admin.state()).replicas[(mk, 0)].state) not in ("Cached", "Unloaded"):
                     await asyncio.sleep(0.1)
 
-            _say("What the log says now")
-            await _ndif(url, "status")
-            await _ndif(url, "queue")
-            await _ndif(url, "history", gpt2, "--replica-id", "0")
-            _say(f"Replay: the cluster as it was at seq {before_evict}, before the eviction")
-            await _ndif(url, "replay", "--until", str(before_evict))
+            say("What the log says now")
+            await run_cli(url, "status")
+            await run_cli(url, "queue")
+            await run_cli(url, "history", gpt2, "--replica-id", "0")
+            say(f"Replay: the cluster as it was at seq {before_evict}, before the eviction")
+            await run_cli(url, "replay", "--until", str(before_evict))
 
             total = requests * 2
             done = b1["completed"] + b2["completed"]
-            _say(f"Outcome: {done}/{total} requests COMPLETED, {b1['failed'] + b2['failed']} ERROR, "
+            say(f"Outcome: {done}/{total} requests COMPLETED, {b1['failed'] + b2['failed']} ERROR, "
                  f"{b2['requeued']} re-queued by the eviction and none lost; "
                  f"{time.perf_counter() - t_start:.0f}s in all")
             print("  Look further (with the cluster up: `ndif up --demo --stay`, then in another shell):\n"

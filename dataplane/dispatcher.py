@@ -94,7 +94,6 @@ class Dispatcher:
         # counts from the start of the run. Measured in tools/bench/dispatch.py: 2 lanes ~650 req/s,
         # 4 ~850-900, 8 no better.
         self.replica_lanes = replica_lanes or _env_int("NDIF_REPLICA_LANES", 4)
-        self.status_kv_delay_s = STATUS_KV_DELAY_S
         # How long a request held by a dead dispatcher waits before redelivery (kept alive meanwhile).
         self.ack_wait_s = ack_wait_s or float(os.environ.get("NDIF_REQUEST_ACK_WAIT_S", ACK_WAIT_S))
         self.state = ClusterState()
@@ -106,8 +105,7 @@ class Dispatcher:
         self._tasks: list[asyncio.Task[None]] = []
         self._bg: set[asyncio.Task[Any]] = set()
         self._drained: set[tuple[str, int, int]] = set()
-        self._rev: dict[str, int] = {}  # request id -> KV revision of our last status write
-        self._seen_keys: set[str] = set()
+        self._rev: dict[str, int] = {}  # request id -> KV revision of our last (non-terminal) status write
         self._writes: dict[str, _Writes] = {}  # request id -> its status writes
         self._subs: list[Any] = []
         self._stopped = False
@@ -257,7 +255,7 @@ class Dispatcher:
 
     # ---- requests in -------------------------------------------------------------------------
 
-    def _processor(self, token: str) -> Processor:
+    def _processor(self, token: str) -> Processor | None:
         p = self.processors.get(token)
         if p is None and not self._stopped:
             p = self.processors[token] = Processor(token, self)
@@ -265,9 +263,7 @@ class Dispatcher:
         return p
 
     async def _on_publish(self, msg: Msg) -> None:
-        token = msg.subject.rsplit(".", 1)[-1]
-        if token not in self.processors and not self._stopped:
-            self._processor(token)
+        self._processor(msg.subject.rsplit(".", 1)[-1])
 
     async def _consume(self, p: Processor) -> None:
         assert self.log_ is not None
@@ -328,12 +324,16 @@ class Dispatcher:
 
     # ---- statuses out ------------------------------------------------------------------------
 
-    async def _terminal(self, request_id: str) -> StatusUpdate | None:
+    async def _kept(self, request_id: str) -> tuple[StatusUpdate | None, int | None]:
+        """The status kept in KV and its revision (None, None when there is none)."""
         try:
             e = await self.kv.get(request_id)
         except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
-            return None
-        cur = status_decoder.decode(e.value) if e.value else None
+            return None, None
+        return (status_decoder.decode(e.value) if e.value else None), e.revision
+
+    async def _terminal(self, request_id: str) -> StatusUpdate | None:
+        cur, _ = await self._kept(request_id)
         return cur if cur is not None and cur.terminal else None
 
     def _update(self, p: Pending, status: RequestStatus, **kw: Any) -> StatusUpdate:
@@ -404,14 +404,14 @@ class Dispatcher:
             _resolve(w.waiting[3], True)  # superseded: the newer status is what KV will keep
         w.waiting = (u, data, terminal, fut)
         if w.task is None:
-            if terminal or self.status_kv_delay_s <= 0:
+            if terminal:
                 if w.timer is not None:
                     w.timer.cancel()
                 self._start_writes(u.request_id, w)
             elif w.timer is None:
                 # A status superseded within the delay is never written: a request that runs at
                 # once costs one KV write (its terminal status), not three.
-                w.timer = asyncio.get_running_loop().call_later(self.status_kv_delay_s, self._start_writes,
+                w.timer = asyncio.get_running_loop().call_later(STATUS_KV_DELAY_S, self._start_writes,
                                                                 u.request_id, w)
         return fut
 
@@ -445,35 +445,18 @@ class Dispatcher:
         (create, or update expecting that revision); only a lost race reads the key first.
         """
         key = u.request_id
-        rev = self._rev.get(key)
-        fresh = rev is None and key not in self._seen_keys
+        rev = self._rev.pop(key, None)
         for _ in range(20):
             try:
-                if fresh:
-                    new_rev = await self.kv.create(key, data)
-                elif rev is not None:
-                    new_rev = await self.kv.update(key, data, last=rev)
-                else:
-                    raise nats.js.errors.KeyWrongLastSequenceError()
-                if terminal:
-                    self._rev.pop(key, None)
-                    self._seen_keys.discard(key)
-                else:
-                    self._rev[key] = new_rev
-                    self._seen_keys.add(key)
-                return True
+                new_rev = await (self.kv.create(key, data) if rev is None else self.kv.update(key, data, last=rev))
             except nats.js.errors.KeyWrongLastSequenceError:
-                fresh = False
-                try:
-                    e = await self.kv.get(key)
-                    cur = status_decoder.decode(e.value) if e.value else None
-                    rev = e.revision
-                except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
-                    cur, rev, fresh = None, None, True
+                cur, rev = await self._kept(key)
                 if cur is not None and cur.terminal:
-                    self._rev.pop(key, None)
-                    self._seen_keys.discard(key)
                     return False
+                continue
+            if not terminal:
+                self._rev[key] = new_rev
+            return True
         if terminal:
             log.error("terminal_status_not_written", request_id=key)
         return False

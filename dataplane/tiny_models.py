@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 EOS = 256  # "<|endoftext|>" in the byte-level tokenizer below
 
@@ -30,39 +32,38 @@ def save_byte_tokenizer(path: Path) -> None:
                             bos_token="<|endoftext|>").save_pretrained(path)
 
 
-def make_tiny_gpt2(path: Path | str, *, n_layer: int = 2, n_embd: int = 64, vocab_size: int = 1000,
-                   seed: int = 0) -> Path:
-    """A 2-layer GPT-2 with random weights saved at `path` (skipped when already there)."""
+def _make(path: Path | str, seed: int, build: Callable[[], Any]) -> Path:
+    """Save `build()` (a model with random weights, seeded) and the tokenizer at `path`, once."""
     import torch
-    from transformers import GPT2Config, GPT2LMHeadModel
 
     path = Path(path)
     if (path / "config.json").is_file() and any(path.glob("*.safetensors")):
         return path
     torch.manual_seed(seed)
-    cfg = GPT2Config(n_layer=n_layer, n_embd=n_embd, n_head=max(1, n_embd // 32), n_positions=128,
-                     vocab_size=vocab_size, bos_token_id=EOS, eos_token_id=EOS)
-    GPT2LMHeadModel(cfg).eval().save_pretrained(path)
+    build().eval().save_pretrained(path)
     save_byte_tokenizer(path)
     return path
+
+
+def make_tiny_gpt2(path: Path | str, *, n_layer: int = 2, n_embd: int = 64, vocab_size: int = 1000,
+                   seed: int = 0) -> Path:
+    """A 2-layer GPT-2 with random weights saved at `path` (skipped when already there)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(n_layer=n_layer, n_embd=n_embd, n_head=max(1, n_embd // 32), n_positions=128,
+                     vocab_size=vocab_size, bos_token_id=EOS, eos_token_id=EOS)
+    return _make(path, seed, lambda: GPT2LMHeadModel(cfg))
 
 
 def make_tiny_llama(path: Path | str, *, layers: int = 2, hidden: int = 64, vocab_size: int = 1000,
                     seed: int = 1) -> Path:
     """A small Llama-architecture model with random weights saved at `path`."""
-    import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    path = Path(path)
-    if (path / "config.json").is_file() and any(path.glob("*.safetensors")):
-        return path
-    torch.manual_seed(seed)
     cfg = LlamaConfig(num_hidden_layers=layers, hidden_size=hidden, intermediate_size=hidden * 2,
                       num_attention_heads=4, num_key_value_heads=2, vocab_size=vocab_size,
                       max_position_embeddings=128, bos_token_id=EOS, eos_token_id=EOS)
-    LlamaForCausalLM(cfg).eval().save_pretrained(path)
-    save_byte_tokenizer(path)
-    return path
+    return _make(path, seed, lambda: LlamaForCausalLM(cfg))
 
 
 def make_gpt2_of_size(path: Path | str, megabytes: int, seed: int = 2) -> Path:

@@ -13,7 +13,6 @@ controller's policy, history, replay, and evict --all --cold. Every step is an e
 from __future__ import annotations
 
 import asyncio
-import os
 import sys
 import tempfile
 import time
@@ -33,30 +32,12 @@ from controlplane.controller import Controller  # noqa: E402
 from controlplane.eventstore import JetStreamEventLog  # noqa: E402
 from controlplane.nats_server import EmbeddedNats  # noqa: E402
 from dataplane.agent import NodeAgent, declared_gpus  # noqa: E402
+from dataplane.demo import run_cli, say  # noqa: E402
 from dataplane.model_actor import NAMESPACE, get_actor, list_replica_actors  # noqa: E402
 from dataplane.tiny_models import make_tiny_gpt2, make_tiny_llama  # noqa: E402
 from schemas.keys import canonical_model_key  # noqa: E402
 
 GB = 10**9
-
-
-def say(msg: str) -> None:
-    print(f"\n==> {msg}", flush=True)
-
-
-async def ndif(url: str, *args: str) -> str:
-    """Run the real CLI and show it, as an operator would type it."""
-    print(f"$ ndif {' '.join(args)}", flush=True)
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "dataplane.cli", *args, env={**os.environ, "NDIF_NATS_URL": url,
-                                                           "NDIF_LOG_LEVEL": "WARNING"},
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, cwd=ROOT)
-    out, _ = await proc.communicate()
-    text = out.decode()
-    print("  " + text.rstrip().replace("\n", "\n  "), flush=True)
-    if proc.returncode:
-        raise SystemExit(f"demo: `ndif {' '.join(args)}` exited {proc.returncode}")
-    return text
 
 
 async def settle(admin: AdminClient, timeout: float = 120) -> None:
@@ -90,8 +71,8 @@ async def main() -> None:
                           drain_timeout_s=0.5, heartbeat_s=1.0, health_interval_s=0.5), \
                 await AdminClient.open(url) as admin:
             say("Deploy 2 replicas of tiny-gpt2 (the controller registers it: size measured on the meta device)")
-            await ndif(url, "deploy", gpt2, "--replicas", "2", "--wait")
-            await ndif(url, "deploy", llama, "--replicas", "1", "--wait")
+            await run_cli(url, "deploy", gpt2, "--replicas", "2", "--wait")
+            await run_cli(url, "deploy", llama, "--replicas", "1", "--wait")
 
             say("Each replica is a detached Ray actor named ModelActor:<model_key>:<replica_id>; same input, "
                 "same output")
@@ -101,13 +82,13 @@ async def main() -> None:
                 print(f"  replica {rid}: {out['output_ids'][0]}", flush=True)
 
             say("Evict replica 1: HOT -> WARM (weights kept in the actor's CPU memory)")
-            await ndif(url, "evict", gpt2, "--replica-id", "1")
+            await run_cli(url, "evict", gpt2, "--replica-id", "1")
             await settle(admin)
-            await ndif(url, "status")
+            await run_cli(url, "status")
             warm_seq = (await admin.state()).seq
 
             say("Scale back to 2: placement reuses the WARM copy, so replica 1 returns with its id")
-            await ndif(url, "scale", gpt2, "--replicas", "2", "--wait")
+            await run_cli(url, "scale", gpt2, "--replicas", "2", "--wait")
 
             say("Kill replica 0's actor behind the agent's back: ReplicaFailed, then the controller restarts it")
             ray.kill(get_actor(mk, 0), no_restart=True)
@@ -117,16 +98,16 @@ async def main() -> None:
             print("  replica 0 is Available again (restarts: 1)", flush=True)
 
             say("Every step of replica 1, with the command and actor that caused it")
-            await ndif(url, "history", gpt2, "--replica-id", "1")
+            await run_cli(url, "history", gpt2, "--replica-id", "1")
 
             say(f"Replay: the cluster as it was at seq {warm_seq} (replica 1 WARM)")
-            await ndif(url, "replay", "--until", str(warm_seq))
+            await run_cli(url, "replay", "--until", str(warm_seq))
 
             say("Evict everything to COLD: the actors are gone, the log keeps the story")
-            await ndif(url, "evict", "--all", "--cold")
+            await run_cli(url, "evict", "--all", "--cold")
             await settle(admin)
             print(f"  actors left: {len(list_replica_actors())}", flush=True)
-            await ndif(url, "events", "--since", "1")
+            await run_cli(url, "events", "--since", "1")
     finally:
         ray.shutdown()
         srv.close()

@@ -12,7 +12,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -26,10 +26,11 @@ from controlplane.controller import Controller
 from controlplane.eventstore import JetStreamEventLog
 from controlplane.nats_server import EmbeddedNats
 from dataplane.agent import NodeAgent, declared_gpus
-from dataplane.model_actor import NAMESPACE, actor_name, get_actor, list_replica_actors, parse_actor_name
+from dataplane.model_actor import actor_name, get_actor, list_replica_actors, parse_actor_name
 from dataplane.tiny_models import make_tiny_gpt2
 from schemas.keys import canonical_model_key
 from tests.conftest import fresh_event_log
+from tests.dataplane.conftest import kill_all_actors
 from tests.integration.scenario import lifecycle_scenario
 
 pytestmark = pytest.mark.timeout(300)
@@ -38,24 +39,8 @@ IDS = [[5, 17, 42, 7]]
 
 
 @pytest.fixture(scope="module")
-def local_ray() -> Iterator[str]:
-    ray.init(num_gpus=2, num_cpus=2, namespace=NAMESPACE, include_dashboard=False, log_to_driver=False)
-    try:
-        yield ray.get_runtime_context().gcs_address
-    finally:
-        ray.shutdown()
-
-
-@pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_gpt2(tmp_path_factory.mktemp("ckpt") / "tiny-gpt2")
-
-
-def kill_all_actors() -> None:
-    for mk, rid, _ in list_replica_actors():
-        h = get_actor(mk, rid)
-        if h is not None:
-            ray.kill(h, no_restart=True)
 
 
 @pytest_asyncio.fixture

@@ -12,14 +12,13 @@ import signal
 import subprocess
 import sys
 from collections import Counter
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import pytest
 import pytest_asyncio
-import ray
 
 from controlplane.admin import AdminClient
 from controlplane.controller import Controller
@@ -29,12 +28,12 @@ from dataplane.agent import NodeAgent, declared_gpus
 from dataplane.client import Client, RequestFailed
 from dataplane.dispatcher import Dispatcher
 from dataplane.model import ModelReplica
-from dataplane.model_actor import NAMESPACE, get_actor, list_replica_actors
 from dataplane.tiny_models import make_tiny_gpt2, make_tiny_llama
 from schemas.keys import canonical_model_key
 from schemas.requests import status_decoder
 from schemas.subjects import REQUEST_STATUS_BUCKET, request_subject
 from tests.conftest import bounded, fresh_event_log
+from tests.dataplane.conftest import kill_all_actors
 from tests.integration.cluster import ndif
 
 pytestmark = pytest.mark.timeout(300)
@@ -42,25 +41,9 @@ GB = 10**9
 
 
 @pytest.fixture(scope="module")
-def local_ray() -> Iterator[str]:
-    ray.init(num_gpus=2, num_cpus=2, namespace=NAMESPACE, include_dashboard=False, log_to_driver=False)
-    try:
-        yield ray.get_runtime_context().gcs_address
-    finally:
-        ray.shutdown()
-
-
-@pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("ckpt")
     return {"gpt2": make_tiny_gpt2(root / "gpt2"), "llama": make_tiny_llama(root / "llama")}
-
-
-def kill_all_actors() -> None:
-    for mk, rid, _ in list_replica_actors():
-        h = get_actor(mk, rid)
-        if h is not None:
-            ray.kill(h, no_restart=True)
 
 
 @pytest_asyncio.fixture
