@@ -44,6 +44,7 @@ from schemas.subjects import (
     REQUESTS_STREAM,
     RESULTS_BUCKET,
     SNAPSHOTS_BUCKET,
+    STATUS_PREFIX,
 )
 
 log = structlog.get_logger("ndif.eventstore")
@@ -218,10 +219,22 @@ class JetStreamEventLog:
             storage=api.StorageType.FILE, num_replicas=self.replicas, duplicate_window=DUPLICATE_WINDOW_S,
             description="ndif user requests, one durable consumer per model subject",
         ))
-        for bucket, ttl in ((HEARTBEATS_BUCKET, HEARTBEAT_TTL_S), (REQUEST_STATUS_BUCKET, REQUEST_STATUS_TTL_S)):
-            await self._ensure_bucket(self.js.create_key_value, self.js.key_value, bucket,
-                                      api.KeyValueConfig(bucket=bucket, ttl=ttl, replicas=self.replicas,
-                                                         storage=api.StorageType.FILE))
+        await self._ensure_bucket(self.js.create_key_value, self.js.key_value, HEARTBEATS_BUCKET,
+                                  api.KeyValueConfig(bucket=HEARTBEATS_BUCKET, ttl=HEARTBEAT_TTL_S,
+                                                     replicas=self.replicas, storage=api.StorageType.FILE))
+        # A request's status, as it is stored, is republished by the server on its status subject:
+        # the terminal one (kept once, by compare-and-set) reaches the client the moment it is kept,
+        # and only if it was (a losing write is never seen).
+        status_republish = api.RePublish(src=f"$KV.{REQUEST_STATUS_BUCKET}.>", dest=f"{STATUS_PREFIX}.>")
+        await self._ensure_bucket(self.js.create_key_value, self.js.key_value, REQUEST_STATUS_BUCKET,
+                                  api.KeyValueConfig(bucket=REQUEST_STATUS_BUCKET, ttl=REQUEST_STATUS_TTL_S,
+                                                     replicas=self.replicas, storage=api.StorageType.FILE,
+                                                     republish=status_republish))
+        info = await self.js.stream_info(f"KV_{REQUEST_STATUS_BUCKET}")
+        if info.config.republish is None or info.config.republish.dest != status_republish.dest:
+            info.config.republish = status_republish  # a bucket made by an earlier version
+            await self.js.update_stream(info.config)
+            log.info("stream_updated", stream=f"KV_{REQUEST_STATUS_BUCKET}", republish=status_republish.dest)
         for bucket in (RESULTS_BUCKET, SNAPSHOTS_BUCKET):
             await self._ensure_bucket(self.js.create_object_store, self.js.object_store, bucket,
                                       api.ObjectStoreConfig(bucket=bucket, replicas=self.replicas,

@@ -16,6 +16,7 @@ NATS is at-most-once) never leaves a user waiting for a terminal status that is 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import time
 import uuid
@@ -64,20 +65,21 @@ class Job:
         self.request_id = request_id
         self.model_key = model_key
         self.last: StatusUpdate | None = None
-        self._queue: asyncio.Queue[StatusUpdate] = asyncio.Queue()
+        self._arrived: collections.deque[StatusUpdate] = collections.deque()
+        self._waiter: asyncio.Future[None] | None = None
         self._subs: list[Any] = []
         self._live_from_start = False  # submitted by us, listened to before it was sent: nothing to catch up
 
     async def _listen(self, *, flush: bool = True) -> None:
         async def cb(msg: Any) -> None:
             with contextlib.suppress(msgspec.DecodeError):
-                self._queue.put_nowait(status_decoder.decode(msg.data))
+                self._arrived.append(status_decoder.decode(msg.data))
+                if self._waiter is not None and not self._waiter.done():
+                    self._waiter.set_result(None)
 
-        nc = self.client.log.nc
-        # Live statuses, and the kept ones as KV stores them: the terminal status reaches us as soon
-        # as it is kept, without waiting for the dispatcher's own publish after the store's ack.
-        self._subs = [await nc.subscribe(status_subject(self.request_id), cb=cb),
-                      await nc.subscribe(f"$KV.{REQUEST_STATUS_BUCKET}.{self.request_id}", cb=cb)]
+        # Live statuses, and the kept ones as the server republishes them when KV stores them (the
+        # terminal status only that way: it reaches us the moment it is kept, and only if it was).
+        self._subs = [await self.client.log.nc.subscribe(status_subject(self.request_id), cb=cb)]
         if not flush:
             return  # the request is published next on this connection: the server sees the SUB first
         await self.client.log.nc.flush()
@@ -105,7 +107,7 @@ class Job:
         while True:
             wait = poll if timeout is None else max(0.0, min(poll, quiet_since + timeout - time.monotonic()))
             try:
-                u = await asyncio.wait_for(self._queue.get(), wait)
+                u = await self._next(wait)
             except TimeoutError:
                 # Quiet for a while: a live status may have been missed (a reconnect, or a dispatcher
                 # that died between keeping a status and publishing it). KV has the latest.
@@ -133,6 +135,16 @@ class Job:
             if u.terminal:
                 await self.close()
                 return
+
+    async def _next(self, wait: float) -> StatusUpdate:
+        """The next status that arrived (TimeoutError after `wait` seconds without one)."""
+        if not self._arrived:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await asyncio.wait_for(self._waiter, wait)
+            finally:
+                self._waiter = None
+        return self._arrived.popleft()
 
     async def result(self, timeout: float | None = 300.0) -> Any:
         """The result of a COMPLETED request; `RequestFailed` for ERROR."""

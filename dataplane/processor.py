@@ -22,7 +22,7 @@ from nats.aio.msg import Msg
 
 from controlplane.projections.queue import ModelQueueView, processor_status
 from dataplane.model import ReplicaNotHot
-from dataplane.model_actor import get_actor
+from dataplane.model_actor import NOT_RUN, OK, get_actor
 from schemas.requests import Request
 from schemas.status import ProcessorStatus, RequestStatus
 
@@ -42,6 +42,9 @@ class Pending:
         self.attempt = attempt
         self.received = time.monotonic()
         self.cancelled = False
+
+
+_Call = tuple[int, list[Pending], Any]  # replica id, its requests, the Ray call (or why it could not start)
 
 
 def _replica_gone(exc: BaseException) -> bool:
@@ -68,9 +71,12 @@ class Processor:
         self.provision_backoff_s = 0.0
         self.status = ProcessorStatus.UNINITIALIZED
         self.completed = 0
+        self.calls = 0  # replica calls made (a call may carry several short requests)
         self.errors = 0
-        self._idle: collections.deque[asyncio.Future[None]] = collections.deque()  # lanes waiting for work
+        self._idle: collections.deque[tuple[int, asyncio.Future[_Call | None]]] = collections.deque()  # idle lanes
         self._actors: dict[int, Any] = {}
+        self.pull: Any = None  # the PullConsumer feeding this processor (dispatcher's)
+        self.exec_s: float | None = None  # recent run time of one request on a replica (moving average)
         self.log = log.bind(model_key=None, token=token)
 
     # ---- the replica set, from the log -------------------------------------------------------
@@ -110,6 +116,18 @@ class Processor:
     # ---- requests ----------------------------------------------------------------------------
 
     def enqueue(self, p: Pending, *, head: bool = False) -> None:
+        if not self.queue:
+            # A lane is waiting: the call to its replica starts now (the request never queued, so
+            # no QUEUED), and the lane only waits for the answer.
+            while self._idle:
+                rid, fut = self._idle.popleft()
+                if fut.done():
+                    continue
+                if rid not in self.ready:
+                    fut.set_result(None)  # that lane's replica left: let it retire, try the next
+                    continue
+                fut.set_result(self._submit(rid, [p]))
+                return
         if head:
             self.queue.appendleft(p)
         else:
@@ -133,7 +151,7 @@ class Processor:
     def fail_all(self, error: str, message: str) -> None:
         while self.queue:
             p = self.queue.popleft()
-            self.d.spawn(self.d.finish(p, R.ERROR, error=error, message=message))
+            self.d.finish_soon(p, R.ERROR, error=error, message=message)
 
     def held(self) -> list[Pending]:
         return [*self.queue, *(p for running in self.in_flight.values() for p in running.values())]
@@ -145,33 +163,20 @@ class Processor:
         """Wake as many idle lanes as there are queued requests (all of them when the set changed)."""
         n = len(self._idle) if everyone else min(len(self.queue), len(self._idle))
         for _ in range(n):
-            fut = self._idle.popleft()
+            _, fut = self._idle.popleft()
             if not fut.done():
                 fut.set_result(None)
 
-    async def _next(self, rid: int) -> Pending | None:
-        while rid in self.ready:
-            if self.queue:
-                return self.queue.popleft()
-            fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            self._idle.append(fut)
-            try:
-                await fut
-            except asyncio.CancelledError:
-                fut.cancel()
-                raise
-        self._notify()  # this lane's replica left: a wake-up meant for work goes to another lane
-        return None
-
     async def _worker(self, rid: int) -> None:
-        """One lane of replica `rid`: take the head of the queue, run it there, repeat."""
+        """One lane of replica `rid`: a call with the head of the queue (and what waits behind it,
+        when requests are short), its answers, repeat."""
         me = asyncio.current_task()
         try:
             while rid in self.ready:
-                p = await self._next(rid)
-                if p is None:
+                call = await self._next(rid)
+                if call is None:
                     break
-                await self._run(rid, p)
+                await self._answers(call)
         finally:
             lanes = self.workers.get(rid, [])
             if me in lanes:
@@ -182,50 +187,123 @@ class Processor:
             if rid in self.draining and not self.in_flight.get(rid):
                 self.d.report_drained(self.model_key or "", rid)
 
-    async def _run(self, rid: int, p: Pending) -> None:
+    async def _next(self, rid: int) -> _Call | None:
+        """The lane's next call, started: from the queue, or handed over by `enqueue`."""
+        while rid in self.ready:
+            if self.queue:
+                batch = [self.queue.popleft()]
+                limit = self._batch_limit()
+                while len(batch) < limit and self.queue:
+                    batch.append(self.queue.popleft())
+                call = self._submit(rid, batch)
+                if call is not None:
+                    return call
+                continue
+            fut: asyncio.Future[_Call | None] = asyncio.get_running_loop().create_future()
+            self._idle.append((rid, fut))
+            try:
+                got = await fut
+            except asyncio.CancelledError:
+                fut.cancel()  # stopping: a call handed over meanwhile is not acked, so it is redelivered
+                raise
+            if got is not None:
+                return got
+        self._notify()  # this lane's replica left: a wake-up meant for work goes to another lane
+        return None
+
+    def _batch_limit(self) -> int:
+        """How many waiting requests one call takes: as many as run in the batch budget, judged by
+        how long this model's requests ran lately (1 until one has run, and for slow models)."""
+        if self.exec_s is None:
+            return 1
+        return max(1, min(self.d.batch_max, int(self.d.batch_budget_s / max(self.exec_s, 1e-6))))
+
+    def _submit(self, rid: int, batch: list[Pending]) -> _Call | None:
+        """Start the call to replica `rid` (None if its actor is gone: the batch went back to the queue)."""
         assert self.model_key is not None
         running = self.in_flight.setdefault(rid, {})
-        running[p.req.request_id] = p
-        self._refresh_status()
+        for p in batch:
+            running[p.req.request_id] = p
+        actor = self._actors.get(rid) or get_actor(self.model_key, rid)
+        if actor is None:
+            self._release(rid, batch)
+            self._requeue(rid, batch, "RayActorError")
+            return None
+        self._actors[rid] = actor
         try:
-            actor = self._actors.get(rid) or get_actor(self.model_key, rid)
-            if actor is None:
-                raise ray.exceptions.RayActorError()
-            self._actors[rid] = actor
-            # Status writes are not on the request's path: RUNNING goes out while the replica works
-            # (the KV compare-and-set keeps it from ever overwriting the terminal status).
+            ref = actor.run_batch.remote([p.req.payload for p in batch])
+        except Exception as exc:  # noqa: BLE001 - e.g. a payload Ray cannot serialize: answered below
+            ref = exc
+        self.calls += 1
+        # Status writes are not on the request's path: RUNNING goes out while the replica works
+        # (the KV compare-and-set keeps it from ever overwriting the terminal status).
+        for p in batch:
             self.d.status(p, R.RUNNING, replica_id=rid)
+        self._refresh_status()
+        return rid, batch, ref
+
+    def _release(self, rid: int, batch: list[Pending]) -> None:
+        running = self.in_flight.get(rid, {})
+        for p in batch:
+            running.pop(p.req.request_id, None)
+        if not running and rid in self.in_flight:
+            del self.in_flight[rid]
+        if rid in self.draining and not self.in_flight.get(rid):
+            self.d.report_drained(self.model_key or "", rid)
+        self._refresh_status()
+
+    def _requeue(self, rid: int, batch: list[Pending], reason: str) -> None:
+        """The replica left under these requests: back to the head of the queue, in order."""
+        self._actors.pop(rid, None)
+        self.ready.discard(rid)  # until the log says otherwise
+        for p in reversed(batch):
+            p.attempt += 1
+            self.queue.appendleft(p)
+            self.log.info("request_requeued", request_id=p.req.request_id, replica_id=rid, reason=reason)
+        self._notify(everyone=True)
+
+    def _error(self, p: Pending, rid: int, error: str, message: str) -> None:
+        self.errors += 1
+        self.d.finish_soon(p, R.ERROR, replica_id=rid, error=error, message=message)
+
+    async def _answers(self, call: _Call) -> None:
+        rid, batch, ref = call
+        try:
             try:
-                result = await actor.__call__.remote(p.req.payload)
-            except Exception as exc:  # noqa: BLE001 - sorted below: the replica's fault or the request's
+                if isinstance(ref, Exception):
+                    raise ref
+                answers = await ref
+            except Exception as exc:  # noqa: BLE001 - sorted below: the replica's fault or the call's
                 if _replica_gone(exc):
-                    self._actors.pop(rid, None)
-                    self.ready.discard(rid)  # until the log says otherwise
-                    p.attempt += 1
-                    self.log.info("request_requeued", request_id=p.req.request_id, replica_id=rid,
-                                  reason=type(exc).__name__)
-                    self.queue.appendleft(p)
-                    self._notify(everyone=True)
+                    self._requeue(rid, batch, type(exc).__name__)
                     return
                 cause = getattr(exc, "cause", None) or exc
-                self.errors += 1
-                self.d.spawn(self.d.finish(p, R.ERROR, replica_id=rid, error=type(cause).__name__,
-                                           message=str(cause).strip().splitlines()[-1][:1000] if str(cause).strip()
-                                           else type(cause).__name__))
+                text = str(cause).strip()
+                for p in batch:
+                    if not p.cancelled:
+                        self._error(p, rid, type(cause).__name__,
+                                    text.splitlines()[-1][:1000] if text else type(cause).__name__)
                 return
-            if p.cancelled:
-                return  # its terminal status (cancelled) is already written
-            self.completed += 1
-            # The replica is free once it answered: the terminal status and the ack go out while
-            # this lane takes the next request.
-            self.d.spawn(self.d.finish(p, R.COMPLETED, replica_id=rid, result=result))
+            not_run = []
+            for p, a in zip(batch, answers, strict=True):
+                if a[0] == NOT_RUN:
+                    not_run.append(p)
+                    continue
+                seconds = a[-1]
+                self.exec_s = seconds if self.exec_s is None else 0.8 * self.exec_s + 0.2 * seconds
+                if p.cancelled:
+                    continue  # its terminal status (cancelled) is already written
+                if a[0] == OK:
+                    self.completed += 1
+                    # The replica is free once it answered: the terminal status and the ack go out
+                    # while this lane takes the next request.
+                    self.d.finish_soon(p, R.COMPLETED, replica_id=rid, result=a[1])
+                else:
+                    self._error(p, rid, a[1], a[2])
+            if not_run:
+                self._requeue(rid, not_run, "ReplicaNotHot")
         finally:
-            running.pop(p.req.request_id, None)
-            if not running and self.in_flight.get(rid) is running:
-                del self.in_flight[rid]
-            if rid in self.draining and not self.in_flight.get(rid):
-                self.d.report_drained(self.model_key, rid)
-            self._refresh_status()
+            self._release(rid, batch)
 
     def state(self) -> dict[str, Any]:
         """Seed 000's `get_state()` fields, for `ndif queue`."""
@@ -235,5 +313,6 @@ class Processor:
             "in_flight": self.running(), "lanes_per_replica": self.lanes, "ready_replicas": sorted(self.ready),
             "draining_replicas": sorted(self.draining), "starting_replicas": list(v.starting) if v else [],
             "requested_replicas": v.requested if v else 0, "workers": sorted(self.workers),
-            "completed": self.completed, "errors": self.errors, "provisioning": self.provisioning,
+            "completed": self.completed, "errors": self.errors, "replica_calls": self.calls,
+            "run_ms": round(self.exec_s * 1000, 3) if self.exec_s is not None else None, "provisioning": self.provisioning,
         }

@@ -82,4 +82,9 @@ def command_subject(verb: str) -> str:
 
 
 def status_subject(request_id: str) -> str:
-    return f"{STATUS_PREFIX}.{_token(request_id, request_id)}"
+    """`ndif.status.<request_id>` (request ids are checked to be one subject token: [A-Za-z0-9_-]).
+
+    It is also where the server republishes the request's key of KV `ndif_request_status` as it
+    is stored (`$KV.ndif_request_status.>` -> `ndif.status.>`), so the two must stay the same.
+    """
+    return f"{STATUS_PREFIX}.{request_id}"
