@@ -2,7 +2,7 @@
 
 A request is a JSON object on `ndif.req.<mtok>` in the work-queue stream `NDIF_REQUESTS`, with
 `Nats-Msg-Id` = request id (a resend within the dedup window is stored once). Each status change is
-a `StatusUpdate` on `ndif.status.<request id token>`; the latest is kept in KV
+a `StatusUpdate` on `ndif.status.<request id>`; the latest is kept in KV
 `ndif_request_status` under the request id, and a terminal one (COMPLETED or ERROR) is written
 there exactly once (compare-and-set), so a client sees exactly one.
 """

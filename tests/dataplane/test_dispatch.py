@@ -101,6 +101,28 @@ async def test_200_requests_over_2_replicas_with_an_eviction_mid_burst(service: 
     assert st.anomaly_count == 0, st.anomalies
 
 
+async def test_short_requests_share_replica_calls(service: dict[str, Any], models: dict[str, Path]) -> None:
+    """Short requests waiting behind each other go to a replica several per call, each answered on
+    its own (an error in one touches no other); slow models stay one per call (budget by run time)."""
+    url, admin = service["url"], service["admin"]
+    res = await admin.deploy(str(models["gpt2"]), 1)
+    await admin.wait(res, timeout=120)
+    async with Client(url) as c:
+        await c.run(str(models["gpt2"]), {"op": "echo", "data": -1})  # the run time is known after one
+        payloads = [{"op": "echo", "data": i} if i % 10 else {"op": "nope"} for i in range(150)]
+        jobs = [await c.submit(str(models["gpt2"]), pl) for pl in payloads]
+        finals = await asyncio.gather(*(_final(j) for j in jobs))
+    for i, f in enumerate(finals):
+        if i % 10:
+            assert f.status == "COMPLETED" and f.result["echo"] == i, f
+        else:
+            assert f.status == "ERROR" and f.error == "BadRequest", f
+    state = next(p for p in service["dispatcher"].get_state() if p["model_key"] == canonical_model_key(
+        str(models["gpt2"])))
+    assert state["completed"] + state["errors"] == 151
+    assert state["replica_calls"] < 151 * 0.8, state  # shared calls (1 replica x 2 lanes for 150 waiting)
+
+
 async def _final(job: Any) -> Any:
     last = None
     async for s in job.statuses(timeout=120):

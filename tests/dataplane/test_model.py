@@ -93,3 +93,20 @@ def test_corrupt_checkpoint_fails_to_load_with_the_error(ckpts: dict[str, Path],
     with pytest.raises(Exception) as info:
         r.load()
     assert str(info.value) and r.level == "COLD"
+
+
+def test_run_batch_answers_each_request_on_its_own(ckpts: dict[str, Path]) -> None:
+    """The dispatcher's batched call: one request's error never touches the others, and what the
+    replica could not run once it left HOT comes back NOT_RUN (the dispatcher hands it on)."""
+    from dataplane.model_actor import FAILED, NOT_RUN, OK, ModelActor
+
+    a = ModelActor("k", 0, str(ckpts["gpt2"]))
+    a.load([])
+    good = {"op": "forward", "input_ids": IDS}
+    answers = a.run_batch([good, {"op": "nope"}, {"op": "echo", "data": 7}])
+    assert [x[0] for x in answers] == [OK, FAILED, OK]
+    assert answers[0][1] == a(good) and answers[2][1]["echo"] == 7
+    assert answers[1][1] == "BadRequest" and "unknown op" in answers[1][2]
+    assert all(x[-1] >= 0 for x in answers if x[0] != NOT_RUN)  # run seconds, for the batch budget
+    a.to_cache()
+    assert [x[0] for x in a.run_batch([good, good])] == [NOT_RUN, NOT_RUN]
