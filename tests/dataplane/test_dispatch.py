@@ -107,20 +107,21 @@ async def test_short_requests_share_replica_calls(service: dict[str, Any], model
     url, admin = service["url"], service["admin"]
     res = await admin.deploy(str(models["gpt2"]), 1)
     await admin.wait(res, timeout=120)
+    await service["dispatcher"].stop()  # the requests are stored first, so they wait behind each other
     async with Client(url) as c:
-        await c.run(str(models["gpt2"]), {"op": "echo", "data": -1})  # the run time is known after one
         payloads = [{"op": "echo", "data": i} if i % 10 else {"op": "nope"} for i in range(150)]
         jobs = [await c.submit(str(models["gpt2"]), pl) for pl in payloads]
+        disp = service["dispatcher"] = await Dispatcher(url).start()
         finals = await asyncio.gather(*(_final(j) for j in jobs))
     for i, f in enumerate(finals):
         if i % 10:
             assert f.status == "COMPLETED" and f.result["echo"] == i, f
         else:
             assert f.status == "ERROR" and f.error == "BadRequest", f
-    state = next(p for p in service["dispatcher"].get_state() if p["model_key"] == canonical_model_key(
-        str(models["gpt2"])))
-    assert state["completed"] + state["errors"] == 151
-    assert state["replica_calls"] < 151 * 0.8, state  # shared calls (1 replica x 2 lanes for 150 waiting)
+    state = next(p for p in disp.get_state() if p["model_key"] == canonical_model_key(str(models["gpt2"])))
+    assert state["completed"] + state["errors"] == 150
+    # 1 replica x 2 lanes: the first calls carry one request (no run time known yet), then up to 8.
+    assert state["replica_calls"] <= 75, state
 
 
 async def _final(job: Any) -> Any:
