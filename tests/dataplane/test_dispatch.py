@@ -111,8 +111,11 @@ async def test_short_requests_share_replica_calls(service: dict[str, Any], model
     async with Client(url) as c:
         payloads = [{"op": "echo", "data": i} if i % 10 else {"op": "nope"} for i in range(150)]
         jobs = [await c.submit(str(models["gpt2"]), pl) for pl in payloads]
-        disp = service["dispatcher"] = await Dispatcher(url).start()
-        finals = await asyncio.gather(*(_final(j) for j in jobs))
+        disp = await Dispatcher(url).start()
+        try:
+            finals = await asyncio.gather(*(_final(j) for j in jobs))
+        finally:
+            await bounded(disp.stop(), "dispatcher.stop")  # the fixture stops only its own
     for i, f in enumerate(finals):
         if i % 10:
             assert f.status == "COMPLETED" and f.result["echo"] == i, f
