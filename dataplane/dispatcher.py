@@ -291,9 +291,9 @@ class Dispatcher:
                 except nats.js.errors.NotFoundError:
                     with contextlib.suppress(nats.js.errors.BadRequestError):  # made by a peer meanwhile
                         await js.add_consumer(REQUESTS_STREAM, cfg)
-                p.pull = PullConsumer(self.log_.nc, REQUESTS_STREAM, durable, on_msg, batch=self.fetch_batch,
-                                      hold=lambda: len(p.queue) >= MAX_HELD)
-                await p.pull.run()
+                pull = PullConsumer(self.log_.nc, REQUESTS_STREAM, durable, on_msg, batch=self.fetch_batch,
+                                    hold=lambda: len(p.queue) >= MAX_HELD)  # re-checked every heartbeat
+                await pull.run()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - NATS away or consumer gone: make it again

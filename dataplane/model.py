@@ -36,6 +36,12 @@ MAX_BATCH_TOKENS = 1 << 16  # a request's input_ids may hold at most this many t
 MAX_NEW_TOKENS = 1024
 
 
+def error_text(exc: BaseException) -> str:
+    """What a user is told of a request's failure: the last line of its message (or its class)."""
+    text = str(exc).strip()
+    return text.splitlines()[-1][:1000] if text else type(exc).__name__
+
+
 class ReplicaNotHot(NdifError):
     """The replica is WARM or COLD: the request was not run; send it to a HOT replica (or re-queue)."""
 

@@ -18,7 +18,7 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from dataplane.model import LoadError, ModelReplica, ReplicaNotHot
+from dataplane.model import LoadError, ModelReplica, ReplicaNotHot, error_text
 
 NAMESPACE = "ndif"
 PREFIX = "ModelActor:"
@@ -94,9 +94,7 @@ class ModelActor:
                 out += [(NOT_RUN, str(exc))] * (len(requests) - i)
                 break
             except Exception as exc:  # noqa: BLE001 - the request's own failure, reported as its answer
-                text = str(exc).strip()
-                out.append((FAILED, type(exc).__name__, text.splitlines()[-1][:1000] if text else type(exc).__name__,
-                            time.perf_counter() - t))
+                out.append((FAILED, type(exc).__name__, error_text(exc), time.perf_counter() - t))
         return out
 
 

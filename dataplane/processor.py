@@ -21,7 +21,7 @@ import structlog
 from nats.aio.msg import Msg
 
 from controlplane.projections.queue import ModelQueueView, processor_status
-from dataplane.model import ReplicaNotHot
+from dataplane.model import ReplicaNotHot, error_text
 from dataplane.model_actor import NOT_RUN, OK, get_actor
 from schemas.requests import Request
 from schemas.status import ProcessorStatus, RequestStatus
@@ -75,7 +75,6 @@ class Processor:
         self.errors = 0
         self._idle: collections.deque[tuple[int, asyncio.Future[_Call | None]]] = collections.deque()  # idle lanes
         self._actors: dict[int, Any] = {}
-        self.pull: Any = None  # the PullConsumer feeding this processor (dispatcher's)
         self.exec_s: float | None = None  # recent run time of one request on a replica (moving average)
         self.log = log.bind(model_key=None, token=token)
 
@@ -278,11 +277,9 @@ class Processor:
                     self._requeue(rid, batch, type(exc).__name__)
                     return
                 cause = getattr(exc, "cause", None) or exc
-                text = str(cause).strip()
                 for p in batch:
                     if not p.cancelled:
-                        self._error(p, rid, type(cause).__name__,
-                                    text.splitlines()[-1][:1000] if text else type(cause).__name__)
+                        self._error(p, rid, type(cause).__name__, error_text(cause))
                 return
             not_run = []
             for p, a in zip(batch, answers, strict=True):
