@@ -329,7 +329,7 @@ class NodeAgent:
                     handle = await asyncio.to_thread(
                         create_actor, r.model_key, r.replica_id, reg.checkpoint, revision=reg.revision,
                         dtype=reg.dtype, ray_node_id=self.ray_node_id, node_id=self.node_id,
-                        execution_timeout_s=self.execution_timeout_s)
+                        execution_timeout_s=self.execution_timeout_s, nats_url=self.url)
                 self.actors[key] = handle
                 await _aw(handle.load.remote(devices))
         except Exception as exc:  # noqa: BLE001 - whatever the load raised is the replica's error
@@ -376,7 +376,7 @@ class NodeAgent:
                 raise InfrastructureError(f"{r.model_key} has no registration in the log")
             handle = await asyncio.to_thread(
                 create_actor, r.model_key, r.replica_id, reg.checkpoint, revision=reg.revision, dtype=reg.dtype,
-                ray_node_id=self.ray_node_id, node_id=self.node_id, execution_timeout_s=self.execution_timeout_s)
+                ray_node_id=self.ray_node_id, node_id=self.node_id, execution_timeout_s=self.execution_timeout_s, nats_url=self.url)
             self.actors[key] = handle
             await _aw(handle.load.remote(list(r.gpu_indices)))
         except Exception as exc:  # noqa: BLE001

@@ -42,6 +42,7 @@ from controlplane.projections.queue import queue_view
 from controlplane.tasks import cancel_and_wait
 from dataplane.processor import Pending, Processor
 from dataplane.pull import PullConsumer
+from dataplane.replica_link import ReplicaLink
 from schemas import errors as errs
 from schemas.events import ReplicaDrained
 from schemas.keys import canonical_model_key
@@ -116,7 +117,10 @@ class Dispatcher:
         self._writes: dict[str, _Writes] = {}  # request id -> its status writes
         self._subs: list[Any] = []
         self._stopped = False
-        self._outbox: list[tuple[str, bytes]] = []
+        self._outbox: list[tuple[str, bytes, str]] = []
+        # Replica calls over NATS (dataplane/replica_link.py); NDIF_REPLICA_LINK=ray makes them Ray calls.
+        self.link: ReplicaLink | None = None
+        self.use_link = os.environ.get("NDIF_REPLICA_LINK", "nats").strip().lower() != "ray"
         self._outbox_task: asyncio.Task[None] | None = None
 
     # ---- lifecycle ---------------------------------------------------------------------------
@@ -130,6 +134,8 @@ class Dispatcher:
             for seq, item in batch:
                 self.state.apply(seq, item)
         nc = self.log_.nc
+        if self.use_link:
+            self.link = await ReplicaLink(nc, self._send).start()
         # New model subjects are discovered from the publishes themselves; existing ones from the stream.
         self._subs.append(await nc.subscribe(REQUESTS_ALL, cb=self._on_publish))
         self._subs.append(await nc.subscribe("ndif.dispatcher.state", cb=self._on_state))
@@ -155,6 +161,8 @@ class Dispatcher:
         for p in self.processors.values():
             tasks += [t for lanes in p.workers.values() for t in lanes]
         await cancel_and_wait(tasks, owner=self.name)
+        if self.link is not None:
+            await self.link.stop()
         if self.log_ is not None:
             await self.log_.close()
 
@@ -365,9 +373,9 @@ class Dispatcher:
         if status in _KV_STATUSES:
             self._kv_put(u, data, terminal=False).add_done_callback(_retrieve)
 
-    def _send(self, subject: str, data: bytes) -> None:
+    def _send(self, subject: str, data: bytes, reply: str = "") -> None:
         """Publish without holding up the caller: in order, from one outbox task per loop turn."""
-        self._outbox.append((subject, data))
+        self._outbox.append((subject, data, reply))
         if self._outbox_task is None:
             self._outbox_task = asyncio.create_task(self._flush_outbox())
             self._bg.add(self._outbox_task)
@@ -378,8 +386,8 @@ class Dispatcher:
         try:
             while self._outbox:
                 batch, self._outbox = self._outbox, []
-                for subject, data in batch:
-                    await self.log_.nc.publish(subject, data)
+                for subject, data, reply in batch:
+                    await self.log_.nc.publish(subject, data, reply=reply)
         finally:
             self._outbox_task = None
 

@@ -19,6 +19,8 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from dataplane.model import LoadError, ModelReplica, ReplicaNotHot, error_text
+from dataplane.replica_link import ReplicaEndpoint
+from schemas.subjects import replica_call_subject
 
 NAMESPACE = "ndif"
 PREFIX = "ModelActor:"
@@ -44,10 +46,15 @@ class ModelActor:
     """Ray wraps this class; every method is a thin call into `ModelReplica`."""
 
     def __init__(self, model_key: str, replica_id: int, checkpoint: str, *, revision: str | None = None,
-                 dtype: str = "float32", node_id: str = "", execution_timeout_s: float = 60.0) -> None:
+                 dtype: str = "float32", node_id: str = "", execution_timeout_s: float = 60.0,
+                 nats_url: str | None = None) -> None:
         self.node_id = node_id
         self.replica = ModelReplica(model_key, replica_id, checkpoint, revision=revision, dtype=dtype,
                                     execution_timeout_s=execution_timeout_s)
+        # The request path's endpoint (dataplane/replica_link.py): `run_batch` over NATS as well.
+        self.endpoint = None if not nats_url else ReplicaEndpoint(
+            nats_url, replica_call_subject(model_key, replica_id), self.run_batch,
+            name=f"replica:{model_key}:{replica_id}", model_key=model_key, replica_id=replica_id).start()
 
     def load(self, devices: list[int]) -> float:
         try:
@@ -71,6 +78,18 @@ class ModelActor:
 
     def ping(self) -> bool:
         return True
+
+    @ray.method(enable_task_events=False)  # type: ignore[misc]
+    def calls_active(self, replies: list[str]) -> list[bool]:
+        """Which of these endpoint calls this replica still works on (the dispatcher's check)."""
+        return self.endpoint.calls_active(replies) if self.endpoint else [False] * len(replies)
+
+    def take_answer(self, reply: str) -> list[Any] | None:
+        """An endpoint call's answer too big for NATS, taken through Ray."""
+        return self.endpoint.take_answer(reply) if self.endpoint else None
+
+    def endpoint_ready(self, timeout: float = 10.0) -> bool:
+        return bool(self.endpoint and self.endpoint.ready(timeout))
 
     def __call__(self, request: dict[str, Any]) -> dict[str, Any]:
         return self.replica(request)
@@ -103,7 +122,7 @@ RemoteModelActor = ray.remote(ModelActor)
 
 def create_actor(model_key: str, replica_id: int, checkpoint: str, *, ray_node_id: str, node_id: str,
                  revision: str | None = None, dtype: str = "float32", execution_timeout_s: float = 60.0,
-                 max_concurrency: int = 4) -> Any:
+                 max_concurrency: int = 4, nats_url: str | None = None) -> Any:
     """Start the detached actor for a replica on `ray_node_id` (it loads nothing until `load`)."""
     env = {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}
     for var in ("HF_HOME", "HF_HUB_CACHE", "HF_HUB_OFFLINE", "NDIF_LOG_LEVEL"):
@@ -115,7 +134,7 @@ def create_actor(model_key: str, replica_id: int, checkpoint: str, *, ray_node_i
         scheduling_strategy=NodeAffinitySchedulingStrategy(ray_node_id, soft=False),
         runtime_env={"env_vars": env},
     ).remote(model_key, replica_id, checkpoint, revision=revision, dtype=dtype, node_id=node_id,
-             execution_timeout_s=execution_timeout_s)
+             execution_timeout_s=execution_timeout_s, nats_url=nats_url)
 
 
 def get_actor(model_key: str, replica_id: int) -> Any | None:

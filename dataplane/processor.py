@@ -23,8 +23,10 @@ from nats.aio.msg import Msg
 from controlplane.projections.queue import ModelQueueView, processor_status
 from dataplane.model import ReplicaNotHot, error_text
 from dataplane.model_actor import NOT_RUN, OK, get_actor
+from dataplane.replica_link import NoEndpoint, ReplyLost, encode_call
 from schemas.requests import Request
 from schemas.status import ProcessorStatus, RequestStatus
+from schemas.subjects import replica_call_subject
 
 if TYPE_CHECKING:
     from dataplane.dispatcher import Dispatcher
@@ -72,6 +74,7 @@ class Processor:
         self.status = ProcessorStatus.UNINITIALIZED
         self.completed = 0
         self.calls = 0  # replica calls made (a call may carry several short requests)
+        self.link_calls = 0  # of which over the replica's NATS endpoint (the others through Ray)
         self.errors = 0
         self._idle: collections.deque[tuple[int, asyncio.Future[_Call | None]]] = collections.deque()  # idle lanes
         self._actors: dict[int, Any] = {}
@@ -230,7 +233,7 @@ class Processor:
             return None
         self._actors[rid] = actor
         try:
-            ref = actor.run_batch.remote([p.req.payload for p in batch])
+            ref = self._call(rid, actor, [p.req.payload for p in batch])
         except Exception as exc:  # noqa: BLE001 - e.g. a payload Ray cannot serialize: answered below
             ref = exc
         self.calls += 1
@@ -240,6 +243,19 @@ class Processor:
             self.d.status(p, R.RUNNING, replica_id=rid)
         self._refresh_status()
         return rid, batch, ref
+
+    def _call(self, rid: int, actor: Any, payloads: list[Any]) -> Any:
+        """Start a replica call: over its NATS endpoint when it has one (dataplane/replica_link.py),
+        else a Ray call. Either is awaited for the same answers."""
+        link = self.d.link
+        if link is not None:
+            assert self.model_key is not None
+            key = (self.model_key, rid)
+            body = encode_call(payloads)
+            if link.usable(key, len(body)):
+                self.link_calls += 1
+                return link.call(key, replica_call_subject(self.model_key, rid), actor, body)
+        return actor.run_batch.remote(payloads)
 
     def _release(self, rid: int, batch: list[Pending]) -> None:
         running = self.in_flight.get(rid, {})
@@ -251,10 +267,12 @@ class Processor:
             self.d.report_drained(self.model_key or "", rid)
         self._refresh_status()
 
-    def _requeue(self, rid: int, batch: list[Pending], reason: str) -> None:
-        """The replica left under these requests: back to the head of the queue, in order."""
-        self._actors.pop(rid, None)
-        self.ready.discard(rid)  # until the log says otherwise
+    def _requeue(self, rid: int, batch: list[Pending], reason: str, *, replica_left: bool = True) -> None:
+        """The replica left under these requests (or lost their answers): back to the head of the
+        queue, in order."""
+        if replica_left:
+            self._actors.pop(rid, None)
+            self.ready.discard(rid)  # until the log says otherwise
         for p in reversed(batch):
             p.attempt += 1
             self.queue.appendleft(p)
@@ -271,8 +289,20 @@ class Processor:
             try:
                 if isinstance(ref, Exception):
                     raise ref
-                answers = await ref
+                try:
+                    answers = await ref
+                except NoEndpoint:
+                    # No endpoint on NATS (made without one, or its connection is down): through Ray.
+                    assert self.d.link is not None and self.model_key is not None
+                    self.d.link.endpoint_absent((self.model_key, rid))
+                    actor = self._actors.get(rid) or get_actor(self.model_key, rid)
+                    if actor is None:
+                        raise ray.exceptions.RayActorError() from None
+                    answers = await actor.run_batch.remote([p.req.payload for p in batch])
             except Exception as exc:  # noqa: BLE001 - sorted below: the replica's fault or the call's
+                if isinstance(exc, ReplyLost):
+                    self._requeue(rid, batch, "ReplyLost", replica_left=False)
+                    return
                 if _replica_gone(exc):
                     self._requeue(rid, batch, type(exc).__name__)
                     return
@@ -311,5 +341,6 @@ class Processor:
             "draining_replicas": sorted(self.draining), "starting_replicas": list(v.starting) if v else [],
             "requested_replicas": v.requested if v else 0, "workers": sorted(self.workers),
             "completed": self.completed, "errors": self.errors, "replica_calls": self.calls,
+            "endpoint_calls": self.link_calls,
             "run_ms": round(self.exec_s * 1000, 3) if self.exec_s is not None else None, "provisioning": self.provisioning,
         }

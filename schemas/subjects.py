@@ -67,6 +67,11 @@ def replica_subject(model_key: str, replica_id: int) -> str:
     return f"ndif.evt.replica.{model_token(model_key)}.{int(replica_id)}"
 
 
+def replica_call_subject(model_key: str, replica_id: int) -> str:
+    """`ndif.run.<mtok>.<replica_id>` (core request/reply): the replica's endpoint for the request path."""
+    return f"ndif.run.{model_token(model_key)}.{int(replica_id)}"
+
+
 def model_events_filter(model_key: str) -> list[str]:
     """Subject filters that select every event of one model (model-level and replica-level)."""
     tok = model_token(model_key)

@@ -28,6 +28,7 @@ from dataplane.agent import NodeAgent, declared_gpus
 from dataplane.client import Client, RequestFailed
 from dataplane.dispatcher import Dispatcher
 from dataplane.model import ModelReplica
+from dataplane.model_actor import get_actor
 from dataplane.tiny_models import make_tiny_gpt2, make_tiny_llama
 from schemas.keys import canonical_model_key
 from schemas.requests import status_decoder
@@ -125,6 +126,25 @@ async def test_short_requests_share_replica_calls(service: dict[str, Any], model
     assert state["completed"] + state["errors"] == 150
     # 1 replica x 2 lanes: the first calls carry one request (no run time known yet), then up to 8.
     assert state["replica_calls"] <= 75, state
+    assert state["endpoint_calls"] == state["replica_calls"], state  # all over the replica's NATS endpoint
+
+
+async def test_a_replica_without_its_endpoint_is_called_through_ray(service: dict[str, Any],
+                                                                    models: dict[str, Path]) -> None:
+    """The NATS endpoint is the fast path, not a dependency: with it gone ("no responders"), the
+    same calls go through Ray and every request is answered."""
+    url, admin = service["url"], service["admin"]
+    res = await admin.deploy(str(models["gpt2"]), 1)
+    await admin.wait(res, timeout=120)
+    mk = canonical_model_key(str(models["gpt2"]))
+    actor = get_actor(mk, 0)
+    await actor.__ray_call__.remote(lambda self: self.endpoint.close())
+    async with Client(url) as c:
+        results = await asyncio.gather(*(c.run(str(models["gpt2"]), {"op": "echo", "data": i}, timeout=60)
+                                         for i in range(30)))
+    assert [r["echo"] for r in results] == list(range(30))
+    state = next(p for p in service["dispatcher"].get_state() if p["model_key"] == mk)
+    assert state["replica_calls"] >= 1 and state["endpoint_calls"] <= 2, state  # 503 once per retry period
 
 
 async def _final(job: Any) -> Any:
