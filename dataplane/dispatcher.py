@@ -98,7 +98,7 @@ class Dispatcher:
         # (below): 1 lane ~980-1,170 req/s, 2 ~970-1,010, 4 ~800; 2 keeps a slow model's replica busy.
         self.replica_lanes = replica_lanes or _env_int("NDIF_REPLICA_LANES", 2)
         # Short requests waiting behind each other go to a replica in one call, as many as run in
-        # NDIF_BATCH_BUDGET_MS by the model's recent run times (at most NDIF_BATCH_MAX): a Ray call
+        # NDIF_BATCH_BUDGET_MS by the model's recent run times (at most NDIF_BATCH_MAX): a replica call
         # costs ~0.5 ms of CPU here, more than a no-op request itself. Slow models go one by one.
         self.batch_max = _env_int("NDIF_BATCH_MAX", 8)
         self.batch_budget_s = float(os.environ.get("NDIF_BATCH_BUDGET_MS", 2.0)) / 1000

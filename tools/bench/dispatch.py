@@ -7,7 +7,9 @@ One run, one machine, 2 no-op replicas (real ModelActors of a tiny checkpoint an
  (b) 16 in flight: requests/s through our path vs Ray Serve (`serve.run` of a 2-replica no-op
      deployment, handle calls) vs raw pipelined Ray actor calls, in paired rounds (medians);
  (c) event-to-worker: `ReplicaLoaded` appended -> the processor's worker for it taking requests
-     (a replica evicted to WARM and scaled back, repeatedly).
+     (a replica evicted to WARM and scaled back, repeatedly);
+ (a') (a) again with the dispatcher's replica calls made through Ray instead of the replicas' NATS
+     endpoints (NDIF_REPLICA_LINK=ray): what the endpoint saves, as extra `ray_link_*` figures.
 The last line printed is one JSON object with the figures.
 
 The dispatcher runs in its own process (`ndif dispatcher`), as deployed; the client, controller
@@ -153,15 +155,21 @@ async def main(a: argparse.Namespace) -> dict[str, float]:
             await admin.wait(res, timeout=120)
             actors = [get_actor(mk, 0), get_actor(mk, 1)]
             # The dispatcher runs as deployed (`ndif dispatcher`, its own process), unless --in-process.
-            disp_proc = None if a.in_process else subprocess.Popen(
-                [sys.executable, "-m", "dataplane.cli", "dispatcher", "--nats", url, "--ray-address",
-                 ray.get_runtime_context().gcs_address], env={**os.environ, "NDIF_LOG_LEVEL": "WARNING"})
-            inproc = await Dispatcher(url).start() if a.in_process else None
-            try:
+            def dispatcher_process(link: str) -> subprocess.Popen[bytes]:
+                return subprocess.Popen(
+                    [sys.executable, "-m", "dataplane.cli", "dispatcher", "--nats", url, "--ray-address",
+                     ray.get_runtime_context().gcs_address],
+                    env={**os.environ, "NDIF_LOG_LEVEL": "WARNING", "NDIF_REPLICA_LINK": link})
+
+            async def warm() -> None:
                 for _ in range(50):  # warm both paths (the first request also waits for the dispatcher)
                     await c.run(ckpt, NOOP, timeout=60)
                     await actors[0].__call__.remote(NOOP)
 
+            disp_proc = None if a.in_process else dispatcher_process("nats")
+            inproc = await Dispatcher(url).start() if a.in_process else None
+            try:
+                await warm()
                 raw, ours = await single(c, ckpt, actors, a.single)
                 out["raw_ray_p50_ms"], out["raw_ray_p99_ms"] = pct(raw, 50), pct(raw, 99)
                 out["ours_p50_ms"], out["ours_p99_ms"] = pct(ours, 50), pct(ours, 99)
@@ -205,6 +213,21 @@ async def main(a: argparse.Namespace) -> dict[str, float]:
                     disp_proc.wait(30)
                 if inproc is not None:
                     await inproc.stop()
+
+            if not a.in_process:
+                # (a) again with the replica calls made through Ray (NDIF_REPLICA_LINK=ray), for the record
+                # of what the NATS endpoint saves (docs/architecture.md decision 33).
+                disp_proc = dispatcher_process("ray")
+                try:
+                    await warm()
+                    raw, ours = await single(c, ckpt, actors, a.single)
+                finally:
+                    disp_proc.terminate()
+                    disp_proc.wait(30)
+                out["ray_link_raw_ray_p50_ms"], out["ray_link_ours_p50_ms"] = pct(raw, 50), pct(ours, 50)
+                out["ray_link_p50_overhead_ms"] = pct(ours, 50) - pct(raw, 50)
+                print(f"(a') 1 in flight, replica calls through Ray: raw Ray p50 {pct(raw, 50):.2f} ms; ours p50 "
+                      f"{pct(ours, 50):.2f} ms; added p50 {out['ray_link_p50_overhead_ms']:.2f} ms", flush=True)
 
             # (c) event -> worker, seen inside a dispatcher: evict replica 1 to WARM and scale back.
             async with Dispatcher(url) as disp:
