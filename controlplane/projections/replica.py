@@ -190,8 +190,8 @@ def _on_restart_requested(r: ReplicaView, ev: ReplicaRestartRequested, seq: int,
 def _on_restarted(r: ReplicaView, ev: ReplicaRestarted, seq: int, st: ReplicaState) -> tuple[ReplicaView, str | None]:
     if st is S.RESTARTING:
         return _moved(r, S.AVAILABLE, seq, loaded_at=ev.ts, error=None), None
-    if st is S.AVAILABLE:
-        return r, None
+    if st in (S.AVAILABLE, S.UNLOAD_REQUESTED, S.DRAINING):
+        return r, None  # duplicate, or the restart finished after eviction was asked: the unload stands
     return r, f"ReplicaRestarted while {st}"
 
 

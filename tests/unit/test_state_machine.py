@@ -89,6 +89,16 @@ def test_race_loaded_after_eviction_requested_keeps_the_eviction():
     assert rep(s).state is S.UNLOADED and s.card_reserved(N, 0) == 0
 
 
+def test_race_restarted_after_eviction_requested_keeps_the_eviction():
+    """The same race with a restart (seen on CI: two controllers, restart and evict of one model)."""
+    restart = E.ReplicaRestartRequested(**_env("controller"), **REP)
+    s = run(sched(), ev(E.ReplicaLoaded), restart, evict(Level.WARM), ev(E.ReplicaRestarted))
+    assert rep(s).state is S.UNLOAD_REQUESTED and s.anomaly_count == 0
+    s = run(sched(), ev(E.ReplicaLoaded), restart, evict(Level.WARM), ev(E.ReplicaRestarted),
+            ev(E.ReplicaCached, cpu_bytes=10 * GB))
+    assert rep(s).state is S.CACHED and s.card_reserved(N, 0) == 0 and s.anomaly_count == 0
+
+
 def test_out_of_order_is_an_anomaly_not_a_crash():
     s = run(ev(E.ReplicaLoaded))  # never scheduled
     assert (M, 0) not in s.replicas and s.anomaly_count == 1
