@@ -196,7 +196,7 @@ async def test_two_controllers_200_concurrent_commands(nats_server: EmbeddedNats
         assert outcomes.count("ok") >= 100, outcomes  # the rest: deploy of a deployed model, unknown replica ids
         assert c1.handled > 0 and c2.handled > 0 and c1.handled + c2.handled == 210
         state = await settle(admin, timeout=60)
-        assert state.anomaly_count == 0, state.anomalies[:5]
+        assert state.anomaly_count == 0, [(a.seq, a.event_type, a.message, a.replica_id) for a in state.anomalies]
         for node_id in state.nodes:
             for card in state.node_cards(node_id):
                 assert card.reserved_bytes <= card.total_bytes and card.committed_bytes <= card.total_bytes
