@@ -58,16 +58,26 @@ class ModelActor:
 
     def load(self, devices: list[int]) -> float:
         try:
-            return self.replica.load(tuple(devices))
+            seconds = self.replica.load(tuple(devices))
         except Exception as exc:  # noqa: BLE001 - every load failure is reported the same way
             # transformers' errors do not always pickle; the agent needs their text, not their class.
             raise LoadError(f"{type(exc).__name__}: {exc}") from None
+        self._endpoint_settle()
+        return seconds
+
+    def _endpoint_settle(self) -> None:
+        """A replica reported HOT is reachable on its endpoint: a young actor gives its connection
+        up to 5 s of its life to come up (one that cannot reach NATS is served through Ray)."""
+        if self.endpoint is not None:
+            self.endpoint.ready(timeout=self.endpoint.started + 5.0 - time.monotonic())
 
     def to_cache(self) -> int:
         return self.replica.to_cache()
 
     def from_cache(self, devices: list[int]) -> float:
-        return self.replica.from_cache(tuple(devices))
+        seconds = self.replica.from_cache(tuple(devices))
+        self._endpoint_settle()
+        return seconds
 
     def unload(self) -> None:
         self.replica.unload()

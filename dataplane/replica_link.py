@@ -84,11 +84,14 @@ class ReplicaEndpoint:
         self._active: set[str] = set()  # reply subjects of the calls being answered
         self._parked: collections.OrderedDict[str, list[Any]] = collections.OrderedDict()
         self._lock = threading.Lock()
+        self._subscribed = threading.Event()
         self._tasks: set[asyncio.Future[Any]] = set()
         self.nc: Any = None
         self.served = 0
+        self.started = time.monotonic()
 
     def start(self) -> ReplicaEndpoint:
+        self.started = time.monotonic()
         threading.Thread(target=self._loop.run_forever, name="ndif-endpoint", daemon=True).start()
         asyncio.run_coroutine_threadsafe(self._connect(), self._loop)
         return self
@@ -99,6 +102,7 @@ class ReplicaEndpoint:
                 self.nc = await connect(self.url, name=self.name)
                 await self.nc.subscribe(self.subject, cb=self._on_call)
                 await self.nc.flush()
+                self._subscribed.set()
                 self.log.info("replica_endpoint_ready")
                 return
             except Exception as exc:  # noqa: BLE001 - NATS not reachable yet: Ray serves meanwhile
@@ -106,13 +110,14 @@ class ReplicaEndpoint:
                 await asyncio.sleep(RETRY_S)
 
     def ready(self, timeout: float = 10.0) -> bool:
-        """Wait until the endpoint is subscribed (for tests and the agent's load)."""
+        """Wait (at most `timeout` s) until the endpoint is subscribed."""
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.nc is not None and self.nc.is_connected:
-                return True
-            time.sleep(0.01)
-        return False
+        while not (self._subscribed.is_set() and self.nc.is_connected):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            time.sleep(min(0.01, left))
+        return True
 
     async def _on_call(self, msg: Msg) -> None:
         if not msg.reply:

@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import pytest_asyncio
+import ray
 
 from controlplane.admin import AdminClient
 from controlplane.controller import Controller
@@ -145,6 +146,33 @@ async def test_a_replica_without_its_endpoint_is_called_through_ray(service: dic
     assert [r["echo"] for r in results] == list(range(30))
     state = next(p for p in service["dispatcher"].get_state() if p["model_key"] == mk)
     assert state["replica_calls"] >= 1 and state["endpoint_calls"] <= 2, state  # 503 once per retry period
+
+
+async def test_a_replica_killed_under_its_calls_loses_no_request(service: dict[str, Any],
+                                                                 models: dict[str, Path]) -> None:
+    """A NATS call gets no error when its replica dies: the link's check finds the dead actor and the
+    requests go back to the queue, to be served by the other replica (or the restarted one)."""
+    url, admin = service["url"], service["admin"]
+    ckpt = str(models["gpt2"])
+    res = await admin.deploy(ckpt, 2)
+    await admin.wait(res, timeout=120)
+    mk = canonical_model_key(ckpt)
+    proc_of = service["dispatcher"].processors
+    payloads = [{"op": "generate", "input_ids": [[i % 2 + 1, 2, 3]] * 64, "max_new_tokens": 120} for i in range(8)]
+    ref = ModelReplica("ref", 0, ckpt)
+    ref.load()
+    want = [ref(p)["output_ids"] for p in payloads[:2]]
+    async with Client(url) as c:
+        jobs = [await c.submit(ckpt, p) for p in payloads]
+        async with asyncio.timeout(60):
+            while not (procs := [p for p in proc_of.values() if p.model_key == mk]) or not procs[0].in_flight.get(0):
+                await asyncio.sleep(0.01)
+        ray.kill(get_actor(mk, 0), no_restart=True)
+        finals = await asyncio.gather(*(_final(j) for j in jobs))
+        results = [await j.result() for j in jobs]
+    assert all(f.status == "COMPLETED" for f in finals), finals
+    assert [r["output_ids"] for r in results] == [want[i % 2] for i in range(8)]
+    assert any(f.attempt > 1 for f in finals), finals  # what replica 0 held ran again
 
 
 async def _final(job: Any) -> Any:
