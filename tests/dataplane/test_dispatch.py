@@ -301,6 +301,8 @@ async def test_kill_and_queue_through_the_cli(service: dict[str, Any], models: d
         assert ran.rc == 0, ran.err
         procs = json.loads(ran.out)["processors"]
         assert any(p["queued"] == 1 for p in procs)
+        ran = await ndif(url, "queue")
+        assert ran.rc == 0 and "1 queued" in ran.out and "replica calls" in ran.out, (ran.out, ran.err)
         ran = await ndif(url, "kill", job.request_id)
         assert ran.rc == 0, ran.err
         with pytest.raises(RequestFailed, match="cancelled"):
