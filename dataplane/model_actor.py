@@ -7,6 +7,9 @@ exactly the GPU indices of its `ReplicaScheduled` event. Ray's own GPU accountin
 (`num_gpus=0`, `RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1`, as NDIF does): the controller's
 placement is authoritative, and a second allocator that could disagree with it (fractional shares,
 replicas still leaving a card) would only leave actors pending.
+
+Given the NATS URL (the agent passes its own), the actor also answers `run_batch` on its endpoint
+`ndif.run.<mtok>.<replica_id>` (dataplane/replica_link.py): the dispatcher's fast path to it.
 """
 
 from __future__ import annotations
@@ -97,9 +100,6 @@ class ModelActor:
     def take_answer(self, reply: str) -> list[Any] | None:
         """An endpoint call's answer too big for NATS, taken through Ray."""
         return self.endpoint.take_answer(reply) if self.endpoint else None
-
-    def endpoint_ready(self, timeout: float = 10.0) -> bool:
-        return bool(self.endpoint and self.endpoint.ready(timeout))
 
     def __call__(self, request: dict[str, Any]) -> dict[str, Any]:
         return self.replica(request)
