@@ -93,7 +93,7 @@ async def test_a_replica_killed_under_a_call_and_a_lost_answer_are_found(
     t0 = time.monotonic()
     with pytest.raises((ray.exceptions.RayActorError, ray.exceptions.ActorDiedError)):
         await asyncio.wait_for(slow, 10)
-    assert time.monotonic() - t0 < 5
+    assert time.monotonic() - t0 < 8  # found by the 1 s check, not the 30 s run ending
 
     # Someone takes the call on the replica's subject and never answers; the (live) replica does not
     # know it: after two checks the answer counts as lost.
