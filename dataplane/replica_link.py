@@ -45,7 +45,8 @@ ANSWERS, PARKED = 0, 1
 NO_RESPONDERS = "503"  # the status the server answers a request nobody is subscribed to
 CHECK_S = 1.0  # calls older than this are checked through Ray (is the actor alive, does it know them)
 RETRY_S = 5.0  # after "no responders", a replica's endpoint is tried again this much later
-PARKED_MAX = 64  # answers an actor keeps for the dispatchers to take through Ray (oldest dropped)
+PARKED_MAX = 16  # answers an actor keeps for the dispatchers to take through Ray (oldest dropped) ...
+PARKED_TTL_S = 60.0  # ... and for how long (a dispatcher takes one at once; one that died never will)
 
 _enc = msgspec.msgpack.Encoder()
 _dec = msgspec.msgpack.Decoder()
@@ -82,12 +83,11 @@ class ReplicaEndpoint:
         self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="ndif-endpoint-run")
         self._loop = asyncio.new_event_loop()
         self._active: set[str] = set()  # reply subjects of the calls being answered
-        self._parked: collections.OrderedDict[str, list[Any]] = collections.OrderedDict()
+        self._parked: collections.OrderedDict[str, tuple[float, list[Any]]] = collections.OrderedDict()
         self._lock = threading.Lock()
         self._subscribed = threading.Event()
         self._tasks: set[asyncio.Future[Any]] = set()
         self.nc: Any = None
-        self.served = 0
         self.started = time.monotonic()
 
     def start(self) -> ReplicaEndpoint:
@@ -107,6 +107,9 @@ class ReplicaEndpoint:
                 return
             except Exception as exc:  # noqa: BLE001 - NATS not reachable yet: Ray serves meanwhile
                 self.log.warning("replica_endpoint_unavailable", error=str(exc), retry_s=RETRY_S)
+                if self.nc is not None:
+                    with contextlib.suppress(Exception):
+                        await self.nc.close()
                 await asyncio.sleep(RETRY_S)
 
     def ready(self, timeout: float = 10.0) -> bool:
@@ -131,7 +134,6 @@ class ReplicaEndpoint:
         try:
             requests = _dec.decode(msg.data)
             answers = await self._loop.run_in_executor(self._pool, self._run_batch, requests)
-            self.served += 1
             try:
                 body = _enc.encode((ANSWERS, answers))
             except (TypeError, msgspec.EncodeError):
@@ -139,8 +141,9 @@ class ReplicaEndpoint:
             limit = self.max_answer_bytes or (self.nc.max_payload - 4096)
             if not body or len(body) > limit:
                 with self._lock:
-                    self._parked[msg.reply] = answers
-                    while len(self._parked) > PARKED_MAX:
+                    now = time.monotonic()
+                    self._parked[msg.reply] = (now, answers)
+                    while len(self._parked) > PARKED_MAX or next(iter(self._parked.values()))[0] < now - PARKED_TTL_S:
                         self._parked.popitem(last=False)
                 body = _enc.encode((PARKED, None))
             await self.nc.publish(msg.reply, body)
@@ -155,7 +158,8 @@ class ReplicaEndpoint:
 
     def take_answer(self, reply: str) -> list[Any] | None:
         with self._lock:
-            return self._parked.pop(reply, None)
+            kept = self._parked.pop(reply, None)
+        return None if kept is None else kept[1]
 
     def close(self) -> None:
         async def _close() -> None:
