@@ -252,15 +252,29 @@ class ModelReplica:
             raise BadRequest(f"input_ids must be ints in [0, {vocab})")
         return torch.tensor(ids, dtype=torch.long)
 
+    def _context_length(self) -> int | None:
+        """The longest sequence the model declares (GPT-2's `n_positions`, most others'
+        `max_position_embeddings`); past it a learned position table fails with an IndexError."""
+        cfg = self.model.config
+        for attr in ("n_positions", "max_position_embeddings"):
+            v = getattr(cfg, attr, None)
+            if isinstance(v, int) and v > 0:
+                return v
+        return None
+
     def _run(self, op: str, request: dict[str, Any]) -> dict[str, Any]:
         import torch
 
         ids = self._input_ids(request).to(self.model.device)
+        n = int(request.get("max_new_tokens", 16)) if op == "generate" else 0
+        if op == "generate" and not 1 <= n <= MAX_NEW_TOKENS:
+            raise BadRequest(f"max_new_tokens must be in [1, {MAX_NEW_TOKENS}]")
+        ctx = self._context_length()
+        if ctx is not None and ids.shape[1] + n > ctx:
+            raise BadRequest(f"{ids.shape[1]} input tokens{f' + {n} new' if n else ''} exceed the model's "
+                             f"context of {ctx} tokens: send fewer tokens{' or ask for fewer new ones' if n else ''}")
         with torch.inference_mode():
             if op == "generate":
-                n = int(request.get("max_new_tokens", 16))
-                if not 1 <= n <= MAX_NEW_TOKENS:
-                    raise BadRequest(f"max_new_tokens must be in [1, {MAX_NEW_TOKENS}]")
                 out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
                                           do_sample=False, pad_token_id=self.model.config.eos_token_id,
                                           max_time=self.execution_timeout_s)

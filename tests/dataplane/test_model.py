@@ -66,6 +66,8 @@ def test_generate_prompt_and_module_outputs(ckpts: dict[str, Path]) -> None:
     ({"op": "forward", "input_ids": [[1, "a"]]}, "ints in"),
     ({"op": "generate", "input_ids": [[1]], "max_new_tokens": 0}, "max_new_tokens"),
     ({"op": "forward", "input_ids": [[1]], "modules": ["nope"]}, "unknown modules"),
+    ({"op": "generate", "input_ids": [[1, 2, 3]], "max_new_tokens": 126}, "3 input tokens \\+ 126 new exceed the model's context of 128"),
+    ({"op": "forward", "input_ids": [[1] * 129]}, "129 input tokens exceed the model's context of 128"),
 ])
 def test_bad_requests_are_clear_errors_and_the_replica_keeps_serving(ckpts: dict[str, Path], request_: dict,
                                                                       match: str) -> None:
