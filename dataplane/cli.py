@@ -99,13 +99,25 @@ async def _until_signal() -> None:
     await stop.wait()
 
 
-async def _agent(a: argparse.Namespace) -> int:
+def _join_ray(address: str) -> None:
+    """Join the Ray cluster at `address` (agent, dispatcher); a clear error when there is none."""
     import ray
 
-    from dataplane.agent import NodeAgent
     from dataplane.model_actor import NAMESPACE
 
-    ray.init(address=a.ray_address, namespace=NAMESPACE, log_to_driver=False)
+    try:
+        ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
+    except ConnectionError as exc:
+        raise errs.InfrastructureError(
+            f"cannot join a Ray cluster at {address!r} ({str(exc).splitlines()[0]}): start one with "
+            "deploy/ray/start-head.sh (or `ray start --head`), pass --ray-address / set RAY_ADDRESS, "
+            "or run everything on one machine with `ndif up`") from None
+
+
+async def _agent(a: argparse.Namespace) -> int:
+    from dataplane.agent import NodeAgent
+
+    _join_ray(a.ray_address)
     async with NodeAgent(a.nats, **_agent_kwargs(a)):
         await _until_signal()
     return 0
@@ -162,12 +174,9 @@ async def _up(a: argparse.Namespace) -> int:
 
 
 async def _dispatcher(a: argparse.Namespace) -> int:
-    import ray
-
     from dataplane.dispatcher import Dispatcher
-    from dataplane.model_actor import NAMESPACE
 
-    ray.init(address=a.ray_address, namespace=NAMESPACE, log_to_driver=False)
+    _join_ray(a.ray_address)
     async with Dispatcher(a.nats):
         await _until_signal()
     return 0

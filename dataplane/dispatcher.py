@@ -120,7 +120,10 @@ class Dispatcher:
         self._outbox: list[tuple[str, bytes, str]] = []
         # Replica calls over NATS (dataplane/replica_link.py); NDIF_REPLICA_LINK=ray makes them Ray calls.
         self.link: ReplicaLink | None = None
-        self.use_link = os.environ.get("NDIF_REPLICA_LINK", "nats").strip().lower() != "ray"
+        link = os.environ.get("NDIF_REPLICA_LINK", "nats").strip().lower() or "nats"
+        if link not in ("nats", "ray"):
+            raise errs.InvalidCommand(f"NDIF_REPLICA_LINK is {link!r}: use 'nats' (the default) or 'ray'")
+        self.use_link = link == "nats"
         self._outbox_task: asyncio.Task[None] | None = None
 
     # ---- lifecycle ---------------------------------------------------------------------------

@@ -31,6 +31,7 @@ from dataplane.dispatcher import Dispatcher
 from dataplane.model import ModelReplica
 from dataplane.model_actor import get_actor
 from dataplane.tiny_models import make_tiny_gpt2, make_tiny_llama
+from schemas import errors as errs
 from schemas.keys import canonical_model_key
 from schemas.requests import status_decoder
 from schemas.subjects import REQUEST_STATUS_BUCKET, request_subject
@@ -379,3 +380,11 @@ async def test_dispatcher_sigkilled_mid_burst_every_request_ends_once(service: d
             await s.unsubscribe()
         proc.send_signal(signal.SIGTERM)
         proc.wait(20)
+
+
+def test_an_unknown_replica_link_setting_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("NDIF_REPLICA_LINK", "grpc")
+    with pytest.raises(errs.InvalidCommand, match="NDIF_REPLICA_LINK is 'grpc': use 'nats'"):
+        Dispatcher("nats://127.0.0.1:1")
+    monkeypatch.setenv("NDIF_REPLICA_LINK", "RAY")
+    assert not Dispatcher("nats://127.0.0.1:1").use_link
