@@ -321,15 +321,8 @@ class NodeAgent:
                 elif info["level"] == "COLD":
                     await _aw(handle.load.remote(devices))
             else:
-                reg = self.state.models[r.model_key].registration if r.model_key in self.state.models else None
-                if reg is None:
-                    raise InfrastructureError(f"{r.model_key} has no registration in the log")
-                handle = await _get(*key)  # a leftover from before (same id): reuse, never duplicate
-                if handle is None:
-                    handle = await asyncio.to_thread(
-                        create_actor, r.model_key, r.replica_id, reg.checkpoint, revision=reg.revision,
-                        dtype=reg.dtype, ray_node_id=self.ray_node_id, node_id=self.node_id,
-                        execution_timeout_s=self.execution_timeout_s, nats_url=self.url)
+                # A leftover from before (same id) is reused, never duplicated.
+                handle = await _get(*key) or await self._create(r)
                 self.actors[key] = handle
                 await _aw(handle.load.remote(devices))
         except Exception as exc:  # noqa: BLE001 - whatever the load raised is the replica's error
@@ -341,6 +334,16 @@ class NodeAgent:
         took = time.perf_counter() - t0
         bound.info("replica_loaded", seconds=round(took, 3), devices=devices)
         await self._append(observed(ReplicaLoaded, load_seconds=round(took, 4), **kw))
+
+    async def _create(self, r: ReplicaView) -> Any:
+        """A new actor for the replica, from its model's registration in the log (nothing loaded yet)."""
+        reg = self.state.models[r.model_key].registration if r.model_key in self.state.models else None
+        if reg is None:
+            raise InfrastructureError(f"{r.model_key} has no registration in the log")
+        return await asyncio.to_thread(
+            create_actor, r.model_key, r.replica_id, reg.checkpoint, revision=reg.revision, dtype=reg.dtype,
+            ray_node_id=self.ray_node_id, node_id=self.node_id, execution_timeout_s=self.execution_timeout_s,
+            nats_url=self.url)
 
     async def _drain_timer(self, r: ReplicaView) -> None:
         """The dispatcher reports the drain; if it has not within the timeout, the agent does."""
@@ -370,14 +373,8 @@ class NodeAgent:
         key = r.key
         kw = self._kw(r)
         await self._reap(key)
-        reg = self.state.models[r.model_key].registration if r.model_key in self.state.models else None
         try:
-            if reg is None:
-                raise InfrastructureError(f"{r.model_key} has no registration in the log")
-            handle = await asyncio.to_thread(
-                create_actor, r.model_key, r.replica_id, reg.checkpoint, revision=reg.revision, dtype=reg.dtype,
-                ray_node_id=self.ray_node_id, node_id=self.node_id, execution_timeout_s=self.execution_timeout_s, nats_url=self.url)
-            self.actors[key] = handle
+            handle = self.actors[key] = await self._create(r)
             await _aw(handle.load.remote(list(r.gpu_indices)))
         except Exception as exc:  # noqa: BLE001
             await self._reap(key)

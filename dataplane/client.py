@@ -67,7 +67,7 @@ class Job:
         self.last: StatusUpdate | None = None
         self._arrived: collections.deque[StatusUpdate] = collections.deque()
         self._waiter: asyncio.Future[None] | None = None
-        self._subs: list[Any] = []
+        self._sub: Any = None
         self._live_from_start = False  # submitted by us, listened to before it was sent: nothing to catch up
 
     async def _listen(self, *, flush: bool = True) -> None:
@@ -79,7 +79,7 @@ class Job:
 
         # Live statuses, and the kept ones as the server republishes them when KV stores them (the
         # terminal status only that way: it reaches us the moment it is kept, and only if it was).
-        self._subs = [await self.client.log.nc.subscribe(status_subject(self.request_id), cb=cb)]
+        self._sub = await self.client.log.nc.subscribe(status_subject(self.request_id), cb=cb)
         if not flush:
             return  # the request is published next on this connection: the server sees the SUB first
         await self.client.log.nc.flush()
@@ -94,7 +94,7 @@ class Job:
 
     async def statuses(self, timeout: float | None = None) -> AsyncIterator[StatusUpdate]:
         """Every status from now to the terminal one (starting from the latest kept, if newer)."""
-        if not self._subs:
+        if self._sub is None:
             await self._listen()
         kept = None if self._live_from_start else await self.latest()
         if kept is not None and (self.last is None or kept.ts > self.last.ts):
@@ -161,10 +161,10 @@ class Job:
         return final.result
 
     async def close(self) -> None:
-        for sub in self._subs:
+        if self._sub is not None:
             with contextlib.suppress(Exception):
-                await sub.unsubscribe()
-        self._subs = []
+                await self._sub.unsubscribe()
+            self._sub = None
 
 
 class Client:

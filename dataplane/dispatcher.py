@@ -99,7 +99,8 @@ class Dispatcher:
         self.replica_lanes = replica_lanes or _env_int("NDIF_REPLICA_LANES", 2)
         # Short requests waiting behind each other go to a replica in one call, as many as run in
         # NDIF_BATCH_BUDGET_MS by the model's recent run times (at most NDIF_BATCH_MAX): a replica call
-        # costs ~0.5 ms of CPU here, more than a no-op request itself. Slow models go one by one.
+        # costs more CPU than a no-op request itself (measured over the NATS link: NDIF_BATCH_MAX=1
+        # 1,498 req/s, 8: 2,691, docs/benchmarks.md). Slow models go one by one.
         self.batch_max = _env_int("NDIF_BATCH_MAX", 8)
         self.batch_budget_s = float(os.environ.get("NDIF_BATCH_BUDGET_MS", 2.0)) / 1000
         # How long a request held by a dead dispatcher waits before redelivery (kept alive meanwhile).

@@ -46,7 +46,7 @@ class Pending:
         self.cancelled = False
 
 
-_Call = tuple[int, list[Pending], Any]  # replica id, its requests, the Ray call (or why it could not start)
+_Call = tuple[int, list[Pending], Any, Any]  # replica id, its requests, its actor, the call (or why it could not start)
 
 
 def _replica_gone(exc: BaseException) -> bool:
@@ -242,7 +242,7 @@ class Processor:
         for p in batch:
             self.d.status(p, R.RUNNING, replica_id=rid)
         self._refresh_status()
-        return rid, batch, ref
+        return rid, batch, actor, ref
 
     def _call(self, rid: int, actor: Any, payloads: list[Any]) -> Any:
         """Start a replica call: over its NATS endpoint when it has one (dataplane/replica_link.py),
@@ -284,7 +284,7 @@ class Processor:
         self.d.finish_soon(p, R.ERROR, replica_id=rid, error=error, message=message)
 
     async def _answers(self, call: _Call) -> None:
-        rid, batch, ref = call
+        rid, batch, actor, ref = call
         try:
             try:
                 if isinstance(ref, Exception):
@@ -292,13 +292,11 @@ class Processor:
                 try:
                     answers = await ref
                 except NoEndpoint:
-                    # No endpoint on NATS (made without one, or its connection is down): through Ray.
+                    # No endpoint on NATS (made without one, or its connection is down): the same
+                    # call through Ray (`_call` skips the endpoint while it is marked absent).
                     assert self.d.link is not None and self.model_key is not None
                     self.d.link.endpoint_absent((self.model_key, rid))
-                    actor = self._actors.get(rid) or get_actor(self.model_key, rid)
-                    if actor is None:
-                        raise ray.exceptions.RayActorError() from None
-                    answers = await actor.run_batch.remote([p.req.payload for p in batch])
+                    answers = await self._call(rid, actor, [p.req.payload for p in batch])
             except Exception as exc:  # noqa: BLE001 - sorted below: the replica's fault or the call's
                 if isinstance(exc, ReplyLost):
                     self._requeue(rid, batch, "ReplyLost", replica_left=False)

@@ -177,7 +177,7 @@ class ReplicaEndpoint:
 
 
 class _Call:
-    __slots__ = ("actor", "checked", "fut", "key", "reply", "started", "unknown")
+    __slots__ = ("actor", "fut", "key", "reply", "started", "unknown")
 
     def __init__(self, key: tuple[str, int], actor: Any, reply: str, fut: asyncio.Future[list[Any]]) -> None:
         self.key = key
@@ -291,7 +291,7 @@ class ReplicaLink:
                 by_replica.setdefault(c.key, []).append(c)
         for key, calls in by_replica.items():
             try:
-                known = await asyncio.wait_for(_aw(calls[0].actor.calls_active.remote([c.reply for c in calls])), 10)
+                known = await asyncio.wait_for(calls[0].actor.calls_active.remote([c.reply for c in calls]), 10)
             except (ray.exceptions.RayActorError, ray.exceptions.ActorDiedError) as exc:
                 log.warning("replica_gone_under_calls", model_key=key[0], replica_id=key[1], calls=len(calls))
                 for c in calls:
@@ -305,10 +305,6 @@ class ReplicaLink:
                 if c.unknown >= 2 and not c.fut.done():
                     log.warning("replica_answer_lost", model_key=key[0], replica_id=key[1])
                     c.fut.set_exception(ReplyLost(f"the answer of replica {key[1]} of {key[0]} was lost"))
-
-
-async def _aw(ref: Any) -> Any:
-    return await ref
 
 
 def encode_call(payloads: list[Any]) -> bytes:
