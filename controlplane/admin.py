@@ -86,17 +86,22 @@ class AdminClient:
         return res
 
     def _cmd(self, cls: type, command_id: str | None, **fields: object) -> AnyCommand:
+        # The model key is canonicalised here, where the user typed it: a relative checkpoint path
+        # means this process's directory (the controller refuses relative paths).
+        if isinstance(fields.get("model_key"), str):
+            fields["model_key"] = canonical_model_key(fields["model_key"])  # type: ignore[arg-type]
         return cls(command_id=command_id or new_command_id(), actor=self.actor, **fields)  # type: ignore[no-any-return]
 
     async def deploy(self, model: str, replicas: int = 1, *, dedicated: bool = False, size_bytes: int | None = None,
-                     command_id: str | None = None) -> CommandResult:
+                     command_id: str | None = None, headroom: float | None = None,
+                     gpus: int | None = None) -> CommandResult:
         return await self.command(self._cmd(Deploy, command_id, model_key=model, replicas=replicas,
-                                            dedicated=dedicated, size_bytes=size_bytes))
+                                            dedicated=dedicated, size_bytes=size_bytes, headroom=headroom, gpus=gpus))
 
     async def scale(self, model: str, replicas: int, *, scale_up: bool = False, dedicated: bool = False,
-                    command_id: str | None = None) -> CommandResult:
+                    command_id: str | None = None, gpus: int | None = None) -> CommandResult:
         return await self.command(self._cmd(Scale, command_id, model_key=model, replicas=replicas, scale_up=scale_up,
-                                            dedicated=dedicated))
+                                            dedicated=dedicated, gpus=gpus))
 
     async def scale_down(self, model: str, replicas: int, *, command_id: str | None = None) -> CommandResult:
         return await self.command(self._cmd(ScaleDown, command_id, model_key=model, replicas=replicas))

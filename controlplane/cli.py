@@ -21,10 +21,11 @@ import msgspec
 
 from controlplane.admin import AdminClient
 from controlplane.logs import configure
+from controlplane.placement import PADDING
 from controlplane.projections import ClusterState
 from controlplane.render import render_status, status_json
 from schemas import errors as errs
-from schemas.commands import CommandResult
+from schemas.commands import MAX_HEADROOM, CommandResult
 from schemas.events import Event, ReplicaEvent, Skipped, event_tag
 from schemas.keys import canonical_model_key, display_name
 
@@ -59,9 +60,10 @@ async def _command(a: argparse.Namespace, admin: AdminClient) -> int:
     match a.cmd:
         case "deploy":
             res = await admin.deploy(a.model, a.replicas, dedicated=a.dedicated, size_bytes=a.size_bytes,
-                                     command_id=cid)
+                                     command_id=cid, headroom=a.headroom, gpus=a.gpus)
         case "scale":
-            res = await admin.scale(a.model, a.replicas, scale_up=a.scale_up, dedicated=a.dedicated, command_id=cid)
+            res = await admin.scale(a.model, a.replicas, scale_up=a.scale_up, dedicated=a.dedicated, command_id=cid,
+                                    gpus=a.gpus)
         case "scale-down":
             res = await admin.scale_down(a.model, a.replicas, command_id=cid)
         case "evict":
@@ -177,8 +179,12 @@ async def _replay(a: argparse.Namespace, admin: AdminClient) -> int:
 async def _controller(a: argparse.Namespace) -> int:
     from controlplane.controller import run_controller
 
+    if not 0.0 <= a.headroom <= MAX_HEADROOM:
+        raise errs.InvalidCommand(f"--headroom must be between 0 and {MAX_HEADROOM:g}, got {a.headroom}")
+    if a.min_deploy_s < 0:
+        raise errs.InvalidCommand(f"--min-deploy-s must be 0 or more, got {a.min_deploy_s}")
     await run_controller(a.nats, heartbeat_grace_s=a.heartbeat_grace, max_restarts=a.max_restarts,
-                         min_deploy_s=a.min_deploy_s, stream_replicas=a.stream_replicas)
+                         min_deploy_s=a.min_deploy_s, stream_replicas=a.stream_replicas, headroom=a.headroom)
     return 0
 
 
@@ -204,12 +210,17 @@ def add_admin_commands(sub: Any) -> None:
     p.add_argument("--replicas", type=int, default=1)
     p.add_argument("--dedicated", action="store_true", help="never evicted by pressure")
     p.add_argument("--size-bytes", type=int, help="override the measured model size")
+    p.add_argument("--headroom", type=float,
+                   help="fraction charged over the model's size, e.g. 0.15 (default: the controller's --headroom)")
+    p.add_argument("--gpus", type=int, help="place each replica on exactly N cards of one node, each charged "
+                   "ceil(charge / N) (default: as few cards as hold the charge)")
     mutating(p)
     p = sub.add_parser("scale", help="at least N HOT replicas (or N more with --scale-up); never scales down")
     p.add_argument("model")
     p.add_argument("--replicas", type=int, required=True)
     p.add_argument("--scale-up", action="store_true")
     p.add_argument("--dedicated", action="store_true")
+    p.add_argument("--gpus", type=int, help="exactly N cards of one node per new replica (kept for the model)")
     mutating(p)
     p = sub.add_parser("scale-down", help="at most N HOT replicas: drain, then unload the highest ids")
     p.add_argument("model")
@@ -251,6 +262,9 @@ def add_admin_commands(sub: Any) -> None:
                    help="replicas of the streams and buckets it creates (3 on a NATS cluster)")
     p.add_argument("--min-deploy-s", type=float, default=300.0,
                    help="seconds a replica stays before pressure may evict it (default %(default)s)")
+    p.add_argument("--headroom", type=float, default=PADDING,
+                   help="fraction charged over a model's measured size, unless its deploy gave one "
+                   "(default %(default)s)")
 
 
 ADMIN: dict[str, Callable[[argparse.Namespace, AdminClient], Coroutine[Any, Any, int]]] = {

@@ -26,7 +26,7 @@ from controlplane.committer import GroupCommitter
 from controlplane.context import DecisionContext, utcnow
 from controlplane.decide import MAX_RESTARTS, Registration, decide, decide_failure, decide_node_lost, summarize
 from controlplane.eventstore import JetStreamEventLog
-from controlplane.placement import MIN_DEPLOY_S
+from controlplane.placement import MIN_DEPLOY_S, PADDING
 from controlplane.projections import ClusterState
 from controlplane.tasks import cancel_and_wait
 from schemas.commands import AnyCommand, CommandResult, decode_command
@@ -50,10 +50,14 @@ def seed_of(command_id: str) -> int:
 class Controller:
     def __init__(self, url: str, *, name: str | None = None, min_deploy_s: float = MIN_DEPLOY_S,
                  max_restarts: int = MAX_RESTARTS, heartbeat_grace_s: float = 20.0,
-                 policy_interval_s: float = 2.0, max_inflight: int = 512, stream_replicas: int = 1) -> None:
+                 policy_interval_s: float = 2.0, max_inflight: int = 512, stream_replicas: int = 1,
+                 headroom: float = PADDING) -> None:
         self.url = url
         self.name = name or f"controller:{socket.gethostname()}"
+        # Settings that change decisions: every path that decides (commands, failure replacement,
+        # node loss) gets them, and the events record what was used, so replay needs no flags.
         self.min_deploy_s = min_deploy_s
+        self.headroom = headroom
         self.max_restarts = max_restarts
         self.heartbeat_grace_s = heartbeat_grace_s
         self.policy_interval_s = policy_interval_s
@@ -145,9 +149,11 @@ class Controller:
             return CommandResult(command_id=cid, ok=False, error=type(exc).__name__, message=str(exc))
 
     def _canonical(self, cmd: AnyCommand) -> AnyCommand:
+        # A relative checkpoint path means the sender's directory, which is not known here: the
+        # client canonicalises before sending, and what still arrives relative is refused.
         mk = getattr(cmd, "model_key", None)
         if mk:
-            return msgspec.structs.replace(cmd, model_key=canonical_model_key(mk))  # type: ignore[type-var]
+            return msgspec.structs.replace(cmd, model_key=canonical_model_key(mk, relative=False))  # type: ignore[type-var]
         return cmd
 
     async def _decide(self, cmd: AnyCommand) -> CommandResult:
@@ -159,7 +165,8 @@ class Controller:
 
         def run(state: ClusterState) -> list[Event]:
             ctx = DecisionContext(now=now, actor=cmd.actor, command_id=cmd.command_id, seed=seed_of(cmd.command_id))
-            return decide(state, cmd, ctx, registration=registration, min_deploy_s=self.min_deploy_s)
+            return decide(state, cmd, ctx, registration=registration, min_deploy_s=self.min_deploy_s,
+                          headroom=self.headroom)
 
         res = await self.committer.submit(run)
         if not res.events and cmd.command_id in self.state.commands:
@@ -211,7 +218,8 @@ class Controller:
 
         def run(state: ClusterState) -> list[Event]:
             ctx = DecisionContext(now=utcnow(), actor=self.name, command_id=cid, seed=seed_of(cid))
-            return decide_failure(state, model_key, replica_id, ctx, max_restarts=self.max_restarts)
+            return decide_failure(state, model_key, replica_id, ctx, max_restarts=self.max_restarts,
+                                  min_deploy_s=self.min_deploy_s, headroom=self.headroom)
 
         with contextlib.suppress(NdifError):
             res = await self.committer.submit(run)
@@ -267,7 +275,8 @@ class Controller:
 
         def run(state: ClusterState) -> list[Event]:
             ctx = DecisionContext(now=utcnow(), actor=self.name, command_id=cid, seed=seed_of(cid))
-            return decide_node_lost(state, node_id, ctx, "heartbeat expired")
+            return decide_node_lost(state, node_id, ctx, "heartbeat expired", min_deploy_s=self.min_deploy_s,
+                                    headroom=self.headroom)
 
         with contextlib.suppress(NdifError):
             res = await self.committer.submit(run)

@@ -13,7 +13,16 @@ from collections.abc import Sequence
 import msgspec
 
 from controlplane.context import DecisionContext
-from controlplane.placement import MIN_DEPLOY_S, Plan, Request, cache_target, plan
+from controlplane.placement import (
+    MIN_DEPLOY_S,
+    PADDING,
+    Plan,
+    Request,
+    cache_target,
+    gpus_refusal,
+    padded,
+    plan,
+)
 from controlplane.projections.cluster import ClusterState
 from controlplane.projections.replica import ReplicaView
 from schemas.commands import (
@@ -55,8 +64,13 @@ class Registration(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def decide(state: ClusterState, cmd: AnyCommand, ctx: DecisionContext, *,
-           registration: Registration | None = None, min_deploy_s: float = MIN_DEPLOY_S) -> list[Event]:
-    """The events `cmd` yields on `state`. Raises InvalidCommand / NotFound / UnknownModel."""
+           registration: Registration | None = None, min_deploy_s: float = MIN_DEPLOY_S,
+           headroom: float = PADDING) -> list[Event]:
+    """The events `cmd` yields on `state`. Raises InvalidCommand / NotFound / UnknownModel.
+
+    `min_deploy_s` and `headroom` are the controller's settings (a model's own headroom, recorded
+    at deploy, wins over `headroom`); the events record what was used.
+    """
     if cmd.command_id in state.commands:
         return []  # already decided: the first result stands
     match cmd:
@@ -66,15 +80,18 @@ def decide(state: ClusterState, cmd: AnyCommand, ctx: DecisionContext, *,
                     f"{display_name(cmd.model_key)} already has {state.replica_count(cmd.model_key)} HOT replicas: "
                     f"use `ndif scale {display_name(cmd.model_key)} --replicas N`")
             return _grow(state, cmd.model_key, cmd.replicas, cmd.replicas, DeploymentOp.DEPLOY, cmd.replicas,
-                         cmd.dedicated, ctx, registration, cmd.size_bytes, min_deploy_s)
+                         cmd.dedicated, ctx, registration, cmd.size_bytes, min_deploy_s,
+                         headroom if cmd.headroom is None else cmd.headroom, cmd.gpus)
         case Scale():
             current = state.replica_count(cmd.model_key)
             target = current + cmd.replicas if cmd.scale_up else max(current, cmd.replicas)
             if target == current:
                 return []  # NDIF: never scales down; nothing to do
             op = DeploymentOp.SCALE_UP if cmd.scale_up else DeploymentOp.SCALE
+            m = state.models.get(cmd.model_key)
             return _grow(state, cmd.model_key, target - current, target, op, cmd.replicas, cmd.dedicated, ctx,
-                         registration, None, min_deploy_s)
+                         registration, None, min_deploy_s, model_headroom(state, cmd.model_key, headroom),
+                         cmd.gpus if cmd.gpus is not None else (m.gpus if m is not None else None))
         case ScaleDown():
             return _scale_down(state, cmd, ctx)
         case Evict():
@@ -97,17 +114,28 @@ def _size(state: ClusterState, model_key: str, registration: Registration | None
     return registration.size_bytes, [], registration
 
 
+def model_headroom(state: ClusterState, model_key: str, default: float) -> float:
+    """The headroom a model is charged with: its own (recorded at deploy), else the controller's default."""
+    m = state.models.get(model_key)
+    return m.headroom if m is not None and m.headroom is not None else default
+
+
 def _grow(state: ClusterState, model_key: str, new: int, target: int, op: DeploymentOp, typed: int,
           dedicated: bool, ctx: DecisionContext, registration: Registration | None, override: int | None,
-          min_deploy_s: float) -> list[Event]:
+          min_deploy_s: float, headroom: float, gpus: int | None) -> list[Event]:
     size, _, reg = _size(state, model_key, registration, override)
+    if gpus is not None:
+        why = gpus_refusal(state, padded(size, headroom), gpus)
+        if why is not None:  # refused before anything is reserved: nothing is appended
+            raise InvalidCommand(f"{display_name(model_key)}: {why}")
     events: list[Event] = []
     if reg is not None:
         events.append(ctx.event(ModelRegistered, model_key=model_key, checkpoint=reg.checkpoint,
                                 revision=reg.revision, size_bytes=reg.size_bytes, dtype=reg.dtype))
     events.append(ctx.event(DeploymentRequested, model_key=model_key, op=op, replicas=typed, target_hot=target,
-                            dedicated=dedicated))
-    p = plan(state, [Request(model_key=model_key, size_bytes=size, replicas=new, dedicated=dedicated)],
+                            dedicated=dedicated, headroom=headroom, gpus=gpus))
+    p = plan(state, [Request(model_key=model_key, size_bytes=size, replicas=new, dedicated=dedicated,
+                             headroom=headroom, gpus=gpus)],
              now_s=ctx.now.timestamp(), seed=ctx.seed, min_deploy_s=min_deploy_s)
     return events + plan_events(p, ctx)
 
@@ -122,10 +150,12 @@ def plan_events(p: Plan, ctx: DecisionContext, reason: EvictionReason = Eviction
     for pl in p.placed:
         out.append(ctx.event(ReplicaScheduled, model_key=pl.model_key, replica_id=pl.replica_id, node_id=pl.node_id,
                              gpu_indices=pl.gpu_indices, bytes_per_gpu=pl.bytes_per_gpu, source=pl.source,
-                             dedicated=pl.dedicated, seed=ctx.seed))
+                             dedicated=pl.dedicated, seed=ctx.seed, headroom=pl.headroom,
+                             min_deploy_s=p.min_deploy_s))
     for s in p.shortfalls:
         out.append(ctx.event(PlacementRejected, model_key=s.model_key, needed_bytes=s.needed_bytes,
-                             free_bytes=s.free_bytes, replicas=s.replicas))
+                             free_bytes=s.free_bytes, replicas=s.replicas, headroom=s.headroom,
+                             min_deploy_s=p.min_deploy_s))
     return out
 
 
@@ -192,19 +222,23 @@ def _restart(state: ClusterState, cmd: Restart, ctx: DecisionContext) -> list[Ev
 
 
 def decide_failure(state: ClusterState, model_key: str, replica_id: int, ctx: DecisionContext, *,
-                   max_restarts: int = MAX_RESTARTS) -> list[Event]:
-    """A replica failed at run time: restart it in place up to `max_restarts`, then replace it elsewhere."""
+                   max_restarts: int = MAX_RESTARTS, min_deploy_s: float = MIN_DEPLOY_S,
+                   headroom: float = PADDING) -> list[Event]:
+    """A replica failed at run time: restart it in place up to `max_restarts`, then replace it elsewhere
+    (placed with the controller's `min_deploy_s` and `headroom`, like a command)."""
     r = state.replicas.get((model_key, replica_id))
     if r is None or r.state is not S.FAILED or r.desired is not Level.HOT:
         return []  # already handled (or evicted meanwhile)
     if r.restarts < max_restarts:
         return [ctx.event(ReplicaRestartRequested, model_key=model_key, replica_id=replica_id, node_id=r.node_id,
                           attempt=r.restarts + 1)]
-    return _replace_replicas(state, [r], ctx, EvictionReason.ADMIN)
+    return _replace_replicas(state, [r], ctx, EvictionReason.ADMIN, min_deploy_s, headroom)
 
 
-def decide_node_lost(state: ClusterState, node_id: str, ctx: DecisionContext, reason: str) -> list[Event]:
-    """A node's heartbeat expired: NodeLost, its replicas gone, their HOT count placed elsewhere."""
+def decide_node_lost(state: ClusterState, node_id: str, ctx: DecisionContext, reason: str, *,
+                     min_deploy_s: float = MIN_DEPLOY_S, headroom: float = PADDING) -> list[Event]:
+    """A node's heartbeat expired: NodeLost, its replicas gone, their HOT count placed elsewhere
+    (with the controller's `min_deploy_s` and `headroom`, like a command)."""
     node = state.nodes.get(node_id)
     if node is None or not node.alive:
         return []
@@ -212,11 +246,11 @@ def decide_node_lost(state: ClusterState, node_id: str, ctx: DecisionContext, re
     events: list[Event] = [ctx.event(NodeLost, node_id=node_id, reason=reason)]
     after = state.copy()
     after.apply(state.seq + 1, events[0])  # place against the cluster without that node
-    return events + _replace_replicas(after, lost, ctx, EvictionReason.NODE_LOST)
+    return events + _replace_replicas(after, lost, ctx, EvictionReason.NODE_LOST, min_deploy_s, headroom)
 
 
 def _replace_replicas(state: ClusterState, gone: Sequence[ReplicaView], ctx: DecisionContext,
-                      reason: EvictionReason) -> list[Event]:
+                      reason: EvictionReason, min_deploy_s: float, headroom: float) -> list[Event]:
     events: list[Event] = []
     want: dict[str, int] = {}
     for r in gone:
@@ -226,12 +260,14 @@ def _replace_replicas(state: ClusterState, gone: Sequence[ReplicaView], ctx: Dec
             want[r.model_key] = want.get(r.model_key, 0) + 1
     reqs = []
     for mk, n in want.items():
-        reg = state.models[mk].registration if mk in state.models else None
-        if reg is not None:
-            reqs.append(Request(model_key=mk, size_bytes=reg.size_bytes, replicas=n,
-                                dedicated=any(r.dedicated for r in gone if r.model_key == mk)))
+        m = state.models.get(mk)
+        if m is not None and m.registration is not None:
+            reqs.append(Request(model_key=mk, size_bytes=m.registration.size_bytes, replicas=n,
+                                dedicated=any(r.dedicated for r in gone if r.model_key == mk),
+                                headroom=model_headroom(state, mk, headroom), gpus=m.gpus))
     if reqs:
-        events += plan_events(plan(state, reqs, now_s=ctx.now.timestamp(), seed=ctx.seed), ctx)
+        events += plan_events(plan(state, reqs, now_s=ctx.now.timestamp(), seed=ctx.seed, min_deploy_s=min_deploy_s),
+                              ctx)
     return events
 
 

@@ -6,19 +6,29 @@ and the tie-break seed come in and are recorded in the events). NDIF's rules:
 - candidate levels per node, best first: DEPLOYED (the model is already HOT there and it fits),
   CACHED_AND_FREE (a WARM copy there and it fits), FREE, CACHED_AND_FULL, FULL (fits after
   evictions), CANT_ACCOMMODATE. WARM copies are reused first, keeping their replica ids;
+- replicas of one model spread (what fits without evictions is ranked by): first a card that holds
+  no replica of the model, then a node holding fewer replicas of it, then a WARM copy there, then
+  the seeded node order. Within a node, cards are best fit (least free first), so other models
+  still pack and big models keep finding whole cards;
 - several models in one call: largest first;
-- a model is charged only its share of each card: up to one card's size it takes part of one card
-  (the rest stays usable for others); larger, it spans `ceil(size / card)` cards evenly;
-- pressure evictions only of non-dedicated, HOT replicas of other models, fewest and then smallest,
-  and only of replicas loaded at least `min_deploy_s` ago unless the requester is dedicated;
+- a model is charged its measured size plus its headroom (a setting: the controller's default or
+  the model's own, recorded in its events), and only its share of each card: up to one card's size
+  it takes part of one card (the rest stays usable for others); larger, it spans
+  `ceil(charge / card)` cards evenly; with a GPU count N it spans exactly N cards of one node, each
+  charged `ceil(charge / N)`;
+- pressure evictions only of non-dedicated, HOT replicas of other models, fewest and then smallest
+  over the whole node (a victim spanning several cards frees all of them at once), and only of
+  replicas loaded at least `min_deploy_s` ago unless the requester is dedicated;
 - an evicted HOT replica goes WARM if its node's CPU cache can hold it (smallest WARM copies are
-  dropped to COLD first to make room), else COLD;
+  dropped to COLD first to make room), else COLD. The cache counts what it holds and what was
+  already ordered to WARM but is not yet `Cached`; a WARM copy this plan reuses frees its bytes once;
 - what cannot be placed is reported (needed vs free), the rest still goes ahead.
 """
 
 from __future__ import annotations
 
 import enum
+import itertools
 import math
 from collections.abc import Iterable
 
@@ -30,6 +40,9 @@ from schemas.status import Level, ReplicaState
 
 PADDING = 0.15  # models are charged 15% over their measured size (activations, CUDA context)
 MIN_DEPLOY_S = 300.0  # NDIF's minimum deployment time before a non-dedicated requester may evict
+# The exact eviction search tries at most this many victim sets per node before it settles for
+# the per-card choice (a node holds a few dozen replicas at most; 1-3 evictions are the norm).
+MAX_EVICTION_SETS = 4096
 
 
 class Candidate(enum.IntEnum):
@@ -43,9 +56,11 @@ class Candidate(enum.IntEnum):
 
 class Request(msgspec.Struct, frozen=True, kw_only=True):
     model_key: str
-    size_bytes: int  # measured size; padding is added here
+    size_bytes: int  # measured size; the headroom is added here
     replicas: int
     dedicated: bool = False
+    headroom: float = PADDING  # charged size = ceil(size_bytes * (1 + headroom))
+    gpus: int | None = None  # exactly this many cards of one node per replica; None: as few as fit
 
 
 class Placed(msgspec.Struct, frozen=True, kw_only=True):
@@ -57,6 +72,7 @@ class Placed(msgspec.Struct, frozen=True, kw_only=True):
     source: Level  # WARM when a cached copy is reused (same id), else COLD
     candidate: Candidate
     dedicated: bool = False
+    headroom: float = PADDING
 
 
 class Eviction(msgspec.Struct, frozen=True, kw_only=True):
@@ -73,16 +89,46 @@ class Shortfall(msgspec.Struct, frozen=True, kw_only=True):
     replicas: int
     needed_bytes: int
     free_bytes: int  # the most free memory any node offered (summed over the cards it would use)
+    headroom: float = PADDING
 
 
 class Plan(msgspec.Struct, frozen=True, kw_only=True):
     placed: tuple[Placed, ...] = ()
     evictions: tuple[Eviction, ...] = ()
     shortfalls: tuple[Shortfall, ...] = ()
+    min_deploy_s: float = MIN_DEPLOY_S  # the setting the plan was made with (recorded in its events)
 
 
-def padded(size_bytes: int) -> int:
-    return int(math.ceil(size_bytes * (1 + PADDING)))
+def padded(size_bytes: int, headroom: float = PADDING) -> int:
+    """The charge of a model: its measured size plus `headroom` (activations, CUDA context)."""
+    return int(math.ceil(size_bytes * (1 + headroom)))
+
+
+def card_share(charge: int, gpus: int) -> int:
+    """What each of `gpus` cards is charged for one replica of a model charged `charge` bytes."""
+    return math.ceil(charge / gpus)
+
+
+def gpus_refusal(state: ClusterState, charge: int, gpus: int) -> str | None:
+    """Why `gpus` cards per replica can never hold a `charge`-byte model here, or None if some can.
+
+    A live node must have `gpus` cards each at least `ceil(charge / gpus)` big (free or not: busy
+    cards are a matter for evictions and retries, too small ones are not).
+    """
+    share = card_share(charge, gpus)
+    best = 0
+    for node in state.nodes.values():
+        if not node.alive:
+            continue
+        sizes = sorted((g.memory_bytes for g in node.gpus), reverse=True)
+        if len(sizes) >= gpus:
+            if sizes[gpus - 1] >= share:
+                return None
+            best = max(best, sizes[gpus - 1])
+    if not best:
+        return f"--gpus {gpus}: no live node has {gpus} GPU cards"
+    return (f"--gpus {gpus}: each card would be charged {share} bytes ({charge} bytes / {gpus}), but no live "
+            f"node has {gpus} cards that big (at most {best} bytes on the {gpus}th largest card of a node)")
 
 
 def _node_order(state: ClusterState, seed: int) -> list[NodeView]:
@@ -105,7 +151,7 @@ class _Work:
         self.state = state
         self.extra: dict[tuple[str, int], int] = {}  # card -> bytes taken by this plan
         self.gone: set[RKey] = set()  # replicas this plan evicts (their memory counts as free)
-        self.cpu_extra: dict[str, int] = {}  # node -> CPU cache bytes taken (evicted to WARM) or freed
+        self.cpu_extra: dict[str, int] = {}  # node -> CPU cache bytes this plan sends there (evicted to WARM)
         self.reused: set[RKey] = set()  # WARM replicas this plan brings back
         self.touched: set[str] = set()  # nodes whose cards this plan changed (the state's index is stale)
 
@@ -123,10 +169,10 @@ class _Work:
             self.extra[(node_id, g)] = self.extra.get((node_id, g), 0) + bpg
 
 
-def _shape(size: int, card_bytes: int) -> tuple[int, int]:
-    """(cards, bytes per card) for a padded size on cards of `card_bytes`."""
-    n = max(1, math.ceil(size / card_bytes))
-    return n, math.ceil(size / n)
+def _shape(size: int, card_bytes: int, gpus: int | None = None) -> tuple[int, int]:
+    """(cards, bytes per card) for a charged size on cards of `card_bytes` (or exactly `gpus` cards)."""
+    n = gpus if gpus else max(1, math.ceil(size / card_bytes))
+    return n, card_share(size, n)
 
 
 def _evictable(r: ReplicaView, requester: str, dedicated: bool, now_s: float, min_deploy_s: float) -> bool:
@@ -176,36 +222,96 @@ def _card_evictions(w: _Work, node_id: str, g: int, total: int, bpg: int, req: R
     return (len(taken), got, tuple(k for _, k in taken))
 
 
-def _assess(w: _Work, node_id: str, req: Request, size: int, warm: ReplicaView | None, hot_here: bool,
-            now_s: float, min_deploy_s: float,
-            allow_evict: bool) -> tuple[Candidate, tuple[int, ...], int, tuple[RKey, ...], int]:
-    """Level of one node for one replica: (candidate, cards, bytes per card, evictions, free offered)."""
+class _Spread:
+    """Where one model's replicas meant to stay HOT are (the fold's and this plan's): the spread rule's input."""
+
+    def __init__(self, w: _Work, model_key: str) -> None:
+        self.count: dict[str, int] = {}  # node -> replicas of the model there
+        self.cards: dict[str, set[int]] = {}  # node -> cards holding one of them
+        for r in w.state.model_replicas(model_key):
+            if r.on_gpu and r.desired is Level.HOT and r.key not in w.gone:
+                self.add(r.node_id, r.gpu_indices)
+
+    def add(self, node_id: str, gpus: Iterable[int]) -> None:
+        self.count[node_id] = self.count.get(node_id, 0) + 1
+        self.cards.setdefault(node_id, set()).update(gpus)
+
+
+def _node_evictions(w: _Work, node_id: str, req: Request, n: int, bpg: int, now_s: float,
+                    min_deploy_s: float) -> tuple[tuple[int, ...], tuple[RKey, ...]] | None:
+    """Fewest, then smallest (total bytes), evictions that free `bpg` on `n` cards of one node.
+
+    Exact: victim sets are tried by size, so one replica spanning every card needed beats one
+    victim per card. Past MAX_EVICTION_SETS tries it settles for the per-card choice.
+    Returns (cards, victims) or None when no evictable set frees enough.
+    """
     node = w.state.nodes[node_id]
-    n, bpg = _shape(size, node.max_card_bytes)
-    frees = [(w.free(node_id, g.index, g.memory_bytes), g.index, g.memory_bytes) for g in node.gpus]
-    fitting = sorted((f, i) for f, i, t in frees if f >= bpg)  # best fit: least free first
-    offered = sum(sorted((max(f, 0) for f, _, _ in frees), reverse=True)[:n])
-    if len(fitting) >= n:
-        gpus = tuple(sorted(i for _, i in fitting[:n]))
-        if warm is not None:
-            return Candidate.CACHED_AND_FREE, gpus, bpg, (), offered
-        return (Candidate.DEPLOYED if hot_here else Candidate.FREE), gpus, bpg, (), offered
-    if not allow_evict:
-        return Candidate.CANT_ACCOMMODATE, (), bpg, (), offered
+    frees = {g.index: w.free(node_id, g.index, g.memory_bytes) for g in node.gpus if g.memory_bytes >= bpg}
+    if len(frees) < n:
+        return None
+    vic: dict[RKey, list[tuple[int, int]]] = {}  # victim -> (card, bytes freed there) on the usable cards
+    for g in frees:
+        for k, b in w.state.card_replicas(node_id, g).items():
+            if k in w.gone:
+                continue
+            r = w.state.replicas[k]
+            if r.desired is Level.HOT and _evictable(r, req.model_key, req.dedicated, now_s, min_deploy_s):
+                vic.setdefault(k, []).append((g, b))
+
+    def cards_after(victims: Iterable[RKey]) -> tuple[int, ...] | None:
+        f = dict(frees)
+        for k in victims:
+            for g, b in vic[k]:
+                f[g] += b
+        ok = sorted((v, g) for g, v in f.items() if v >= bpg)  # best fit: least free first
+        return tuple(sorted(g for _, g in ok[:n])) if len(ok) >= n else None
+
+    foot = {k: w.state.replicas[k].bytes_per_gpu * len(w.state.replicas[k].gpu_indices) for k in vic}
+    keys = sorted(vic, key=lambda k: (foot[k], k))
+    if cards_after(keys) is None:
+        return None
+    tried = 0
+    for size in range(len(keys) + 1):
+        best: tuple[int, tuple[RKey, ...], tuple[int, ...]] | None = None
+        for combo in itertools.combinations(keys, size):
+            total = sum(foot[k] for k in combo)
+            if best is not None and total >= best[0]:
+                continue
+            tried += 1
+            if tried > MAX_EVICTION_SETS:
+                return _per_card_evictions(w, node_id, frees, req, n, bpg, now_s, min_deploy_s)
+            cards = cards_after(combo)
+            if cards is not None:
+                best = (total, combo, cards)
+        if best is not None:
+            return best[2], best[1]
+    return None  # unreachable: every victim together frees enough
+
+
+def _per_card_evictions(w: _Work, node_id: str, frees: dict[int, int], req: Request, n: int, bpg: int,
+                        now_s: float, min_deploy_s: float) -> tuple[tuple[int, ...], tuple[RKey, ...]] | None:
+    """The bounded fallback: each card's own fewest-then-smallest victims, the `n` cheapest cards."""
     costs = []
-    for _, i, t in frees:
-        if t < bpg:
-            continue
-        c = _card_evictions(w, node_id, i, t, bpg, req, now_s, min_deploy_s)
+    for i, total in ((g.index, g.memory_bytes) for g in w.state.nodes[node_id].gpus if g.index in frees):
+        c = _card_evictions(w, node_id, i, total, bpg, req, now_s, min_deploy_s)
         if c is not None:
             costs.append((c[0], c[1], i, c[2]))
     if len(costs) < n:
-        return Candidate.CANT_ACCOMMODATE, (), bpg, (), offered
+        return None
     costs.sort()
     chosen = costs[:n]
-    keys = tuple(dict.fromkeys(k for c in chosen for k in c[3]))
+    return tuple(sorted(c[2] for c in chosen)), tuple(dict.fromkeys(k for c in chosen for k in c[3]))
+
+
+def _assess_evict(w: _Work, node_id: str, req: Request, size: int, warm: ReplicaView | None, now_s: float,
+                  min_deploy_s: float) -> tuple[Candidate, tuple[int, ...], int, tuple[RKey, ...]]:
+    """A node's level for one replica after evictions: (candidate, cards, bytes per card, evictions)."""
+    n, bpg = _shape(size, w.state.nodes[node_id].max_card_bytes, req.gpus)
+    got = _node_evictions(w, node_id, req, n, bpg, now_s, min_deploy_s)
+    if got is None:
+        return Candidate.CANT_ACCOMMODATE, (), bpg, ()
     level = Candidate.CACHED_AND_FULL if warm is not None else Candidate.FULL
-    return level, tuple(sorted(c[2] for c in chosen)), bpg, keys, offered
+    return level, got[0], bpg, got[1]
 
 
 def plan(state: ClusterState, requests: Iterable[Request], *, now_s: float, seed: int = 0,
@@ -217,134 +323,154 @@ def plan(state: ClusterState, requests: Iterable[Request], *, now_s: float, seed
     shortfalls: list[Shortfall] = []
     next_ids: dict[str, int] = {}
     nodes = _node_order(state, seed)
+    pos = {n.node_id: i for i, n in enumerate(nodes)}
     for req in sorted(requests, key=lambda r: (-r.size_bytes, r.model_key)):
-        size = padded(req.size_bytes)
+        size = padded(req.size_bytes, req.headroom)
         m = state.models.get(req.model_key)
         next_ids.setdefault(req.model_key, m.next_replica_id if m else 0)
+        spread = _Spread(w, req.model_key)
         short = 0
         best_offer = 0
         for _ in range(req.replicas):
-            choice = _choose(w, nodes, req, size, now_s, min_deploy_s)
+            choice = _choose(w, nodes, pos, req, size, spread, now_s, min_deploy_s)
             if choice is None:
                 short += 1
-                best_offer = max(best_offer, _best_offer(w, nodes, size))
+                best_offer = max(best_offer, _best_offer(w, nodes, size, req.gpus))
                 continue
             level, node_id, gpus, bpg, evict_keys, warm = choice
             if warm is not None:
+                # Its CPU bytes are free once: `_evict` leaves reused copies out of the cache's count.
                 rid, source = warm.replica_id, Level.WARM
                 w.reused.add(warm.key)
-                w.cpu_extra[node_id] = w.cpu_extra.get(node_id, 0) - warm.cpu_bytes
             else:
                 rid, source = next_ids[req.model_key], Level.COLD
                 next_ids[req.model_key] = rid + 1
             for k in evict_keys:
                 evictions.extend(_evict(w, k, req.model_key, rid))
             w.take(node_id, gpus, bpg)
+            spread.add(node_id, gpus)
             placed.append(Placed(model_key=req.model_key, replica_id=rid, node_id=node_id, gpu_indices=gpus,
-                                 bytes_per_gpu=bpg, source=source, candidate=level, dedicated=req.dedicated))
+                                 bytes_per_gpu=bpg, source=source, candidate=level, dedicated=req.dedicated,
+                                 headroom=req.headroom))
         if short:
             shortfalls.append(Shortfall(model_key=req.model_key, replicas=short, needed_bytes=size,
-                                        free_bytes=best_offer))
-    return Plan(placed=tuple(placed), evictions=tuple(evictions), shortfalls=tuple(shortfalls))
+                                        free_bytes=best_offer, headroom=req.headroom))
+    return Plan(placed=tuple(placed), evictions=tuple(evictions), shortfalls=tuple(shortfalls),
+                min_deploy_s=min_deploy_s)
 
 
 _Choice = tuple[Candidate, str, tuple[int, ...], int, tuple[RKey, ...], "ReplicaView | None"]
 
 
-def _choose(w: _Work, nodes: list[NodeView], req: Request, size: int, now_s: float,
-            min_deploy_s: float) -> _Choice | None:
-    """The best node for one more replica: (level, node, cards, bytes per card, evictions, WARM copy).
-
-    Levels are tried best first and the first node (in the plan's seeded order) at a level wins, so
-    the common case stops at the first node that fits: WARM copies that fit (reuse keeps the id and
-    loads from RAM, so CACHED_AND_FREE outranks DEPLOYED), then nodes where the model is HOT, then
-    any node. Only when nothing fits as is are eviction costs computed, over every node.
-    """
+def _warm_copies(w: _Work, model_key: str) -> dict[str, ReplicaView]:
+    """Node -> the model's first WARM copy there not yet reused by this plan (live nodes only)."""
     warm_by_node: dict[str, ReplicaView] = {}
-    hot_nodes: set[str] = set()
-    for r in w.state.model_replicas(req.model_key):
-        if r.state is ReplicaState.AVAILABLE:
-            hot_nodes.add(r.node_id)
+    for r in w.state.model_replicas(model_key):
         if r.state is ReplicaState.CACHED and r.key not in w.reused and r.node_id not in warm_by_node:
             node = w.state.nodes.get(r.node_id)
             if node is not None and node.alive:
                 warm_by_node[r.node_id] = r
-    if warm_by_node or hot_nodes:
+    return warm_by_node
+
+
+def _choose(w: _Work, nodes: list[NodeView], pos: dict[str, int], req: Request, size: int, spread: _Spread,
+            now_s: float, min_deploy_s: float) -> _Choice | None:
+    """The best node for one more replica: (level, node, cards, bytes per card, evictions, WARM copy).
+
+    What fits without evictions ranks by (shares a card with the model, replicas of the model on
+    the node, no WARM copy there, seeded node order). Nodes holding the model or a WARM copy of it
+    are few and ranked exactly; every other node ranks (no, 0, no WARM, order), so the first of
+    them that fits is the only one worth finding. Only when nothing fits as is are eviction costs
+    computed, over every node.
+    """
+    warm_by_node = _warm_copies(w, req.model_key)
+    best: tuple[tuple[bool, int, bool, int], _Choice] | None = None
+    special = set(spread.count) | set(warm_by_node)
+    for node_id in special:
+        if node_id not in pos:
+            continue
+        fit = _fits(w, w.state.nodes[node_id], size, req.gpus, spread.cards.get(node_id))
+        if fit is None:
+            continue
+        warm = warm_by_node.get(node_id)
+        count = spread.count.get(node_id, 0)
+        rank = (fit[2], count, warm is None, pos[node_id])
+        if best is None or rank < best[0]:
+            level = Candidate.CACHED_AND_FREE if warm else Candidate.DEPLOYED if count else Candidate.FREE
+            best = (rank, (level, node_id, fit[0], fit[1], (), warm))
+    if best is None or best[0][:3] > (False, 0, True):  # a node without the model would rank better
         for node in nodes:
-            warm = warm_by_node.get(node.node_id)
-            if warm is None:
+            if node.node_id in special:
                 continue
-            fit = _fits(w, node, size)
+            fit = _fits(w, node, size, req.gpus, None)
             if fit is not None:
-                return Candidate.CACHED_AND_FREE, node.node_id, fit[0], fit[1], (), warm
-        for node in nodes:
-            if node.node_id in hot_nodes and node.node_id not in warm_by_node:
-                fit = _fits(w, node, size)
-                if fit is not None:
-                    return Candidate.DEPLOYED, node.node_id, fit[0], fit[1], (), None
-    for node in nodes:
-        if node.node_id in warm_by_node or node.node_id in hot_nodes:
-            continue  # assessed above: it does not fit as is
-        fit = _fits(w, node, size)
-        if fit is not None:
-            return Candidate.FREE, node.node_id, fit[0], fit[1], (), None
-    best: tuple[tuple[Candidate, int, int], _Choice] | None = None
+                return Candidate.FREE, node.node_id, fit[0], fit[1], (), None
+    if best is not None:
+        return best[1]
+    ebest: tuple[tuple[Candidate, int, int], _Choice] | None = None
     for node in nodes:
         warm = warm_by_node.get(node.node_id)
-        if best is not None and best[0][1] == 1 and (warm is None or best[0][0] is Candidate.CACHED_AND_FULL):
+        if ebest is not None and ebest[0][1] == 1 and (warm is None or ebest[0][0] is Candidate.CACHED_AND_FULL):
             # Prune: here at least one eviction of at least the node's smallest replica; it cannot
             # beat one eviction of fewer bytes at the same or a better level.
-            if w.state.node_free(node.node_id).min_footprint >= best[0][2]:
+            if w.state.node_free(node.node_id).min_footprint >= ebest[0][2]:
                 continue
-        level, gpus, bpg, keys, _ = _assess(w, node.node_id, req, size, warm, node.node_id in hot_nodes,
-                                            now_s, min_deploy_s, True)
+        level, gpus, bpg, keys = _assess_evict(w, node.node_id, req, size, warm, now_s, min_deploy_s)
         if level is Candidate.CANT_ACCOMMODATE:
             continue
         evicted = sum(w.state.replicas[k].bytes_per_gpu * len(w.state.replicas[k].gpu_indices) for k in keys)
-        rank = (level, len(keys), evicted)
-        if best is None or rank < best[0]:
-            best = (rank, (level, node.node_id, gpus, bpg, keys, warm))
-    return best[1] if best is not None else None
+        erank = (level, len(keys), evicted)
+        if ebest is None or erank < ebest[0]:
+            ebest = (erank, (level, node.node_id, gpus, bpg, keys, warm))
+    return ebest[1] if ebest is not None else None
 
 
-def _fits(w: _Work, node: NodeView, size: int) -> tuple[tuple[int, ...], int] | None:
-    """(cards, bytes per card) if the replica fits on the node without evictions: best fit by card."""
-    gpus = node.gpus
+def _fits(w: _Work, node: NodeView, size: int, gpus: int | None,
+          avoid: set[int] | None) -> tuple[tuple[int, ...], int, bool] | None:
+    """(cards, bytes per card, shares a card in `avoid`) if the replica fits on the node without
+    evictions: cards outside `avoid` first, best fit (least free first) within each group."""
     card_bytes, free, _ = w.state.node_free(node.node_id)
-    n, bpg = _shape(size, card_bytes)
+    n, bpg = _shape(size, card_bytes, gpus)
     # The state's per-node index rejects most full nodes in O(1); nodes this plan changed are exact below.
     if node.node_id not in w.touched and (len(free) < n or free[n - 1] < bpg):
         return None
     fitting = []
-    for g in gpus:
+    for g in node.gpus:
         f = w.free(node.node_id, g.index, g.memory_bytes)
         if f >= bpg:
-            fitting.append((f, g.index))
+            fitting.append((bool(avoid) and g.index in avoid, f, g.index))  # type: ignore[operator]
     if len(fitting) < n:
         return None
     fitting.sort()
-    return tuple(sorted(i for _, i in fitting[:n])), bpg
+    chosen = fitting[:n]
+    return tuple(sorted(i for _, _, i in chosen)), bpg, any(a for a, _, _ in chosen)
 
 
-def _best_offer(w: _Work, nodes: list[NodeView], size: int) -> int:
+def _best_offer(w: _Work, nodes: list[NodeView], size: int, gpus: int | None = None) -> int:
     best = 0
     for node in nodes:
-        n, _ = _shape(size, node.max_card_bytes)
+        n, _ = _shape(size, node.max_card_bytes, gpus)
         frees = sorted((max(w.free(node.node_id, g.index, g.memory_bytes), 0) for g in node.gpus), reverse=True)
         best = max(best, sum(frees[:n]))
     return best
 
 
 def _evict(w: _Work, key: RKey, by_model: str, by_rid: int) -> list[Eviction]:
-    """Evict a HOT replica under pressure: WARM if its node's CPU cache can make room, else COLD."""
+    """Evict a HOT replica under pressure: WARM if its node's CPU cache can make room, else COLD.
+
+    The cache holds its WARM copies (less those leaving for COLD and those this plan reuses or
+    drops), the replicas already ordered to WARM but not yet `Cached`, and what this plan sent there.
+    """
     r = w.state.replicas[key]
     w.gone.add(key)
     w.touched.add(r.node_id)
     node = w.state.nodes[r.node_id]
     size = r.bytes_per_gpu * len(r.gpu_indices)
     out: list[Eviction] = []
-    cached = {k: b for k, b in w.state.cpu_replicas(r.node_id).items() if k not in w.gone and k not in w.reused}
-    room = node.cpu_cache_bytes - sum(cached.values()) - w.cpu_extra.get(r.node_id, 0)
+    cached = {k: b for k, b in w.state.cpu_replicas(r.node_id).items()
+              if k not in w.gone and k not in w.reused and w.state.replicas[k].desired is not Level.COLD}
+    pending = w.state.cpu_pending(r.node_id)
+    room = node.cpu_cache_bytes - sum(cached.values()) - pending - w.cpu_extra.get(r.node_id, 0)
     target = Level.COLD
     if size <= node.cpu_cache_bytes:
         drops = []
@@ -356,8 +482,7 @@ def _evict(w: _Work, key: RKey, by_model: str, by_rid: int) -> list[Eviction]:
         if room >= size:
             target = Level.WARM
             for k in drops:
-                w.gone.add(k)
-                w.cpu_extra[r.node_id] = w.cpu_extra.get(r.node_id, 0) - cached[k]
+                w.gone.add(k)  # out of `cached` from now on: its bytes are free once
                 out.append(Eviction(model_key=k[0], replica_id=k[1], node_id=r.node_id, target=Level.COLD,
                                     by_model_key=by_model, by_replica_id=by_rid))
             w.cpu_extra[r.node_id] = w.cpu_extra.get(r.node_id, 0) + size
@@ -369,14 +494,15 @@ def _evict(w: _Work, key: RKey, by_model: str, by_rid: int) -> list[Eviction]:
 def cache_target(state: ClusterState, r: ReplicaView, pending_cpu: dict[str, int]) -> Level:
     """Where an admin eviction of a HOT replica goes: WARM if its node's cache has room now, else COLD.
 
-    (Admin evictions do not drop other WARM copies; pressure evictions do.) `pending_cpu` carries what
+    (Admin evictions do not drop other WARM copies; pressure evictions do.) The cache's committed
+    bytes count replicas already ordered to WARM but not yet `Cached`; `pending_cpu` carries what
     this decision already put in each node's cache.
     """
     node = state.nodes.get(r.node_id)
     if node is None or not node.alive:
         return Level.COLD
     size = r.bytes_per_gpu * len(r.gpu_indices)
-    room = node.cpu_cache_bytes - state.cpu_cached(r.node_id) - pending_cpu.get(r.node_id, 0)
+    room = node.cpu_cache_bytes - state.cpu_committed(r.node_id) - pending_cpu.get(r.node_id, 0)
     if size <= room:
         pending_cpu[r.node_id] = pending_cpu.get(r.node_id, 0) + size
         return Level.WARM

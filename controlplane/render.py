@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from controlplane.placement import padded
 from controlplane.projections import ClusterState
 from schemas.keys import display_name
 
@@ -35,16 +36,20 @@ def render_status(state: ClusterState) -> str:
             cards = " ".join(f"gpu{c.index}:{_gib(c.reserved_bytes)}/{_gib(c.total_bytes)}"
                              for c in state.node_cards(node_id))
             rows.append([node_id, "up" if node.alive else "LOST", cards or "-",
-                         f"{_gib(state.cpu_cached(node_id))}/{_gib(node.cpu_cache_bytes)}"])
-        out += ["", "NODES (GiB reserved/total)"] + _table(rows, ["node", "state", "gpus", "cpu cache"])
+                         f"{_gib(state.cpu_committed(node_id))}/{_gib(node.cpu_cache_bytes)}"])
+        out += ["", "NODES (GiB reserved/total)"] + _table(rows, ["node", "state", "gpus", "cpu cache committed"])
     if state.models:
         rows = []
         for mk in sorted(state.models):
             m = state.models[mk]
             size = human_bytes(m.registration.size_bytes) if m.registration else "?"
+            charge = _charge(state, mk)
             rows.append([display_name(mk), str(state.model_status(mk)), str(state.replica_count(mk)),
-                         str(m.target_hot), size, "yes" if m.dedicated else "no"])
-        out += ["", "MODELS"] + _table(rows, ["model", "status", "hot", "last asked", "size", "dedicated"])
+                         str(m.target_hot), size, human_bytes(charge) if charge is not None else "?",
+                         f"{m.headroom:.0%}" if m.headroom is not None else "default",
+                         str(m.gpus) if m.gpus else "auto", "yes" if m.dedicated else "no"])
+        out += ["", "MODELS"] + _table(rows, ["model", "status", "hot", "last asked", "size", "charge", "headroom",
+                                              "gpus", "dedicated"])
     live = [r for r in state.replicas.values()]
     if live:
         rows = []
@@ -60,6 +65,15 @@ def render_status(state: ClusterState) -> str:
     return "\n".join(out)
 
 
+def _charge(state: ClusterState, model_key: str) -> int | None:
+    """What placement charges one replica of the model: its size plus its recorded headroom (None
+    when the model has no size, or no headroom recorded: then the controller's default applies)."""
+    m = state.models[model_key]
+    if m.registration is None or m.headroom is None:
+        return None
+    return padded(m.registration.size_bytes, m.headroom)
+
+
 def status_json(state: ClusterState) -> dict[str, object]:
     """`ndif status --json` / `ndif replay --json`: the stable shape documented in docs/cli.md."""
     nodes = []
@@ -68,6 +82,7 @@ def status_json(state: ClusterState) -> dict[str, object]:
         nodes.append({
             "node_id": node_id, "alive": node.alive, "hostname": node.hostname,
             "cpu_cache_bytes": node.cpu_cache_bytes, "cpu_cached_bytes": state.cpu_cached(node_id),
+            "cpu_committed_bytes": state.cpu_committed(node_id),
             "gpus": [{"index": c.index, "total_bytes": c.total_bytes, "reserved_bytes": c.reserved_bytes,
                       "committed_bytes": c.committed_bytes, "used_bytes": c.used_bytes, "free_bytes": c.free_bytes,
                       "replicas": [{"model_key": m, "replica_id": r, "bytes": b} for m, r, b in c.replicas]}
@@ -82,6 +97,7 @@ def status_json(state: ClusterState) -> dict[str, object]:
             "size_bytes": m.registration.size_bytes if m.registration else None,
             "checkpoint": m.registration.checkpoint if m.registration else None,
             "next_replica_id": m.next_replica_id,
+            "headroom": m.headroom, "charge_bytes": _charge(state, mk), "gpus": m.gpus,
         })
     replicas = [{
         "model_key": r.model_key, "replica_id": r.replica_id, "level": str(r.level), "desired": str(r.desired),

@@ -315,7 +315,7 @@ class Dispatcher:
     async def _accept(self, p: Processor, m: Msg) -> None:
         try:
             req = decode_request(m.data)
-            mk = canonical_model_key(req.model_key)
+            mk = canonical_model_key(req.model_key, relative=False)  # the SDK sends it absolute
             if model_token(mk) != p.token:
                 raise errs.InvalidCommand(f"request for {req.model_key!r} arrived on another model's subject")
         except errs.NdifError as exc:

@@ -13,6 +13,9 @@ import msgspec
 from schemas.errors import InvalidCommand
 from schemas.status import Level
 
+MAX_HEADROOM: Final = 4.0  # charging more than 5x a model's size is a typo, not a setting
+MAX_GPUS: Final = 64  # cards per replica; more than any node holds
+
 
 class Command(msgspec.Struct, frozen=True, kw_only=True, tag_field="verb"):
     command_id: str
@@ -26,6 +29,8 @@ class Deploy(Command, frozen=True, kw_only=True, tag="deploy"):
     replicas: int = 1
     dedicated: bool = False
     size_bytes: int | None = None  # override the measured size at registration
+    headroom: float | None = None  # fraction charged over the size (None: the controller's default)
+    gpus: int | None = None  # exactly N cards of one node per replica (None: as few as hold the charge)
 
 
 class Scale(Command, frozen=True, kw_only=True, tag="scale"):
@@ -35,6 +40,7 @@ class Scale(Command, frozen=True, kw_only=True, tag="scale"):
     replicas: int
     scale_up: bool = False
     dedicated: bool = False
+    gpus: int | None = None  # exactly N cards per new replica, kept for the model (None: unchanged)
 
 
 class ScaleDown(Command, frozen=True, kw_only=True, tag="scale-down"):
@@ -71,6 +77,12 @@ def validate(cmd: AnyCommand) -> AnyCommand:
         raise InvalidCommand(f"{cmd.__struct_config__.tag}: --replicas must be at least 1, got {cmd.replicas}")
     if isinstance(cmd, Deploy) and cmd.size_bytes is not None and cmd.size_bytes <= 0:
         raise InvalidCommand(f"--size-bytes must be positive, got {cmd.size_bytes}")
+    if isinstance(cmd, Deploy) and cmd.headroom is not None and not 0.0 <= cmd.headroom <= MAX_HEADROOM:
+        raise InvalidCommand(f"--headroom must be between 0 and {MAX_HEADROOM:g} (a fraction of the size), "
+                             f"got {cmd.headroom}")
+    gpus = getattr(cmd, "gpus", None)
+    if gpus is not None and not 1 <= gpus <= MAX_GPUS:
+        raise InvalidCommand(f"--gpus must be between 1 and {MAX_GPUS}, got {gpus}")
     if isinstance(cmd, Evict):
         if cmd.all and cmd.model_key:
             raise InvalidCommand("evict: give a model or --all, not both")

@@ -87,6 +87,11 @@ class DeploymentRequested(Event, frozen=True, kw_only=True, tag="DeploymentReque
     replicas: int  # the number the operator typed
     target_hot: int  # resulting desired HOT count
     dedicated: bool = False
+    # Charging settings of the model from here on (None: unchanged; absent in old events). The
+    # headroom is the fraction over the measured size it is charged; `gpus` the exact card count
+    # per replica (None: as few cards as hold the charge).
+    headroom: float | None = None
+    gpus: int | None = None
 
 
 class PlacementRejected(Event, frozen=True, kw_only=True, tag="PlacementRejected"):
@@ -97,6 +102,9 @@ class PlacementRejected(Event, frozen=True, kw_only=True, tag="PlacementRejected
     needed_bytes: int
     free_bytes: int
     replicas: int = 1  # how many replicas of the request were not placed
+    # The settings the decision was made with (None in events written before they were recorded).
+    headroom: float | None = None
+    min_deploy_s: float | None = None
 
 
 # ---- replicas (desired, by the controller) -----------------------------------------------------
@@ -122,6 +130,11 @@ class ReplicaScheduled(ReplicaEvent, frozen=True, kw_only=True, tag="ReplicaSche
     source: Level = Level.COLD
     dedicated: bool = False
     seed: int = 0
+    # The settings the decision was made with, so replay needs no flags (None in events written
+    # before they were recorded): the headroom the charge includes, the minimum deployment time
+    # that decided which replicas pressure could evict.
+    headroom: float | None = None
+    min_deploy_s: float | None = None
 
 
 class ReplicaEvictionRequested(ReplicaEvent, frozen=True, kw_only=True, tag="ReplicaEvictionRequested"):

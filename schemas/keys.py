@@ -35,7 +35,7 @@ def _is_path(text: str) -> bool:
     return text.startswith(("/", "./", "../", "~")) or text in (".", "..")
 
 
-def canonical_model_key(text: str) -> str:
+def canonical_model_key(text: str, *, relative: bool = True) -> str:
     """Turn what a user typed into the canonical model key.
 
     Accepts a repo id (`openai-community/gpt2`, `gpt2@main` for a revision), a local checkpoint
@@ -43,6 +43,10 @@ def canonical_model_key(text: str) -> str:
     (`Class:{"repo_id": ..., "revision": ...}`, re-serialised with a stable field order).
     Raises `InvalidCommand` for empty or unparseable input; whether the model exists is
     decided elsewhere (registration resolves it offline).
+
+    A relative path (`./tiny`, `~/tiny`) is made absolute against this process's directory and
+    user: call this where the user typed it (CLI, admin client, SDK). A service that receives keys
+    passes `relative=False`, which refuses a relative path instead of resolving it against its own.
     """
     if not isinstance(text, str) or not text.strip():
         raise InvalidCommand("model key is empty: give a repo id, a checkpoint dir or an NDIF key")
@@ -60,10 +64,10 @@ def canonical_model_key(text: str) -> str:
             raise InvalidCommand(f"model key {text!r}: \"revision\" must be a string or null")
         repo = kwargs["repo_id"]
         if _is_path(repo):
-            kwargs = {**kwargs, "repo_id": _abs(repo)}
+            kwargs = {**kwargs, "repo_id": _abs(repo, relative)}
         return _dump(m.group("cls"), kwargs)
     if _is_path(text):
-        return _dump(DEFAULT_MODEL_CLASS, {"repo_id": _abs(text), "revision": None})
+        return _dump(DEFAULT_MODEL_CLASS, {"repo_id": _abs(text, relative), "revision": None})
     repo, _, rev = text.partition("@")
     if not _REPO_ID.match(repo) or (rev == "" and "@" in text):
         raise InvalidCommand(
@@ -73,7 +77,11 @@ def canonical_model_key(text: str) -> str:
     return _dump(DEFAULT_MODEL_CLASS, {"repo_id": repo, "revision": rev or None})
 
 
-def _abs(path: str) -> str:
+def _abs(path: str, relative: bool = True) -> str:
+    if not relative and not path.startswith("/"):
+        raise InvalidCommand(
+            f"checkpoint path {path!r} is relative: it would resolve against the controller's directory, not "
+            "yours; send an absolute path (`ndif`, AdminClient and the SDK make it absolute where you type it)")
     return os.path.normpath(os.path.abspath(os.path.expanduser(path)))
 
 

@@ -22,7 +22,9 @@ from schemas.events import (
     NodeJoined,
     NodeLost,
     PlacementRejected,
+    ReplicaCached,
     ReplicaEvent,
+    ReplicaEvictionRequested,
     ReplicaScheduled,
 )
 from schemas.status import Level, ModelStatus, ReplicaState
@@ -80,6 +82,8 @@ class ModelView(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     next_replica_id: int = 0  # ids are never reused: new ones come after the highest ever used
     last_rejection: RejectionView | None = None
     since_seq: int = 0
+    headroom: float | None = None  # charged over the size; None: never recorded (the controller's default)
+    gpus: int | None = None  # cards per replica; None: as few as hold the charge
 
 
 class CommandRecord(msgspec.Struct, frozen=True, kw_only=True, gc=False):
@@ -124,8 +128,8 @@ class ClusterSnapshot(msgspec.Struct, frozen=True, kw_only=True):
 class ClusterState(Projection):
     """Fold of NDIF_EVENTS into the cluster placement view."""
 
-    __slots__ = ("_by_model", "_card_leaving", "_card_totals", "_cards", "_cpu", "_node_free", "commands", "models",
-                 "nodes", "replicas")
+    __slots__ = ("_by_model", "_card_leaving", "_card_totals", "_cards", "_cpu", "_cpu_pending", "_node_free",
+                 "commands", "models", "nodes", "replicas")
 
     def __init__(self) -> None:
         super().__init__()
@@ -139,6 +143,9 @@ class ClusterState(Projection):
         # Part of that held by replicas asked to leave (desired WARM/COLD, still on the card).
         self._card_leaving: dict[CardKey, int] = {}
         self._cpu: dict[str, dict[RKey, int]] = {}
+        # Replicas ordered to WARM, still on their cards (not yet `Cached`): node -> replica -> the
+        # bytes they will take in its CPU cache (their GPU footprint). Committed like GPU bytes.
+        self._cpu_pending: dict[str, dict[RKey, int]] = {}
         self._by_model: dict[str, dict[int, None]] = {}  # model -> replica ids (insertion-ordered set)
         # node -> free (total - committed) bytes of its cards, largest first; computed on demand and
         # dropped whenever a card of the node changes. Lets placement skip full nodes in O(1).
@@ -167,6 +174,8 @@ class ClusterState(Projection):
                     self._anomaly(seq, ev, anomaly, old.replica_id)
                 if new is not old:
                     self._put(key, new)
+                    if ev.__class__ in _CPU_EVENTS:
+                        self._check_cpu(seq, ev, new)
                 return
         if isinstance(ev, ReplicaEvent):
             self._replica_event(seq, ev)
@@ -199,7 +208,10 @@ class ClusterState(Projection):
                 self.models[ev.model_key] = _replace(m, registration=reg, since_seq=seq)
             case DeploymentRequested():
                 m = self._model(ev.model_key)
-                self.models[ev.model_key] = _replace(m, target_hot=ev.target_hot, dedicated=ev.dedicated, since_seq=seq)
+                self.models[ev.model_key] = _replace(
+                    m, target_hot=ev.target_hot, dedicated=ev.dedicated, since_seq=seq,
+                    headroom=m.headroom if ev.headroom is None else ev.headroom,
+                    gpus=m.gpus if ev.gpus is None else ev.gpus)
             case PlacementRejected():
                 m = self._model(ev.model_key)
                 rej = RejectionView(seq=seq, needed_bytes=ev.needed_bytes, free_bytes=ev.free_bytes,
@@ -226,6 +238,8 @@ class ClusterState(Projection):
             self._put(key, new)
             if isinstance(ev, ReplicaScheduled):
                 self._check_overcommit(seq, ev)
+            elif ev.__class__ in _CPU_EVENTS:
+                self._check_cpu(seq, ev, new)
 
     def _check_placement(self, ev: ReplicaScheduled) -> str | None:
         node = self.nodes.get(ev.node_id)
@@ -248,6 +262,17 @@ class ClusterState(Projection):
                     self._anomaly(seq, ev, f"GPU {g.index} of {ev.node_id!r} over-committed: "
                                   f"{committed} committed of {g.memory_bytes}", ev.replica_id)
 
+    def _check_cpu(self, seq: int, ev: ReplicaEvent, r: ReplicaView) -> None:
+        """A node's CPU cache holding (or committed to) more than its budget is an anomaly: a node
+        out of host RAM kills every replica on it."""
+        node = self.nodes.get(r.node_id)
+        if node is None or not (r.cpu_bytes or _pending_warm(r)):
+            return
+        committed = self.cpu_committed(r.node_id)
+        if committed > node.cpu_cache_bytes:
+            self._anomaly(seq, ev, f"CPU cache of {r.node_id!r} over-committed: {committed} committed of "
+                          f"{node.cpu_cache_bytes}", r.replica_id)
+
     def _model(self, model_key: str) -> ModelView:
         m = self.models.get(model_key)
         if m is None:
@@ -262,9 +287,11 @@ class ClusterState(Projection):
             self._by_model.setdefault(key[0], {})[key[1]] = None
         elif (old.on_gpu == new.on_gpu and old.cpu_bytes == new.cpu_bytes and old.node_id == new.node_id
               and old.gpu_indices == new.gpu_indices and old.bytes_per_gpu == new.bytes_per_gpu
-              and (old.desired is Level.HOT) == (new.desired is Level.HOT)):
+              and old.desired is new.desired):
             return  # same footprint (most transitions): the indexes already hold it
         else:
+            if _pending_warm(old):
+                self._cpu_pending.get(old.node_id, {}).pop(key, None)
             if old.on_gpu:
                 self._node_free.pop(old.node_id, None)
                 leaving = old.desired is not Level.HOT
@@ -292,6 +319,8 @@ class ClusterState(Projection):
                     self._card_leaving[ck] = self._card_leaving.get(ck, 0) + new.bytes_per_gpu
         if new.cpu_bytes:
             self._cpu.setdefault(new.node_id, {})[key] = new.cpu_bytes
+        if _pending_warm(new):
+            self._cpu_pending.setdefault(new.node_id, {})[key] = new.bytes_per_gpu * len(new.gpu_indices)
 
     # ---- reads -------------------------------------------------------------------------------
 
@@ -348,6 +377,17 @@ class ClusterState(Projection):
 
     def cpu_cached(self, node_id: str) -> int:
         return sum(self._cpu.get(node_id, {}).values())
+
+    def cpu_pending(self, node_id: str) -> int:
+        """CPU cache bytes of replicas ordered to WARM on the node but not yet `Cached`."""
+        return sum(self._cpu_pending.get(node_id, {}).values())
+
+    def cpu_committed(self, node_id: str) -> int:
+        """What the node's CPU cache holds and keeps, plus what it was promised: what placement plans
+        against. Copies ordered down to COLD are leaving (as on a card, the agent unloads them
+        before it caches anything new)."""
+        held = sum(b for k, b in self._cpu.get(node_id, {}).items() if self.replicas[k].desired is not Level.COLD)
+        return held + self.cpu_pending(node_id)
 
     def model_replicas(self, model_key: str) -> list[ReplicaView]:
         """Every replica of a model ever scheduled, by replica id."""
@@ -409,6 +449,7 @@ class ClusterState(Projection):
         c._card_totals = dict(self._card_totals)
         c._card_leaving = dict(self._card_leaving)
         c._cpu = {k: dict(v) for k, v in self._cpu.items()}
+        c._cpu_pending = {k: dict(v) for k, v in self._cpu_pending.items()}
         c._by_model = {k: dict(v) for k, v in self._by_model.items()}
         c._node_free = dict(self._node_free)
         return c
@@ -420,6 +461,12 @@ class ClusterState(Projection):
 
 
 _GONE = frozenset({ReplicaState.UNLOADED, ReplicaState.LOST})
+_CPU_EVENTS = frozenset({ReplicaCached, ReplicaEvictionRequested})  # events that can grow a CPU cache
+
+
+def _pending_warm(r: ReplicaView) -> bool:
+    """Ordered to WARM and still on its cards: its bytes are promised to the node's CPU cache."""
+    return r.on_gpu and r.desired is Level.WARM and not r.cpu_bytes
 
 _snapshot_encoder = msgspec.json.Encoder()
 _snapshot_decoder = msgspec.json.Decoder(ClusterSnapshot)

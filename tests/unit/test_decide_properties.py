@@ -86,32 +86,37 @@ class Agent:
                 self.b.add(E.ReplicaRestarted(**env("agent"), **rep))
 
 
-def reference_choose(w, nodes, req, size, now_s, min_deploy_s):
-    """Placement's node choice by exhaustive ranking of every node (no early exit, no pruning)."""
-    warm_by_node, hot_nodes = {}, set()
-    for r in w.state.model_replicas(req.model_key):
-        if r.state is ReplicaState.AVAILABLE:
-            hot_nodes.add(r.node_id)
-        if r.state is ReplicaState.CACHED and r.key not in w.reused and r.node_id not in warm_by_node:
-            node = w.state.nodes.get(r.node_id)
-            if node is not None and node.alive:
-                warm_by_node[r.node_id] = r
+def reference_choose(w, nodes, pos, req, size, spread, now_s, min_deploy_s):
+    """Placement's node choice by exhaustive ranking of every node (no early exit, no index, no pruning)."""
+    warm_by_node = placement._warm_copies(w, req.model_key)
     best = None
-    for allow_evict in (False, True):
-        for node in nodes:
-            warm = warm_by_node.get(node.node_id)
-            level, gpus, bpg, keys, _ = placement._assess(w, node.node_id, req, size, warm,
-                                                          node.node_id in hot_nodes, now_s, min_deploy_s,
-                                                          allow_evict)
-            if level is placement.Candidate.CANT_ACCOMMODATE:
-                continue
-            evicted = sum(w.state.replicas[k].bytes_per_gpu * len(w.state.replicas[k].gpu_indices) for k in keys)
-            rank = (0 if level is placement.Candidate.CACHED_AND_FREE else 1, level, len(keys), evicted)
-            if best is None or rank < best[0]:
-                best = (rank, (level, node.node_id, gpus, bpg, keys, warm))
-        if best is not None:
-            return best[1]
-    return None
+    for node in nodes:  # what fits as is: (shares a card with the model, its replicas there, no WARM, order)
+        n, bpg = placement._shape(size, node.max_card_bytes, req.gpus)
+        avoid = spread.cards.get(node.node_id, set())
+        fitting = sorted((g.index in avoid, f, g.index) for g in node.gpus
+                         if (f := w.free(node.node_id, g.index, g.memory_bytes)) >= bpg)
+        if len(fitting) < n:
+            continue
+        chosen = fitting[:n]
+        warm = warm_by_node.get(node.node_id)
+        count = spread.count.get(node.node_id, 0)
+        rank = (any(a for a, _, _ in chosen), count, warm is None, pos[node.node_id])
+        level = (placement.Candidate.CACHED_AND_FREE if warm else placement.Candidate.DEPLOYED if count
+                 else placement.Candidate.FREE)
+        if best is None or rank < best[0]:
+            best = (rank, (level, node.node_id, tuple(sorted(i for _, _, i in chosen)), bpg, (), warm))
+    if best is not None:
+        return best[1]
+    for node in nodes:  # then evictions: (level, how many, how many bytes, order)
+        warm = warm_by_node.get(node.node_id)
+        level, gpus, bpg, keys = placement._assess_evict(w, node.node_id, req, size, warm, now_s, min_deploy_s)
+        if level is placement.Candidate.CANT_ACCOMMODATE:
+            continue
+        evicted = sum(w.state.replicas[k].bytes_per_gpu * len(w.state.replicas[k].gpu_indices) for k in keys)
+        rank = (level, len(keys), evicted)
+        if best is None or rank < best[0]:
+            best = (rank, (level, node.node_id, gpus, bpg, keys, warm))
+    return best[1] if best is not None else None
 
 
 def decide_by_reference(*args, **kw):
@@ -130,6 +135,8 @@ def check_invariants(s: ClusterState) -> None:
         # The per-node free index placement reads (cached, invalidated on change) is never stale.
         fresh = sorted((g.memory_bytes - s.card_committed(node_id, g.index) for g in node.gpus), reverse=True)
         assert s.node_free(node_id).free == tuple(fresh), node_id
+        # The CPU cache never holds (or is promised) more than its budget.
+        assert s.cpu_committed(node_id) <= node.cpu_cache_bytes, (node_id, s.cpu_committed(node_id))
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])

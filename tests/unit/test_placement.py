@@ -40,11 +40,14 @@ def test_multi_gpu_is_charged_an_even_share_per_card():
     assert pl.bytes_per_gpu == -(-padded(150 * GB) // 3)
 
 
-def test_deployed_beats_free():
-    s = Builder().node(A).node(B).hot("m", 0, B, (0,), 12).state
+def test_deployed_when_every_node_holds_the_model_on_the_node_with_fewest_and_another_card():
+    # Spread (issue 12): a node already holding the model no longer attracts its new replicas; when
+    # every node holds it, the one with fewer replicas takes it, on a card without one.
+    s = Builder().node(A).node(B).hot("m", 0, A, (0,), 12).hot("m", 1, B, (0,), 12).hot("m", 2, B, (1,), 12).state
     for seed in range(5):  # whatever the tie-break
         (pl,) = one(s, "m", 10, seed=seed).placed
-        assert pl.node_id == B and pl.candidate is Candidate.DEPLOYED and pl.replica_id == 1
+        assert pl.node_id == A and pl.candidate is Candidate.DEPLOYED and pl.replica_id == 3
+        assert pl.gpu_indices != (0,)
 
 
 def test_warm_is_reused_first_keeping_its_id():
