@@ -316,15 +316,16 @@ class NodeAgent:
         try:
             if handle is not None:
                 info = await _aw(handle.info.remote())
+                # Each card's share is what placement charged it (the device map's budget).
                 if info["level"] == "WARM":
-                    await _aw(handle.from_cache.remote(devices))
+                    await _aw(handle.from_cache.remote(devices, r.bytes_per_gpu))
                 elif info["level"] == "COLD":
-                    await _aw(handle.load.remote(devices))
+                    await _aw(handle.load.remote(devices, r.bytes_per_gpu))
             else:
                 # A leftover from before (same id) is reused, never duplicated.
                 handle = await _get(*key) or await self._create(r)
                 self.actors[key] = handle
-                await _aw(handle.load.remote(devices))
+                await _aw(handle.load.remote(devices, r.bytes_per_gpu))
         except Exception as exc:  # noqa: BLE001 - whatever the load raised is the replica's error
             error = _error_text(exc)
             bound.warning("replica_load_failed", error=error)

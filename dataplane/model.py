@@ -5,7 +5,9 @@ machine without Ray. COLD -> HOT is `load()` (`from_pretrained` from a local dir
 cache; never the hub), HOT -> WARM is `to_cache()` (weights to CPU memory, GPU memory released),
 WARM -> HOT is `from_cache(devices)`. Devices are the exact CUDA indices the controller chose; with
 no CUDA (CPU machines, declared GPUs in tests) the model lives on the CPU and HOT vs WARM is
-bookkeeping. A request to a replica that is not HOT fails with `ReplicaNotHot`, which the
+bookkeeping. On several cards the layers are laid out with each card's budget the share placement
+charged it (`bytes_per_gpu`), not the card's whole memory, and the same layout is used at every
+(re)load of the replica (see `device_map`). A request to a replica that is not HOT fails with `ReplicaNotHot`, which the
 dispatcher recognises and re-queues.
 
 Requests (dicts, so they cross Ray and JSON unchanged):
@@ -74,6 +76,11 @@ class ModelReplica:
         self.model: Any = None
         self.tokenizer: Any = None
         self.devices: tuple[int, ...] = ()
+        # The multi-card layout: module -> position in `devices` (the same at every reload), and the
+        # per-card share it was computed for; `device_map` is it on the current devices.
+        self.layout: dict[str, int] | None = None
+        self.layout_share = 0
+        self.device_map: dict[str, int] | None = None
         self.level = "COLD"
         self._lock = threading.Lock()  # one move (load/cache/unload) at a time; requests check the level
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="replica-exec")
@@ -90,8 +97,30 @@ class ModelReplica:
     def _device_for(self, devices: tuple[int, ...]) -> str:
         return f"cuda:{devices[0]}" if devices and self.cuda_available() else "cpu"
 
-    def load(self, devices: tuple[int, ...] = ()) -> float:
-        """COLD -> HOT: read the checkpoint from disk onto `devices` (CPU without CUDA). Seconds taken."""
+    def _layout_for(self, model: Any, devices: tuple[int, ...], bytes_per_gpu: int,
+                    strict: bool = True) -> dict[str, int] | None:
+        """The layout on `devices` for a multi-card replica (None for one card or no charge given):
+        the one already computed for this share, else a new one from `device_map`. Not `strict`
+        (declared cards without CUDA: the weights stay on the CPU), a layout that does not fit is
+        logged, not raised."""
+        if len(devices) < 2 or bytes_per_gpu <= 0:
+            return None
+        if self.layout is None or self.layout_share != bytes_per_gpu:
+            try:
+                dmap = device_map(model, tuple(range(len(devices))), bytes_per_gpu)
+            except LoadError as exc:
+                if strict:
+                    raise
+                self.log.warning("device_map_unfit", error=str(exc), devices=list(devices))
+                return None
+            self.layout, self.layout_share = dmap, bytes_per_gpu
+        return {name: devices[i] for name, i in self.layout.items()}
+
+    def load(self, devices: tuple[int, ...] = (), bytes_per_gpu: int = 0) -> float:
+        """COLD -> HOT: read the checkpoint from disk onto `devices` (CPU without CUDA). Seconds taken.
+
+        On several cards each gets at most `bytes_per_gpu` of the weights (the share placement
+        charged; 0: each card's whole memory, as before the charge was passed)."""
         import torch
         from transformers import AutoModelForCausalLM
 
@@ -107,11 +136,11 @@ class ModelReplica:
                 kwargs["dtype"] = dtype
             cuda = self.cuda_available() and len(devices) > 0
             if cuda and len(devices) > 1:
-                # Spread layers over exactly these cards (accelerate's device map, no other card).
-                per = {i: torch.cuda.get_device_properties(i).total_memory for i in devices}
-                kwargs["device_map"] = "auto"
-                kwargs["max_memory"] = per
-                self.model = AutoModelForCausalLM.from_pretrained(self.checkpoint, **kwargs)
+                # Spread layers over exactly these cards, each within its charged share.
+                share = bytes_per_gpu or min(torch.cuda.get_device_properties(i).total_memory for i in devices)
+                dmap = self._layout_for(_skeleton(self.checkpoint, kwargs), tuple(devices), share)
+                self.model = AutoModelForCausalLM.from_pretrained(self.checkpoint, device_map=dmap, **kwargs)
+                self.device_map = dmap
             else:
                 self.model = AutoModelForCausalLM.from_pretrained(self.checkpoint, **kwargs)
                 device = self._device_for(devices)
@@ -119,6 +148,9 @@ class ModelReplica:
                     _materialize(self.model)
                 else:
                     self.model.to(device)
+                # Declared cards without CUDA: the layout is still computed (and checked against
+                # the share), so a reload keeps it.
+                self.device_map = self._layout_for(self.model, tuple(devices), bytes_per_gpu, strict=False)
             self.model.eval()
             self.tokenizer = _maybe_tokenizer(self.checkpoint)
             if cuda:
@@ -143,10 +175,12 @@ class ModelReplica:
                     torch.cuda.empty_cache()
                 self.level = "WARM"
                 self.devices = ()
+                self.device_map = None  # the layout is kept: a reload with the same share reuses it
             return self.cpu_bytes()
 
-    def from_cache(self, devices: tuple[int, ...] = ()) -> float:
-        """WARM -> HOT onto `devices`. Seconds taken."""
+    def from_cache(self, devices: tuple[int, ...] = (), bytes_per_gpu: int = 0) -> float:
+        """WARM -> HOT onto `devices`. Seconds taken. On several cards: the layout of the first load
+        (moved to these cards) when the share is the same, else one computed for `bytes_per_gpu`."""
         import torch
 
         with self._lock:
@@ -157,13 +191,16 @@ class ModelReplica:
             t0 = time.perf_counter()
             cuda = self.cuda_available() and len(devices) > 0
             if cuda and len(devices) > 1:
-                from accelerate import dispatch_model, infer_auto_device_map
+                from accelerate import dispatch_model
 
-                dmap = infer_auto_device_map(self.model, max_memory={
-                    i: torch.cuda.get_device_properties(i).total_memory for i in devices})
+                share = bytes_per_gpu or self.layout_share or min(
+                    torch.cuda.get_device_properties(i).total_memory for i in devices)
+                dmap = self._layout_for(self.model, tuple(devices), share)
                 self.model = dispatch_model(self.model, device_map=dmap)
+                self.device_map = dmap
             else:
                 self.model.to(self._device_for(devices))
+                self.device_map = self._layout_for(self.model, tuple(devices), bytes_per_gpu, strict=False)
             if cuda:
                 torch.cuda.synchronize()
             self.devices = tuple(devices)
@@ -178,6 +215,7 @@ class ModelReplica:
             self.model = None
             self.level = "COLD"
             self.devices = ()
+            self.layout, self.layout_share, self.device_map = None, 0, None
             gc.collect()
             if self.cuda_available():
                 torch.cuda.empty_cache()
@@ -308,6 +346,65 @@ class ModelReplica:
                         for ti, tv in zip(top.indices.tolist(), top.values.tolist(), strict=True)],
                 "modules": captured,
             }
+
+
+def device_map(model: Any, devices: tuple[int, ...], bytes_per_gpu: int) -> dict[str, int]:
+    """Module name -> card for `model` over `devices`, each card budgeted `bytes_per_gpu` (the share
+    placement charged it), filled in module order.
+
+    A module goes whole onto the current card if it fits there, else it is split into its children
+    (never a `_no_split_modules` block, nor one holding tensors of its own), else the next card
+    starts. A module sharing a tensor with one already placed (tied weights) goes with it. Pure:
+    the same model, cards and share give the same map, with or without CUDA. Raises LoadError when
+    the weights do not fit those budgets: a replica never spills onto another card, the CPU or disk.
+    """
+    no_split = set(getattr(model, "_no_split_modules", None) or [])
+    seen: dict[int, int] = {}  # tensor id -> card it went to
+    out: dict[str, int] = {}
+    card, used = 0, 0
+
+    def tensors(module: Any) -> list[Any]:
+        return [*module.parameters(), *module.buffers()]
+
+    def place(name: str, module: Any) -> None:
+        nonlocal card, used
+        ts = tensors(module)
+        tied = [seen[id(t)] for t in ts if id(t) in seen]
+        new = {id(t): t for t in ts if id(t) not in seen}
+        size = sum(t.numel() * t.element_size() for t in new.values())
+        if tied and not new:
+            out[name] = devices[tied[0]]  # only tied tensors: with them
+            return
+        children = list(module.named_children())
+        own = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
+        while card < len(devices):
+            if used + size <= bytes_per_gpu:
+                out[name] = devices[card]
+                for i in new:
+                    seen[i] = card
+                used += size
+                return
+            if children and not own and type(module).__name__ not in no_split:
+                for child, sub in children:
+                    place(f"{name}.{child}" if name else child, sub)
+                return
+            card, used = card + 1, 0
+        raise LoadError(f"the weights do not fit {len(devices)} cards of {bytes_per_gpu} bytes each (the share "
+                        f"placement charged): {name or 'the model'} ({size} bytes) has no room left")
+
+    place("", model)
+    return out
+
+
+def _skeleton(checkpoint: str, kwargs: dict[str, Any]) -> Any:
+    """The model's modules without weights (meta tensors), to lay it out before reading the weights."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(checkpoint, **{k: v for k, v in kwargs.items() if k != "dtype"})
+    with init_empty_weights():
+        return AutoModelForCausalLM.from_config(config, **({"torch_dtype": kwargs["dtype"]} if "dtype" in kwargs
+                                                           else {}))
 
 
 def _materialize(model: Any) -> None:

@@ -59,9 +59,9 @@ class ModelActor:
             nats_url, replica_call_subject(model_key, replica_id), self.run_batch,
             name=f"replica:{model_key}:{replica_id}", model_key=model_key, replica_id=replica_id).start()
 
-    def load(self, devices: list[int]) -> float:
+    def load(self, devices: list[int], bytes_per_gpu: int = 0) -> float:
         try:
-            seconds = self.replica.load(tuple(devices))
+            seconds = self.replica.load(tuple(devices), bytes_per_gpu)
         except Exception as exc:  # noqa: BLE001 - every load failure is reported the same way
             # transformers' errors do not always pickle; the agent needs their text, not their class.
             raise LoadError(f"{type(exc).__name__}: {exc}") from None
@@ -77,8 +77,8 @@ class ModelActor:
     def to_cache(self) -> int:
         return self.replica.to_cache()
 
-    def from_cache(self, devices: list[int]) -> float:
-        seconds = self.replica.from_cache(tuple(devices))
+    def from_cache(self, devices: list[int], bytes_per_gpu: int = 0) -> float:
+        seconds = self.replica.from_cache(tuple(devices), bytes_per_gpu)
         self._endpoint_settle()
         return seconds
 

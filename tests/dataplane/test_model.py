@@ -112,3 +112,45 @@ def test_run_batch_answers_each_request_on_its_own(ckpts: dict[str, Path]) -> No
     assert all(x[-1] >= 0 for x in answers if x[0] != NOT_RUN)  # run seconds, for the batch budget
     a.to_cache()
     assert [x[0] for x in a.run_batch([good, good])] == [NOT_RUN, NOT_RUN]
+
+
+def _card_bytes(model, dmap: dict[str, int]) -> dict[int, int]:
+    """Bytes each card gets under a device map (tied tensors counted once, where first placed)."""
+    mods = dict(model.named_modules())
+    seen: set[int] = set()
+    out: dict[int, int] = {}
+    for name, card in dmap.items():
+        for t in (*mods[name].parameters(), *mods[name].buffers()):
+            if id(t) not in seen:
+                seen.add(id(t))
+                out[card] = out.get(card, 0) + t.numel() * t.element_size()
+    return out
+
+
+def test_multi_card_device_map_keeps_to_the_charged_share_and_is_the_same_at_reload(ckpts: dict[str, Path]) -> None:
+    """Issue 12: the layout on several (declared) cards budgets each card the share placement
+    charged, not the card's whole memory; coming back from WARM (onto other cards) it is the same."""
+    import math
+
+    from dataplane.model import device_map
+
+    r = ModelReplica("k", 0, str(ckpts["llama"]))
+    r.load(())
+    size = r.cpu_bytes()
+    r.unload()
+    share = math.ceil(size * 1.15 / 2)  # what placement charges each of 2 cards (15% headroom)
+    r.load((0, 1), share)
+    first = r.device_map
+    assert first is not None and set(first.values()) == {0, 1}
+    per_card = _card_bytes(r.model, first)
+    assert sum(per_card.values()) == size and max(per_card.values()) <= share
+    all_tensors = {id(t) for t in (*r.model.parameters(), *r.model.buffers())}
+    mods = dict(r.model.named_modules())
+    assert {id(t) for n in first for t in (*mods[n].parameters(), *mods[n].buffers())} == all_tensors
+    r.to_cache()
+    r.from_cache((2, 3), share)
+    assert r.device_map == {name: card + 2 for name, card in first.items()}  # same layout, other cards
+    # A whole card's memory as the budget (the old reload) puts everything on the first card.
+    assert set(device_map(r.model, (0, 1), 80 * 2**30).values()) == {0}
+    with pytest.raises(Exception, match="do not fit"):
+        device_map(r.model, (0, 1), size // 4)

@@ -262,6 +262,12 @@ def test_one_multi_card_victim_beats_one_victim_per_card():
     p = plan(b.state, [Request(model_key="m", size_bytes=60 * GB, replicas=1, headroom=0.0, gpus=2)], now_s=NOW)
     assert [e.model_key for e in p.evictions] == ["big"]
     assert p.placed[0].gpu_indices == (0, 1)
+    # The same without a GPU count: 84 GB spans two 80 GB cards at 42 each; a (33) or big (37)
+    # suffices on each card, a is smaller, so per card it was a and b (seen failing before issue 12).
+    b2 = Builder().node("A", gpus=2, cpu_gb=0)
+    b2.hot("a", 0, "A", (0,), 33).hot("b", 0, "A", (1,), 33).hot("big", 0, "A", (0, 1), 37)
+    p2 = plan(b2.state, [Request(model_key="m", size_bytes=84 * GB, replicas=1, headroom=0.0)], now_s=NOW)
+    assert [e.model_key for e in p2.evictions] == ["big"] and p2.placed[0].gpu_indices == (0, 1)
 
 
 @st.composite
