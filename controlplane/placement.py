@@ -27,6 +27,7 @@ and the tie-break seed come in and are recorded in the events). NDIF's rules:
 
 from __future__ import annotations
 
+import bisect
 import enum
 import itertools
 import math
@@ -266,6 +267,8 @@ def _node_evictions(w: _Work, node_id: str, req: Request, n: int, bpg: int, now_
         ok = sorted((v, g) for g, v in f.items() if v >= bpg)  # best fit: least free first
         return tuple(sorted(g for _, g in ok[:n])) if len(ok) >= n else None
 
+    if not vic:
+        return None
     foot = {k: w.state.replicas[k].bytes_per_gpu * len(w.state.replicas[k].gpu_indices) for k in vic}
     keys = sorted(vic, key=lambda k: (foot[k], k))
     if cards_after(keys) is None:
@@ -323,20 +326,20 @@ def plan(state: ClusterState, requests: Iterable[Request], *, now_s: float, seed
     shortfalls: list[Shortfall] = []
     next_ids: dict[str, int] = {}
     nodes = _node_order(state, seed)
-    pos = {n.node_id: i for i, n in enumerate(nodes)}
+    pos = _Positions(nodes, seed)
     for req in sorted(requests, key=lambda r: (-r.size_bytes, r.model_key)):
         size = padded(req.size_bytes, req.headroom)
         m = state.models.get(req.model_key)
         next_ids.setdefault(req.model_key, m.next_replica_id if m else 0)
         spread = _Spread(w, req.model_key)
-        short = 0
-        best_offer = 0
-        for _ in range(req.replicas):
+        short = best_offer = 0
+        for i in range(req.replicas):
             choice = _choose(w, nodes, pos, req, size, spread, now_s, min_deploy_s)
             if choice is None:
-                short += 1
-                best_offer = max(best_offer, _best_offer(w, nodes, size, req.gpus))
-                continue
+                # Nothing changed since this choice: the request's other replicas cannot be placed either.
+                short = req.replicas - i
+                best_offer = _best_offer(w, nodes, size, req.gpus)
+                break
             level, node_id, gpus, bpg, evict_keys, warm = choice
             if warm is not None:
                 # Its CPU bytes are free once: `_evict` leaves reused copies out of the cache's count.
@@ -362,6 +365,33 @@ def plan(state: ClusterState, requests: Iterable[Request], *, now_s: float, seed
 _Choice = tuple[Candidate, str, tuple[int, ...], int, tuple[RKey, ...], "ReplicaView | None"]
 
 
+class _Positions:
+    """Node id -> place in the plan's seeded order, looked up only for the few nodes ranked one by one
+    (a dict of every node per plan cost more than the whole scan it serves)."""
+
+    def __init__(self, nodes: list[NodeView], seed: int) -> None:
+        self.nodes = nodes
+        self.ids: list[str] | None = None
+        self.k = seed % len(nodes) if nodes else 0
+
+    def __contains__(self, node_id: str) -> bool:
+        return self.get(node_id) is not None
+
+    def __getitem__(self, node_id: str) -> int:
+        got = self.get(node_id)
+        assert got is not None
+        return got
+
+    def get(self, node_id: str) -> int | None:
+        if self.ids is None:  # the order is sorted ids rotated by the seed (`_node_order`): undo it once
+            cut = len(self.nodes) - self.k
+            self.ids = [n.node_id for n in self.nodes[cut:]] + [n.node_id for n in self.nodes[:cut]]
+        i = bisect.bisect_left(self.ids, node_id)
+        if i == len(self.ids) or self.ids[i] != node_id:
+            return None
+        return (i - self.k) % len(self.ids)
+
+
 def _warm_copies(w: _Work, model_key: str) -> dict[str, ReplicaView]:
     """Node -> the model's first WARM copy there not yet reused by this plan (live nodes only)."""
     warm_by_node: dict[str, ReplicaView] = {}
@@ -373,7 +403,7 @@ def _warm_copies(w: _Work, model_key: str) -> dict[str, ReplicaView]:
     return warm_by_node
 
 
-def _choose(w: _Work, nodes: list[NodeView], pos: dict[str, int], req: Request, size: int, spread: _Spread,
+def _choose(w: _Work, nodes: list[NodeView], pos: _Positions, req: Request, size: int, spread: _Spread,
             now_s: float, min_deploy_s: float) -> _Choice | None:
     """The best node for one more replica: (level, node, cards, bytes per card, evictions, WARM copy).
 
@@ -399,12 +429,22 @@ def _choose(w: _Work, nodes: list[NodeView], pos: dict[str, int], req: Request, 
             level = Candidate.CACHED_AND_FREE if warm else Candidate.DEPLOYED if count else Candidate.FREE
             best = (rank, (level, node_id, fit[0], fit[1], (), warm))
     if best is None or best[0][:3] > (False, 0, True):  # a node without the model would rank better
+        shapes: dict[int, tuple[int, int]] = {}  # largest card -> (cards, bytes per card)
+        state, touched = w.state, w.touched
         for node in nodes:
-            if node.node_id in special:
+            node_id = node.node_id
+            if node_id in special:
                 continue
+            nf = state.node_free(node_id)
+            shape = shapes.get(nf.card_bytes)
+            if shape is None:
+                shape = shapes[nf.card_bytes] = _shape(size, nf.card_bytes, req.gpus)
+            n, bpg = shape
+            if node_id not in touched and (len(nf.free) < n or nf.free[n - 1] < bpg):
+                continue  # the per-node index says full (as `_fits` would, without the call)
             fit = _fits(w, node, size, req.gpus, None)
             if fit is not None:
-                return Candidate.FREE, node.node_id, fit[0], fit[1], (), None
+                return Candidate.FREE, node_id, fit[0], fit[1], (), None
     if best is not None:
         return best[1]
     ebest: tuple[tuple[Candidate, int, int], _Choice] | None = None

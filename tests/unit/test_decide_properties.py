@@ -90,7 +90,7 @@ def reference_choose(w, nodes, pos, req, size, spread, now_s, min_deploy_s):
     """Placement's node choice by exhaustive ranking of every node (no early exit, no index, no pruning)."""
     warm_by_node = placement._warm_copies(w, req.model_key)
     best = None
-    for node in nodes:  # what fits as is: (shares a card with the model, its replicas there, no WARM, order)
+    for i, node in enumerate(nodes):  # what fits as is: (shares a card with the model, its replicas there, no WARM, order)
         n, bpg = placement._shape(size, node.max_card_bytes, req.gpus)
         avoid = spread.cards.get(node.node_id, set())
         fitting = sorted((g.index in avoid, f, g.index) for g in node.gpus
@@ -100,7 +100,7 @@ def reference_choose(w, nodes, pos, req, size, spread, now_s, min_deploy_s):
         chosen = fitting[:n]
         warm = warm_by_node.get(node.node_id)
         count = spread.count.get(node.node_id, 0)
-        rank = (any(a for a, _, _ in chosen), count, warm is None, pos[node.node_id])
+        rank = (any(a for a, _, _ in chosen), count, warm is None, i)
         level = (placement.Candidate.CACHED_AND_FREE if warm else placement.Candidate.DEPLOYED if count
                  else placement.Candidate.FREE)
         if best is None or rank < best[0]:

@@ -178,7 +178,7 @@ def bench_pressure_mixed(samples: int, rng: random.Random) -> dict[str, float]:
     i = 0
     for size_gb in (140, 200, 30, 14, 7, 3):  # big multi-card replicas first, then small ones fill the gaps
         while True:
-            cmd = Deploy(command_id=f"mfill-{i}", model_key=key(400_000 + i), replicas=200)
+            cmd = Deploy(command_id=f"mfill-{i}", model_key=key(400_000 + i), replicas=100)
             ctx = DecisionContext(now=T0, actor="bench", command_id=cmd.command_id, seed=i)
             evs = decide(state, cmd, ctx, registration=Registration(checkpoint="/c", size_bytes=size_gb * GB))
             for ev in evs:
