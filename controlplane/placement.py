@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import bisect
 import enum
-import itertools
 import math
 from collections.abc import Iterable
 
@@ -238,13 +237,15 @@ class _Spread:
         self.cards.setdefault(node_id, set()).update(gpus)
 
 
-def _node_evictions(w: _Work, node_id: str, req: Request, n: int, bpg: int, now_s: float,
-                    min_deploy_s: float) -> tuple[tuple[int, ...], tuple[RKey, ...]] | None:
+def _node_evictions(w: _Work, node_id: str, req: Request, n: int, bpg: int, now_s: float, min_deploy_s: float,
+                    bound: tuple[int, int] | None = None) -> tuple[tuple[int, ...], tuple[RKey, ...]] | None:
     """Fewest, then smallest (total bytes), evictions that free `bpg` on `n` cards of one node.
 
     Exact: victim sets are tried by size, so one replica spanning every card needed beats one
-    victim per card. Past MAX_EVICTION_SETS tries it settles for the per-card choice.
-    Returns (cards, victims) or None when no evictable set frees enough.
+    victim per card. `bound` (count, bytes) is the best another node offers: only strictly better
+    sets are looked for. A size whose largest victims cannot free what the `n` least needy cards
+    lack is skipped untried. Past MAX_EVICTION_SETS tries it settles for the per-card choice.
+    Returns (cards, victims) or None when no evictable set frees enough (or none beats `bound`).
     """
     node = w.state.nodes[node_id]
     frees = {g.index: w.free(node_id, g.index, g.memory_bytes) for g in node.gpus if g.memory_bytes >= bpg}
@@ -273,22 +274,57 @@ def _node_evictions(w: _Work, node_id: str, req: Request, n: int, bpg: int, now_
     keys = sorted(vic, key=lambda k: (foot[k], k))
     if cards_after(keys) is None:
         return None
+    lack = sum(sorted(max(0, bpg - f) for f in frees.values())[:n])  # the least any n cards lack
+    freed = sorted((sum(b for _, b in vic[k]) for k in keys), reverse=True)  # what each victim frees here
+    sizes = [foot[k] for k in keys]  # ascending
+    prefix = [0]
+    for b in sizes:
+        prefix.append(prefix[-1] + b)
     tried = 0
-    for size in range(len(keys) + 1):
-        best: tuple[int, tuple[RKey, ...], tuple[int, ...]] | None = None
-        for combo in itertools.combinations(keys, size):
-            total = sum(foot[k] for k in combo)
-            if best is not None and total >= best[0]:
-                continue
+
+    def rec(best: _Best, start: int, chosen: list[RKey], total: int, left: int) -> bool:
+        """Depth-first over victim sets of one size, smallest totals first; False: out of budget."""
+        nonlocal tried
+        if left == 0:
             tried += 1
             if tried > MAX_EVICTION_SETS:
-                return _per_card_evictions(w, node_id, frees, req, n, bpg, now_s, min_deploy_s)
-            cards = cards_after(combo)
+                return False
+            cards = cards_after(chosen)
             if cards is not None:
-                best = (total, combo, cards)
-        if best is not None:
-            return best[2], best[1]
-    return None  # unreachable: every victim together frees enough
+                best.total, best.victims, best.cards = total, tuple(chosen), cards
+            return True
+        for i in range(start, len(keys) - left + 1):
+            # Keys ascend by size: the cheapest completion from i on only grows with i.
+            if best.total is not None and total + prefix[i + left] - prefix[i] >= best.total:
+                break
+            chosen.append(keys[i])
+            ok = rec(best, i + 1, chosen, total + sizes[i], left - 1)
+            chosen.pop()
+            if not ok:
+                return False
+        return True
+
+    most = len(keys) if bound is None else min(len(keys), bound[0])
+    for size in range(most + 1):
+        if sum(freed[:size]) < lack:
+            continue  # no `size` victims free enough
+        best = _Best(bound[1] if bound is not None and size == bound[0] else None)
+        if not rec(best, 0, [], 0, size):
+            return _per_card_evictions(w, node_id, frees, req, n, bpg, now_s, min_deploy_s)
+        if best.victims is not None:
+            return best.cards, best.victims
+    return None  # nothing beats `bound` here (without a bound: unreachable, all victims free enough)
+
+
+class _Best:
+    """The best victim set of one size found so far (`total` to beat: a bound before any is found)."""
+
+    __slots__ = ("cards", "total", "victims")
+
+    def __init__(self, total: int | None) -> None:
+        self.total = total
+        self.victims: tuple[RKey, ...] | None = None
+        self.cards: tuple[int, ...] = ()
 
 
 def _per_card_evictions(w: _Work, node_id: str, frees: dict[int, int], req: Request, n: int, bpg: int,
@@ -307,10 +343,12 @@ def _per_card_evictions(w: _Work, node_id: str, frees: dict[int, int], req: Requ
 
 
 def _assess_evict(w: _Work, node_id: str, req: Request, size: int, warm: ReplicaView | None, now_s: float,
-                  min_deploy_s: float) -> tuple[Candidate, tuple[int, ...], int, tuple[RKey, ...]]:
-    """A node's level for one replica after evictions: (candidate, cards, bytes per card, evictions)."""
+                  min_deploy_s: float, bound: tuple[int, int] | None = None,
+                  ) -> tuple[Candidate, tuple[int, ...], int, tuple[RKey, ...]]:
+    """A node's level for one replica after evictions: (candidate, cards, bytes per card, evictions);
+    with `bound` (count, bytes), only evictions strictly better than it count."""
     n, bpg = _shape(size, w.state.nodes[node_id].max_card_bytes, req.gpus)
-    got = _node_evictions(w, node_id, req, n, bpg, now_s, min_deploy_s)
+    got = _node_evictions(w, node_id, req, n, bpg, now_s, min_deploy_s, bound)
     if got is None:
         return Candidate.CANT_ACCOMMODATE, (), bpg, ()
     level = Candidate.CACHED_AND_FULL if warm is not None else Candidate.FULL
@@ -455,7 +493,13 @@ def _choose(w: _Work, nodes: list[NodeView], pos: _Positions, req: Request, size
             # beat one eviction of fewer bytes at the same or a better level.
             if w.state.node_free(node.node_id).min_footprint >= ebest[0][2]:
                 continue
-        level, gpus, bpg, keys = _assess_evict(w, node.node_id, req, size, warm, now_s, min_deploy_s)
+        bound = None
+        if ebest is not None:
+            if ebest[0][0] is Candidate.CACHED_AND_FULL and warm is None:
+                continue  # FULL here cannot beat a CACHED_AND_FULL already found
+            if (ebest[0][0] is Candidate.CACHED_AND_FULL) == (warm is not None):
+                bound = (ebest[0][1], ebest[0][2])  # same level: only strictly fewer / smaller can win
+        level, gpus, bpg, keys = _assess_evict(w, node.node_id, req, size, warm, now_s, min_deploy_s, bound)
         if level is Candidate.CANT_ACCOMMODATE:
             continue
         evicted = sum(w.state.replicas[k].bytes_per_gpu * len(w.state.replicas[k].gpu_indices) for k in keys)

@@ -26,7 +26,8 @@ SIZES = {"m-small": 8 * GB, "m-mid": 30 * GB, "m-big": 100 * GB}
 NODES = ["n0", "n1", "n2"]
 
 commands = st.one_of(
-    st.builds(lambda m, n, d: ("deploy", m, n, d), st.sampled_from(MODELS), st.integers(1, 3), st.booleans()),
+    st.builds(lambda m, n, d, h, g: ("deploy", m, n, d, h, g), st.sampled_from(MODELS), st.integers(1, 3),
+              st.booleans(), st.sampled_from([None, None, 0.0, 0.5]), st.sampled_from([None, None, 1, 2])),
     st.builds(lambda m, n, up, d: ("scale", m, n, up, d), st.sampled_from(MODELS), st.integers(1, 4), st.booleans(),
               st.booleans()),
     st.builds(lambda m, n: ("scale-down", m, n), st.sampled_from(MODELS), st.integers(0, 2)),
@@ -43,8 +44,8 @@ commands = st.one_of(
 def to_command(c, i):
     cid = f"c{i}"
     match c:
-        case ("deploy", m, n, d):
-            return Deploy(command_id=cid, model_key=m, replicas=n, dedicated=d)
+        case ("deploy", m, n, d, h, g):
+            return Deploy(command_id=cid, model_key=m, replicas=n, dedicated=d, headroom=h, gpus=g)
         case ("scale", m, n, up, d):
             return Scale(command_id=cid, model_key=m, replicas=n, scale_up=up, dedicated=d)
         case ("scale-down", m, n):
