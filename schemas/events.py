@@ -1,7 +1,8 @@
-"""Every control-plane fact, as frozen msgspec Structs in one tagged union (DESIGN §3).
+"""Every control-plane fact, as frozen msgspec Structs in one tagged union (docs/architecture.md §3).
 
 The tag (`"type"` in JSON) is written out explicitly on every class: renaming a class must never
-orphan stored history. New fields get defaults; a field's type never changes. Schema version 1.
+orphan stored history. New fields get defaults; a field's Python type never changes. Schema version
+1. Model keys are written as fields (`ModelRef`) and read in either form (`_WireModelKey`).
 """
 
 from __future__ import annotations
@@ -371,7 +372,7 @@ def event_tag(event: Event) -> str:
 
 
 def event_subject(event: Event) -> str:
-    """The subject an event is stored on (DESIGN §2)."""
+    """The subject an event is stored on (docs/architecture.md §2)."""
     if isinstance(event, ReplicaEvent):
         return replica_subject(event.model_key, event.replica_id)
     if isinstance(event, (NodeJoined, NodeLost)):

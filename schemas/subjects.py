@@ -1,4 +1,4 @@
-"""Stream, bucket and subject names of DESIGN §2, and the token encoding of keys into subjects.
+"""Stream, bucket and subject names of docs/architecture.md §2, and the token encoding of keys into subjects.
 
 Model keys and node ids hold `.`, `/`, `:`, spaces and JSON; a subject token cannot. A token is a
 readable slug plus 10 hex of the SHA-256 of the full key: routing only, readers check the key in
