@@ -6,11 +6,11 @@ same reads through nats-py and prints what each read returned, in a layout of it
     python tools/natslook.py --nats URL view [--subject F] [--count N] [--start-seq S]
     python tools/natslook.py --nats URL subjects [--filter F]
     python tools/natslook.py --nats URL sub SUBJECT [--count N] [--seconds S]
-    python tools/natslook.py --nats URL kv-watch BUCKET [--count N] [--seconds S]
+    python tools/natslook.py --nats URL kv-watch BUCKET [--key K] [--count N] [--seconds S]
 
 `view` = `nats stream view NDIF_EVENTS [--subject F]` (stored messages by sequence), `subjects` =
 `nats stream subjects NDIF_EVENTS [F]`, `sub` = `nats sub SUBJECT` (live messages only),
-`kv-watch` = `nats kv watch BUCKET` (the latest value of each key, then updates).
+`kv-watch` = `nats kv watch BUCKET [KEY]` (the latest value of each key, then updates).
 """
 
 from __future__ import annotations
@@ -72,9 +72,9 @@ async def live(nc: nats.NATS, subject: str, count: int, seconds: float) -> None:
         await sub.unsubscribe()
 
 
-async def kv_watch(js: nats.js.JetStreamContext, bucket: str, count: int, seconds: float) -> None:
+async def kv_watch(js: nats.js.JetStreamContext, bucket: str, key: str, count: int, seconds: float) -> None:
     kv = await js.key_value(bucket)
-    w = await kv.watchall()
+    w = await kv.watch(key)
     loop = asyncio.get_running_loop()
     end = loop.time() + seconds
     try:
@@ -109,6 +109,8 @@ async def main() -> None:
         p.add_argument("target", help="subject filter" if name == "sub" else "bucket")
         p.add_argument("--count", type=int, default=10, help="messages to print")
         p.add_argument("--seconds", type=float, default=10.0, help="stop after this long")
+        if name == "kv-watch":
+            p.add_argument("--key", default=">", help="key filter (default: every key)")
     a = ap.parse_args()
     nc = await nats.connect(a.nats)
     js = nc.jetstream()
@@ -120,7 +122,7 @@ async def main() -> None:
         elif a.what == "sub":
             await live(nc, a.target, a.count, a.seconds)
         else:
-            await kv_watch(js, a.target, a.count, a.seconds)
+            await kv_watch(js, a.target, a.key, a.count, a.seconds)
     finally:
         await nc.close()
 
