@@ -84,9 +84,9 @@ def model_ref(model_key: str) -> ModelRef | None:
     """
     try:
         cls, repo, rev = model_parts(model_key)
-    except (InvalidCommand, ValueError):
+    except (InvalidCommand, ValueError, KeyError):
         return None
-    if not repo or ref_key(cls, repo, rev) != model_key:
+    if not repo or not (rev is None or isinstance(rev, str)) or ref_key(cls, repo, rev) != model_key:
         return None
     if cls == WIRE_DEFAULT_CLASS:
         return ModelRef(repo_id=repo, revision=rev)  # omit_defaults compares by identity: pass no class

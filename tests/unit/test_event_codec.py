@@ -66,6 +66,10 @@ def test_old_string_bodies_decode_to_the_same_event():
     'nnsight.modeling.language.LanguageModel:{"repo_id": "gpt2", "revision": null, "dispatch": true}',  # more kwargs
     'nnsight.modeling.language.LanguageModel:{"revision": null, "repo_id": "gpt2"}',  # not in canonical order
     'nnsight.modeling.language.LanguageModel:{"repo_id":"gpt2","revision":null}',  # not canonical spacing
+    'C:{"revision": null}',  # no repo_id
+    'C:{"repo_id": "gpt2", "revision": 5}',  # a revision that is not a string
+    'C:{"repo_id": 7, "revision": null}',  # a repo_id that is not a string
+    'C:{not json}',
 ])
 def test_keys_that_are_not_plain_canonical_stay_strings_and_round_trip_exactly(key):
     assert model_ref(key) is None
