@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import difflib
 import json
 import os
 import sys
+import traceback
 from collections.abc import Callable, Coroutine
-from datetime import datetime
-from typing import Any
+from datetime import UTC, datetime
+from typing import Any, NoReturn
 
 import msgspec
 
@@ -34,6 +36,7 @@ EXIT = {errs.InvalidCommand: 2, errs.NotFound: 3, errs.ConflictError: 4, errs.In
         errs.ReplayAnomalyError: 6}
 _json = msgspec.json.Encoder()
 LONG_RUNNING = {"controller", "up", "agent", "dispatcher"}  # services log at INFO by default
+MODEL_HELP = "repo id (org/name[@revision]), checkpoint directory or NDIF model key"
 
 
 def _out(obj: object) -> None:
@@ -100,7 +103,8 @@ async def _status(a: argparse.Namespace, admin: AdminClient) -> int:
             for seq, item in batch:
                 state.apply(seq, item)
             if not a.json:
-                sys.stdout.write("\x1b[2J\x1b[H")
+                # clear the screen on a terminal only; a pipe or file gets the views one after another
+                sys.stdout.write("\x1b[2J\x1b[H" if sys.stdout.isatty() else "\n")
             _show(state, a.json)
     return 0
 
@@ -120,7 +124,7 @@ def _event_line(seq: int, item: Event | Skipped) -> str:
     rid = f"#{item.replica_id}" if isinstance(item, ReplicaEvent) else ""
     node = f" @{item.node_id}" if isinstance(item, ReplicaEvent) and item.node_id else ""
     cause = f" cmd={item.command_id}" if item.command_id else ""
-    return f"{seq:>7}  {item.ts:%Y-%m-%d %H:%M:%S}  {event_tag(item):<26} {who}{rid}{node}  by {item.actor}{cause}"
+    return f"{seq:>7}  {item.ts.astimezone(UTC):%Y-%m-%d %H:%M:%SZ}  {event_tag(item):<26} {who}{rid}{node}  by {item.actor}{cause}"
 
 
 async def _events(a: argparse.Namespace, admin: AdminClient) -> int:
@@ -203,11 +207,12 @@ def add_admin_commands(sub: Any) -> None:
         p.add_argument("--command-id", help="idempotency key (default: a new one); re-send to get the first result")
         if wait:
             p.add_argument("--wait", action="store_true", help="follow events until each replica is loaded or failed")
-            p.add_argument("--wait-timeout", type=float, default=600.0)
+            p.add_argument("--wait-timeout", type=float, default=600.0,
+                           help="seconds --wait follows the log before giving up (default %(default)s)")
 
     p = sub.add_parser("deploy", help="create N replicas of a model that has none")
-    p.add_argument("model")
-    p.add_argument("--replicas", type=int, default=1)
+    p.add_argument("model", help=MODEL_HELP)
+    p.add_argument("--replicas", type=int, default=1, help="HOT replicas to create (default %(default)s)")
     p.add_argument("--dedicated", action="store_true", help="never evicted by pressure")
     p.add_argument("--size-bytes", type=int, help="override the measured model size")
     p.add_argument("--headroom", type=float,
@@ -216,37 +221,37 @@ def add_admin_commands(sub: Any) -> None:
                    "ceil(charge / N) (default: as few cards as hold the charge)")
     mutating(p)
     p = sub.add_parser("scale", help="at least N HOT replicas (or N more with --scale-up); never scales down")
-    p.add_argument("model")
-    p.add_argument("--replicas", type=int, required=True)
-    p.add_argument("--scale-up", action="store_true")
-    p.add_argument("--dedicated", action="store_true")
+    p.add_argument("model", help=MODEL_HELP)
+    p.add_argument("--replicas", type=int, required=True, help="HOT replicas the model should have at least")
+    p.add_argument("--scale-up", action="store_true", help="add --replicas more instead of reaching --replicas")
+    p.add_argument("--dedicated", action="store_true", help="the new replicas are never evicted by pressure")
     p.add_argument("--gpus", type=int, help="exactly N cards of one node per new replica (kept for the model)")
     mutating(p)
     p = sub.add_parser("scale-down", help="at most N HOT replicas: drain, then unload the highest ids")
-    p.add_argument("model")
-    p.add_argument("--replicas", type=int, required=True)
+    p.add_argument("model", help=MODEL_HELP)
+    p.add_argument("--replicas", type=int, required=True, help="HOT replicas to keep at most (0 for none)")
     mutating(p, wait=False)
     p = sub.add_parser("evict", help="HOT -> WARM where the CPU cache allows, else COLD")
-    p.add_argument("model", nargs="?")
-    p.add_argument("--replica-id", type=int)
+    p.add_argument("model", nargs="?", help=MODEL_HELP + " (not with --all)")
+    p.add_argument("--replica-id", type=int, help="only this replica of MODEL (default: every one of MODEL)")
     p.add_argument("--all", action="store_true", help="every HOT replica of every model")
     p.add_argument("--cold", action="store_true", help="down to COLD (also WARM ones)")
     mutating(p, wait=False)
     p = sub.add_parser("restart", help="restart a replica (or all of a model's) keeping ids")
-    p.add_argument("model")
-    p.add_argument("--replica-id", type=int)
+    p.add_argument("model", help=MODEL_HELP)
+    p.add_argument("--replica-id", type=int, help="only this replica (default: every one of MODEL)")
     mutating(p)
     p = sub.add_parser("status", help="nodes, cards, models and replicas, folded from the log")
     common(p)
     p.add_argument("--watch", action="store_true", help="print again on every event")
     p = sub.add_parser("events", help="the event log, readable")
     common(p)
-    p.add_argument("--model")
-    p.add_argument("--since", type=int, default=1, help="first sequence")
-    p.add_argument("--follow", action="store_true")
+    p.add_argument("--model", help="only this model's events: " + MODEL_HELP)
+    p.add_argument("--since", type=int, default=1, help="first sequence (default %(default)s)")
+    p.add_argument("--follow", action="store_true", help="keep printing new events as they are appended")
     p = sub.add_parser("history", help="one model's or replica's timeline with causes")
-    p.add_argument("model")
-    p.add_argument("--replica-id", type=int)
+    p.add_argument("model", help=MODEL_HELP)
+    p.add_argument("--replica-id", type=int, help="only this replica's events")
     common(p, json_flag=False)
     p = sub.add_parser("replay", help="the cluster as it was at a sequence or time")
     common(p)
@@ -287,14 +292,63 @@ def exit_code(exc: BaseException) -> int:
     return 1
 
 
-def main(argv: list[str] | None = None, extra: Callable[[Any], None] | None = None,
-         runners: dict[str, Callable[[argparse.Namespace], Coroutine[Any, Any, int]]] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="ndif", description="ndif control plane")
-    sub = parser.add_subparsers(dest="cmd", required=True)
+def json_error(kind: str, message: str, code: int) -> None:
+    """What a command run with --json prints on stdout when it fails (stderr stays for logs)."""
+    _out({"ok": False, "error": kind, "message": message, "exit_code": code})
+
+
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("ndif-controlplane")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse whose usage errors are one JSON line on stdout when the command line has --json."""
+
+    json_errors = False  # set by main() from the command line, before parsing
+
+    def error(self, message: str) -> NoReturn:
+        if Parser.json_errors:
+            json_error("InvalidCommand", f"{self.prog}: {message}", 2)
+            sys.exit(2)
+        super().error(message)
+
+
+def build_parser(extra: Callable[[Any], None] | None = None) -> tuple[Parser, Any]:
+    """The `ndif` parser and its subparsers object (tests walk it to check every flag's help and docs)."""
+    parser = Parser(prog="ndif", description="ndif control plane: admin commands, services and requests "
+                                             "(docs/cli.md has every command, its --json shape and exit codes)")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version()}",
+                        help="print the installed version and exit")
+    sub = parser.add_subparsers(dest="cmd", metavar="COMMAND", title="commands")
     add_admin_commands(sub)
     if extra:
         extra(sub)
-    a = parser.parse_args(argv)
+    return parser, sub
+
+
+def main(argv: list[str] | None = None, extra: Callable[[Any], None] | None = None,
+         runners: dict[str, Callable[[argparse.Namespace], Coroutine[Any, Any, int]]] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else list(argv)
+    parser, sub = build_parser(extra)
+    Parser.json_errors = "--json" in args
+    if not args:  # bare `ndif`: the help, and exit 2 because no command ran
+        parser.print_help()
+        return 2
+    if not args[0].startswith("-") and args[0] not in sub.choices:
+        near = difflib.get_close_matches(args[0], list(sub.choices), n=2, cutoff=0.6)
+        hint = f"; did you mean {' or '.join(repr(n) for n in near)}?" if near else ""
+        parser.error(f"unknown command {args[0]!r}{hint} (`ndif --help` lists them)")
+    a = parser.parse_args(args)
+    if a.cmd is None:  # only options, no command (`ndif --json`)
+        parser.print_help()
+        return 2
+    as_json = bool(getattr(a, "json", False))
     configure("INFO" if a.cmd in LONG_RUNNING else "WARNING")
     runner = (runners or {}).get(a.cmd, run_admin)
     try:
@@ -302,5 +356,14 @@ def main(argv: list[str] | None = None, extra: Callable[[Any], None] | None = No
     except KeyboardInterrupt:
         return 130
     except errs.NdifError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        if as_json:
+            json_error(type(exc).__name__, str(exc), exit_code(exc))
+        else:
+            print(f"error: {exc}", file=sys.stderr)
         return exit_code(exc)
+    except Exception as exc:
+        if not as_json:
+            raise
+        traceback.print_exc(file=sys.stderr)
+        json_error(type(exc).__name__, str(exc) or type(exc).__name__, 1)
+        return 1

@@ -1,4 +1,4 @@
-"""Decide-and-append with optimistic concurrency and group commit (DESIGN §5).
+"""Decide-and-append with optimistic concurrency and group commit (docs/architecture.md §5).
 
 Callers submit a pure `decide(state) -> events`. Each loop turn takes every pending decision,
 runs them one after another against a working copy of the folded state (each sees the ones before

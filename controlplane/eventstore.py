@@ -1,6 +1,6 @@
-"""The JetStream adapter: streams and buckets of DESIGN §2, guarded appends, reads, live follow.
+"""The JetStream adapter: streams and buckets of docs/architecture.md §2, guarded appends, reads, live follow.
 
-Appends (DESIGN §5, pitfalls §10):
+Appends (docs/architecture.md §5, pitfalls §10):
 - one event: an awaited request with `Nats-Expected-Last-Sequence` (never `publish_async`, which
   swallows error acks);
 - several: one atomic batch (`Nats-Batch-Id/-Sequence/-Commit`), the expectation on message 1;
@@ -152,7 +152,7 @@ async def connect(url: str, *, name: str = "ndif", timeout: float = 5.0) -> Nats
             error_cb=error_cb, disconnected_cb=disconnected_cb, reconnected_cb=reconnected_cb,
             allow_reconnect=True, drain_timeout=5,
             # The first connect gives up after a few tries (a wrong URL is an error to report);
-            # once connected, reconnects never stop (DESIGN §10).
+            # once connected, reconnects never stop (docs/architecture.md §10).
             max_reconnect_attempts=2,
         )
         nc.options["max_reconnect_attempts"] = -1
@@ -207,12 +207,12 @@ class JetStreamEventLog:
     # ---- setup -------------------------------------------------------------------------------
 
     async def ensure(self) -> None:
-        """Create or update every stream and bucket of DESIGN §2. Safe to call any number of times."""
+        """Create or update every stream and bucket of docs/architecture.md §2. Safe to call any number of times."""
         await self._ensure_stream(api.StreamConfig(
             name=EVENTS_STREAM, subjects=[EVENTS_ALL], retention=api.RetentionPolicy.LIMITS,
             storage=api.StorageType.FILE, num_replicas=self.replicas, deny_delete=True, deny_purge=True,
             allow_atomic=True, allow_direct=True, duplicate_window=DUPLICATE_WINDOW_S,
-            description="ndif control-plane events: the only source of truth (DESIGN §2-3)",
+            description="ndif control-plane events: the only source of truth (docs/architecture.md §2-3)",
         ))
         await self._ensure_stream(api.StreamConfig(
             name=REQUESTS_STREAM, subjects=[REQUESTS_ALL], retention=api.RetentionPolicy.WORK_QUEUE,

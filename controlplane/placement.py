@@ -1,4 +1,4 @@
-"""Placement (DESIGN §6): where new HOT replicas go, what must be evicted, what cannot be placed.
+"""Placement (docs/architecture.md §6): where new HOT replicas go, what must be evicted, what cannot be placed.
 
 Pure: reads a `ClusterState`, returns a `Plan`; no clock, ids or randomness of its own (the time
 and the tie-break seed come in and are recorded in the events). NDIF's rules:

@@ -1,4 +1,4 @@
-"""Resolving a model key offline: where its checkpoint is and how big it is (DESIGN §3).
+"""Resolving a model key offline: where its checkpoint is and how big it is (docs/architecture.md §3).
 
 Only local sources: an absolute checkpoint directory, or the Hugging Face cache. Never the hub
 (there may be none, and a control plane must not block on one). The size is params + buffers of

@@ -1,4 +1,4 @@
-"""The node agent: one per Ray node; makes the replicas on its node match the log (DESIGN §1, §4).
+"""The node agent: one per Ray node; makes the replicas on its node match the log (docs/architecture.md §1, §4).
 
 It appends `NodeJoined` (its GPUs and CPU cache memory), keeps a KV heartbeat, folds the event
 stream with the same reducer as every component, and reconciles, level-triggered (acting on the

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from controlplane.cli import build_parser, json_error
 from controlplane.cli import main as admin_main
 from schemas import errors as errs
 
@@ -62,21 +63,23 @@ def add_dataplane_commands(sub: Any) -> None:
     _node_args(p)
     p = sub.add_parser("dispatcher", help="run the request dispatcher (processors per model)")
     _nats(p)
-    p.add_argument("--ray-address", default=os.environ.get("RAY_ADDRESS", "auto"))
+    p.add_argument("--ray-address", default=os.environ.get("RAY_ADDRESS", "auto"),
+                   help="Ray cluster to join (env RAY_ADDRESS; default: auto, the cluster of this machine)")
     p = sub.add_parser("submit", help="send a request to a model and show its statuses")
-    p.add_argument("model")
+    p.add_argument("model", help="repo id (org/name[@revision]), checkpoint directory or NDIF model key")
     _nats(p)
     p.add_argument("--prompt", help="text (the checkpoint needs a tokenizer)")
     p.add_argument("--input-ids", help="comma-separated token ids")
-    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--max-new-tokens", type=int, default=16, help="tokens to generate (default %(default)s)")
     p.add_argument("--forward", action="store_true", help="one forward pass (next-token logprobs) instead of generate")
-    p.add_argument("--timeout", type=float, default=600.0)
+    p.add_argument("--timeout", type=float, default=600.0,
+                   help="seconds to wait for the request to end (default %(default)s)")
     p.add_argument("--json", action="store_true", help="print each status as a JSON line")
     p = sub.add_parser("queue", help="each model processor's state")
     _nats(p)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="machine-readable output (docs/cli.md)")
     p = sub.add_parser("kill", help="cancel a queued or running request")
-    p.add_argument("request_id")
+    p.add_argument("request_id", help="the id `ndif submit` or the SDK printed")
     _nats(p)
 
 
@@ -140,7 +143,8 @@ async def _up(a: argparse.Namespace) -> int:
     from dataplane.dispatcher import Dispatcher
     from dataplane.model_actor import NAMESPACE
 
-    store = a.store or Path(os.environ.get("NDIF_HOME", Path.home() / ".ndif")) / "nats"
+    home = Path(os.environ.get("NDIF_HOME", Path.home() / ".ndif"))  # the demo's and README's paths too
+    store = a.store or home / "nats"
     port = a.port or 4222
     srv = EmbeddedNats(store, port=port)
     try:
@@ -159,10 +163,10 @@ async def _up(a: argparse.Namespace) -> int:
         async with Controller(url), NodeAgent(url, **{**kw, "gpus": gpus}) as agent, Dispatcher(url):
             print(f"ndif up: controller, agent {agent.node_id} and dispatcher running. In another shell:\n"
                   f"  export NDIF_NATS_URL={url}\n"
-                  "  python -m dataplane.tiny_models /tmp/ndif-models\n"
-                  "  ndif deploy /tmp/ndif-models/tiny-gpt2 --replicas 2 --wait\n"
+                  f"  python -m dataplane.tiny_models {home / 'models'}   # once; `ndif up --demo` makes them too\n"
+                  f"  ndif deploy {home / 'models' / 'tiny-gpt2'} --replicas 2 --wait\n"
                   "  ndif status\n"
-                  "  ndif submit /tmp/ndif-models/tiny-gpt2 --prompt 'Hello'\n"
+                  f"  ndif submit {home / 'models' / 'tiny-gpt2'} --prompt 'Hello'\n"
                   "Ctrl-C stops everything.", flush=True)
             await _until_signal()
         print("ndif up: stopping", flush=True)
@@ -213,7 +217,10 @@ async def _submit(a: argparse.Namespace) -> int:
         try:
             result = await job.result()
         except RequestFailed as exc:
-            print(f"error: {exc}", file=sys.stderr)
+            if a.json:
+                json_error(type(exc).__name__, str(exc), 1)
+            else:
+                print(f"error: {exc}", file=sys.stderr)
             return 1
         if not a.json:
             print(result.get("text", result) if isinstance(result, dict) else result)
@@ -262,6 +269,11 @@ async def _kill(a: argparse.Namespace) -> int:
         raise errs.NotFound(ans.get("message", "not found"))
     print(f"killed {a.request_id}")
     return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    """The whole `ndif` parser, admin and data-plane commands (for tests and docs checks)."""
+    return build_parser(add_dataplane_commands)[0]
 
 
 def main(argv: list[str] | None = None) -> int:

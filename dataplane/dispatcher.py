@@ -1,4 +1,4 @@
-"""The dispatcher: durable requests in, one Processor per model, statuses out (DESIGN §1, §4).
+"""The dispatcher: durable requests in, one Processor per model, statuses out (docs/architecture.md §1, §4).
 
 - It folds the event stream with the same reducer as every component and hands each processor its
   queue view on every event: the processor's replica set is the log's, with no second control

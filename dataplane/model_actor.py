@@ -31,7 +31,7 @@ OK, FAILED, NOT_RUN = 0, 1, 2  # the kinds of answer of `ModelActor.run_batch`
 
 
 def actor_name(model_key: str, replica_id: int) -> str:
-    """The one name of a replica's actor (seed 000's contract)."""
+    """The one name of a replica's actor (NDIF's naming contract)."""
     return f"{PREFIX}{model_key}:{replica_id}"
 
 

@@ -1,4 +1,4 @@
-"""One model's processor (seed 000): one shared queue, one worker per ready replica competing on it.
+"""One model's processor (as in NDIF): one shared queue, one worker per ready replica competing on it.
 
 The replica set is not the processor's own: `sync(view)` is called with the queue view folded from
 the event log every time an event arrives, so `ReplicaLoaded` adds a worker and an eviction, drain

@@ -1,23 +1,129 @@
-"""Every control-plane fact, as frozen msgspec Structs in one tagged union (DESIGN §3).
+"""Every control-plane fact, as frozen msgspec Structs in one tagged union (docs/architecture.md §3).
 
 The tag (`"type"` in JSON) is written out explicitly on every class: renaming a class must never
-orphan stored history. New fields get defaults; a field's type never changes. Schema version 1.
+orphan stored history. New fields get defaults; a field's Python type never changes. Schema version
+1. Model keys are written as fields (`ModelRef`) and read in either form (`_WireModelKey`).
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from datetime import datetime
-from typing import Final, Union
+from functools import lru_cache
+from typing import TYPE_CHECKING, Any, Final, Union
 
 import msgspec
 
 from schemas.errors import InvalidCommand
+from schemas.keys import model_parts
 from schemas.status import DeploymentOp, EvictionReason, Level
 from schemas.subjects import HDR_EVENT, HDR_MSG_ID, HDR_SCHEMA, model_subject, node_subject, replica_subject
 
 SCHEMA_VERSION: Final = 1
 MAX_BATCH: Final = 1000  # JetStream atomic batch limit (err 10199 above it)
+
+
+# ---- model keys on the wire -------------------------------------------------------------------
+
+
+class _AnyStr(type):
+    __instancecheck__ = str.__instancecheck__  # isinstance(x, cls) is isinstance(x, str), checked in C
+
+
+class _WireModelKey(metaclass=_AnyStr):
+    """The wire type of a model key field; in Python the field holds the canonical key, a plain `str`.
+
+    On the wire a canonical key is an object, `{"class": ..., "repo_id": ..., "revision": ...}`
+    (`class` left out when it is `WIRE_DEFAULT_CLASS`, `revision` when null), so `nats stream view` and `jq .model_key.repo_id` read it as
+    fields. A string is accepted too and kept exactly as stored: events written before this
+    encoding, and keys that are not canonical or carry kwargs other than repo_id/revision.
+    msgspec hands a field of this (custom) type to `_dec_hook` and checks that what it returns
+    `isinstance` the type: the metaclass makes every `str` pass.
+    """
+
+
+if TYPE_CHECKING:
+    ModelKey = str
+else:
+    ModelKey = _WireModelKey
+
+
+# What a stored ref without "class" means. Frozen with the wire format: it must never follow a change
+# of schemas.keys.DEFAULT_MODEL_CLASS, or stored events would change model.
+WIRE_DEFAULT_CLASS: Final = "nnsight.modeling.language.LanguageModel"
+
+
+class ModelRef(msgspec.Struct, frozen=True, kw_only=True, gc=False, omit_defaults=True,
+               forbid_unknown_fields=True, rename={"cls": "class"}):
+    """A canonical model key as structured fields: what `encode_event` writes for a model key."""
+
+    cls: str = WIRE_DEFAULT_CLASS
+    repo_id: str
+    revision: str | None = None
+
+    @property
+    def model_key(self) -> str:
+        return ref_key(self.cls, self.repo_id, self.revision)
+
+
+def ref_key(cls: str, repo_id: str, revision: str | None) -> str:
+    """The canonical key of (class, repo_id, revision), spelled as `canonical_model_key` spells it.
+
+    Pure string work (no path is made absolute): a stored event decodes to the same key anywhere.
+    """
+    return f"{cls}:{json.dumps({'repo_id': repo_id, 'revision': revision}, ensure_ascii=False)}"
+
+
+@lru_cache(maxsize=4096)
+def model_ref(model_key: str) -> ModelRef | None:
+    """The structured form of `model_key`, or None when the key must stay a string to round-trip.
+
+    Only a key that is exactly canonical with no kwargs besides repo_id/revision gets a ref; any
+    other string (a test's `"m"`, a key with extra kwargs) is written as the string it is.
+    """
+    try:
+        cls, repo, rev = model_parts(model_key)
+    except (InvalidCommand, ValueError, KeyError):
+        return None
+    if not repo or not (rev is None or isinstance(rev, str)) or ref_key(cls, repo, rev) != model_key:
+        return None
+    if cls == WIRE_DEFAULT_CLASS:
+        return ModelRef(repo_id=repo, revision=rev)  # omit_defaults compares by identity: pass no class
+    return ModelRef(cls=cls, repo_id=repo, revision=rev)
+
+
+_KEYS: dict[tuple[str, str, str | None], str] = {}  # (class, repo_id, revision) -> key, checked ones
+_KEYS_MAX: Final = 65536
+
+
+def _key_from_wire(obj: Any) -> str:
+    """A model key field as stored: a string is kept as it is; an object must be a `ModelRef`."""
+    if obj.__class__ is str:
+        return obj  # type: ignore[no-any-return]
+    if obj.__class__ is not dict:
+        raise ValueError('a model key is a string or {"class": ..., "repo_id": ..., "revision": ...}')
+    try:  # the hot path: a ref seen before, with repo_id (+ class, revision) and nothing else
+        if len(obj) == 1 + ("class" in obj) + ("revision" in obj):
+            return _KEYS[(obj.get("class", WIRE_DEFAULT_CLASS), obj["repo_id"], obj.get("revision"))]
+    except (KeyError, TypeError):
+        pass
+    try:
+        ref = msgspec.convert(obj, ModelRef)
+    except msgspec.ValidationError as exc:  # re-raised as ValueError so msgspec adds where: `$.model_key`
+        raise ValueError(f"not a model ref: {exc}") from None
+    if not ref.repo_id:
+        raise ValueError("a model key's repo_id is empty")
+    key = ref.model_key
+    if len(_KEYS) < _KEYS_MAX:
+        _KEYS[(ref.cls, ref.repo_id, ref.revision)] = key
+    return key
+
+
+def _dec_hook(typ: type, obj: Any) -> Any:
+    if typ is _WireModelKey:
+        return _key_from_wire(obj)
+    raise NotImplementedError(typ)
 
 
 class Event(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", gc=False):
@@ -34,7 +140,7 @@ class Event(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", gc=Fals
     event_id: str
     ts: datetime
     actor: str
-    model_key: str | None = None
+    model_key: ModelKey | None = None
     command_id: str | None = None
     correlation_id: str | None = None
     schema: int = SCHEMA_VERSION
@@ -72,7 +178,7 @@ class NodeLost(Event, frozen=True, kw_only=True, tag="NodeLost"):
 class ModelRegistered(Event, frozen=True, kw_only=True, tag="ModelRegistered"):
     """Where a model loads from and how big it is; recorded once so replays never recompute it."""
 
-    model_key: str
+    model_key: ModelKey
     checkpoint: str
     revision: str | None = None
     size_bytes: int
@@ -82,7 +188,7 @@ class ModelRegistered(Event, frozen=True, kw_only=True, tag="ModelRegistered"):
 class DeploymentRequested(Event, frozen=True, kw_only=True, tag="DeploymentRequested"):
     """An operator (or the dispatcher) asked for `target_hot` HOT replicas of a model."""
 
-    model_key: str
+    model_key: ModelKey
     op: DeploymentOp
     replicas: int  # the number the operator typed
     target_hot: int  # resulting desired HOT count
@@ -97,7 +203,7 @@ class DeploymentRequested(Event, frozen=True, kw_only=True, tag="DeploymentReque
 class PlacementRejected(Event, frozen=True, kw_only=True, tag="PlacementRejected"):
     """Part or all of a request could not be placed (CANT_ACCOMMODATE)."""
 
-    model_key: str
+    model_key: ModelKey
     reason: str = "CANT_ACCOMMODATE"
     needed_bytes: int
     free_bytes: int
@@ -113,7 +219,7 @@ class PlacementRejected(Event, frozen=True, kw_only=True, tag="PlacementRejected
 class ReplicaEvent(Event, frozen=True, kw_only=True):
     """Common fields of every replica event; `node_id` is where it is or goes."""
 
-    model_key: str
+    model_key: ModelKey
     replica_id: int
     node_id: str = ""
 
@@ -143,7 +249,7 @@ class ReplicaEvictionRequested(ReplicaEvent, frozen=True, kw_only=True, tag="Rep
     reason: EvictionReason
     target: Level = Level.COLD
     drain: bool = False
-    by_model_key: str | None = None  # for pressure evictions: who needed the room
+    by_model_key: ModelKey | None = None  # for pressure evictions: who needed the room
     by_replica_id: int | None = None
 
 
@@ -227,12 +333,19 @@ class _TypeOnly(msgspec.Struct):
 
 
 _encoder = msgspec.json.Encoder()
-_decoder = msgspec.json.Decoder(AnyEvent)
+_decoder = msgspec.json.Decoder(AnyEvent, dec_hook=_dec_hook)
 _type_decoder = msgspec.json.Decoder(_TypeOnly)
 
 
 def encode_event(event: Event) -> bytes:
-    return _encoder.encode(event)
+    """The stored body: the event as JSON, each canonical model key written as a `ModelRef` object."""
+    key = event.model_key
+    ref = model_ref(key) if key is not None else None
+    if type(event) is ReplicaEvictionRequested and event.by_model_key is not None:
+        by = model_ref(event.by_model_key)
+        if by is not None:
+            return _encoder.encode(msgspec.structs.replace(event, model_key=ref or key, by_model_key=by))
+    return _encoder.encode(event if ref is None else msgspec.structs.replace(event, model_key=ref))
 
 
 def decode_event(data: bytes) -> AnyEvent:
@@ -272,7 +385,7 @@ def event_tag(event: Event) -> str:
 
 
 def event_subject(event: Event) -> str:
-    """The subject an event is stored on (DESIGN §2)."""
+    """The subject an event is stored on (docs/architecture.md §2)."""
     if isinstance(event, ReplicaEvent):
         return replica_subject(event.model_key, event.replica_id)
     if isinstance(event, (NodeJoined, NodeLost)):

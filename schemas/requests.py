@@ -1,4 +1,4 @@
-"""User requests and their statuses (DESIGN §2, §4): what the SDK publishes and what it is told.
+"""User requests and their statuses (docs/architecture.md §2, §4): what the SDK publishes and what it is told.
 
 A request is a JSON object on `ndif.req.<mtok>` in the work-queue stream `NDIF_REQUESTS`, with
 `Nats-Msg-Id` = request id (a resend within the dedup window is stored once). Each status change is

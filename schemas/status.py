@@ -17,7 +17,7 @@ class Level(enum.StrEnum):
 
 
 class ReplicaState(enum.StrEnum):
-    """Observed state of one replica (DESIGN §4; seed 002's replica states)."""
+    """Observed state of one replica (docs/architecture.md §4; Seldon Core v2's replica states)."""
 
     LOAD_REQUESTED = "LoadRequested"
     LOADING = "Loading"
@@ -42,7 +42,7 @@ class ModelStatus(enum.StrEnum):
 
 
 class ProcessorStatus(enum.StrEnum):
-    """Queue-side status of one model's processor (seed 000)."""
+    """Queue-side status of one model's processor (NDIF's processor statuses)."""
 
     UNINITIALIZED = "UNINITIALIZED"
     PROVISIONING = "PROVISIONING"

@@ -1,4 +1,4 @@
-"""Stream, bucket and subject names of DESIGN §2, and the token encoding of keys into subjects.
+"""Stream, bucket and subject names of docs/architecture.md §2, and the token encoding of keys into subjects.
 
 Model keys and node ids hold `.`, `/`, `:`, spaces and JSON; a subject token cannot. A token is a
 readable slug plus 10 hex of the SHA-256 of the full key: routing only, readers check the key in
@@ -93,3 +93,44 @@ def status_subject(request_id: str) -> str:
     is stored (`$KV.ndif_request_status.>` -> `ndif.status.>`), so the two must stay the same.
     """
     return f"{STATUS_PREFIX}.{request_id}"
+
+
+def operator_filters(model_key: str | None = None, replica_id: int | None = None,
+                     node_id: str | None = None) -> dict[str, str]:
+    """The subject filters an operator types into `nats stream view` / `nats sub` (docs/nats-cli.md)."""
+    out: dict[str, str] = {}
+    if model_key is not None:
+        tok = model_token(model_key)
+        out["model events"] = f"ndif.evt.model.{tok}"
+        out["replica events"] = f"ndif.evt.replica.{tok}.*" if replica_id is None else replica_subject(model_key,
+                                                                                                         replica_id)
+        out["requests"] = request_subject(model_key)
+    if node_id is not None:
+        out["node events"] = node_subject(node_id)
+        out["heartbeat key"] = f"{node_token(node_id)} (bucket {HEARTBEATS_BUCKET})"
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m schemas.subjects MODEL [--replica-id N] [--node ID]`: print the subject filters."""
+    import argparse
+
+    from schemas.keys import canonical_model_key
+
+    p = argparse.ArgumentParser(prog="python -m schemas.subjects", description=main.__doc__)
+    p.add_argument("model", nargs="?", help="repo id, checkpoint directory or NDIF model key")
+    p.add_argument("--replica-id", type=int, help="one replica's subject")
+    p.add_argument("--node", help="a node id: its event subject and heartbeat key")
+    a = p.parse_args(argv)
+    if a.model is None and a.node is None:
+        p.error("give a MODEL, --node ID or both")
+    mk = canonical_model_key(a.model) if a.model is not None else None
+    if mk is not None:
+        print(f"model key: {mk}")
+    for what, subject in operator_filters(mk, a.replica_id, a.node).items():
+        print(f"{what + ':':<18} {subject}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,4 +1,4 @@
-"""The cluster view: nodes, GPU cards and their memory, models, every replica (DESIGN §3-4, §7).
+"""The cluster view: nodes, GPU cards and their memory, models, every replica (docs/architecture.md §3-4, §7).
 
 Memory follows the observed state: a card's reservations are a map replica -> bytes, rebuilt from
 each replica's view whenever it changes, so a redelivered or out-of-order event can never count a

@@ -1,4 +1,4 @@
-"""The queue-side view (DESIGN §4): per model, the replica set a processor serves from.
+"""The queue-side view (docs/architecture.md §4): per model, the replica set a processor serves from.
 
 It is read off the same fold as the cluster view, not folded by a second reducer, so the
 dispatcher and the controller can never disagree about which replica is ready: the "state sync

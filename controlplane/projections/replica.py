@@ -1,4 +1,4 @@
-"""The replica state machine of DESIGN §4, as one pure function.
+"""The replica state machine of docs/architecture.md §4, as one pure function.
 
 `step(replica, event)` returns the next replica view and, when the pair (state, event) is not in the
 table, an anomaly text. It never raises: races (an agent's `ReplicaLoaded` landing after

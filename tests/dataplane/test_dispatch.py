@@ -332,7 +332,7 @@ def dispatcher_process(url: str, gcs: str) -> subprocess.Popen[bytes]:
 
 async def test_dispatcher_sigkilled_mid_burst_every_request_ends_once(service: dict[str, Any],
                                                                       models: dict[str, Path]) -> None:
-    """Execution is at-least-once, the terminal status is kept exactly once (DESIGN §4).
+    """Execution is at-least-once, the terminal status is kept exactly once (docs/architecture.md §4).
 
     A terminal status is written to KV once (counted on the bucket's subject); on the status subject
     it may be published again by the dispatcher that takes over (a dispatcher can die between

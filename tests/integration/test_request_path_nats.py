@@ -96,7 +96,7 @@ async def test_pull_reports_a_deleted_consumer(event_log: JetStreamEventLog) -> 
 
 
 async def test_kept_status_is_republished_and_a_losing_write_never_seen(event_log: JetStreamEventLog) -> None:
-    """The terminal status reaches `ndif.status.<id>` only as KV keeps it (DESIGN §4: exactly once)."""
+    """The terminal status reaches `ndif.status.<id>` only as KV keeps it (docs/architecture.md §4: exactly once)."""
     seen: list[tuple[str, bytes]] = []
 
     async def cb(m: Any) -> None:

@@ -58,3 +58,17 @@ def test_v1_lifecycle_says_what_happened():
     a0 = {c.index: c for c in s.node_cards("gpu-a.ndif.internal")}
     assert a0[0].reserved_bytes == int(0.575 * 2**30) + int(57.5 * 2**30)
     assert s.commands["cmd-scale-down-gpt2"].events == 3
+
+
+def test_model_keys_as_fields_fold_like_model_keys_as_strings():
+    """v1_lifecycle_keyfields is v1_lifecycle written by the codec that stores model keys as fields
+    (`{"repo_id": ...}`); a log holding both forms (written before and after that codec) folds the same."""
+    old, new = HERE / "v1_lifecycle.jsonl", HERE / "v1_lifecycle_keyfields.jsonl"
+    new_lines = [line for line in new.read_bytes().splitlines() if line.strip()]
+    assert all(b'"model_key":{"repo_id":' in line or b'"model_key":null' in line for line in new_lines)
+    assert not any(b'"model_key":"' in line for line in new_lines)
+    old_state, new_state = replay(stored(old), strict=True), replay(stored(new), strict=True)
+    assert new_state.to_snapshot() == old_state.to_snapshot()
+    mixed = [(i, a if i % 2 else b) for (i, a), (_, b) in zip(stored(old), stored(new), strict=True)]
+    assert replay(mixed, strict=True).to_snapshot() == old_state.to_snapshot()
+    assert [ev for _, ev in stored(old)] == [ev for _, ev in stored(new)]

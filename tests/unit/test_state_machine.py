@@ -1,4 +1,4 @@
-"""The DESIGN §4 table, row by row, plus the races it names."""
+"""The docs/architecture.md §4 table, row by row, plus the races it names."""
 
 from __future__ import annotations
 

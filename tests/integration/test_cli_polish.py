@@ -1,0 +1,51 @@
+"""`ndif` output that lands in pipes and files: real nats-server, the CLI as a subprocess."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+from datetime import UTC, datetime
+
+import pytest
+
+from controlplane.eventstore import JetStreamEventLog
+from controlplane.nats_server import EmbeddedNats
+from schemas.events import GpuInfo, NodeJoined
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def joined(node: str) -> NodeJoined:
+    return NodeJoined(event_id=f"join-{node}", ts=datetime.now(UTC), actor=f"agent:{node}", node_id=node,
+                      gpus=(GpuInfo(index=0, memory_bytes=2**30),), cpu_cache_bytes=2**30)
+
+
+async def test_status_watch_into_a_pipe_writes_no_screen_codes(nats_server: EmbeddedNats,
+                                                               event_log: JetStreamEventLog) -> None:
+    await event_log.append([joined("node-a")], 0)
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "dataplane.cli", "status", "--watch", "--nats", nats_server.url,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        env={**os.environ, "NDIF_LOG_LEVEL": "WARNING"})
+    assert proc.stdout is not None
+    try:
+        out = b""
+
+        async def read_until(text: bytes) -> None:
+            nonlocal out
+            while text not in out:
+                chunk = await proc.stdout.read(4096)  # type: ignore[union-attr]
+                assert chunk, f"ndif status --watch ended: {out!r} {await proc.stderr.read()!r}"  # type: ignore[union-attr]
+                out += chunk
+
+        async with asyncio.timeout(60):
+            await read_until(b"cluster at seq 1")
+            await event_log.append([joined("node-b")], 1)
+            await read_until(b"cluster at seq 2")
+    finally:
+        proc.terminate()
+        await proc.wait()
+    text = out.decode()
+    assert "cluster at seq 1" in text and "node-b" in text.split("cluster at seq 2")[1]
+    assert "\x1b" not in text  # no clear-screen / cursor codes in a pipe

@@ -1,0 +1,48 @@
+"""The subject filters docs/nats-cli.md tells an operator to type match what the store writes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from schemas import events as E
+from schemas.events import event_subject
+from schemas.keys import canonical_model_key
+from schemas.subjects import node_subject, operator_filters, request_subject
+from tests.strategies import T0
+
+GPT2 = canonical_model_key("openai-community/gpt2")
+
+
+def matches(pattern: str, subject: str) -> bool:
+    """NATS subject matching: `*` one token, `>` one or more trailing tokens."""
+    p, s = pattern.split("."), subject.split(".")
+    for i, tok in enumerate(p):
+        if tok == ">":
+            return len(s) > i
+        if i >= len(s) or (tok != "*" and tok != s[i]):
+            return False
+    return len(p) == len(s)
+
+
+def test_filters_select_exactly_the_events_of_their_model_replica_and_node():
+    f = operator_filters(GPT2, node_id="gpu-a.cluster")
+    other = canonical_model_key("openai-community/gpt2@v2")
+    loaded = E.ReplicaLoaded(event_id="e", ts=T0, actor="agent", model_key=GPT2, replica_id=3, node_id="gpu-a.cluster")
+    reg = E.ModelRegistered(event_id="r", ts=T0, actor="cli", model_key=GPT2, checkpoint="c", size_bytes=1)
+    assert matches(f["replica events"], event_subject(loaded))
+    assert matches(f["model events"], event_subject(reg))
+    assert not matches(f["replica events"], event_subject(E.ReplicaLoaded(
+        event_id="e", ts=T0, actor="agent", model_key=other, replica_id=3)))
+    assert matches("ndif.evt.replica.*.3", event_subject(loaded))  # replica 3 of every model
+    assert f["node events"] == node_subject("gpu-a.cluster") and f["requests"] == request_subject(GPT2)
+    one = operator_filters(GPT2, replica_id=3)["replica events"]
+    assert matches(one, event_subject(loaded)) and not matches(one, event_subject(
+        E.ReplicaLoaded(event_id="e", ts=T0, actor="agent", model_key=GPT2, replica_id=4)))
+
+
+def test_the_module_prints_them():
+    ran = subprocess.run([sys.executable, "-m", "schemas.subjects", "openai-community/gpt2", "--node", "n1"],
+                         capture_output=True, text=True, timeout=60)
+    assert ran.returncode == 0 and "ndif.evt.replica.openai-community_gpt2-" in ran.stdout
+    assert "ndif.evt.node.n1-" in ran.stdout
