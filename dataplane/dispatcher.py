@@ -44,7 +44,7 @@ from dataplane.processor import Pending, Processor
 from dataplane.pull import PullConsumer
 from dataplane.replica_link import ReplicaLink
 from schemas import errors as errs
-from schemas.events import ReplicaDrained
+from schemas.events import ModelUndeployed, ReplicaDrained
 from schemas.keys import canonical_model_key, display_name
 from schemas.requests import (
     INLINE_RESULT_BYTES,
@@ -192,27 +192,30 @@ class Dispatcher:
         while True:
             try:
                 async for batch in self.log_.follow_batches(self.state.seq + 1):
+                    undeployed: set[str] = set()
                     for seq, item in batch:
                         self.state.apply(seq, item)
-                    self._sync_all()
+                        if isinstance(item, ModelUndeployed):
+                            undeployed.add(item.model_key)
+                    self._sync_all(undeployed)
             except asyncio.CancelledError:
                 raise
             except errs.InfrastructureError as exc:
                 log.warning("follow_interrupted", error=str(exc))
                 await asyncio.sleep(0.5)
 
-    def _sync_all(self) -> None:
+    def _sync_all(self, undeployed: set[str] | frozenset[str] = frozenset()) -> None:
         for token, p in list(self.processors.items()):
             mk = p.model_key
             if mk is None:
                 continue
             m = self.state.models.get(mk)
-            if m is not None and m.undeployed and p.queue:
-                # `ndif undeploy`: the requests still waiting end now (the ones running finish as
-                # the replicas drain); nothing provisions the model again for them.
+            if mk in undeployed and p.queue:
+                # `ndif undeploy` just now: the requests still waiting end (the ones running finish
+                # as the replicas drain); nothing provisions the model again for them.
                 p.fail_all("ModelUndeployed", f"{display_name(mk)} was undeployed (`ndif undeploy`) "
                                               "before this request ran; submit it again to deploy it anew")
-            elif m is None and mk in self.state.undeployed and not p.queue and not p.running():
+            if m is None and mk in self.state.undeployed and not p.queue and not p.running():
                 self._remove_processor(token, p)  # the model is forgotten: so is its processor
                 continue
             p.sync(queue_view(self.state, mk))
