@@ -24,7 +24,7 @@ from controlplane.eventstore import JetStreamEventLog
 from controlplane.nats_server import EmbeddedNats
 from dataplane.tiny_models import make_tiny_gpt2
 from schemas.commands import CommandResult
-from schemas.events import CommandDecided, Event
+from schemas.events import Event
 from schemas.keys import canonical_model_key
 from schemas.subjects import model_token
 from tests.agent_sim import GB, ScriptedAgent
@@ -127,7 +127,7 @@ async def test_command_id_is_never_two_commands(nats_server: EmbeddedNats, admin
         assert noop.ok and not noop.replicas and "nothing to do" in noop.message
         assert noop.first_seq == noop.last_seq == before + 1
         stored = [e async for _, e in admin.events(start_seq=noop.first_seq)]
-        assert [type(e) for e in stored] == [CommandDecided] and stored[0].command_id == "id-b"
+        assert [type(e).__name__ for e in stored] == ["CommandDecided"] and stored[0].command_id == "id-b"
         # Later, the same id asking for more is another command: refused, never appended.
         ran = await ndif(url, "scale", str(tiny), "--replicas", "2", "--command-id", "id-b")
         assert ran.rc == 2 and "already used" in ran.err, (ran.rc, ran.err)
@@ -316,7 +316,7 @@ async def test_replica_bounds(nats_server: EmbeddedNats, admin: AdminClient, log
             took = time.perf_counter() - t0
             res = msgspec.json.decode(reply.data, type=CommandResult)
             assert not res.ok and res.error == "InvalidCommand" and "limit" in res.message, res
-            assert took < 0.5, took
+            assert took < 1.0, took  # (the controller spent 30+ s placing 10^9 replicas before)
         t0 = time.perf_counter()
         ok = await admin.scale(str(tiny), 1, scale_up=True)
         assert ok.ok and time.perf_counter() - t0 < 2.0
