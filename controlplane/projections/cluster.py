@@ -223,11 +223,11 @@ class ClusterState(Projection):
             case CommandDecided():
                 pass  # its record is kept above
             case ModelUndeployed():
-                m = self.models.get(ev.model_key)
-                if m is None:
+                known = self.models.get(ev.model_key)
+                if known is None:
                     self._anomaly(seq, ev, "ModelUndeployed for a model that is not deployed")
                     return
-                self.models[ev.model_key] = _replace(m, undeployed=True, target_hot=0, since_seq=seq)
+                self.models[ev.model_key] = _replace(known, undeployed=True, target_hot=0, since_seq=seq)
                 self._sweep(ev.model_key)
             case _:
                 self._anomaly(seq, ev, f"no cluster rule for {type(ev).__name__}")
