@@ -58,3 +58,16 @@ def test_v1_lifecycle_says_what_happened():
     a0 = {c.index: c for c in s.node_cards("gpu-a.ndif.internal")}
     assert a0[0].reserved_bytes == int(0.575 * 2**30) + int(57.5 * 2**30)
     assert s.commands["cmd-scale-down-gpt2"].events == 3
+
+
+def test_v1_commands_undeploy_says_what_happened():
+    """Made through decide() and a scripted agent: deploy 2, a no-op scale (recorded alone), evict one to
+    WARM, undeploy (both forgotten), deploy again (ids start over). Guards CommandDecided/ModelUndeployed."""
+    s = replay(stored(HERE / "v1_commands_undeploy.jsonl"), strict=True)
+    gpt2 = 'nnsight.modeling.language.LanguageModel:{"repo_id": "openai-community/gpt2", "revision": null}'
+    noop = s.commands["cmd-noop"]
+    assert (noop.events, noop.verb) == (1, "scale") and noop.fingerprint
+    assert s.commands["cmd-undeploy"].events == 4  # decided, two evictions, ModelUndeployed
+    assert sorted(rid for _, rid in s.replicas) == [0] and s.replicas[(gpt2, 0)].state is ReplicaState.AVAILABLE
+    assert s.models[gpt2].next_replica_id == 1 and not s.undeployed
+    assert s.cpu_cached("gpu-a.ndif.internal") == 0
