@@ -51,8 +51,7 @@ def _print_result(verb: str, res: CommandResult, as_json: bool) -> None:
         print(f"  replica {r.replica_id} of {display_name(r.model_key)}: {r.action} on {r.node_id or '-'} "
               f"gpus {list(r.gpu_indices)}")
     for r in res.evictions:
-        print(f"  replica {r.replica_id} of {display_name(r.model_key)}: {r.action} -> {r.level}"
-              + (" (nothing in memory to keep)" if r.level == "COLD" and "admin" in r.action else ""))
+        print(f"  replica {r.replica_id} of {display_name(r.model_key)}: {r.action} -> {r.level}")
     for j in res.rejections:
         print(f"  {j.replicas} replica(s) of {display_name(j.model_key)} not placed: {j.reason} "
               f"(needs {j.needed_bytes / 2**30:.1f} GiB, at most {j.free_bytes / 2**30:.1f} GiB free)")
