@@ -22,22 +22,46 @@ from controlplane.eventstore import JetStreamEventLog
 from controlplane.ports import Stored
 from controlplane.projections import ClusterState, replay
 from schemas import errors as errs
-from schemas.commands import AnyCommand, CommandResult, Deploy, Evict, Restart, Scale, ScaleDown, validate
+from schemas.commands import AnyCommand, CommandResult, Deploy, Evict, Restart, Scale, ScaleDown, Undeploy, validate
 from schemas.events import Event, ReplicaEvent
-from schemas.keys import canonical_model_key
+from schemas.keys import canonical_model_key, display_name
 from schemas.status import ReplicaState
 from schemas.subjects import command_subject
 
 _result_decoder = msgspec.json.Decoder(CommandResult)
 _encoder = msgspec.json.Encoder()
 _ERRORS: dict[str, type[errs.NdifError]] = {
-    c.__name__: c for c in (errs.InvalidCommand, errs.NotFound, errs.UnknownModel, errs.ConflictError,
-                            errs.PlacementError, errs.InfrastructureError)
+    c.__name__: c for c in (errs.InvalidCommand, errs.CommandIdConflict, errs.NotFound, errs.UnknownModel,
+                            errs.ConflictError, errs.PlacementError, errs.InfrastructureError)
 }
 
 
 def new_command_id() -> str:
     return f"cmd-{uuid.uuid4().hex[:16]}"
+
+
+def resolve_name(state: ClusterState, name: str) -> str:
+    """The canonical key of a model the log knows, from any name an operator types: a full key, a
+    repo id, a checkpoint path, or a short name (the repo id's or directory's last part) that
+    matches exactly one model. Unknown -> UnknownModel (exit 3); several matches -> InvalidCommand.
+    """
+    known = set(state.models) | state.undeployed
+    try:
+        mk = canonical_model_key(name)
+    except errs.InvalidCommand:
+        mk = None
+    if mk is not None and mk in known:
+        return mk
+    short = name.rstrip("/")
+    hits = sorted(k for k in known
+                  if display_name(k) == short or display_name(k).rstrip("/").rsplit("/", 1)[-1] == short)
+    if len(hits) == 1:
+        return hits[0]
+    if len(hits) > 1:
+        raise errs.InvalidCommand(f"{name!r} matches {len(hits)} models ({', '.join(map(display_name, hits))}); "
+                                  "give the full repo id or path")
+    names = ", ".join(sorted(display_name(k) for k in known)[:10]) or "none yet"
+    raise errs.UnknownModel(f"unknown model {name!r}: no model of that name in the log (models: {names})")
 
 
 class AdminClient:
@@ -78,7 +102,7 @@ class AdminClient:
                 f"re-run it with the same command id ({cmd.command_id}) to get its result"
             ) from None
         res = _result_decoder.decode(msg.data)
-        if not res.ok:
+        if not res.ok and not res.last_seq:  # refused, nothing appended (a short placement is a result)
             cls = _ERRORS.get(res.error or "", errs.NdifError)
             if cls is errs.ConflictError:
                 raise errs.ConflictError(res.message or "conflict", expected_last_seq=0, actual_last_seq=None)
@@ -114,6 +138,9 @@ class AdminClient:
     async def restart(self, model: str, *, replica_id: int | None = None,
                       command_id: str | None = None) -> CommandResult:
         return await self.command(self._cmd(Restart, command_id, model_key=model, replica_id=replica_id))
+
+    async def undeploy(self, model: str, *, command_id: str | None = None) -> CommandResult:
+        return await self.command(self._cmd(Undeploy, command_id, model_key=model))
 
     # ---- reads -------------------------------------------------------------------------------
 

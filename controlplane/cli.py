@@ -1,9 +1,9 @@
 """The admin commands of `ndif` (NDIF's CLI habits, plus what an event log makes possible).
 
-deploy, scale, scale-down, evict, restart, status, events, history, replay, controller.
+deploy, scale, scale-down, evict, restart, undeploy, status, events, history, replay, controller.
 Every command takes --nats URL (env NDIF_NATS_URL). Errors print one line to stderr and exit
 non-zero: 2 invalid input, 3 unknown model/replica, 4 conflict, 5 infrastructure (no controller,
-timeout), 6 replay found anomalies (--strict).
+timeout), 6 replay found anomalies (--strict), 7 deploy/scale placed nothing, 8 placed fewer than asked.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any, NoReturn
 
 import msgspec
 
-from controlplane.admin import AdminClient
+from controlplane.admin import AdminClient, resolve_name
 from controlplane.logs import configure
 from controlplane.placement import PADDING
 from controlplane.projections import ClusterState
@@ -29,9 +29,12 @@ from controlplane.render import render_status, status_json
 from schemas import errors as errs
 from schemas.commands import MAX_HEADROOM, CommandResult
 from schemas.events import Event, ReplicaEvent, Skipped, event_tag
-from schemas.keys import canonical_model_key, display_name
+from schemas.keys import display_name
 
 DEFAULT_URL = "nats://127.0.0.1:4222"
+# A deploy/scale that placed fewer replicas than asked: its decision is in the log, but it fell short.
+EXIT_PLACED_NONE = 7
+EXIT_PLACED_SOME = 8
 EXIT = {errs.InvalidCommand: 2, errs.NotFound: 3, errs.ConflictError: 4, errs.InfrastructureError: 5,
         errs.ReplayAnomalyError: 6}
 _json = msgspec.json.Encoder()
@@ -73,26 +76,46 @@ async def _command(a: argparse.Namespace, admin: AdminClient) -> int:
             res = await admin.evict(a.model, replica_id=a.replica_id, all=a.all, cold=a.cold, command_id=cid)
         case "restart":
             res = await admin.restart(a.model, replica_id=a.replica_id, command_id=cid)
+        case "undeploy":
+            res = await admin.undeploy(a.model, command_id=cid)
         case _:
             raise errs.InvalidCommand(f"unknown command {a.cmd}")
     _print_result(a.cmd, res, a.json)
+    code = 0
+    if not res.ok:  # placed fewer than asked: the decision stands, the exit code says it fell short
+        code = EXIT_PLACED_NONE if res.placed == 0 else EXIT_PLACED_SOME
+        if not a.json:
+            print(f"error: placed {res.placed} of {res.asked} replica(s); the rest found no room "
+                  "(free memory with `ndif evict` / `ndif scale-down`, or add nodes)", file=sys.stderr)
     if getattr(a, "wait", False) and res.replicas:
         state = await admin.wait(res, timeout=a.wait_timeout)
+        # A restart's duration is from its decision to the replica serving again (the view's
+        # load_seconds is the agent's figure for the last load from disk, not for this restart).
+        decided = None
+        if any(r.action == "restarted" for r in res.replicas):
+            decided = next((e.ts for _, e in [p async for p in admin.log.read(res.first_seq, stop_seq=res.first_seq)]
+                            if isinstance(e, Event)), None)
         failed = 0
         waited = []
         for r in res.replicas:
             view = state.replicas[(r.model_key, r.replica_id)]
             failed += view.state in ("LoadFailed", "Failed")
+            seconds = view.load_seconds
+            if r.action == "restarted":
+                seconds = ((view.loaded_at - decided).total_seconds()
+                           if decided is not None and view.loaded_at is not None and view.state == "Available"
+                           else None)
             waited.append({"model_key": r.model_key, "replica_id": r.replica_id, "state": str(view.state),
-                           "level": str(view.level), "load_seconds": view.load_seconds, "error": view.error})
+                           "level": str(view.level), "load_seconds": seconds, "error": view.error})
             if not a.json:
                 print(f"  replica {r.replica_id} of {display_name(r.model_key)}: {view.state}"
-                      + (f" in {view.load_seconds:.2f}s" if view.load_seconds else "")
+                      + (f" in {seconds:.2f}s" if seconds is not None else "")
                       + (f" ({view.error})" if view.error else ""))
         if a.json:
             _out({"waited": waited, "seq": state.seq})
-        return 1 if failed else 0
-    return 0
+        if failed:
+            return 1
+    return code
 
 
 async def _status(a: argparse.Namespace, admin: AdminClient) -> int:
@@ -128,7 +151,8 @@ def _event_line(seq: int, item: Event | Skipped) -> str:
 
 
 async def _events(a: argparse.Namespace, admin: AdminClient) -> int:
-    async for seq, item in admin.events(model=a.model, start_seq=a.since, follow=a.follow):
+    model = resolve_name(await admin.state(), a.model) if a.model else None  # as `history` does
+    async for seq, item in admin.events(model=model, start_seq=a.since, follow=a.follow):
         if a.json:
             body = msgspec.json.decode(_json.encode(item)) if isinstance(item, Event) else {"skipped": item.reason}
             _out({"seq": seq, "event": body})
@@ -140,7 +164,7 @@ async def _events(a: argparse.Namespace, admin: AdminClient) -> int:
 
 async def _history(a: argparse.Namespace, admin: AdminClient) -> int:
     """One model's (or replica's) timeline: each event, the state it left, and who caused it."""
-    mk = canonical_model_key(a.model)
+    mk = resolve_name(await admin.state(), a.model)
     state = ClusterState()
     rows = 0
     async for batch in admin.log.read_batches():
@@ -175,6 +199,12 @@ async def _replay(a: argparse.Namespace, admin: AdminClient) -> int:
             raise errs.InvalidCommand(f"--until takes a sequence number or an ISO time, got {a.until!r}") from None
         if until_time.tzinfo is None:
             raise errs.InvalidCommand("--until time needs a timezone, e.g. 2026-11-22T14:00:00Z")
+    if until_seq is not None:
+        last = await admin.log.last_seq()
+        if until_seq > last:  # the log has no such sequence (yet): show where it ends, never wait for it
+            print(f"note: the log ends at seq {last}; --until {until_seq} is past it: showing the state at seq "
+                  f"{last}", file=sys.stderr)
+            until_seq = last
     state = await admin.state(until_seq=until_seq, until_time=until_time, strict=a.strict)
     _show(state, a.json)
     return 0
@@ -188,7 +218,9 @@ async def _controller(a: argparse.Namespace) -> int:
     if a.min_deploy_s < 0:
         raise errs.InvalidCommand(f"--min-deploy-s must be 0 or more, got {a.min_deploy_s}")
     await run_controller(a.nats, heartbeat_grace_s=a.heartbeat_grace, max_restarts=a.max_restarts,
-                         min_deploy_s=a.min_deploy_s, stream_replicas=a.stream_replicas, headroom=a.headroom)
+                         min_deploy_s=a.min_deploy_s, stream_replicas=a.stream_replicas, headroom=a.headroom,
+                         max_replicas_per_model=a.max_replicas_per_model,
+                         max_replicas_per_command=a.max_replicas_per_command)
     return 0
 
 
@@ -241,6 +273,9 @@ def add_admin_commands(sub: Any) -> None:
     p.add_argument("model", help=MODEL_HELP)
     p.add_argument("--replica-id", type=int, help="only this replica (default: every one of MODEL)")
     mutating(p)
+    p = sub.add_parser("undeploy", help="remove a model: drain and unload every replica, then forget it and its ids")
+    p.add_argument("model", help=MODEL_HELP)
+    mutating(p, wait=False)
     p = sub.add_parser("status", help="nodes, cards, models and replicas, folded from the log")
     common(p)
     p.add_argument("--watch", action="store_true", help="print again on every event")
@@ -270,11 +305,15 @@ def add_admin_commands(sub: Any) -> None:
     p.add_argument("--headroom", type=float, default=PADDING,
                    help="fraction charged over a model's measured size, unless its deploy gave one "
                    "(default %(default)s)")
+    p.add_argument("--max-replicas-per-model", type=int, default=None,
+                   help="most replicas one model may have (env NDIF_MAX_REPLICAS_PER_MODEL; default 128)")
+    p.add_argument("--max-replicas-per-command", type=int, default=None,
+                   help="most replicas one deploy/scale may ask (env NDIF_MAX_REPLICAS_PER_COMMAND; default 64)")
 
 
 ADMIN: dict[str, Callable[[argparse.Namespace, AdminClient], Coroutine[Any, Any, int]]] = {
     "deploy": _command, "scale": _command, "scale-down": _command, "evict": _command, "restart": _command,
-    "status": _status, "events": _events, "history": _history, "replay": _replay,
+    "undeploy": _command, "status": _status, "events": _events, "history": _history, "replay": _replay,
 }
 
 

@@ -24,12 +24,20 @@ from nats.aio.subscription import Subscription
 
 from controlplane.committer import GroupCommitter
 from controlplane.context import DecisionContext, utcnow
-from controlplane.decide import MAX_RESTARTS, Registration, decide, decide_failure, decide_node_lost, summarize
+from controlplane.decide import (
+    MAX_RESTARTS,
+    Registration,
+    already_decided,
+    decide,
+    decide_failure,
+    decide_node_lost,
+    summarize,
+)
 from controlplane.eventstore import JetStreamEventLog
 from controlplane.placement import MIN_DEPLOY_S, PADDING
 from controlplane.projections import ClusterState
 from controlplane.tasks import cancel_and_wait
-from schemas.commands import AnyCommand, CommandResult, decode_command
+from schemas.commands import AnyCommand, CommandResult, Limits, decode_command
 from schemas.errors import InfrastructureError, NdifError
 from schemas.events import Event, ReplicaFailed
 from schemas.keys import canonical_model_key
@@ -51,8 +59,13 @@ class Controller:
     def __init__(self, url: str, *, name: str | None = None, min_deploy_s: float = MIN_DEPLOY_S,
                  max_restarts: int = MAX_RESTARTS, heartbeat_grace_s: float = 20.0,
                  policy_interval_s: float = 2.0, max_inflight: int = 512, stream_replicas: int = 1,
-                 headroom: float = PADDING) -> None:
+                 headroom: float = PADDING, max_replicas_per_model: int | None = None,
+                 max_replicas_per_command: int | None = None) -> None:
         self.url = url
+        # Replica bounds, checked when a command is decoded (and the per-model one when decided):
+        # a count past them is refused before placement runs. Defaults, then env, then arguments.
+        self.limits = Limits.from_env(max_replicas_per_model=max_replicas_per_model,
+                                      max_replicas_per_command=max_replicas_per_command)
         self.name = name or f"controller:{socket.gethostname()}"
         # Settings that change decisions: every path that decides (commands, failure replacement,
         # node loss) gets them, and the events record what was used, so replay needs no flags.
@@ -139,7 +152,7 @@ class Controller:
         """Decide one command body and append it; every failure becomes a typed error reply."""
         cid = ""
         try:
-            cmd = decode_command(body)
+            cmd = decode_command(body, self.limits)
             cid = cmd.command_id
             cmd = self._canonical(cmd)
             with structlog.contextvars.bound_contextvars(command_id=cid, model_key=getattr(cmd, "model_key", None)):
@@ -158,7 +171,7 @@ class Controller:
 
     async def _decide(self, cmd: AnyCommand) -> CommandResult:
         assert self.committer is not None
-        if cmd.command_id in self.state.commands:
+        if already_decided(self.state, cmd):  # CommandIdConflict when the id was used for another command
             return await self._recorded(cmd.command_id)
         registration = await self._registration(cmd)
         now = utcnow()
@@ -166,10 +179,10 @@ class Controller:
         def run(state: ClusterState) -> list[Event]:
             ctx = DecisionContext(now=now, actor=cmd.actor, command_id=cmd.command_id, seed=seed_of(cmd.command_id))
             return decide(state, cmd, ctx, registration=registration, min_deploy_s=self.min_deploy_s,
-                          headroom=self.headroom)
+                          headroom=self.headroom, max_replicas_per_model=self.limits.max_replicas_per_model)
 
         res = await self.committer.submit(run)
-        if not res.events and cmd.command_id in self.state.commands:
+        if not res.events and already_decided(self.state, cmd):
             return await self._recorded(cmd.command_id)  # a twin of this command won the same turn
         log.info("command_decided", verb=cmd.__struct_config__.tag, first_seq=res.first_seq, last_seq=res.last_seq,
                  events=len(res.events), attempts=res.attempts)

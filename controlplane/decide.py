@@ -26,6 +26,7 @@ from controlplane.placement import (
 from controlplane.projections.cluster import ClusterState
 from controlplane.projections.replica import ReplicaView
 from schemas.commands import (
+    MAX_REPLICAS_PER_MODEL,
     AnyCommand,
     CommandResult,
     Deploy,
@@ -35,12 +36,16 @@ from schemas.commands import (
     Restart,
     Scale,
     ScaleDown,
+    Undeploy,
+    fingerprint,
 )
-from schemas.errors import InvalidCommand, NotFound, UnknownModel
+from schemas.errors import CommandIdConflict, InvalidCommand, NotFound, UnknownModel
 from schemas.events import (
+    CommandDecided,
     DeploymentRequested,
     Event,
     ModelRegistered,
+    ModelUndeployed,
     NodeLost,
     PlacementRejected,
     ReplicaEvictionRequested,
@@ -65,40 +70,85 @@ class Registration(msgspec.Struct, frozen=True, kw_only=True):
 
 def decide(state: ClusterState, cmd: AnyCommand, ctx: DecisionContext, *,
            registration: Registration | None = None, min_deploy_s: float = MIN_DEPLOY_S,
-           headroom: float = PADDING) -> list[Event]:
+           headroom: float = PADDING, max_replicas_per_model: int = MAX_REPLICAS_PER_MODEL) -> list[Event]:
     """The events `cmd` yields on `state`. Raises InvalidCommand / NotFound / UnknownModel.
 
     `min_deploy_s` and `headroom` are the controller's settings (a model's own headroom, recorded
     at deploy, wins over `headroom`); the events record what was used.
+
+    Every decision starts with `CommandDecided` (verb, fingerprint of what was asked), also when
+    it changes nothing: the command id is then in the log, so the same id later appends nothing
+    whatever its first outcome, and the same id with another payload is refused
+    (`CommandIdConflict`).
     """
-    if cmd.command_id in state.commands:
+    fp = fingerprint(cmd)
+    if already_decided(state, cmd, fp):
         return []  # already decided: the first result stands
+    note = ""
+    body: list[Event]
     match cmd:
         case Deploy():
+            _not_undeploying(state, cmd.model_key)
             if state.replica_count(cmd.model_key):
                 raise InvalidCommand(
                     f"{display_name(cmd.model_key)} already has {state.replica_count(cmd.model_key)} HOT replicas: "
                     f"use `ndif scale {display_name(cmd.model_key)} --replicas N`")
-            return _grow(state, cmd.model_key, cmd.replicas, cmd.replicas, DeploymentOp.DEPLOY, cmd.replicas,
+            body = _grow(state, cmd.model_key, cmd.replicas, cmd.replicas, DeploymentOp.DEPLOY, cmd.replicas,
                          cmd.dedicated, ctx, registration, cmd.size_bytes, min_deploy_s,
                          headroom if cmd.headroom is None else cmd.headroom, cmd.gpus)
         case Scale():
+            _not_undeploying(state, cmd.model_key)
             current = state.replica_count(cmd.model_key)
             target = current + cmd.replicas if cmd.scale_up else max(current, cmd.replicas)
+            if target > max_replicas_per_model:
+                raise InvalidCommand(
+                    f"{display_name(cmd.model_key)} would have {target} replicas, above this controller's limit "
+                    f"of {max_replicas_per_model} per model (`ndif controller --max-replicas-per-model`)")
             if target == current:
-                return []  # NDIF: never scales down; nothing to do
-            op = DeploymentOp.SCALE_UP if cmd.scale_up else DeploymentOp.SCALE
-            m = state.models.get(cmd.model_key)
-            return _grow(state, cmd.model_key, target - current, target, op, cmd.replicas, cmd.dedicated, ctx,
-                         registration, None, min_deploy_s, model_headroom(state, cmd.model_key, headroom),
-                         cmd.gpus if cmd.gpus is not None else (m.gpus if m is not None else None))
+                name = display_name(cmd.model_key)
+                body = []
+                note = (f"nothing to do: {name} already has {current} HOT replica(s); scale never scales down: "
+                        f"use `ndif scale-down {name} --replicas {cmd.replicas}`" if cmd.replicas < current else
+                        f"nothing to do: {name} already has {current} HOT replica(s)")
+            else:
+                op = DeploymentOp.SCALE_UP if cmd.scale_up else DeploymentOp.SCALE
+                m = state.models.get(cmd.model_key)
+                body = _grow(state, cmd.model_key, target - current, target, op, cmd.replicas, cmd.dedicated, ctx,
+                             registration, None, min_deploy_s, model_headroom(state, cmd.model_key, headroom),
+                             cmd.gpus if cmd.gpus is not None else (m.gpus if m is not None else None))
         case ScaleDown():
-            return _scale_down(state, cmd, ctx)
+            body = _scale_down(state, cmd, ctx)
         case Evict():
-            return _evict(state, cmd, ctx)
+            body = _evict(state, cmd, ctx)
         case Restart():
-            return _restart(state, cmd, ctx)
-    raise InvalidCommand(f"unknown command {type(cmd).__name__}")
+            body = _restart(state, cmd, ctx)
+        case Undeploy():
+            body = _undeploy(state, cmd, ctx)
+        case _:
+            raise InvalidCommand(f"unknown command {type(cmd).__name__}")
+    head = ctx.event(CommandDecided, model_key=getattr(cmd, "model_key", None), verb=str(cmd.__struct_config__.tag),
+                     fingerprint=fp, note=note)
+    return [head, *body]
+
+
+def already_decided(state: ClusterState, cmd: AnyCommand, fp: str | None = None) -> bool:
+    """Is this command id in the log? Raises CommandIdConflict when it was used for another command."""
+    rec = state.commands.get(cmd.command_id)
+    if rec is None:
+        return False
+    if rec.fingerprint and rec.fingerprint != (fp or fingerprint(cmd)):
+        raise CommandIdConflict(
+            f"command id {cmd.command_id!r} was already used for a different command "
+            f"({rec.verb or 'another command'}, seq {rec.first_seq}); give this command a new --command-id")
+    return True
+
+
+def _not_undeploying(state: ClusterState, model_key: str) -> None:
+    m = state.models.get(model_key)
+    if m is not None and m.undeployed:
+        left = len(state.model_replicas(model_key))
+        raise InvalidCommand(f"{display_name(model_key)} is being undeployed ({left} replica(s) still unloading); "
+                             "deploy it again once `ndif status` no longer lists it")
 
 
 def _size(state: ClusterState, model_key: str, registration: Registration | None,
@@ -161,7 +211,7 @@ def plan_events(p: Plan, ctx: DecisionContext, reason: EvictionReason = Eviction
 
 def _known(state: ClusterState, model_key: str) -> list[ReplicaView]:
     if model_key not in state.models:
-        raise NotFound(f"unknown model {display_name(model_key)}: it was never deployed")
+        raise NotFound(f"unknown model {display_name(model_key)}: it was never deployed (or was undeployed)")
     return state.model_replicas(model_key)
 
 
@@ -193,7 +243,10 @@ def _evict(state: ClusterState, cmd: Evict, ctx: DecisionContext) -> list[Event]
     events: list[Event] = []
     for r in sorted(pool, key=lambda r: (r.model_key, r.replica_id)):
         if r.desired is Level.HOT:
-            target = Level.COLD if cmd.cold else cache_target(state, r, pending_cpu)
+            # A replica that failed (to load, or at run time) or was lost holds no weights to cache:
+            # it goes COLD, and the reply says so (never "-> WARM" for what stays on disk).
+            nothing = r.state in (S.LOAD_FAILED, S.FAILED, S.LOST)
+            target = Level.COLD if cmd.cold or nothing else cache_target(state, r, pending_cpu)
         elif r.desired is Level.WARM and (cmd.cold or cmd.replica_id is not None):
             target = Level.COLD  # evicting a WARM replica, or --cold: down to disk
         else:
@@ -210,12 +263,54 @@ def _restart(state: ClusterState, cmd: Restart, ctx: DecisionContext) -> list[Ev
         pool = [r for r in pool if r.replica_id == cmd.replica_id]
         if not pool:
             raise NotFound(f"{display_name(cmd.model_key)} has no replica {cmd.replica_id}")
-        if pool[0].state not in (S.AVAILABLE, S.FAILED):
-            raise InvalidCommand(f"replica {cmd.replica_id} of {display_name(cmd.model_key)} is {pool[0].state}; "
-                                 "only Available or Failed replicas restart")
-    return [ctx.event(ReplicaRestartRequested, model_key=r.model_key, replica_id=r.replica_id, node_id=r.node_id,
-                      attempt=r.restarts + 1)
-            for r in pool if r.state in (S.AVAILABLE, S.FAILED)]
+        r0 = pool[0]
+        if r0.state not in (S.AVAILABLE, S.FAILED) and not (r0.state is S.LOAD_FAILED and r0.desired is Level.HOT):
+            raise InvalidCommand(f"replica {cmd.replica_id} of {display_name(cmd.model_key)} is {r0.state}; "
+                                 "only Available, Failed or LoadFailed replicas restart")
+    out: list[Event] = []
+    for r in pool:
+        if r.state in (S.AVAILABLE, S.FAILED):
+            out.append(ctx.event(ReplicaRestartRequested, model_key=r.model_key, replica_id=r.replica_id,
+                                 node_id=r.node_id, attempt=r.restarts + 1))
+        elif r.state is S.LOAD_FAILED and r.desired is Level.HOT:
+            out.append(_reload(state, r, ctx))
+    return out
+
+
+def _reload(state: ClusterState, r: ReplicaView, ctx: DecisionContext) -> Event:
+    """Restart of a replica whose load failed: it holds nothing, so it is scheduled again, same id,
+    onto the cards it had (if they still have room: it is a restart, not a new placement)."""
+    node = state.nodes.get(r.node_id)
+    name = f"replica {r.replica_id} of {display_name(r.model_key)}"
+    if node is None or not node.alive:
+        raise InvalidCommand(f"{name} failed to load on {r.node_id or 'no node'}, which is gone: "
+                             f"`ndif evict {display_name(r.model_key)} --replica-id {r.replica_id}` then `ndif scale`")
+    totals = {g.index: g.memory_bytes for g in node.gpus}
+    short = [g for g in r.gpu_indices
+             if g not in totals or state.card_committed(r.node_id, g) + r.bytes_per_gpu > totals[g]]
+    if short or not r.gpu_indices:
+        raise InvalidCommand(f"{name} cannot load again where it was: cards {short or list(r.gpu_indices)} of "
+                             f"{r.node_id} have no room for it now; make room (`ndif evict`, `ndif scale-down`) "
+                             "or evict it and `ndif scale`")
+    return ctx.event(ReplicaScheduled, model_key=r.model_key, replica_id=r.replica_id, node_id=r.node_id,
+                     gpu_indices=r.gpu_indices, bytes_per_gpu=r.bytes_per_gpu, source=Level.COLD,
+                     dedicated=r.dedicated, seed=ctx.seed)
+
+
+def _undeploy(state: ClusterState, cmd: Undeploy, ctx: DecisionContext) -> list[Event]:
+    """Every replica still holding or asking for anything goes COLD (drained first when serving);
+    `ModelUndeployed` then lets the fold forget each one once Unloaded, and the model after the last."""
+    pool = _known(state, cmd.model_key)
+    events: list[Event] = []
+    for r in pool:
+        if r.state is S.UNLOADED or (r.state is S.UNLOAD_REQUESTED and r.desired is Level.COLD):
+            continue  # gone, or already on its way to disk
+        events.append(ctx.event(ReplicaEvictionRequested, model_key=r.model_key, replica_id=r.replica_id,
+                                node_id=r.node_id, reason=EvictionReason.UNDEPLOY, target=Level.COLD,
+                                drain=r.state in (S.AVAILABLE, S.DRAINING)))
+    if not state.models[cmd.model_key].undeployed:
+        events.append(ctx.event(ModelUndeployed, model_key=cmd.model_key, replicas=len(events)))
+    return events
 
 
 # ---- controller policies -------------------------------------------------------------------------
@@ -274,14 +369,25 @@ def _replace_replicas(state: ClusterState, gone: Sequence[ReplicaView], ctx: Dec
 # ---- replies ---------------------------------------------------------------------------------------
 
 
+_GROW = frozenset({DeploymentOp.DEPLOY, DeploymentOp.SCALE, DeploymentOp.SCALE_UP})
+
+
 def summarize(command_id: str, events: Sequence[Event], first_seq: int, *, duplicate: bool = False) -> CommandResult:
-    """The typed reply for a decision's events (also rebuilt from the log for a duplicate command)."""
+    """The typed reply for a decision's events (also rebuilt from the log for a duplicate command).
+
+    `ok` is false when a deploy/scale placed fewer replicas than it asked (`asked`/`placed`); the
+    decision is in the log all the same.
+    """
     replicas, evictions, rejections = [], [], []
+    head = next((e for e in events if isinstance(e, CommandDecided)), None)
+    restart = head is not None and head.verb == "restart"
+    grows = any(isinstance(e, DeploymentRequested) and e.op in _GROW for e in events)
+    undeployed = any(isinstance(e, ModelUndeployed) for e in events)
     for e in events:
         if isinstance(e, ReplicaScheduled):
+            action = "restarted" if restart else "reused-warm" if e.source is Level.WARM else "scheduled"
             replicas.append(ReplicaOutcome(model_key=e.model_key, replica_id=e.replica_id, level=Level.HOT,
-                                           node_id=e.node_id, gpu_indices=tuple(e.gpu_indices),
-                                           action="reused-warm" if e.source is Level.WARM else "scheduled"))
+                                           node_id=e.node_id, gpu_indices=tuple(e.gpu_indices), action=action))
         elif isinstance(e, ReplicaRestartRequested):
             replicas.append(ReplicaOutcome(model_key=e.model_key, replica_id=e.replica_id, level=Level.HOT,
                                            node_id=e.node_id, action="restarted"))
@@ -292,15 +398,26 @@ def summarize(command_id: str, events: Sequence[Event], first_seq: int, *, dupli
             rejections.append(Rejection(model_key=e.model_key, replicas=e.replicas, needed_bytes=e.needed_bytes,
                                         free_bytes=e.free_bytes, reason=e.reason))
     n = len(events)
+    placed = sum(1 for r in replicas if r.action != "restarted") if grows else 0
+    short = sum(r.replicas for r in rejections)
+    asked = placed + short if grows else 0
     parts = []
-    if replicas:
+    if grows:
+        parts.append(f"placed {placed} of {asked} replica(s)")
+    elif replicas:
         parts.append(f"{len(replicas)} replica(s) scheduled/restarted")
     if evictions:
         parts.append(f"{len(evictions)} eviction(s)")
+    if undeployed:
+        parts.append("model undeployed: forgotten once every replica is unloaded")
     if rejections:
-        parts.append(f"{sum(r.replicas for r in rejections)} replica(s) could not be placed (CANT_ACCOMMODATE)")
+        parts.append(f"{short} replica(s) could not be placed (CANT_ACCOMMODATE)")
+    if not parts:
+        parts.append(head.note if head is not None and head.note else "nothing to do")
+    ok = short == 0
     return CommandResult(
-        command_id=command_id, ok=True, first_seq=first_seq if n else 0, last_seq=first_seq + n - 1 if n else 0,
+        command_id=command_id, ok=ok, first_seq=first_seq if n else 0, last_seq=first_seq + n - 1 if n else 0,
         duplicate=duplicate, replicas=tuple(replicas), evictions=tuple(evictions), rejections=tuple(rejections),
-        message=("; ".join(parts) or "nothing to do") + (" (duplicate command: first result)" if duplicate else ""),
+        message="; ".join(parts) + (" (duplicate command: first result)" if duplicate else ""),
+        error=None if ok else "PlacementError", asked=asked, placed=placed,
     )

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from controlplane.placement import padded
-from controlplane.projections import ClusterState
+from controlplane.projections import ClusterState, ReplicaView
 from schemas.keys import display_name
+from schemas.status import Level
 
 GiB = 2**30
 
@@ -26,6 +27,17 @@ def _table(rows: list[list[str]], header: list[str]) -> list[str]:
     return [fmt.format(*header), fmt.format(*("-" * w for w in widths))] + [fmt.format(*r) for r in rows]
 
 
+def holds(r: ReplicaView) -> bool:
+    """Does the replica hold (or is it taking) anything on its node: cards, or CPU memory (WARM)?
+    A COLD replica that holds nothing is shown without its old node and cards."""
+    return r.on_gpu or r.cpu_bytes > 0
+
+
+def hot_count(state: ClusterState, model_key: str) -> int:
+    """Replicas of a model whose weights are on GPU now (observed), not the ones asked for."""
+    return sum(1 for r in state.model_replicas(model_key) if r.level is Level.HOT)
+
+
 def render_status(state: ClusterState) -> str:
     """Nodes and cards (GiB reserved / total), models, replicas (desired vs observed), anomalies."""
     out = [f"cluster at seq {state.seq}"]
@@ -44,17 +56,23 @@ def render_status(state: ClusterState) -> str:
             m = state.models[mk]
             size = human_bytes(m.registration.size_bytes) if m.registration else "?"
             charge = _charge(state, mk)
-            rows.append([display_name(mk), str(state.model_status(mk)), str(state.replica_count(mk)),
-                         str(m.target_hot), size, human_bytes(charge) if charge is not None else "?",
+            rows.append([display_name(mk), str(state.model_status(mk)), str(hot_count(state, mk)),
+                         str(state.replica_count(mk)), str(m.target_hot), size,
+                         human_bytes(charge) if charge is not None else "?",
                          f"{m.headroom:.0%}" if m.headroom is not None else "default",
                          str(m.gpus) if m.gpus else "auto", "yes" if m.dedicated else "no"])
-        out += ["", "MODELS"] + _table(rows, ["model", "status", "hot", "last asked", "size", "charge", "headroom",
-                                              "gpus", "dedicated"])
+        out += ["", "MODELS (hot: on GPU now; wanted: replicas desired HOT)"] + _table(
+            rows, ["model", "status", "hot", "wanted", "last asked", "size", "charge", "headroom", "gpus", "dedicated"])
     live = [r for r in state.replicas.values()]
     if live:
         rows = []
         for r in sorted(live, key=lambda r: (display_name(r.model_key), r.replica_id)):
-            where = f"{r.node_id}:{','.join(map(str, r.gpu_indices))}" if r.node_id else "-"
+            if not holds(r) or not r.node_id:
+                where = "-"
+            elif r.on_gpu:
+                where = f"{r.node_id}:{','.join(map(str, r.gpu_indices))}"
+            else:
+                where = f"{r.node_id}:cpu"
             rows.append([display_name(r.model_key), str(r.replica_id), str(r.level), str(r.desired), str(r.state),
                          where, str(r.since_seq), (r.error or "")[:40]])
         out += ["", "REPLICAS"] + _table(rows, ["model", "id", "level", "desired", "state", "node:gpus", "since",
@@ -93,7 +111,8 @@ def status_json(state: ClusterState) -> dict[str, object]:
         m = state.models[mk]
         models.append({
             "model_key": mk, "name": display_name(mk), "status": str(state.model_status(mk)),
-            "replica_count": state.replica_count(mk), "target_hot": m.target_hot, "dedicated": m.dedicated,
+            "replica_count": state.replica_count(mk), "hot": hot_count(state, mk), "target_hot": m.target_hot,
+            "dedicated": m.dedicated,
             "size_bytes": m.registration.size_bytes if m.registration else None,
             "checkpoint": m.registration.checkpoint if m.registration else None,
             "next_replica_id": m.next_replica_id,
@@ -101,7 +120,8 @@ def status_json(state: ClusterState) -> dict[str, object]:
         })
     replicas = [{
         "model_key": r.model_key, "replica_id": r.replica_id, "level": str(r.level), "desired": str(r.desired),
-        "state": str(r.state), "node_id": r.node_id, "gpu_indices": list(r.gpu_indices),
+        "state": str(r.state), "node_id": r.node_id if holds(r) else "",
+        "gpu_indices": list(r.gpu_indices) if r.on_gpu else [], "last_node_id": r.node_id,
         "bytes_per_gpu": r.bytes_per_gpu, "cpu_bytes": r.cpu_bytes, "dedicated": r.dedicated,
         "restarts": r.restarts, "error": r.error, "since_seq": r.since_seq,
     } for r in sorted(state.replicas.values(), key=lambda r: (r.model_key, r.replica_id))]

@@ -44,8 +44,8 @@ from dataplane.processor import Pending, Processor
 from dataplane.pull import PullConsumer
 from dataplane.replica_link import ReplicaLink
 from schemas import errors as errs
-from schemas.events import ReplicaDrained
-from schemas.keys import canonical_model_key
+from schemas.events import ModelUndeployed, ReplicaDrained
+from schemas.keys import canonical_model_key, display_name
 from schemas.requests import (
     INLINE_RESULT_BYTES,
     Request,
@@ -107,6 +107,7 @@ class Dispatcher:
         self.ack_wait_s = ack_wait_s or float(os.environ.get("NDIF_REQUEST_ACK_WAIT_S", ACK_WAIT_S))
         self.state = ClusterState()
         self.processors: dict[str, Processor] = {}  # model token -> processor
+        self._consumers: dict[str, asyncio.Task[None]] = {}  # model token -> its consume task
         self.log_: JetStreamEventLog | None = None
         self.admin: AdminClient | None = None
         self.kv: Any = None
@@ -191,19 +192,54 @@ class Dispatcher:
         while True:
             try:
                 async for batch in self.log_.follow_batches(self.state.seq + 1):
+                    undeployed: set[str] = set()
                     for seq, item in batch:
                         self.state.apply(seq, item)
-                    self._sync_all()
+                        if isinstance(item, ModelUndeployed):
+                            undeployed.add(item.model_key)
+                    self._sync_all(undeployed)
             except asyncio.CancelledError:
                 raise
             except errs.InfrastructureError as exc:
                 log.warning("follow_interrupted", error=str(exc))
                 await asyncio.sleep(0.5)
 
-    def _sync_all(self) -> None:
-        for p in self.processors.values():
-            if p.model_key is not None:
-                p.sync(queue_view(self.state, p.model_key))
+    def _sync_all(self, undeployed: set[str] | frozenset[str] = frozenset()) -> None:
+        for token, p in list(self.processors.items()):
+            mk = p.model_key
+            if mk is None:
+                continue
+            m = self.state.models.get(mk)
+            if mk in undeployed and p.queue:
+                # `ndif undeploy` just now: the requests still waiting end (the ones running finish
+                # as the replicas drain); nothing provisions the model again for them.
+                p.fail_all("ModelUndeployed", f"{display_name(mk)} was undeployed (`ndif undeploy`) "
+                                              "before this request ran; submit it again to deploy it anew")
+            if m is None and mk in self.state.undeployed and not p.queue and not p.running():
+                self._remove_processor(token, p)  # the model is forgotten: so is its processor
+                continue
+            p.sync(queue_view(self.state, mk))
+
+    def _remove_processor(self, token: str, p: Processor) -> None:
+        """Drop an undeployed model's processor: its consume task, its lanes and its durable consumer
+        (a later request for the model makes a new one)."""
+        del self.processors[token]
+        tasks = [t for lanes in p.workers.values() for t in lanes]
+        task = self._consumers.pop(token, None)
+        if task is not None:
+            tasks.append(task)
+            with contextlib.suppress(ValueError):
+                self._tasks.remove(task)
+        for t in tasks:
+            t.cancel()
+        if self.log_ is not None:
+            self.spawn(self._delete_consumer(f"proc-{token}"))
+        log.info("processor_removed", model_key=p.model_key, token=token)
+
+    async def _delete_consumer(self, durable: str) -> None:
+        assert self.log_ is not None
+        with contextlib.suppress(nats.js.errors.NotFoundError):
+            await self.log_.js.delete_consumer(REQUESTS_STREAM, durable)
 
     def report_drained(self, model_key: str, replica_id: int) -> None:
         r = self.state.replicas.get((model_key, replica_id))
@@ -278,7 +314,8 @@ class Dispatcher:
         p = self.processors.get(token)
         if p is None and not self._stopped:
             p = self.processors[token] = Processor(token, self)
-            self._tasks.append(asyncio.create_task(self._consume(p), name=f"consume-{token}"))
+            task = self._consumers[token] = asyncio.create_task(self._consume(p), name=f"consume-{token}")
+            self._tasks.append(task)
         return p
 
     async def _on_publish(self, msg: Msg) -> None:

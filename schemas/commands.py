@@ -6,6 +6,8 @@ A command is a request, not a fact: the controller decides and appends events, t
 
 from __future__ import annotations
 
+import hashlib
+import os
 from typing import Final, Union
 
 import msgspec
@@ -60,19 +62,77 @@ class Evict(Command, frozen=True, kw_only=True, tag="evict"):
 
 
 class Restart(Command, frozen=True, kw_only=True, tag="restart"):
+    """Restart Available or Failed replicas in place; a LoadFailed one is scheduled again (same id)."""
+
     model_key: str
     replica_id: int | None = None
 
 
-AnyCommand = Union[Deploy, Scale, ScaleDown, Evict, Restart]
+class Undeploy(Command, frozen=True, kw_only=True, tag="undeploy"):
+    """Remove a model: drain and unload every replica to COLD, then forget the model and its ids."""
+
+    model_key: str
+
+
+AnyCommand = Union[Deploy, Scale, ScaleDown, Evict, Restart, Undeploy]
 VERBS: Final[tuple[str, ...]] = tuple(c.__struct_config__.tag for c in AnyCommand.__args__)  # type: ignore[attr-defined,misc]
 
+# Replica bounds. A controller is configured with its own (`ndif controller --max-replicas-per-model`,
+# env NDIF_MAX_REPLICAS_PER_MODEL / NDIF_MAX_REPLICAS_PER_COMMAND); these are the defaults.
+MAX_REPLICAS_PER_MODEL: Final = 128
+MAX_REPLICAS_PER_COMMAND: Final = 64
+# What any client refuses before sending, whatever a controller allows: beyond this a count is a typo.
+ABSOLUTE_MAX_REPLICAS: Final = 100_000
 
-def validate(cmd: AnyCommand) -> AnyCommand:
-    """Reject what no cluster state could make valid; raises InvalidCommand."""
+
+class Limits(msgspec.Struct, frozen=True, kw_only=True):
+    """Bounds on what one command may ask; checked when a command is decoded, before any decision."""
+
+    max_replicas_per_model: int = MAX_REPLICAS_PER_MODEL
+    max_replicas_per_command: int = MAX_REPLICAS_PER_COMMAND
+
+    @classmethod
+    def from_env(cls, **override: int | None) -> Limits:
+        """The defaults, then NDIF_MAX_REPLICAS_PER_MODEL / _PER_COMMAND, then `override` (None = keep)."""
+        vals = {"max_replicas_per_model": _env_int("NDIF_MAX_REPLICAS_PER_MODEL", MAX_REPLICAS_PER_MODEL),
+                "max_replicas_per_command": _env_int("NDIF_MAX_REPLICAS_PER_COMMAND", MAX_REPLICAS_PER_COMMAND)}
+        vals.update({k: v for k, v in override.items() if v is not None})
+        for k, v in vals.items():
+            if not 1 <= v <= ABSOLUTE_MAX_REPLICAS:
+                raise InvalidCommand(f"{k} must be between 1 and {ABSOLUTE_MAX_REPLICAS}, got {v}")
+        return cls(**vals)
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise InvalidCommand(f"{name} must be an integer, got {raw!r}") from None
+
+
+def validate(cmd: AnyCommand, limits: Limits | None = None) -> AnyCommand:
+    """Reject what no cluster state could make valid; raises InvalidCommand.
+
+    With `limits` (the controller's), a count above them is refused here, in microseconds, before
+    any placement is tried; without (a client), only counts above ABSOLUTE_MAX_REPLICAS are.
+    """
     replicas = getattr(cmd, "replicas", None)
     if replicas is not None and replicas < 0:
         raise InvalidCommand(f"--replicas must be 0 or more, got {replicas}")
+    if replicas is not None:
+        cap = ABSOLUTE_MAX_REPLICAS if limits is None else min(limits.max_replicas_per_command,
+                                                                limits.max_replicas_per_model)
+        if replicas > cap and not isinstance(cmd, ScaleDown):
+            which = ("the absolute limit" if limits is None else
+                     "this controller's limit per command" if cap == limits.max_replicas_per_command
+                     else "this controller's limit per model")
+            raise InvalidCommand(f"--replicas {replicas} is above {which} ({cap} replicas); "
+                                 "ask for fewer (limits: `ndif controller --max-replicas-per-model/-per-command`)")
+        if isinstance(cmd, ScaleDown) and replicas > ABSOLUTE_MAX_REPLICAS:
+            raise InvalidCommand(f"--replicas {replicas} is above the absolute limit ({ABSOLUTE_MAX_REPLICAS})")
     if isinstance(cmd, (Deploy, Scale)) and cmd.replicas < 1:
         raise InvalidCommand(f"{cmd.__struct_config__.tag}: --replicas must be at least 1, got {cmd.replicas}")
     if isinstance(cmd, Deploy) and cmd.size_bytes is not None and cmd.size_bytes <= 0:
@@ -91,9 +151,18 @@ def validate(cmd: AnyCommand) -> AnyCommand:
         if cmd.replica_id is not None and not cmd.model_key:
             raise InvalidCommand("evict: --replica-id needs a model")
     rid = getattr(cmd, "replica_id", None)
-    if rid is not None and rid < 0:
-        raise InvalidCommand(f"--replica-id must be 0 or more, got {rid}")
+    if rid is not None and not 0 <= rid <= 2**31:
+        raise InvalidCommand(f"--replica-id must be between 0 and 2^31, got {rid}")
+    if len(cmd.command_id) > 200 or not cmd.command_id:
+        raise InvalidCommand("--command-id must be 1 to 200 characters")
     return cmd
+
+
+def fingerprint(cmd: AnyCommand) -> str:
+    """What a command asks, without who sent it or its id: the same id with another fingerprint is
+    another command (refused). Taken after the model key is made canonical."""
+    body = msgspec.json.encode(msgspec.structs.replace(cmd, command_id="", actor=""))
+    return hashlib.blake2b(body, digest_size=12).hexdigest()
 
 
 class ReplicaOutcome(msgspec.Struct, frozen=True, kw_only=True):
@@ -126,14 +195,21 @@ class CommandResult(msgspec.Struct, frozen=True, kw_only=True):
     rejections: tuple[Rejection, ...] = ()
     message: str = ""
     error: str | None = None  # error class name when not ok (InvalidCommand, UnknownModel, ...)
+    # deploy/scale: replicas the decision wanted placed, and how many it placed. `ok` is false when
+    # placed < asked (the decision is still in the log: first_seq..last_seq; error PlacementError).
+    asked: int = 0
+    placed: int = 0
 
 
+MAX_COMMAND_BYTES: Final = 64 * 1024
 _command_decoder = msgspec.json.Decoder(AnyCommand)
 
 
-def decode_command(data: bytes) -> AnyCommand:
+def decode_command(data: bytes, limits: Limits | None = None) -> AnyCommand:
     """Decode and validate a command body; malformed input is InvalidCommand, never a crash."""
+    if len(data) > MAX_COMMAND_BYTES:
+        raise InvalidCommand(f"command body of {len(data)} bytes is above {MAX_COMMAND_BYTES}")
     try:
-        return validate(_command_decoder.decode(data))
+        return validate(_command_decoder.decode(data), limits or Limits())
     except msgspec.DecodeError as exc:
         raise InvalidCommand(f"malformed command: {exc}") from None

@@ -46,6 +46,10 @@ class InvalidCommand(NdifError, ValueError):
     """The input is wrong (bad count, malformed JSON, unknown flag combination); nothing was appended."""
 
 
+class CommandIdConflict(InvalidCommand):
+    """A command id already used for a different command (same id, different payload); nothing appended."""
+
+
 class NotFound(NdifError, LookupError):
     """A model, replica, node or request that does not exist."""
 

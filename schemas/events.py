@@ -18,7 +18,15 @@ import msgspec
 from schemas.errors import InvalidCommand
 from schemas.keys import model_parts
 from schemas.status import DeploymentOp, EvictionReason, Level
-from schemas.subjects import HDR_EVENT, HDR_MSG_ID, HDR_SCHEMA, model_subject, node_subject, replica_subject
+from schemas.subjects import (
+    HDR_EVENT,
+    HDR_MSG_ID,
+    HDR_SCHEMA,
+    command_event_subject,
+    model_subject,
+    node_subject,
+    replica_subject,
+)
 
 SCHEMA_VERSION: Final = 1
 MAX_BATCH: Final = 1000  # JetStream atomic batch limit (err 10199 above it)
@@ -213,6 +221,24 @@ class PlacementRejected(Event, frozen=True, kw_only=True, tag="PlacementRejected
     min_deploy_s: float | None = None
 
 
+class ModelUndeployed(Event, frozen=True, kw_only=True, tag="ModelUndeployed"):
+    """`ndif undeploy`: the model is being removed. Its replicas were asked to go COLD in the same
+    decision; each is forgotten once Unloaded, the model (registration, ids) once none is left."""
+
+    model_key: str
+    replicas: int = 0  # replicas this decision asked to leave
+
+
+class CommandDecided(Event, frozen=True, kw_only=True, tag="CommandDecided"):
+    """An operator command was decided: the first event of its decision, and the only one when the
+    decision changed nothing. It makes every command id durable (a no-op included) and lets a
+    reused id with another payload be refused (`fingerprint`, schemas.commands.fingerprint)."""
+
+    verb: str
+    fingerprint: str
+    note: str = ""  # what the decision says beyond its events (e.g. why nothing was done)
+
+
 # ---- replicas (desired, by the controller) -----------------------------------------------------
 
 
@@ -313,6 +339,8 @@ AnyEvent = Union[
     ReplicaUnloaded,
     ReplicaRestarted,
     ReplicaFailed,
+    ModelUndeployed,
+    CommandDecided,
 ]
 
 EVENT_TYPES: Final[dict[str, type[Event]]] = {
@@ -390,6 +418,8 @@ def event_subject(event: Event) -> str:
         return replica_subject(event.model_key, event.replica_id)
     if isinstance(event, (NodeJoined, NodeLost)):
         return node_subject(event.node_id)
+    if isinstance(event, CommandDecided) and event.model_key is None:
+        return command_event_subject(event.command_id or event.event_id)
     if event.model_key is None:
         raise ValueError(f"{event_tag(event)} has no model_key; it has no subject")
     return model_subject(event.model_key)

@@ -39,6 +39,7 @@ class ModelStatus(enum.StrEnum):
     AVAILABLE = "Available"
     FAILED = "Failed"
     SCALED_DOWN = "ScaledDown"
+    UNDEPLOYING = "Undeploying"  # `ndif undeploy`: its replicas are draining/unloading; then it is forgotten
 
 
 class ProcessorStatus(enum.StrEnum):
@@ -74,6 +75,7 @@ class EvictionReason(enum.StrEnum):
     PRESSURE = "pressure"
     SCALE_DOWN = "scale-down"
     NODE_LOST = "node-lost"
+    UNDEPLOY = "undeploy"
 
 
 class DeploymentOp(enum.StrEnum):

@@ -67,6 +67,11 @@ def replica_subject(model_key: str, replica_id: int) -> str:
     return f"ndif.evt.replica.{model_token(model_key)}.{int(replica_id)}"
 
 
+def command_event_subject(command_id: str) -> str:
+    """`ndif.evt.cmd.<ctok>`: a `CommandDecided` of a command about no single model (`evict --all`)."""
+    return f"ndif.evt.cmd.{_token(command_id, command_id)}"
+
+
 def replica_call_subject(model_key: str, replica_id: int) -> str:
     """`ndif.run.<mtok>.<replica_id>` (core request/reply): the replica's endpoint for the request path."""
     return f"ndif.run.{model_token(model_key)}.{int(replica_id)}"

@@ -78,6 +78,12 @@ def any_event(draw: st.DrawFn) -> E.Event:
             return E.EVENT_TYPES[kind](**_env(), **rep, error=draw(texts))  # type: ignore[call-arg]
         case "ReplicaCached":
             return E.ReplicaCached(**_env(), **rep, cpu_bytes=draw(nbytes))
+        case "ModelUndeployed":
+            return E.ModelUndeployed(**_env(), model_key=m, replicas=draw(st.integers(0, 4)))
+        case "CommandDecided":
+            return E.CommandDecided(**{**_env(), "command_id": draw(st.sampled_from(["c1", "c2"]))},
+                                    model_key=draw(st.sampled_from([m, None])), verb="scale",
+                                    fingerprint=draw(st.sampled_from(["f1", "f2"])), note=draw(texts))
         case _:
             return E.EVENT_TYPES[kind](**_env(), **rep)  # type: ignore[call-arg]
 

@@ -15,10 +15,12 @@ import msgspec
 from controlplane.projections.base import Anomaly, Projection
 from controlplane.projections.replica import OBSERVED_RULES, ReplicaView, step
 from schemas.events import (
+    CommandDecided,
     DeploymentRequested,
     Event,
     GpuInfo,
     ModelRegistered,
+    ModelUndeployed,
     NodeJoined,
     NodeLost,
     PlacementRejected,
@@ -84,6 +86,7 @@ class ModelView(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     since_seq: int = 0
     headroom: float | None = None  # charged over the size; None: never recorded (the controller's default)
     gpus: int | None = None  # cards per replica; None: as few as hold the charge
+    undeployed: bool = False  # `ndif undeploy`: forgotten once its last replica is Unloaded
 
 
 class CommandRecord(msgspec.Struct, frozen=True, kw_only=True, gc=False):
@@ -93,6 +96,8 @@ class CommandRecord(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     first_seq: int
     last_seq: int
     events: int
+    verb: str = ""  # from its CommandDecided (absent in logs written before it existed)
+    fingerprint: str = ""  # schemas.commands.fingerprint of what it asked ("" = unknown)
 
 
 class CardUsage(msgspec.Struct, frozen=True, kw_only=True):
@@ -123,13 +128,14 @@ class ClusterSnapshot(msgspec.Struct, frozen=True, kw_only=True):
     anomalies: list[Anomaly]
     anomaly_count: int
     event_ids: list[str]
+    undeployed: list[str] = []  # models forgotten by `ndif undeploy` (late events of theirs are ignored)
 
 
 class ClusterState(Projection):
     """Fold of NDIF_EVENTS into the cluster placement view."""
 
     __slots__ = ("_by_model", "_card_leaving", "_card_totals", "_cards", "_cpu", "_cpu_pending", "_node_free",
-                 "commands", "models", "nodes", "replicas")
+                 "commands", "models", "nodes", "replicas", "undeployed")
 
     def __init__(self) -> None:
         super().__init__()
@@ -137,6 +143,7 @@ class ClusterState(Projection):
         self.models: dict[str, ModelView] = {}
         self.replicas: dict[RKey, ReplicaView] = {}
         self.commands: dict[str, CommandRecord] = {}
+        self.undeployed: set[str] = set()  # models forgotten by undeploy (until deployed again)
         # Derived indexes (not in snapshots): replica -> bytes per card and per node CPU cache.
         self._cards: dict[CardKey, dict[RKey, int]] = {}
         self._card_totals: dict[CardKey, int] = {}  # sum of _cards[k], kept alongside for O(1) reads
@@ -162,6 +169,9 @@ class ClusterState(Projection):
                 if rec is None
                 else _replace(rec, last_seq=seq, events=rec.events + 1)
             )
+            if ev.__class__ is CommandDecided and not self.commands[cid].fingerprint:
+                self.commands[cid] = _replace(self.commands[cid], verb=ev.verb,  # type: ignore[attr-defined]
+                                              fingerprint=ev.fingerprint)  # type: ignore[attr-defined]
         rule = OBSERVED_RULES.get(ev.__class__)
         if rule is not None:
             # Hot path (most stored events): an observed event for a known replica from its own
@@ -176,6 +186,8 @@ class ClusterState(Projection):
                     self._put(key, new)
                     if ev.__class__ in _CPU_EVENTS:
                         self._check_cpu(seq, ev, new)
+                    if new.state is ReplicaState.UNLOADED:
+                        self._sweep(key[0], key)
                 return
         if isinstance(ev, ReplicaEvent):
             self._replica_event(seq, ev)
@@ -198,6 +210,7 @@ class ClusterState(Projection):
                         self._put(key, _replace(r, state=ReplicaState.LOST, on_gpu=False, cpu_bytes=0,
                                                 since_seq=seq, error=f"node lost: {ev.reason}"))
             case ModelRegistered():
+                self.undeployed.discard(ev.model_key)
                 m = self._model(ev.model_key)
                 if m.registration is not None:
                     if m.registration.size_bytes != ev.size_bytes or m.registration.checkpoint != ev.checkpoint:
@@ -207,6 +220,7 @@ class ClusterState(Projection):
                                    dtype=ev.dtype, seq=seq)
                 self.models[ev.model_key] = _replace(m, registration=reg, since_seq=seq)
             case DeploymentRequested():
+                self.undeployed.discard(ev.model_key)
                 m = self._model(ev.model_key)
                 self.models[ev.model_key] = _replace(
                     m, target_hot=ev.target_hot, dedicated=ev.dedicated, since_seq=seq,
@@ -217,13 +231,25 @@ class ClusterState(Projection):
                 rej = RejectionView(seq=seq, needed_bytes=ev.needed_bytes, free_bytes=ev.free_bytes,
                                     replicas=ev.replicas, reason=ev.reason)
                 self.models[ev.model_key] = _replace(m, last_rejection=rej, since_seq=seq)
+            case CommandDecided():
+                pass  # its record is kept above
+            case ModelUndeployed():
+                known = self.models.get(ev.model_key)
+                if known is None:
+                    self._anomaly(seq, ev, "ModelUndeployed for a model that is not deployed")
+                    return
+                self.models[ev.model_key] = _replace(known, undeployed=True, target_hot=0, since_seq=seq)
+                self._sweep(ev.model_key)
             case _:
                 self._anomaly(seq, ev, f"no cluster rule for {type(ev).__name__}")
 
     def _replica_event(self, seq: int, ev: ReplicaEvent) -> None:
         key = (ev.model_key, ev.replica_id)
         old = self.replicas.get(key)
+        if old is None and ev.model_key in self.undeployed and not isinstance(ev, ReplicaScheduled):
+            return  # a late report about a replica of a model undeploy has forgotten
         if isinstance(ev, ReplicaScheduled):
+            self.undeployed.discard(ev.model_key)
             problem = self._check_placement(ev)
             if problem:
                 self._anomaly(seq, ev, problem, ev.replica_id)
@@ -240,6 +266,24 @@ class ClusterState(Projection):
                 self._check_overcommit(seq, ev)
             elif ev.__class__ in _CPU_EVENTS:
                 self._check_cpu(seq, ev, new)
+            if new.state is ReplicaState.UNLOADED:
+                self._sweep(ev.model_key, key)
+
+    def _sweep(self, model_key: str, key: RKey | None = None) -> None:
+        """Undeploy: forget the model's Unloaded replicas (one, or all), and the model once none is left."""
+        m = self.models.get(model_key)
+        if m is None or not m.undeployed:
+            return
+        ids = self._by_model.get(model_key, {})
+        for k in [key] if key is not None else [(model_key, i) for i in ids]:
+            r = self.replicas.get(k)
+            if r is not None and r.state is ReplicaState.UNLOADED and not r.on_gpu and not r.cpu_bytes:
+                del self.replicas[k]
+                ids.pop(k[1], None)
+        if not ids:
+            self._by_model.pop(model_key, None)
+            del self.models[model_key]
+            self.undeployed.add(model_key)
 
     def _check_placement(self, ev: ReplicaScheduled) -> str | None:
         node = self.nodes.get(ev.node_id)
@@ -400,6 +444,8 @@ class ClusterState(Projection):
     def model_status(self, model_key: str, min_ready: int = 1) -> ModelStatus:
         """Seed 002's model status, derived from the replicas."""
         m = self.models.get(model_key)
+        if m is not None and m.undeployed:
+            return ModelStatus.UNDEPLOYING
         hot = [r for r in self.model_replicas(model_key) if r.desired is Level.HOT]
         if m is None or (m.target_hot == 0 and not hot):
             return ModelStatus.SCALED_DOWN
@@ -425,6 +471,7 @@ class ClusterState(Projection):
             anomalies=list(self.anomalies),
             anomaly_count=self.anomaly_count,
             event_ids=sorted(self.event_ids),
+            undeployed=sorted(self.undeployed),
         )
 
     @classmethod
@@ -436,6 +483,7 @@ class ClusterState(Projection):
         s.commands = {c.command_id: c for c in snap.commands}
         s.anomalies, s.anomaly_count = list(snap.anomalies), snap.anomaly_count
         s.event_ids = set(snap.event_ids)
+        s.undeployed = set(snap.undeployed)
         for r in snap.replicas:
             s._put(r.key, r)
         return s
@@ -445,6 +493,7 @@ class ClusterState(Projection):
         self._copy_base(c)
         c.nodes, c.models, c.replicas = dict(self.nodes), dict(self.models), dict(self.replicas)
         c.commands = dict(self.commands)
+        c.undeployed = set(self.undeployed)
         c._cards = {k: dict(v) for k, v in self._cards.items()}
         c._card_totals = dict(self._card_totals)
         c._card_leaving = dict(self._card_leaving)

@@ -74,7 +74,7 @@ async def lifecycle_scenario(url: str, admin: AdminClient, tiny: Path, *, node: 
     size = model_row(st, mk)["size_bytes"]
     assert size == 689152  # measured on the meta device: params + buffers of the real checkpoint
     types = [e["event"]["type"] for e in await cli_json(url, "events", "--model", str(tiny))]
-    assert types == ["ModelRegistered", "DeploymentRequested", "ReplicaScheduled", "ReplicaLoading",
+    assert types == ["CommandDecided", "ModelRegistered", "DeploymentRequested", "ReplicaScheduled", "ReplicaLoading",
                      "ReplicaLoaded"]
 
     res = await step("scale", "scale", str(tiny), "--replicas", "2", "--wait")

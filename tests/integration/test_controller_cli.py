@@ -137,7 +137,7 @@ async def test_bad_input_appends_nothing(nats_server: EmbeddedNats, admin: Admin
         assert len({(t.first_seq, t.last_seq) for t in twins}) == 1
         assert sum(not t.duplicate for t in twins) <= 1
         events = [e async for _, e in admin.events() if getattr(e, "command_id", None) == "twin-1"]
-        assert len(events) == twins[0].last_seq - twins[0].first_seq + 1 == 3  # requested + 2 scheduled
+        assert len(events) == twins[0].last_seq - twins[0].first_seq + 1 == 4  # decided, requested, 2 scheduled
     finally:
         await stop_all(parts)
 

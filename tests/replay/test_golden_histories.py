@@ -72,3 +72,16 @@ def test_model_keys_as_fields_fold_like_model_keys_as_strings():
     mixed = [(i, a if i % 2 else b) for (i, a), (_, b) in zip(stored(old), stored(new), strict=True)]
     assert replay(mixed, strict=True).to_snapshot() == old_state.to_snapshot()
     assert [ev for _, ev in stored(old)] == [ev for _, ev in stored(new)]
+
+
+def test_v1_commands_undeploy_says_what_happened():
+    """Made through decide() and a scripted agent: deploy 2, a no-op scale (recorded alone), evict one to
+    WARM, undeploy (both forgotten), deploy again (ids start over). Guards CommandDecided/ModelUndeployed."""
+    s = replay(stored(HERE / "v1_commands_undeploy.jsonl"), strict=True)
+    gpt2 = 'nnsight.modeling.language.LanguageModel:{"repo_id": "openai-community/gpt2", "revision": null}'
+    noop = s.commands["cmd-noop"]
+    assert (noop.events, noop.verb) == (1, "scale") and noop.fingerprint
+    assert s.commands["cmd-undeploy"].events == 4  # decided, two evictions, ModelUndeployed
+    assert sorted(rid for _, rid in s.replicas) == [0] and s.replicas[(gpt2, 0)].state is ReplicaState.AVAILABLE
+    assert s.models[gpt2].next_replica_id == 1 and not s.undeployed
+    assert s.cpu_cached("gpu-a.ndif.internal") == 0

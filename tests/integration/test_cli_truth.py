@@ -1,0 +1,324 @@
+"""Every command tells the truth (issue 13, part B): the `ndif` CLI as a subprocess against a real
+nats-server, a real controller and the scripted node agent.
+
+Exit codes and `--json` say what happened: a short placement is not a success, a reused command id
+is never a second command, a failed replica is restarted for real, replay never waits for a
+sequence the log does not have, undeploy forgets a model, and counts are bounded before placement.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+import pytest_asyncio
+
+from controlplane.admin import AdminClient
+from controlplane.controller import Controller
+from controlplane.eventstore import JetStreamEventLog
+from controlplane.nats_server import EmbeddedNats
+from dataplane.tiny_models import make_tiny_gpt2
+from schemas.commands import CommandResult
+from schemas.events import Event
+from schemas.keys import canonical_model_key
+from schemas.subjects import model_token
+from tests.agent_sim import GB, ScriptedAgent
+from tests.conftest import bounded, fresh_event_log
+from tests.integration.cluster import by_id, model_row, ndif, settle
+
+pytestmark = pytest.mark.timeout(240)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_gpt2(tmp_path_factory.mktemp("ckpt") / "tiny-gpt2")
+
+
+def config_only(root: Path, name: str, tiny: Path) -> str:
+    d = root / name
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "config.json").write_bytes((tiny / "config.json").read_bytes())
+    return str(d)
+
+
+@pytest_asyncio.fixture
+async def log(nats_server: EmbeddedNats) -> AsyncIterator[JetStreamEventLog]:
+    lg = await fresh_event_log(nats_server.url)
+    yield lg
+    await lg.close()
+
+
+@pytest_asyncio.fixture
+async def admin(nats_server: EmbeddedNats, log: JetStreamEventLog) -> AsyncIterator[AdminClient]:
+    async with await AdminClient.open(nats_server.url, timeout=20) as a:
+        yield a
+
+
+class Cluster:
+    def __init__(self, *parts: Controller | ScriptedAgent) -> None:
+        self.parts = parts
+
+    async def __aenter__(self) -> Cluster:
+        for p in self.parts:
+            await p.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        for p in reversed(self.parts):
+            await bounded(p.stop(), f"stop {type(p).__name__}")
+
+
+def result(out: str) -> CommandResult:
+    return msgspec.json.decode(out.splitlines()[0], type=CommandResult)
+
+
+async def test_short_placement_exits_nonzero(nats_server: EmbeddedNats, admin: AdminClient, tiny: Path,
+                                             tmp_path: Path) -> None:
+    url = nats_server.url
+    big, other = config_only(tmp_path, "big", tiny), config_only(tmp_path, "other", tiny)
+    async with Cluster(Controller(url), ScriptedAgent(url, "node-a", gpus=1, gpu_bytes=80 * GB)):
+        # Two 50 GB replicas on one 80 GB card: one placed, one not -> partial (8), ok false, counts.
+        ran = await ndif(url, "deploy", big, "--replicas", "2", "--size-bytes", str(50 * GB), "--json")
+        assert ran.rc == 8, (ran.rc, ran.out, ran.err)
+        res = result(ran.out)
+        assert not res.ok and (res.asked, res.placed) == (2, 1) and res.error == "PlacementError"
+        assert res.last_seq > 0 and len(res.replicas) == 1 and res.rejections[0].replicas == 1
+        assert "placed 1 of 2" in res.message
+        # Nothing placed at all -> 7; the text form says so on stderr.
+        ran = await ndif(url, "deploy", other, "--replicas", "1", "--size-bytes", str(50 * GB))
+        assert ran.rc == 7, (ran.rc, ran.out, ran.err)
+        assert "placed 0 of 1" in ran.out and "error: placed 0 of 1" in ran.err
+        # A scale that falls short is the same; one that places everything is 0.
+        ran = await ndif(url, "scale", big, "--replicas", "3", "--json")
+        assert ran.rc == 7 and not result(ran.out).ok and result(ran.out).asked == 2
+        ran = await ndif(url, "deploy", str(tiny), "--replicas", "1", "--json")
+        assert ran.rc == 0 and result(ran.out).ok and (result(ran.out).asked, result(ran.out).placed) == (1, 1)
+        # A duplicate of a short command is as short as the first answer.
+        ran = await ndif(url, "scale", big, "--replicas", "3", "--json", "--command-id", "short-1")
+        again = await ndif(url, "scale", big, "--replicas", "3", "--json", "--command-id", "short-1")
+        assert ran.rc == again.rc == 7 and result(again.out).duplicate and not result(again.out).ok
+
+
+async def test_command_id_is_never_two_commands(nats_server: EmbeddedNats, admin: AdminClient,
+                                                log: JetStreamEventLog, tiny: Path) -> None:
+    url = nats_server.url
+    mk = canonical_model_key(str(tiny))
+    async with Cluster(Controller(url), ScriptedAgent(url, "node-a", gpus=2)):
+        ran = await ndif(url, "deploy", str(tiny), "--replicas", "1", "--command-id", "id-a", "--wait")
+        assert ran.rc == 0, ran.err
+        await settle(admin)
+        # Same id, different payload: refused, exit 2, nothing appended.
+        before = await log.last_seq()
+        ran = await ndif(url, "deploy", str(tiny), "--replicas", "2", "--command-id", "id-a")
+        assert ran.rc == 2 and "already used for a different command" in ran.err, (ran.rc, ran.err)
+        ran = await ndif(url, "evict", str(tiny), "--command-id", "id-a")
+        assert ran.rc == 2 and "id-a" in ran.err
+        assert await log.last_seq() == before
+
+        # A no-op ("nothing to do") is recorded: one CommandDecided, and its id is remembered.
+        ran = await ndif(url, "scale", str(tiny), "--replicas", "1", "--command-id", "id-b", "--json")
+        assert ran.rc == 0, ran.err
+        noop = result(ran.out)
+        assert noop.ok and not noop.replicas and "nothing to do" in noop.message
+        assert noop.first_seq == noop.last_seq == before + 1
+        stored = [e async for _, e in admin.events(start_seq=noop.first_seq)]
+        assert [type(e).__name__ for e in stored] == ["CommandDecided"] and stored[0].command_id == "id-b"
+        # Later, the same id asking for more is another command: refused, never appended.
+        ran = await ndif(url, "scale", str(tiny), "--replicas", "2", "--command-id", "id-b")
+        assert ran.rc == 2 and "already used" in ran.err, (ran.rc, ran.err)
+        # The same id and payload again: the first (no-op) answer, nothing appended.
+        ran = await ndif(url, "scale", str(tiny), "--replicas", "1", "--command-id", "id-b", "--json")
+        assert ran.rc == 0 and result(ran.out).duplicate and "nothing to do" in result(ran.out).message
+        await settle(admin)
+        assert await log.last_seq() == noop.last_seq
+        assert sum(1 for _, e in [p async for p in log.read()]
+                   if isinstance(e, Event) and e.command_id == "id-b") == 1
+        st = await admin.state()
+        assert st.replica_count(mk) == 1
+
+        # Scale below the current count points to scale-down.
+        await ndif(url, "scale", str(tiny), "--replicas", "2", "--wait")
+        ran = await ndif(url, "scale", str(tiny), "--replicas", "1")
+        assert ran.rc == 0 and "scale-down" in ran.out and "--replicas 1" in ran.out, ran.out
+
+
+async def test_failed_replicas_restart_and_evict_truthfully(nats_server: EmbeddedNats, admin: AdminClient,
+                                                            tiny: Path) -> None:
+    url = nats_server.url
+    mk = canonical_model_key(str(tiny))
+    failing = {"on": True}
+    agent = ScriptedAgent(url, "node-a", gpus=2, load_delay_s=1.5, fail_loads=lambda m: failing["on"])
+    async with Cluster(Controller(url), agent):
+        ran = await ndif(url, "deploy", str(tiny), "--replicas", "1", "--wait")
+        assert ran.rc == 1 and "LoadFailed" in ran.out, (ran.rc, ran.out, ran.err)
+        # The model whose only replica failed is not "hot 1"; the COLD replica shows no node/cards.
+        status = (await ndif(url, "status", "--json")).json()
+        assert model_row(status, mk)["hot"] == 0 and model_row(status, mk)["status"] == "Failed"
+        r0 = by_id(status, mk)[0]
+        assert (r0["state"], r0["level"], r0["node_id"], r0["gpu_indices"]) == ("LoadFailed", "COLD", "", [])
+        assert r0["last_node_id"] == "node-a"
+        text = (await ndif(url, "status")).out
+        row = next(ln for ln in text.splitlines() if ln.startswith("/") and "Failed" in ln and "tiny-gpt2" in ln)
+        assert row.split()[2] == "0", text  # hot
+        rep = next(ln for ln in text.splitlines() if "LoadFailed" in ln)
+        assert "node-a" not in rep, text
+
+        # restart of the LoadFailed replica restarts it (same id), and --wait reports that load.
+        failing["on"] = False
+        ran = await ndif(url, "restart", str(tiny), "--replica-id", "0", "--wait", "--json")
+        assert ran.rc == 0, (ran.rc, ran.out, ran.err)
+        lines = ran.lines()
+        assert [(r["replica_id"], r["action"]) for r in lines[0]["replicas"]] == [(0, "restarted")]
+        waited = lines[1]["waited"][0]
+        assert waited["state"] == "Available" and 1.4 <= waited["load_seconds"] < 10, waited
+
+        # restart --wait of a serving replica reports the restart's own duration (the agent restarts
+        # at once), not the replica's earlier 1.5 s load.
+        ran = await ndif(url, "restart", str(tiny), "--replica-id", "0", "--wait", "--json")
+        assert ran.rc == 0, ran.err
+        waited = ran.lines()[1]["waited"][0]
+        assert waited["state"] == "Available" and waited["load_seconds"] < 1.0, waited
+        ran = await ndif(url, "restart", str(tiny), "--replica-id", "0", "--wait")
+        assert ran.rc == 0 and "Available in 0." in ran.out, ran.out
+
+        # evict of a LoadFailed replica: it goes COLD and says so (never "-> WARM").
+        failing["on"] = True
+        ran = await ndif(url, "scale", str(tiny), "--replicas", "2", "--wait")
+        assert ran.rc == 1 and "LoadFailed" in ran.out
+        ran = await ndif(url, "evict", str(tiny), "--replica-id", "1")
+        assert ran.rc == 0, ran.err
+        assert "-> COLD" in ran.out and "WARM" not in ran.out, ran.out
+        evicted = [e async for _, e in admin.events(model=str(tiny)) if type(e).__name__ == "ReplicaEvictionRequested"]
+        assert evicted[-1].replica_id == 1 and evicted[-1].target == "COLD"
+        st = await settle(admin)
+        assert st.replicas[(mk, 1)].state == "Unloaded" and st.replicas[(mk, 1)].cpu_bytes == 0
+
+
+async def test_replay_past_the_end_and_events_by_name(nats_server: EmbeddedNats, admin: AdminClient,
+                                                      log: JetStreamEventLog, tiny: Path) -> None:
+    url = nats_server.url
+    mk = canonical_model_key(str(tiny))
+    async with Cluster(Controller(url), ScriptedAgent(url, "node-a", gpus=1)):
+        assert (await ndif(url, "deploy", str(tiny), "--replicas", "1", "--wait")).rc == 0
+        await settle(admin)
+        last = await log.last_seq()
+        t0 = time.monotonic()
+        ran = await ndif(url, "replay", "--until", str(last + 1000), "--json", timeout=30)
+        assert ran.rc == 0 and time.monotonic() - t0 < 30, ran.err
+        assert ran.json()["seq"] == last and f"the log ends at seq {last}" in ran.err
+        assert ran.json() == (await ndif(url, "status", "--json")).json()
+
+        # events --model resolves names as history does: a short name that matches one model.
+        ran = await ndif(url, "events", "--model", "tiny-gpt2", "--json")
+        assert ran.rc == 0, ran.err
+        evs = ran.lines()
+        assert evs and all(e["event"]["model_key"] == mk for e in evs)
+        ran = await ndif(url, "history", "tiny-gpt2")
+        assert ran.rc == 0 and "ReplicaLoaded" in ran.out
+        for name in ("no-such-model", "org/nothing"):
+            ran = await ndif(url, "events", "--model", name)
+            assert ran.rc == 3 and "unknown model" in ran.err and ran.out == "", (name, ran.rc, ran.err)
+
+
+async def test_undeploy_forgets_the_model(nats_server: EmbeddedNats, admin: AdminClient, log: JetStreamEventLog,
+                                          tiny: Path) -> None:
+    url = nats_server.url
+    mk = canonical_model_key(str(tiny))
+    async with Cluster(Controller(url), ScriptedAgent(url, "node-a", gpus=2)):
+        assert (await ndif(url, "deploy", str(tiny), "--replicas", "2", "--wait")).rc == 0
+        assert (await ndif(url, "evict", str(tiny), "--replica-id", "1")).rc == 0  # one WARM, one HOT
+        await settle(admin)
+        ran = await ndif(url, "undeploy", "--json", str(tiny))
+        assert ran.rc == 0, ran.err
+        res = result(ran.out)
+        assert sorted((r.replica_id, r.level) for r in res.evictions) == [(0, "COLD"), (1, "COLD")]
+        st = await settle(admin)
+        assert mk not in st.models and not st.model_replicas(mk) and mk in st.undeployed
+        assert all(c.reserved_bytes == 0 for c in st.node_cards("node-a")) and st.cpu_cached("node-a") == 0
+        status = (await ndif(url, "status", "--json")).json()
+        assert not [m for m in status["models"] if m["model_key"] == mk]
+        assert not [r for r in status["replicas"] if r["model_key"] == mk]
+        # Its ids are free: deployed again, it starts at replica 0; its history tells both lives.
+        ran = await ndif(url, "deploy", str(tiny), "--replicas", "1", "--json", "--wait")
+        assert ran.rc == 0 and [r["replica_id"] for r in ran.lines()[0]["replicas"]] == [0]
+        hist = (await ndif(url, "history", str(tiny))).out
+        assert "ModelUndeployed" in hist
+        ran = await ndif(url, "undeploy", "nobody/never-deployed")
+        assert ran.rc == 3, ran.err
+        # Replay of the whole history is clean (no anomaly from late reports).
+        ran = await ndif(url, "replay", "--until", str(await log.last_seq()), "--strict")
+        assert ran.rc == 0, ran.err
+
+
+async def test_undeploy_ends_waiting_requests_and_drops_the_processor(nats_server: EmbeddedNats,
+                                                                     admin: AdminClient, tiny: Path,
+                                                                     tmp_path: Path) -> None:
+    from dataplane.client import Client
+    from dataplane.dispatcher import Dispatcher
+
+    url = nats_server.url
+    big = config_only(tmp_path, "huge", tiny)
+    mk = canonical_model_key(big)
+    async with Cluster(Controller(url), ScriptedAgent(url, "node-a", gpus=1, gpu_bytes=80 * GB)):
+        # Registered at 500 GB: it never fits, so its request waits in the processor.
+        assert (await ndif(url, "deploy", big, "--size-bytes", str(500 * GB))).rc == 7
+        d = await Dispatcher(url, name="dispatcher:test").start()
+        try:
+            async with Client(url) as c:
+                job = await c.submit(big, {"op": "generate", "prompt": "hi", "max_new_tokens": 1})
+                async with asyncio.timeout(20):
+                    while not any(p.model_key == mk and p.queue for p in d.processors.values()):
+                        await asyncio.sleep(0.05)
+                assert (await ndif(url, "undeploy", big)).rc == 0
+                last: Any = None
+                async for s in job.statuses(timeout=20):
+                    last = s
+                assert last is not None and str(last.status) == "ERROR" and last.error == "ModelUndeployed", last
+            async with asyncio.timeout(20):
+                while any(p.model_key == mk for p in d.processors.values()):
+                    await asyncio.sleep(0.05)
+            durable = f"proc-{model_token(mk)}"
+            assert d.log_ is not None
+            async with asyncio.timeout(10):
+                while durable in [ci.name for ci in await d.log_.js.consumers_info("NDIF_REQUESTS")]:
+                    await asyncio.sleep(0.05)
+        finally:
+            await d.stop()
+
+
+async def test_replica_bounds(nats_server: EmbeddedNats, admin: AdminClient, log: JetStreamEventLog,
+                              tiny: Path) -> None:
+    url = nats_server.url
+    # The default bounds (128 per model, 64 per command): through the CLI, and published raw on the
+    # command subject (no client-side check), refused in well under a second with nothing appended.
+    async with Cluster(Controller(url), ScriptedAgent(url, "node-a", gpus=8)):
+        assert (await ndif(url, "deploy", str(tiny), "--replicas", "1", "--wait")).rc == 0
+        await settle(admin)
+        before = await log.last_seq()
+        for args in (("scale", str(tiny), "--replicas", "1000"), ("deploy", "x/y", "--replicas", str(10**9)),
+                     ("scale", str(tiny), "--replicas", str(2**70))):
+            ran = await ndif(url, *args)
+            assert ran.rc == 2 and "limit" in ran.err and ran.err.count("\n") == 1, (args, ran.rc, ran.err)
+        for n in (10**9, 2**70, 1000):
+            body = b'{"verb": "scale", "command_id": "raw-%d", "model_key": "%s", "replicas": %d}' % (
+                n, str(tiny).encode(), n)
+            t0 = time.perf_counter()
+            reply = await log.nc.request("ndif.cmd.scale", body, timeout=10)
+            took = time.perf_counter() - t0
+            res = msgspec.json.decode(reply.data, type=CommandResult)
+            assert not res.ok and res.error == "InvalidCommand" and "limit" in res.message, res
+            assert took < 1.0, took  # (the controller spent 30+ s placing 10^9 replicas before)
+        assert await log.last_seq() == before
+    # Configured bounds: per command and per model.
+    ctl = Controller(url, max_replicas_per_model=3, max_replicas_per_command=2)
+    async with Cluster(ctl, ScriptedAgent(url, "node-a", gpus=8)):
+        ran = await ndif(url, "scale", str(tiny), "--replicas", "3")
+        assert ran.rc == 2 and "limit per command (2 replicas)" in ran.err, ran.err
+        assert (await ndif(url, "scale", str(tiny), "--replicas", "2", "--scale-up")).rc == 0  # 1 + 2 = 3
+        ran = await ndif(url, "scale", str(tiny), "--replicas", "1", "--scale-up")
+        assert ran.rc == 2 and "limit of 3 per model" in ran.err, ran.err
