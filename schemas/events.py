@@ -225,7 +225,7 @@ class ModelUndeployed(Event, frozen=True, kw_only=True, tag="ModelUndeployed"):
     """`ndif undeploy`: the model is being removed. Its replicas were asked to go COLD in the same
     decision; each is forgotten once Unloaded, the model (registration, ids) once none is left."""
 
-    model_key: str
+    model_key: ModelKey
     replicas: int = 0  # replicas this decision asked to leave
 
 
