@@ -32,7 +32,7 @@ DEFAULT_URL = "nats://127.0.0.1:4222"
 EXIT = {errs.InvalidCommand: 2, errs.NotFound: 3, errs.ConflictError: 4, errs.InfrastructureError: 5,
         errs.ReplayAnomalyError: 6}
 _json = msgspec.json.Encoder()
-LONG_RUNNING = {"controller", "up", "agent", "dispatcher"}  # services log at INFO by default
+LONG_RUNNING = {"controller", "up", "agent", "dispatcher", "dashboard"}  # services log at INFO by default
 
 
 def _out(obj: object) -> None:
@@ -253,6 +253,27 @@ def add_admin_commands(sub: Any) -> None:
                    help="seconds a replica stays before pressure may evict it (default %(default)s)")
 
 
+def add_dashboard_command(sub: Any) -> None:
+    """`ndif dashboard`: the read-only web view of the log (docs/dashboard.md)."""
+    from controlplane.dashboard.server import DEFAULT_HOST, DEFAULT_PORT
+
+    p = sub.add_parser("dashboard", help="the read-only web dashboard: the cluster live and at any past seq")
+    p.add_argument("--nats", default=os.environ.get("NDIF_NATS_URL", DEFAULT_URL),
+                   help="NATS URL (env NDIF_NATS_URL; default %(default)s)")
+    p.add_argument("--host", default=DEFAULT_HOST,
+                   help="address to listen on (default %(default)s; another one shows the cluster to whoever reaches it)")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help="port (default %(default)s; 0 = a free one)")
+
+
+async def _dashboard(a: argparse.Namespace) -> int:
+    from controlplane.dashboard.server import serve
+
+    if not 0 <= a.port <= 65535:
+        raise errs.InvalidCommand(f"--port must be 0..65535, got {a.port}")
+    await serve(a.nats, host=a.host, port=a.port)
+    return 0
+
+
 ADMIN: dict[str, Callable[[argparse.Namespace, AdminClient], Coroutine[Any, Any, int]]] = {
     "deploy": _command, "scale": _command, "scale-down": _command, "evict": _command, "restart": _command,
     "status": _status, "events": _events, "history": _history, "replay": _replay,
@@ -262,6 +283,8 @@ ADMIN: dict[str, Callable[[argparse.Namespace, AdminClient], Coroutine[Any, Any,
 async def run_admin(a: argparse.Namespace) -> int:
     if a.cmd == "controller":
         return await _controller(a)
+    if a.cmd == "dashboard":
+        return await _dashboard(a)
     async with await AdminClient.open(a.nats, timeout=a.timeout) as admin:
         return await ADMIN[a.cmd](a, admin)
 
@@ -278,6 +301,7 @@ def main(argv: list[str] | None = None, extra: Callable[[Any], None] | None = No
     parser = argparse.ArgumentParser(prog="ndif", description="ndif control plane")
     sub = parser.add_subparsers(dest="cmd", required=True)
     add_admin_commands(sub)
+    add_dashboard_command(sub)
     if extra:
         extra(sub)
     a = parser.parse_args(argv)
