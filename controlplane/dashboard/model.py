@@ -175,8 +175,8 @@ class DashboardModel:
                 continue
             if actor is not None and not (isinstance(item, Event) and actor in item.actor):
                 continue
-            if len(rows) == limit:
-                return rows, self.seqs[i + 1] if i + 1 < len(self.seqs) else None
+            if len(rows) == limit:  # one more matches: the next page starts below the last row
+                return rows, rows[-1]["seq"]
             rows.append(event_row(self.seqs[i], item))
         return rows, None
 

@@ -139,8 +139,7 @@ class Dashboard:
             raise errs.InfrastructureError(f"dashboard cannot listen on {self.host}:{self.port} ({exc.strerror}); "
                                            "try --port") from None
         if self.port == 0:
-            server = site._server
-            self.port = server.sockets[0].getsockname()[1] if server is not None else 0  # type: ignore[union-attr]
+            self.port = int(self.runner.addresses[0][1])
         self._tasks += [asyncio.create_task(self._follow(), name="dashboard-follow"),
                         asyncio.create_task(self._poll_queues(), name="dashboard-queues")]
         log.info("dashboard_started", url=self.url, seq=self.model.seq)

@@ -101,8 +101,7 @@ async def test_live_timeline_and_history_in_a_browser(nats_server: EmbeddedNats,
             assert await page.evaluate("window.ndif.mode") == "live"
 
             # The timeline, back to before the eviction: replica 0 is HOT on its card again.
-            await page.fill("#seqbox", str(before_evict))
-            await page.click("#go")
+            await page.locator("#slider").fill(str(before_evict))
             await page.wait_for_selector(f'.card .block{gpt2_block}[data-level="HOT"]', timeout=5000)
             assert await page.locator(f".cpu .block{gpt2_block}").count() == 0
             assert (await page.text_content("#mode")) == f"AT SEQ {before_evict}"

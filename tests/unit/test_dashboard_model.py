@@ -87,3 +87,16 @@ def test_events_filters_paging_and_history():
         m.events(model="nobody/nothing")
     with pytest.raises(UnknownEntity):
         m.history(mk, 999)
+
+
+def test_events_re_appended_long_after_are_skipped_from_checkpoints_too():
+    """An event stored again past the dedup window changes nothing in a fold from the start; a fold
+    from a checkpoint (which does not keep event ids) must skip it the same way."""
+    events = scripted_history(6)
+    again = [events[i] for i in range(len(events) // 3, len(events) // 3 + 6)]  # re-appended much later
+    items = numbered(events + again + events[-3:])
+    m = DashboardModel(checkpoint_every=4)
+    m.add_all(items)
+    assert len(m.dup_seqs) == len(again) + 3
+    for seq in range(len(events) - 2, len(items) + 1):
+        assert without_ids(m.state_at(seq)) == without_ids(replay(items, until_seq=seq)), seq
