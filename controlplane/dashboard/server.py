@@ -48,7 +48,7 @@ MAX_EVENTS_PER_MESSAGE = 200  # event rows sent per update (the views changed ar
 MAX_CATCH_UP = 5000  # a page asking for more events than this since its state gets a resync instead
 MAX_CLIENTS = 64
 QUEUE_POLL_S = 1.0
-MAX_QUEUE_MODELS = 500  # consumers asked per round
+MAX_QUEUE_CONSUMERS = 10_000  # consumers listed per round (256 a request)
 STATIC = resources.files("controlplane.dashboard") / "static"
 _enc = msgspec.json.Encoder()
 _CONTENT_TYPES = {".html": "text/html", ".js": "text/javascript", ".css": "text/css", ".png": "image/png"}
@@ -221,10 +221,10 @@ class Dashboard:
             except Exception as exc:  # noqa: BLE001 - shown on the page as it is
                 q = {"dispatcher": None, "error": str(exc) or type(exc).__name__, "models": {}}
             self.queues = q
-            body = _enc.encode(q)
-            if body != last and self.clients:
-                self._broadcast(b"event: queues\ndata: " + body + b"\n\n")
-            last = body
+            same = _enc.encode({k: v for k, v in q.items() if k != "asked_at"})
+            if same != last and self.clients:  # pushed only when a figure changed
+                self._broadcast(b"event: queues\ndata: " + _enc.encode(q) + b"\n\n")
+            last = same
             await asyncio.sleep(self.queue_poll_s)
 
     async def _ask_queues(self) -> dict[str, Any]:
@@ -240,16 +240,21 @@ class Dashboard:
                     "status", "queued", "in_flight", "completed", "errors", "workers", "oldest_wait_s")}
         except (nats.errors.NoRespondersError, nats.errors.TimeoutError) as exc:
             out["error"] = f"no dispatcher answered ({type(exc).__name__})"
-        js = self.log_.js
-        for mk in sorted(self.model.live.models)[:MAX_QUEUE_MODELS]:
+        # Every model's work-queue consumer in a few listing requests (256 a page), not one request each.
+        pending: dict[str, tuple[int, int]] = {}
+        with contextlib.suppress(nats.js.errors.NotFoundError):
+            while len(pending) < MAX_QUEUE_CONSUMERS:
+                page = await self.log_.js.consumers_info(REQUESTS_STREAM, offset=len(pending) or None)
+                for info in page:
+                    if info.name and info.name.startswith("proc-"):
+                        pending[info.name[5:]] = (info.num_pending or 0, info.num_ack_pending or 0)
+                if len(page) < 256:
+                    break
+        for mk in self.model.live.models:
+            got = pending.get(model_token(mk))
             row = models.setdefault(mk, {})
-            try:
-                info = await js.consumer_info(REQUESTS_STREAM, f"proc-{model_token(mk)}", timeout=1.0)
-            except nats.js.errors.NotFoundError:
-                row["pending"] = None  # no consumer yet: nothing was ever submitted
-                continue
-            row["pending"] = info.num_pending
-            row["ack_pending"] = info.num_ack_pending
+            # None: no consumer yet, nothing was ever submitted for the model.
+            row["pending"], row["ack_pending"] = got if got is not None else (None, None)
         return out
 
     # ---- handlers ----------------------------------------------------------------------------

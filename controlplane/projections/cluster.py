@@ -349,10 +349,6 @@ class ClusterState(Projection):
     def cpu_cached(self, node_id: str) -> int:
         return sum(self._cpu.get(node_id, {}).values())
 
-    def cpu_replicas(self, node_id: str) -> dict[RKey, int]:
-        """The replicas held in a node's CPU cache (WARM) and their bytes (a copy)."""
-        return dict(self._cpu.get(node_id, {}))
-
     def model_replicas(self, model_key: str) -> list[ReplicaView]:
         """Every replica of a model ever scheduled, by replica id."""
         return [self.replicas[(model_key, i)] for i in sorted(self._by_model.get(model_key, ()))]

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from controlplane.dashboard.model import BadQuery, DashboardModel, UnknownEntity, state_json
+from controlplane.dashboard.model import BadQuery, DashboardModel, UnknownEntity, node_json, nodes_json, state_json
 from controlplane.projections import ClusterState, replay
 from tests.strategies import histories, numbered, scripted_history
 
@@ -31,6 +31,8 @@ def test_any_position_equals_a_fold_from_the_start(events, every, data):
         got = m.state_at(seq)
         assert without_ids(got) == without_ids(want), seq
         assert state_json(got, last_seq=m.seq, live=False) == state_json(want, last_seq=m.seq, live=False)
+        # The one-pass view of every node is the per-node view the live updates send.
+        assert nodes_json(got) == [node_json(got, n) for n in sorted(got.nodes)]
 
 
 def test_past_states_are_not_the_live_one_and_never_change_it():

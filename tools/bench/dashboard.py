@@ -7,8 +7,9 @@ measures:
   state_p50_ms     GET /api/state (live), the whole body read, p50 of --samples
   scrub_p50_ms     GET /api/state?until=SEQ at random past sequences, p50 of --samples
   first_render_s   headless chromium: page.goto until the page has drawn the log's last seq
-  live_lag_p99_ms  events appended at --rate per second for --live-s seconds: from the append call
-                   to the frame that drew the event's seq (the page's own record), p99
+  live_lag_p99_ms  events appended at --rate per second for --live-s seconds (by another process):
+                   from the append call to the frame that drew the event's seq (the page's own
+                   record), p99; live_arrive_p99_ms: to the update's arrival in the page
 The last line printed is one JSON object with the figures.
 
     python tools/bench/dashboard.py [--events 200000] [--rate 500] [--live-s 10] [--samples 30]
@@ -19,6 +20,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
+import os
 import random
 import shutil
 import statistics
@@ -27,6 +30,7 @@ import tempfile
 import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -111,6 +115,27 @@ async def append_all(log: JetStreamEventLog, events: list[E.Event]) -> None:
         await log.append(events[i:i + 1000], None)
 
 
+def appender(url: str, batches: list[list[bytes]], tick: float, conn: Any) -> None:
+    """Child process: append one batch per tick; send back [(seq, wall ms at the append call)], seconds."""
+
+    async def run() -> tuple[list[tuple[int, float]], float]:
+        log = await JetStreamEventLog.open(url, timeout=30, ensure=False)
+        sent: list[tuple[int, float]] = []
+        start = time.perf_counter()
+        for i, batch in enumerate(batches):
+            wall = time.time() * 1000
+            res = await log.append([E.decode_event(b) for b in batch], None)
+            sent += [(s, wall) for s in range(res.first_seq, res.last_seq + 1)]
+            delay = start + (i + 1) * tick - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+        elapsed = time.perf_counter() - start
+        await log.close()
+        return sent, elapsed
+
+    conn.send(asyncio.run(run()))
+
+
 async def get_state(http: aiohttp.ClientSession, url: str) -> tuple[float, int]:
     t0 = time.perf_counter()
     async with http.get(url) as r:
@@ -191,27 +216,26 @@ async def main() -> None:
                 out["page_blocks"] = await page.evaluate("document.querySelectorAll('.block').length")
                 print(f"first render {out['first_render_s']} s ({out['page_blocks']} blocks drawn)", flush=True)
 
-                # Live: `rate` events a second, in ticks of 20 ms, each an unguarded append of whole cycles.
-                sent: list[tuple[int, float]] = []  # (seq, wall ms at the append call)
+                # Live: `rate` events a second from another process (as agents and controllers append),
+                # in ticks of 20 ms, each an unguarded atomic append of the tick's events.
                 tick = 0.02
                 per_tick = max(1, round(a.rate * tick))
-                start = time.perf_counter()
                 n_ticks = int(a.live_s / tick)
-                pending: list[E.Event] = []
-                for i in range(n_ticks):
-                    while len(pending) < per_tick:
-                        pending += h_live.step()
-                    batch, pending = pending[:per_tick], pending[per_tick:]
-                    wall = time.time() * 1000
-                    res = await log.append(batch, None)
-                    sent += [(s, wall) for s in range(res.first_seq, res.last_seq + 1)]
-                    delay = start + (i + 1) * tick - time.perf_counter()
-                    if delay > 0:
-                        await asyncio.sleep(delay)
-                elapsed = time.perf_counter() - start
+                live_events: list[E.Event] = []
+                while len(live_events) < per_tick * n_ticks:
+                    live_events += h_live.step()
+                batches = [[E.encode_event(e) for e in live_events[i * per_tick:(i + 1) * per_tick]]
+                           for i in range(n_ticks)]
+                ctx = multiprocessing.get_context("spawn")
+                parent, child = ctx.Pipe()
+                proc = ctx.Process(target=appender, args=(srv.url, batches, tick, child))
+                proc.start()
+                sent, elapsed = await asyncio.get_running_loop().run_in_executor(None, parent.recv)
+                proc.join()
                 final = sent[-1][0]
                 await page.wait_for_function(f"window.ndif.renderedSeq >= {final}", timeout=30_000)
                 renders = await page.evaluate("window.ndif.renders")
+                received = await page.evaluate("window.ndif.received")  # [seq, ms] as each update arrived
                 await browser.close()
             lags = []
             j = 0
@@ -225,10 +249,20 @@ async def main() -> None:
             out["live_lag_p50_ms"] = round(pct(lags, 50), 1)
             out["live_lag_p99_ms"] = round(pct(lags, 99), 1)
             out["live_frames"] = sum(1 for r in renders if r[0] > last)
+            # Where the lag is: appended -> the update reached the page (server side and transport).
+            recv = sorted(received)
+            j, arrive = 0, []
+            for seq, wall in sent:
+                while j < len(recv) and recv[j][0] < seq:
+                    j += 1
+                if j < len(recv):
+                    arrive.append(recv[j][1] - wall)
+            out["live_arrive_p99_ms"] = round(pct(arrive, 99), 1) if arrive else None
         await log.close()
     finally:
         srv.stop()
         shutil.rmtree(tmp, ignore_errors=True)
+    out["loadavg_1m_end"] = round(os.getloadavg()[0], 2)  # other work on the machine while it ran
     print(json.dumps(out))
 
 

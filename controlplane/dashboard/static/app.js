@@ -8,7 +8,7 @@ const esc = (s) => String(s ?? "").replace(/[&<>"']/g, (c) => ({ "&": "&amp;", "
 const gib = (b) => (b == null ? "-" : (b / 2 ** 30).toFixed(b >= 2 ** 30 ? 1 : 3) + " GiB");
 
 // What tests and tools/bench/dashboard.py read: the seq on screen and when each frame was drawn.
-const probe = (window.ndif = { renderedSeq: -1, renders: [], ready: false, mode: "live" });
+const probe = (window.ndif = { renderedSeq: -1, renders: [], received: [], ready: false, mode: "live", t: {} });
 
 const live = { seq: 0, last_seq: 0, nodes: new Map(), models: new Map(), anomaly_count: 0 };
 let past = null; // the state shown while the timeline is away from live
@@ -30,12 +30,14 @@ function schedule() { if (!frame) frame = requestAnimationFrame(render); }
 function blockHtml(b, total) {
   const w = Math.max(0.5, (100 * b.bytes) / total);
   return `<div class="block ${esc(b.level)} ${esc(b.state)}" style="width:${w}%" data-model="${esc(b.model_key)}"
-    data-replica="${b.replica_id}" data-level="${esc(b.level)}" data-state="${esc(b.state)}"
-    title="${esc(b.name)} #${b.replica_id}: ${esc(b.level)} / ${esc(b.state)}, ${gib(b.bytes)}"></div>`;
+    data-replica="${b.replica_id}" data-level="${b.level}" data-state="${b.state}" data-bytes="${b.bytes}">${
+    esc(label(b.name))}#${b.replica_id}</div>`;
 }
 
+const label = (name) => name.split("/").pop();
+
 function nodeHtml(n) {
-  const cards = n.gpus.map((c) => `<div class="card" data-gpu="${c.index}" title="gpu${c.index}: ${gib(c.reserved_bytes)} of ${gib(c.total_bytes)}">${
+  const cards = n.gpus.map((c) => `<div class="card" data-gpu="${c.index}" data-reserved="${c.reserved_bytes}" data-total="${c.total_bytes}">${
     c.replicas.map((b) => blockHtml(b, c.total_bytes)).join("")}</div>`).join("");
   const pct = n.cpu_cache_bytes ? Math.min(100, (100 * n.cpu_cached_bytes) / n.cpu_cache_bytes) : 0;
   const warm = n.warm.map((w) => `<span class="block WARM Cached" data-model="${esc(w.model_key)}" data-replica="${w.replica_id}"
@@ -71,7 +73,25 @@ function shortName(mk) {
   return m ? m.name : mk.length > 40 ? mk.slice(0, 37) + "..." : mk;
 }
 
+const rows = { nodes: new Map(), models: new Map() }; // id -> its element, so a redraw finds it in O(1)
+
+// Replace the elements of the changed ids (a new id is appended), one parse for all of them.
+function redraw(ids, views, index, parent, html) {
+  const todo = [...ids].filter((id) => views.has(id));
+  if (!todo.length) return;
+  const scratch = document.createElement(parent.tagName); // a <tbody> parses <tr>s, a <div> parses <div>s
+  scratch.innerHTML = todo.map((id) => html(views.get(id))).join("");
+  const fresh = [...scratch.children];
+  todo.forEach((id, i) => {
+    const old = index.get(id);
+    if (old) old.replaceWith(fresh[i]);
+    else parent.appendChild(fresh[i]);
+    index.set(id, fresh[i]);
+  });
+}
+
 function render() {
+  const t0 = performance.now();
   frame = 0;
   const view = past || live;
   $("seq").textContent = view.seq;
@@ -82,22 +102,11 @@ function render() {
   if (dirty.all) {
     $("nodes").innerHTML = [...view.nodes.values()].map(nodeHtml).join("");
     $("models").tBodies[0].innerHTML = [...view.models.values()].map(modelRow).join("");
+    rows.nodes = new Map([...$("nodes").children].map((el) => [el.dataset.node, el]));
+    rows.models = new Map([...$("models").tBodies[0].rows].map((el) => [el.dataset.model, el]));
   } else {
-    for (const id of dirty.nodes) {
-      const n = view.nodes.get(id);
-      const old = document.getElementById("node-" + id);
-      if (!n) continue;
-      if (old) old.outerHTML = nodeHtml(n);
-      else $("nodes").insertAdjacentHTML("beforeend", nodeHtml(n));
-    }
-    const body = $("models").tBodies[0];
-    for (const mk of dirty.models) {
-      const m = view.models.get(mk);
-      if (!m) continue;
-      const old = [...body.rows].find((r) => r.dataset.model === mk);
-      if (old) old.outerHTML = modelRow(m);
-      else body.insertAdjacentHTML("beforeend", modelRow(m));
-    }
+    redraw(dirty.nodes, view.nodes, rows.nodes, $("nodes"), nodeHtml);
+    redraw(dirty.models, view.models, rows.models, $("models").tBodies[0], modelRow);
   }
   if (dirty.events.length) {
     const tb = $("events").tBodies[0];
@@ -107,6 +116,7 @@ function render() {
   }
   dirty.nodes.clear(); dirty.models.clear(); dirty.events = []; dirty.all = false;
   probe.renderedSeq = view.seq;
+  probe.t.lastFrameMs = performance.now() - t0; // the script's part of the frame
   probe.mode = past ? "past" : "live";
   probe.renders.push([view.seq, Date.now()]);
   if (probe.renders.length > 20000) probe.renders.splice(0, 10000);
@@ -115,6 +125,8 @@ function render() {
 // ---- live stream ------------------------------------------------------------------------------
 
 function applyUpdate(u) {
+  probe.received.push([u.seq, Date.now()]);
+  if (probe.received.length > 20000) probe.received.splice(0, 10000);
   live.seq = u.seq; live.last_seq = u.last_seq; live.anomaly_count = u.anomaly_count;
   for (const n of u.nodes) { live.nodes.set(n.node_id, n); if (!past) dirty.nodes.add(n.node_id); }
   for (const m of u.models) { live.models.set(m.model_key, m); if (!past) dirty.models.add(m.model_key); }
@@ -125,16 +137,21 @@ function applyUpdate(u) {
 let source = null;
 async function connect() {
   if (source) source.close();
+  probe.t.fetch = performance.now();
   const body = await getJson("/api/state");
+  probe.t.fetched = performance.now();
   loadState(live, body);
   dirty.all = true;
   schedule();
   source = new EventSource(`/api/stream?since=${live.seq}`);
   source.addEventListener("update", (e) => applyUpdate(JSON.parse(e.data)));
   source.addEventListener("queues", (e) => {
+    const old = queues.models || {};
     queues = JSON.parse(e.data);
     $("dispatcher").textContent = queues.dispatcher ? `dispatcher ${queues.dispatcher}` : (queues.error || "");
-    for (const mk of (past || live).models.keys()) dirty.models.add(mk);
+    for (const [mk, q] of Object.entries(queues.models)) {  // redraw only the rows whose figures moved
+      if (JSON.stringify(q) !== JSON.stringify(old[mk])) dirty.models.add(mk);
+    }
     schedule();
   });
   source.addEventListener("resync", () => connect());
@@ -236,5 +253,13 @@ $("nodes").addEventListener("click", (e) => {
   if (b) openHistory(b.dataset.model, b.dataset.replica);
 });
 $("drill-close").addEventListener("click", () => { $("drill").hidden = true; });
+// Tooltips are made when the pointer gets there (not 13,000 title attributes on a large cluster).
+$("nodes").addEventListener("mouseover", (e) => {
+  const b = e.target.closest(".block, .card");
+  if (!b || b.title) return;
+  const d = b.dataset;
+  b.title = b.classList.contains("card") ? `gpu${d.gpu}: ${gib(+d.reserved)} of ${gib(+d.total)} reserved`
+    : `${shortName(d.model)} #${d.replica}: ${d.level} / ${d.state}, ${gib(+d.bytes)}`;
+});
 
 connect().then(() => loadEvents(false)).catch((err) => { $("conn").textContent = "error: " + err.message; });
