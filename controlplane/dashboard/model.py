@@ -266,16 +266,27 @@ def _block(r: ReplicaView, nbytes: int) -> dict[str, Any]:
             "level": r.level.value, "state": r.state.value}
 
 
+def _block_order(b: dict[str, Any]) -> tuple[str, int, int]:
+    return (b["model_key"], b["replica_id"], b["bytes"])  # the order of `CardUsage.replicas`
+
+
 def nodes_json(state: ClusterState) -> list[dict[str, Any]]:
-    """Every node's view (`node_json` of each, sorted by node id) in one pass over the replicas."""
-    on_card: dict[tuple[str, int], list[tuple[tuple[str, int, int], dict[str, Any]]]] = {}
+    """Every node's view (`node_json` of each, sorted by node id) in one pass over the replicas.
+
+    The page's first load and every timeline position build this for the whole cluster, so it
+    avoids `node_cards` (a pass over each card's replicas per card) and sorts only shared cards.
+    """
+    on_card: dict[tuple[str, int], list[dict[str, Any]]] = {}
     warm: dict[str, list[tuple[tuple[str, int], int]]] = {}
     for key, r in state.replicas.items():
         if r.on_gpu:
-            b = r.bytes_per_gpu
-            blk = _block(r, b)
+            blk = _block(r, r.bytes_per_gpu)
             for g in r.gpu_indices:
-                on_card.setdefault((r.node_id, g), []).append(((key[0], key[1], b), blk))
+                lst = on_card.get((r.node_id, g))
+                if lst is None:
+                    on_card[(r.node_id, g)] = [blk]
+                else:
+                    lst.append(blk)
         if r.cpu_bytes:
             warm.setdefault(r.node_id, []).append((key, r.cpu_bytes))
     out = []
@@ -283,12 +294,21 @@ def nodes_json(state: ClusterState) -> list[dict[str, Any]]:
         node = state.nodes[node_id]
         cards = []
         for gpu in node.gpus:
-            blocks = [blk for _, blk in sorted(on_card.get((node_id, gpu.index), ()), key=lambda x: x[0])]
-            cards.append({"index": gpu.index, "total_bytes": gpu.memory_bytes,
-                          "reserved_bytes": sum(int(x["bytes"]) for x in blocks),
-                          "used_bytes": sum(int(x["bytes"]) for x in blocks if x["level"] == "HOT"),
-                          "replicas": blocks})
-        held = sorted(warm.get(node_id, ()))
+            blocks = on_card.get((node_id, gpu.index))
+            if blocks is None:
+                cards.append({"index": gpu.index, "total_bytes": gpu.memory_bytes, "reserved_bytes": 0,
+                              "used_bytes": 0, "replicas": []})
+                continue
+            if len(blocks) > 1:
+                blocks.sort(key=_block_order)
+            reserved = used = 0
+            for x in blocks:
+                reserved += x["bytes"]
+                if x["level"] == "HOT":
+                    used += x["bytes"]
+            cards.append({"index": gpu.index, "total_bytes": gpu.memory_bytes, "reserved_bytes": reserved,
+                          "used_bytes": used, "replicas": blocks})
+        held = sorted(warm[node_id]) if node_id in warm else []
         w = [{"model_key": mk, "name": _name(mk), "replica_id": rid, "bytes": nb} for (mk, rid), nb in held]
         out.append({"node_id": node_id, "alive": node.alive, "hostname": node.hostname, "since_seq": node.since_seq,
                     "cpu_cache_bytes": node.cpu_cache_bytes, "cpu_cached_bytes": sum(nb for _, nb in held),

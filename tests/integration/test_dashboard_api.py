@@ -154,3 +154,33 @@ async def test_bad_input_gets_4xx_json_and_the_server_keeps_serving(stack: Any, 
         async with http.get(base + "/static/app.js") as r:
             assert r.status == 200 and r.content_type == "text/javascript"
     assert await lg.last_seq() == before  # read-only: nothing appended
+
+
+async def test_ndif_dashboard_command(nats_server: EmbeddedNats) -> None:
+    """`ndif dashboard` prints its URL, serves, stops on SIGTERM with exit 0; bad flags exit 2."""
+    import os
+    import signal
+    import sys
+
+    lg = await fresh_event_log(nats_server.url)
+    await lg.close()
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "dataplane.cli", "dashboard", "--nats", nats_server.url, "--port", "0",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env={**os.environ, "NDIF_LOG_LEVEL": "WARNING"})
+    try:
+        assert proc.stdout is not None
+        line = (await asyncio.wait_for(proc.stdout.readline(), 60)).decode()
+        assert line.startswith("ndif dashboard: http://127.0.0.1:") and "read-only" in line, line
+        url = line.split()[2]
+        async with aiohttp.ClientSession() as http:
+            status, body = await get(http, url.rstrip("/"), "/api/state")
+            assert status == 200 and body["live"] and body["seq"] == 0
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        await asyncio.wait_for(proc.wait(), 30)
+    assert proc.returncode == 0
+    bad = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "dataplane.cli", "dashboard", "--nats", nats_server.url, "--port", "70000",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    _, err = await asyncio.wait_for(bad.communicate(), 60)
+    assert bad.returncode == 2 and b"--port" in err
