@@ -47,6 +47,7 @@ CLIENT_QUEUE = 512  # messages buffered per page; past that the page is told to 
 MAX_EVENTS_PER_MESSAGE = 200  # event rows sent per update (the views changed are always complete)
 MAX_CATCH_UP = 5000  # a page asking for more events than this since its state gets a resync instead
 MAX_CLIENTS = 64
+FLUSH_S = 0.05  # changes are pushed at most this long after they are folded (20 updates a second at most)
 QUEUE_POLL_S = 1.0
 MAX_QUEUE_CONSUMERS = 10_000  # consumers listed per round (256 a request)
 STATIC = resources.files("controlplane.dashboard") / "static"
@@ -106,6 +107,11 @@ class Dashboard:
         self.clients: set[asyncio.Queue[bytes | None]] = set()
         self.queues: dict[str, Any] = {"dispatcher": None, "error": "not asked yet", "models": {}}
         self._tasks: list[asyncio.Task[None]] = []
+        # Changes folded and not yet pushed (see _apply).
+        self._rows: list[dict[str, Any]] = []
+        self._nodes: set[str] = set()
+        self._models: set[str] = set()
+        self._flush_at: asyncio.TimerHandle | None = None
 
     @property
     def url(self) -> str:
@@ -149,6 +155,8 @@ class Dashboard:
         for q in list(self.clients):
             with contextlib.suppress(asyncio.QueueFull):
                 q.put_nowait(None)
+        if self._flush_at is not None:
+            self._flush_at.cancel()
         await cancel_and_wait(self._tasks, owner="dashboard")
         if self.runner is not None:
             await self.runner.cleanup()
@@ -176,18 +184,25 @@ class Dashboard:
                 await asyncio.sleep(1.0)
 
     def _apply(self, batch: list[Any]) -> None:
+        """Fold a batch; what it changed goes out with the next flush (at most FLUSH_S later), so a
+        burst or a backlog costs one view per changed node and model per flush, not per batch."""
         m = self.model
-        nodes: set[str] = set()
-        models: set[str] = set()
-        rows = []
         for seq, item in batch:
             if seq <= m.seq:
                 continue
-            n, mk = touched(m.live, item)
-            nodes |= n
-            models |= mk
+            if self.clients:
+                n, mk = touched(m.live, item)
+                self._nodes |= n
+                self._models |= mk
+                self._rows.append(event_row(seq, item))
             m.add(seq, item)
-            rows.append(event_row(seq, item))
+        if self._rows and self._flush_at is None:
+            self._flush_at = asyncio.get_running_loop().call_later(FLUSH_S, self._flush)
+
+    def _flush(self) -> None:
+        self._flush_at = None
+        rows, nodes, models = self._rows, self._nodes, self._models
+        self._rows, self._nodes, self._models = [], set(), set()
         if rows and self.clients:
             self._broadcast(self._update(rows, nodes, models))
 
@@ -319,16 +334,19 @@ class Dashboard:
                 lo = bisect.bisect_right(m.seqs, since)
                 if len(m.seqs) - lo > MAX_CATCH_UP:
                     first += b"event: resync\ndata: {}\n\n"
-                else:  # what happened between the page's state and this stream
+                else:  # what happened between the page's state and this stream, folded again from `since`
+                    st = m.state_at(since).copy()  # a copy: past states are cached and shared
                     nodes: set[str] = set()
                     models: set[str] = set()
                     rows = []
                     for i in range(lo, len(m.seqs)):
-                        item = m.items[i]
-                        n, mk = touched(m.live, item)
+                        seq, item = m.seqs[i], m.items[i]
+                        n, mk = touched(st, item)  # read before the event, as live updates do
                         nodes |= n
                         models |= mk
-                        rows.append(event_row(m.seqs[i], item))
+                        if seq not in m.dup_seqs:  # as `state_at` does: a re-append changes nothing
+                            st.apply(seq, item)
+                        rows.append(event_row(seq, item))
                     first += self._update(rows, nodes, models)
             await resp.write(first)
             while True:

@@ -99,6 +99,16 @@ async def test_state_events_history_and_the_stream(stack: Any, tiny: Path) -> No
         status, at_start = await get(http, base, f"/api/state?until={start_seq}")
         assert at_start["models"] == []
 
+        # A page whose state is older than the stream gets what it missed first (the catch-up).
+        async with http.get(f"{base}/api/stream?since={loaded_seq}") as stream:
+            async with asyncio.timeout(10):
+                while not (line := (await stream.content.readline()).decode()).startswith('data: {"seq"'):
+                    pass
+            u = json.loads(line[6:])
+            assert [e["seq"] for e in u["events"]] == list(range(loaded_seq + 1, d.model.seq + 1))
+            assert [(w["model_key"], w["replica_id"]) for w in u["nodes"][0]["warm"]] == [(mk, 0)]
+            assert [m["model_key"] for m in u["models"]] == [mk]
+
         status, ev = await get(http, base, f"/api/events?model={mk}&replica=0&limit=3")
         assert status == 200 and len(ev["events"]) == 3 and ev["next_before"] is not None
         assert all(e["replica_id"] == 0 for e in ev["events"]) and ev["events"][0]["type"] == "ReplicaCached"

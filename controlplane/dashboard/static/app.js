@@ -127,10 +127,11 @@ function render() {
 function applyUpdate(u) {
   probe.received.push([u.seq, Date.now()]);
   if (probe.received.length > 20000) probe.received.splice(0, 10000);
+  const fresh = u.events.filter((e) => e.seq > live.seq); // an update may overlap the state the page loaded
   live.seq = u.seq; live.last_seq = u.last_seq; live.anomaly_count = u.anomaly_count;
   for (const n of u.nodes) { live.nodes.set(n.node_id, n); if (!past) dirty.nodes.add(n.node_id); }
   for (const m of u.models) { live.models.set(m.model_key, m); if (!past) dirty.models.add(m.model_key); }
-  dirty.events.push(...u.events);
+  dirty.events.push(...fresh);
   schedule();
 }
 
