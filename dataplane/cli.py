@@ -1,8 +1,8 @@
 """`ndif`: the admin commands (controlplane/cli.py) plus the data-plane ones.
 
-    ndif up [--port 4222] [--store DIR] [--gpus N --gpu-memory-gb G] [--cpu-cache-gb C]
-        embedded NATS + local Ray + controller + one node agent + dispatcher, until Ctrl-C
-    ndif up --demo [--requests 200] [--stay]
+    ndif up [--port 4222] [--store DIR] [--gpus N --gpu-memory-gb G] [--cpu-cache-gb C] [--dashboard-port 8470]
+        embedded NATS + local Ray + controller + one node agent + dispatcher + dashboard, until Ctrl-C
+    ndif up --demo [--requests 200] [--stay] [--dashboard-port 8470]
         the same, driven end to end: deploy, request bursts through the SDK, scale, evict mid-burst
     ndif agent --nats URL [--ray-address ADDR] [--node-id ID] [--gpus N --gpu-memory-gb G]
         one node agent (run one per Ray node)

@@ -102,3 +102,21 @@ def test_events_re_appended_long_after_are_skipped_from_checkpoints_too():
     assert len(m.dup_seqs) == len(again) + 3
     for seq in range(len(events) - 2, len(items) + 1):
         assert without_ids(m.state_at(seq)) == without_ids(replay(items, until_seq=seq)), seq
+
+
+def test_a_lost_node_is_shown_lost_with_its_replicas_gone():
+    from datetime import timedelta
+
+    from schemas import events as E
+
+    events = scripted_history(4)
+    node = next(e.node_id for e in events if isinstance(e, E.NodeJoined))
+    last = events[-1]
+    lost = E.NodeLost(event_id="lost-1", ts=last.ts + timedelta(seconds=1), actor="controller:test", node_id=node)
+    m = DashboardModel()
+    m.add_all(numbered(events + [lost]))
+    before = next(n for n in state_json(m.state_at(m.seq - 1), last_seq=m.seq, live=False)["nodes"]
+                  if n["node_id"] == node)
+    after = next(n for n in state_json(m.live, last_seq=m.seq, live=True)["nodes"] if n["node_id"] == node)
+    assert before["alive"] and any(c["replicas"] for c in before["gpus"])
+    assert not after["alive"] and not any(c["replicas"] for c in after["gpus"]) and after["warm"] == []
