@@ -38,7 +38,7 @@ EXIT_PLACED_SOME = 8
 EXIT = {errs.InvalidCommand: 2, errs.NotFound: 3, errs.ConflictError: 4, errs.InfrastructureError: 5,
         errs.ReplayAnomalyError: 6}
 _json = msgspec.json.Encoder()
-LONG_RUNNING = {"controller", "up", "agent", "dispatcher"}  # services log at INFO by default
+LONG_RUNNING = {"controller", "up", "agent", "dispatcher", "dashboard"}  # services log at INFO by default
 MODEL_HELP = "repo id (org/name[@revision]), checkpoint directory or NDIF model key"
 
 
@@ -311,6 +311,27 @@ def add_admin_commands(sub: Any) -> None:
                    help="most replicas one deploy/scale may ask (env NDIF_MAX_REPLICAS_PER_COMMAND; default 64)")
 
 
+def add_dashboard_command(sub: Any) -> None:
+    """`ndif dashboard`: the read-only web view of the log (docs/dashboard.md)."""
+    from controlplane.dashboard.server import DEFAULT_HOST, DEFAULT_PORT
+
+    p = sub.add_parser("dashboard", help="the read-only web dashboard: the cluster live and at any past seq")
+    p.add_argument("--nats", default=os.environ.get("NDIF_NATS_URL", DEFAULT_URL),
+                   help="NATS URL (env NDIF_NATS_URL; default %(default)s)")
+    p.add_argument("--host", default=DEFAULT_HOST,
+                   help="address to listen on (default %(default)s; another one shows the cluster to whoever reaches it)")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help="port (default %(default)s; 0 = a free one)")
+
+
+async def _dashboard(a: argparse.Namespace) -> int:
+    from controlplane.dashboard.server import serve
+
+    if not 0 <= a.port <= 65535:
+        raise errs.InvalidCommand(f"--port must be 0..65535, got {a.port}")
+    await serve(a.nats, host=a.host, port=a.port)
+    return 0
+
+
 ADMIN: dict[str, Callable[[argparse.Namespace, AdminClient], Coroutine[Any, Any, int]]] = {
     "deploy": _command, "scale": _command, "scale-down": _command, "evict": _command, "restart": _command,
     "undeploy": _command, "status": _status, "events": _events, "history": _history, "replay": _replay,
@@ -320,6 +341,8 @@ ADMIN: dict[str, Callable[[argparse.Namespace, AdminClient], Coroutine[Any, Any,
 async def run_admin(a: argparse.Namespace) -> int:
     if a.cmd == "controller":
         return await _controller(a)
+    if a.cmd == "dashboard":
+        return await _dashboard(a)
     async with await AdminClient.open(a.nats, timeout=a.timeout) as admin:
         return await ADMIN[a.cmd](a, admin)
 
@@ -366,6 +389,7 @@ def build_parser(extra: Callable[[Any], None] | None = None) -> tuple[Parser, An
                         help="print the installed version and exit")
     sub = parser.add_subparsers(dest="cmd", metavar="COMMAND", title="commands")
     add_admin_commands(sub)
+    add_dashboard_command(sub)
     if extra:
         extra(sub)
     return parser, sub

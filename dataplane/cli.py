@@ -1,8 +1,8 @@
 """`ndif`: the admin commands (controlplane/cli.py) plus the data-plane ones.
 
-    ndif up [--port 4222] [--store DIR] [--gpus N --gpu-memory-gb G] [--cpu-cache-gb C]
-        embedded NATS + local Ray + controller + one node agent + dispatcher, until Ctrl-C
-    ndif up --demo [--requests 200] [--stay]
+    ndif up [--port 4222] [--store DIR] [--gpus N --gpu-memory-gb G] [--cpu-cache-gb C] [--dashboard-port 8470]
+        embedded NATS + local Ray + controller + one node agent + dispatcher + dashboard, until Ctrl-C
+    ndif up --demo [--requests 200] [--stay] [--dashboard-port 8470]
         the same, driven end to end: deploy, request bursts through the SDK, scale, evict mid-burst
     ndif agent --nats URL [--ray-address ADDR] [--node-id ID] [--gpus N --gpu-memory-gb G]
         one node agent (run one per Ray node)
@@ -55,6 +55,8 @@ def add_dataplane_commands(sub: Any) -> None:
                    help="run the end-to-end demo: deploy, bursts of requests, scale, evict while requests flow")
     p.add_argument("--requests", type=int, default=200, help="requests per burst in the demo (default 200)")
     p.add_argument("--stay", action="store_true", help="after the demo, keep the cluster up until Ctrl-C")
+    p.add_argument("--dashboard-port", type=int, default=8470,
+                   help="port of the read-only dashboard on 127.0.0.1 (default 8470; a free one if taken)")
     _node_args(p)
     p = sub.add_parser("agent", help="run the node agent of this Ray node")
     _nats(p)
@@ -133,10 +135,11 @@ async def _up(a: argparse.Namespace) -> int:
         if a.requests < 1:
             raise errs.InvalidCommand("--requests must be at least 1")
         return await run_demo(port=a.port, store=a.store, gpus=_agent_kwargs(a).get("gpus"), requests=a.requests,
-                              stay=a.stay)
+                              stay=a.stay, dashboard_port=a.dashboard_port)
     import ray
 
     from controlplane.controller import Controller
+    from controlplane.dashboard.server import open_dashboard
     from controlplane.eventstore import JetStreamEventLog
     from controlplane.nats_server import EmbeddedNats
     from dataplane.agent import NodeAgent, detect_gpus
@@ -160,7 +163,9 @@ async def _up(a: argparse.Namespace) -> int:
         gpus = kw.get("gpus") or detect_gpus()
         print(f"ndif up: NATS {url} (store {store}); starting Ray with {len(gpus)} GPU(s)...", flush=True)
         ray.init(num_gpus=len(gpus), namespace=NAMESPACE, include_dashboard=False, log_to_driver=False)
-        async with Controller(url), NodeAgent(url, **{**kw, "gpus": gpus}) as agent, Dispatcher(url):
+        async with Controller(url), NodeAgent(url, **{**kw, "gpus": gpus}) as agent, Dispatcher(url), \
+                await open_dashboard(url, a.dashboard_port) as dash:
+            print(f"ndif up: dashboard {dash.url} (read-only, this machine only)", flush=True)
             print(f"ndif up: controller, agent {agent.node_id} and dispatcher running. In another shell:\n"
                   f"  export NDIF_NATS_URL={url}\n"
                   f"  python -m dataplane.tiny_models {home / 'models'}   # once; `ndif up --demo` makes them too\n"

@@ -129,11 +129,12 @@ def _report(r: dict[str, Any]) -> None:
 
 
 async def run_demo(*, port: int | None, store: Path | None, gpus: list[Any] | None, requests: int,
-                   stay: bool) -> int:
+                   stay: bool, dashboard_port: int = 8470) -> int:
     import ray
 
     from controlplane.admin import AdminClient
     from controlplane.controller import Controller
+    from controlplane.dashboard.server import open_dashboard
     from controlplane.eventstore import JetStreamEventLog
     from controlplane.logs import configure
     from controlplane.nats_server import EmbeddedNats
@@ -172,8 +173,10 @@ async def run_demo(*, port: int | None, store: Path | None, gpus: list[Any] | No
                 NodeAgent(url, "demo-node", gpus=gpus, cpu_cache_bytes=20 * GB, drain_timeout_s=30,
                           heartbeat_s=1.0, health_interval_s=0.5), \
                 Dispatcher(url), \
+                await open_dashboard(url, dashboard_port) as dash, \
                 await AdminClient.open(url) as admin, \
                 Client(url) as client:
+            print(f"  dashboard {dash.url} (read-only; watch the replicas move while the demo runs)", flush=True)
             say("Deploy 2 replicas (the controller registers the model: its size measured on the meta device)")
             await run_cli(url, "deploy", gpt2, "--replicas", "2", "--wait")
 
@@ -217,7 +220,8 @@ async def run_demo(*, port: int | None, store: Path | None, gpus: list[Any] | No
                   "    ndif replay --until SEQ|ISO-TIME    # any past state\n"
                   "    ndif events --follow                # the event stream (or: nats stream view NDIF_EVENTS)\n"
                   f"    ndif submit {gpt2} --prompt Hello\n"
-                  "    ndif queue                          # the dispatcher's processors", flush=True)
+                  "    ndif queue                          # the dispatcher's processors\n"
+                  f"    {dash.url}   # the dashboard (with --stay)", flush=True)
             if stay:
                 from dataplane.cli import _until_signal
 

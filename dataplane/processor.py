@@ -341,4 +341,6 @@ class Processor:
             "completed": self.completed, "errors": self.errors, "replica_calls": self.calls,
             "endpoint_calls": self.link_calls,
             "run_ms": round(self.exec_s * 1000, 3) if self.exec_s is not None else None, "provisioning": self.provisioning,
+            # Seconds the longest-held queued request has waited here (since this dispatcher took it).
+            "oldest_wait_s": round(time.monotonic() - min(p.received for p in self.queue), 3) if self.queue else None,
         }

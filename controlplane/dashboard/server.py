@@ -1,0 +1,389 @@
+"""The dashboard's web server (aiohttp, on the caller's asyncio loop): static page, JSON API, live stream.
+
+It reads NDIF_EVENTS (never appends), folds it into a `DashboardModel`, follows it live and pushes
+each batch of events with the node and model views they changed to every open page over
+server-sent events. Queue figures come from the dispatcher (`ndif.dispatcher.state`) and from
+JetStream (each model's work-queue consumer), asked once a second and pushed when they change.
+Endpoints: docs/dashboard.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import contextlib
+import signal
+import time
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import nats.errors
+import nats.js.errors
+import structlog
+from aiohttp import web
+
+from controlplane.dashboard.model import (
+    BadQuery,
+    DashboardModel,
+    UnknownEntity,
+    event_row,
+    model_json,
+    node_json,
+    state_json,
+    touched,
+)
+from controlplane.eventstore import JetStreamEventLog
+from controlplane.tasks import cancel_and_wait
+from schemas import errors as errs
+from schemas.subjects import REQUESTS_STREAM, model_token
+
+log = structlog.get_logger("ndif.dashboard")
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8470
+CLIENT_QUEUE = 512  # messages buffered per page; past that the page is told to reload its state
+MAX_EVENTS_PER_MESSAGE = 200  # event rows sent per update (the views changed are always complete)
+MAX_CATCH_UP = 5000  # a page asking for more events than this since its state gets a resync instead
+MAX_CLIENTS = 64
+FLUSH_S = 0.05  # changes are pushed at most this long after they are folded (20 updates a second at most)
+QUEUE_POLL_S = 1.0
+MAX_QUEUE_CONSUMERS = 10_000  # consumers listed per round (256 a request)
+STATIC = resources.files("controlplane.dashboard") / "static"
+_enc = msgspec.json.Encoder()
+_CONTENT_TYPES = {".html": "text/html", ".js": "text/javascript", ".css": "text/css", ".png": "image/png"}
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.Response(status=status, body=_enc.encode({"error": message, "status": status}),
+                        content_type="application/json")
+
+
+def _json(obj: Any) -> web.Response:
+    return web.Response(body=_enc.encode(obj), content_type="application/json")
+
+
+def _int(q: Any, name: str, *, lo: int = 0, hi: int | None = None) -> int | None:
+    raw = q.get(name)
+    if raw is None or raw == "":
+        return None
+    try:
+        v = int(raw)
+    except ValueError:
+        raise BadQuery(f"{name} must be an integer, got {raw[:40]!r}") from None
+    if v < lo or (hi is not None and v > hi):
+        raise BadQuery(f"{name} must be in {lo}..{hi if hi is not None else 'inf'}, got {v}")
+    return v
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Every refusal is a JSON body with the reason; nothing a client sends stops the server."""
+    try:
+        resp: web.StreamResponse = await handler(request)
+        return resp
+    except BadQuery as exc:
+        return _error(400, str(exc))
+    except UnknownEntity as exc:
+        return _error(404, str(exc))
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return _error(exc.status, exc.reason or "error")
+
+
+class Dashboard:
+    """`async with Dashboard(url, port=...) as d: print(d.url)`: serve until the block ends."""
+
+    def __init__(self, nats_url: str, *, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,
+                 checkpoint_every: int | None = None, queue_poll_s: float = QUEUE_POLL_S) -> None:
+        self.nats_url = nats_url
+        self.host, self.port = host, port
+        self.model = DashboardModel(**({"checkpoint_every": checkpoint_every} if checkpoint_every else {}))
+        self.queue_poll_s = queue_poll_s
+        self.log_: JetStreamEventLog | None = None
+        self.runner: web.AppRunner | None = None
+        self.clients: set[asyncio.Queue[bytes | None]] = set()
+        self.queues: dict[str, Any] = {"dispatcher": None, "error": "not asked yet", "models": {}}
+        self._tasks: list[asyncio.Task[None]] = []
+        # Changes folded and not yet pushed (see _apply).
+        self._rows: list[dict[str, Any]] = []
+        self._nodes: set[str] = set()
+        self._models: set[str] = set()
+        self._flush_at: asyncio.TimerHandle | None = None
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}/"
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[_errors])
+        app.router.add_get("/", self._index)
+        app.router.add_get("/static/{name}", self._static)
+        app.router.add_get("/api/state", self._state)
+        app.router.add_get("/api/events", self._events)
+        app.router.add_get("/api/history", self._history)
+        app.router.add_get("/api/queues", self._queues)
+        app.router.add_get("/api/stream", self._stream)
+        return app
+
+    async def start(self) -> Dashboard:
+        self.log_ = await JetStreamEventLog.open(self.nats_url, name="ndif-dashboard", ensure=False)
+        t0 = time.perf_counter()
+        async for batch in self.log_.read_batches():
+            self.model.add_all(batch)
+        log.info("dashboard_folded", seq=self.model.seq, seconds=round(time.perf_counter() - t0, 3))
+        self.runner = web.AppRunner(self.app(), access_log=None, handle_signals=False)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, self.host, self.port)
+        try:
+            await site.start()
+        except OSError as exc:
+            await self.stop()
+            raise errs.InfrastructureError(f"dashboard cannot listen on {self.host}:{self.port} ({exc.strerror}); "
+                                           "try --port") from None
+        if self.port == 0:
+            self.port = int(self.runner.addresses[0][1])
+        self._tasks += [asyncio.create_task(self._follow(), name="dashboard-follow"),
+                        asyncio.create_task(self._poll_queues(), name="dashboard-queues")]
+        log.info("dashboard_started", url=self.url, seq=self.model.seq)
+        return self
+
+    async def stop(self) -> None:
+        for q in list(self.clients):
+            with contextlib.suppress(asyncio.QueueFull):
+                q.put_nowait(None)
+        if self._flush_at is not None:
+            self._flush_at.cancel()
+        await cancel_and_wait(self._tasks, owner="dashboard")
+        if self.runner is not None:
+            await self.runner.cleanup()
+        if self.log_ is not None:
+            await self.log_.close()
+
+    async def __aenter__(self) -> Dashboard:
+        return self if self.runner is not None else await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    # ---- following the log -----------------------------------------------------------------
+
+    async def _follow(self) -> None:
+        assert self.log_ is not None
+        while True:
+            try:
+                async for batch in self.log_.follow_batches(self.model.seq + 1):
+                    self._apply(batch)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - NATS away: say so, follow again from where we are
+                log.warning("dashboard_follow_interrupted", error=str(exc) or type(exc).__name__)
+                await asyncio.sleep(1.0)
+
+    def _apply(self, batch: list[Any]) -> None:
+        """Fold a batch; what it changed goes out with the next flush (at most FLUSH_S later), so a
+        burst or a backlog costs one view per changed node and model per flush, not per batch."""
+        m = self.model
+        for seq, item in batch:
+            if seq <= m.seq:
+                continue
+            if self.clients:
+                n, mk = touched(m.live, item)
+                self._nodes |= n
+                self._models |= mk
+                self._rows.append(event_row(seq, item))
+            m.add(seq, item)
+        if self._rows and self._flush_at is None:
+            self._flush_at = asyncio.get_running_loop().call_later(FLUSH_S, self._flush)
+
+    def _flush(self) -> None:
+        self._flush_at = None
+        rows, nodes, models = self._rows, self._nodes, self._models
+        self._rows, self._nodes, self._models = [], set(), set()
+        if rows and self.clients:
+            self._broadcast(self._update(rows, nodes, models))
+
+    def _update(self, rows: list[dict[str, Any]], nodes: set[str], models: set[str]) -> bytes:
+        st = self.model.live
+        body = {"seq": st.seq, "last_seq": st.seq, "events": rows[-MAX_EVENTS_PER_MESSAGE:],
+                "events_dropped": max(0, len(rows) - MAX_EVENTS_PER_MESSAGE),
+                "nodes": [node_json(st, n) for n in sorted(nodes) if n in st.nodes],
+                "models": [model_json(st, mk) for mk in sorted(models)],
+                "anomaly_count": st.anomaly_count}
+        return b"event: update\ndata: " + _enc.encode(body) + b"\n\n"
+
+    def _broadcast(self, msg: bytes) -> None:
+        for q in list(self.clients):
+            try:
+                q.put_nowait(msg)
+            except asyncio.QueueFull:  # a page that cannot keep up reloads its state instead
+                while not q.empty():
+                    q.get_nowait()
+                q.put_nowait(b"event: resync\ndata: {}\n\n")
+
+    # ---- queues ------------------------------------------------------------------------------
+
+    async def _poll_queues(self) -> None:
+        last = b""
+        while True:
+            try:
+                q = await self._ask_queues()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - shown on the page as it is
+                q = {"dispatcher": None, "error": str(exc) or type(exc).__name__, "models": {}}
+            self.queues = q
+            same = _enc.encode({k: v for k, v in q.items() if k != "asked_at"})
+            if same != last and self.clients:  # pushed only when a figure changed
+                self._broadcast(b"event: queues\ndata: " + _enc.encode(q) + b"\n\n")
+            last = same
+            await asyncio.sleep(self.queue_poll_s)
+
+    async def _ask_queues(self) -> dict[str, Any]:
+        assert self.log_ is not None
+        out: dict[str, Any] = {"dispatcher": None, "error": None, "models": {}, "asked_at": time.time()}
+        models: dict[str, dict[str, Any]] = out["models"]
+        try:
+            msg = await self.log_.nc.request("ndif.dispatcher.state", b"", timeout=1.0)
+            d = msgspec.json.decode(msg.data)
+            out["dispatcher"] = d.get("dispatcher")
+            for p in d.get("processors", []):
+                models[p["model_key"]] = {k: p.get(k) for k in (
+                    "status", "queued", "in_flight", "completed", "errors", "workers", "oldest_wait_s")}
+        except (nats.errors.NoRespondersError, nats.errors.TimeoutError) as exc:
+            out["error"] = f"no dispatcher answered ({type(exc).__name__})"
+        # Every model's work-queue consumer in a few listing requests (256 a page), not one request each.
+        pending: dict[str, tuple[int, int]] = {}
+        with contextlib.suppress(nats.js.errors.NotFoundError):
+            while len(pending) < MAX_QUEUE_CONSUMERS:
+                page = await self.log_.js.consumers_info(REQUESTS_STREAM, offset=len(pending) or None)
+                for info in page:
+                    if info.name and info.name.startswith("proc-"):
+                        pending[info.name[5:]] = (info.num_pending or 0, info.num_ack_pending or 0)
+                if len(page) < 256:
+                    break
+        for mk in self.model.live.models:
+            got = pending.get(model_token(mk))
+            row = models.setdefault(mk, {})
+            # None: no consumer yet, nothing was ever submitted for the model.
+            row["pending"], row["ack_pending"] = got if got is not None else (None, None)
+        return out
+
+    # ---- handlers ----------------------------------------------------------------------------
+
+    async def _index(self, request: web.Request) -> web.StreamResponse:
+        return web.Response(body=(STATIC / "index.html").read_bytes(), content_type="text/html")
+
+    async def _static(self, request: web.Request) -> web.StreamResponse:
+        name = request.match_info["name"]
+        ext = Path(name).suffix
+        f = STATIC / name
+        if "/" in name or name.startswith(".") or ext not in _CONTENT_TYPES or not f.is_file():
+            return _error(404, f"no static file {name[:80]!r}")
+        return web.Response(body=f.read_bytes(), content_type=_CONTENT_TYPES[ext],
+                            headers={"Cache-Control": "no-cache"})
+
+    async def _state(self, request: web.Request) -> web.StreamResponse:
+        until = request.query.get("until")
+        m = self.model
+        if until is None or until == "" or until == "live":
+            return _json(state_json(m.live, last_seq=m.seq, live=True))
+        if len(until) > 64:
+            raise BadQuery("until is too long (a sequence number or an ISO time)")
+        seq = m.parse_until(until)
+        st = m.state_at(seq)
+        body = state_json(st, last_seq=m.seq, live=seq >= m.seq)
+        body["seq"] = seq
+        return _json(body)
+
+    async def _events(self, request: web.Request) -> web.StreamResponse:
+        q = request.query
+        rows, next_before = self.model.events(
+            model=q.get("model") or None, replica_id=_int(q, "replica"), type_=q.get("type") or None,
+            actor=q.get("actor") or None, before=_int(q, "before", lo=1), limit=_int(q, "limit", lo=1, hi=1000) or 100)
+        return _json({"events": rows, "next_before": next_before, "last_seq": self.model.seq})
+
+    async def _history(self, request: web.Request) -> web.StreamResponse:
+        q = request.query
+        model = q.get("model")
+        if not model:
+            raise BadQuery("history needs ?model=MODEL_KEY (and optionally &replica=ID)")
+        return _json(self.model.history(model, _int(q, "replica")))
+
+    async def _queues(self, request: web.Request) -> web.StreamResponse:
+        return _json(self.queues)
+
+    async def _stream(self, request: web.Request) -> web.StreamResponse:
+        """Server-sent events: `update` (events + changed views), `queues`, `resync` (reload state)."""
+        since = _int(request.query, "since", lo=0)
+        m = self.model
+        if since is not None and since > m.seq:
+            raise BadQuery(f"since {since} is past the end of the log (last seq {m.seq})")
+        if len(self.clients) >= MAX_CLIENTS:
+            return _error(503, f"too many open pages ({MAX_CLIENTS})")
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        q: asyncio.Queue[bytes | None] = asyncio.Queue(CLIENT_QUEUE)
+        self.clients.add(q)
+        try:
+            first = b": ndif dashboard stream\n\n" + b"event: queues\ndata: " + _enc.encode(self.queues) + b"\n\n"
+            if since is not None and since < m.seq:
+                lo = bisect.bisect_right(m.seqs, since)
+                if len(m.seqs) - lo > MAX_CATCH_UP:
+                    first += b"event: resync\ndata: {}\n\n"
+                else:  # what happened between the page's state and this stream, folded again from `since`
+                    st = m.state_at(since).copy()  # a copy: past states are cached and shared
+                    nodes: set[str] = set()
+                    models: set[str] = set()
+                    rows = []
+                    for i in range(lo, len(m.seqs)):
+                        seq, item = m.seqs[i], m.items[i]
+                        n, mk = touched(st, item)  # read before the event, as live updates do
+                        nodes |= n
+                        models |= mk
+                        if seq not in m.dup_seqs:  # as `state_at` does: a re-append changes nothing
+                            st.apply(seq, item)
+                        rows.append(event_row(seq, item))
+                    first += self._update(rows, nodes, models)
+            await resp.write(first)
+            while True:
+                try:
+                    msg = await asyncio.wait_for(q.get(), 15.0)
+                except TimeoutError:
+                    msg = b": keepalive\n\n"
+                if msg is None:
+                    break
+                await resp.write(msg)
+        except (ConnectionResetError, asyncio.CancelledError):
+            pass
+        finally:
+            self.clients.discard(q)
+        return resp
+
+
+async def open_dashboard(nats_url: str, port: int = DEFAULT_PORT) -> Dashboard:
+    """For `ndif up`: a started dashboard on 127.0.0.1:`port`, or on a free port if that one is taken."""
+    try:
+        return await Dashboard(nats_url, port=port).start()
+    except errs.InfrastructureError as exc:
+        if port == 0:
+            raise
+        log.warning("dashboard_port_taken", port=port, error=str(exc))
+        return await Dashboard(nats_url, port=0).start()
+
+
+async def serve(nats_url: str, *, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT) -> None:
+    """`ndif dashboard`: serve until SIGINT/SIGTERM."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    async with Dashboard(nats_url, host=host, port=port) as d:
+        print(f"ndif dashboard: {d.url} (log at seq {d.model.seq}; read-only). Ctrl-C stops it.", flush=True)
+        if host not in ("127.0.0.1", "localhost", "::1"):
+            print(f"ndif dashboard: listening on {host}: whoever reaches this port sees the whole cluster",
+                  flush=True)
+        await stop.wait()
