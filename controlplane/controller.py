@@ -22,6 +22,7 @@ import structlog
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
+from controlplane.auth import Creds
 from controlplane.committer import GroupCommitter
 from controlplane.context import DecisionContext, utcnow
 from controlplane.decide import MAX_RESTARTS, Registration, decide, decide_failure, decide_node_lost, summarize
@@ -50,7 +51,8 @@ def seed_of(command_id: str) -> int:
 class Controller:
     def __init__(self, url: str, *, name: str | None = None, min_deploy_s: float = MIN_DEPLOY_S,
                  max_restarts: int = MAX_RESTARTS, heartbeat_grace_s: float = 20.0,
-                 policy_interval_s: float = 2.0, max_inflight: int = 512, stream_replicas: int = 1) -> None:
+                 policy_interval_s: float = 2.0, max_inflight: int = 512, stream_replicas: int = 1,
+                 creds: Creds | None = None) -> None:
         self.url = url
         self.name = name or f"controller:{socket.gethostname()}"
         self.min_deploy_s = min_deploy_s
@@ -58,6 +60,7 @@ class Controller:
         self.heartbeat_grace_s = heartbeat_grace_s
         self.policy_interval_s = policy_interval_s
         self.stream_replicas = stream_replicas  # R3 on a NATS cluster (deploy/nats/)
+        self.creds = creds  # the controller role's user (controlplane/auth.py); None: found locally
         self.log: JetStreamEventLog | None = None
         self.committer: GroupCommitter[ClusterState] | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -79,7 +82,8 @@ class Controller:
         return self.committer.state
 
     async def start(self) -> Controller:
-        self.log = await JetStreamEventLog.open(self.url, name=self.name, replicas=self.stream_replicas)
+        self.log = await JetStreamEventLog.open(self.url, name=self.name, replicas=self.stream_replicas,
+                                                creds=self.creds, role="controller")
         self.committer = await GroupCommitter(self.log, ClusterState()).start()
         self._tasks.append(asyncio.create_task(self._follow(), name="controller-follow"))
         self._tasks.append(asyncio.create_task(self._watch_heartbeats(), name="controller-heartbeats"))

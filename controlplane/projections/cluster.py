@@ -15,6 +15,7 @@ import msgspec
 from controlplane.projections.base import Anomaly, Projection
 from controlplane.projections.replica import OBSERVED_RULES, ReplicaView, step
 from schemas.events import (
+    AGENT_FACTS,
     DeploymentRequested,
     Event,
     GpuInfo,
@@ -22,8 +23,10 @@ from schemas.events import (
     NodeJoined,
     NodeLost,
     PlacementRejected,
+    ReplicaDrained,
     ReplicaEvent,
     ReplicaScheduled,
+    author_problem,
 )
 from schemas.status import Level, ModelStatus, ReplicaState
 
@@ -33,6 +36,9 @@ CardKey = tuple[str, int]  # (node_id, gpu index)
 _replace = msgspec.structs.replace
 _LIVE = frozenset({ReplicaState.AVAILABLE})
 _DEAD = frozenset({ReplicaState.FAILED, ReplicaState.LOAD_FAILED})
+
+
+_AUTHORED = AGENT_FACTS | {ReplicaDrained}
 
 
 class NodeView(msgspec.Struct, frozen=True, kw_only=True, gc=False):
@@ -155,6 +161,11 @@ class ClusterState(Projection):
                 if rec is None
                 else _replace(rec, last_seq=seq, events=rec.events + 1)
             )
+        if ev.__class__ in _AUTHORED:
+            problem = author_problem(ev)
+            if problem is not None:  # a forged or misdirected fact: refused, and flagged
+                self._anomaly(seq, ev, problem, getattr(ev, "replica_id", None))
+                return
         rule = OBSERVED_RULES.get(ev.__class__)
         if rule is not None:
             # Hot path (most stored events): an observed event for a known replica from its own
