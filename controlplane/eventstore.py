@@ -272,10 +272,14 @@ class JetStreamEventLog:
         await self._ensure_bucket(self.js.create_key_value, self.js.key_value, REQUEST_STATUS_BUCKET,
                                   api.KeyValueConfig(bucket=REQUEST_STATUS_BUCKET, ttl=REQUEST_STATUS_TTL_S,
                                                      replicas=self.replicas, storage=api.StorageType.FILE,
-                                                     republish=status_republish))
+                                                     republish=status_republish, direct=True))
         info = await self.js.stream_info(f"KV_{REQUEST_STATUS_BUCKET}")
-        if info.config.republish is None or info.config.republish.dest != status_republish.dest:
+        # Direct gets name the key in the API subject, so a client's permission can be its own keys
+        # only (controlplane/auth.py); a stored get names it in the body, which permissions cannot see.
+        if (info.config.republish is None or info.config.republish.dest != status_republish.dest
+                or not info.config.allow_direct):
             info.config.republish = status_republish  # a bucket made by an earlier version
+            info.config.allow_direct = True
             await self.js.update_stream(info.config)
             log.info("stream_updated", stream=f"KV_{REQUEST_STATUS_BUCKET}", republish=status_republish.dest)
         for bucket in (RESULTS_BUCKET, SNAPSHOTS_BUCKET):

@@ -139,18 +139,17 @@ async def _up(a: argparse.Namespace) -> int:
             raise errs.InvalidCommand("--requests must be at least 1")
         return await run_demo(port=a.port, store=a.store, gpus=_agent_kwargs(a).get("gpus"), requests=a.requests,
                               stay=a.stay)
+    import socket
+
     import ray
 
+    from controlplane.auth import LocalAuth, ensure_local, ndif_home
     from controlplane.controller import Controller
     from controlplane.eventstore import JetStreamEventLog
     from controlplane.nats_server import EmbeddedNats
     from dataplane.agent import NodeAgent, detect_gpus
     from dataplane.dispatcher import Dispatcher
     from dataplane.model_actor import NAMESPACE
-
-    import socket
-
-    from controlplane.auth import LocalAuth, ensure_local, ndif_home
 
     store = a.store or ndif_home() / "nats"
     port = a.port or 4222
@@ -181,7 +180,7 @@ async def _up(a: argparse.Namespace) -> int:
         mode = f"users per role, credentials in {auth.config_path.parent}" if auth else "OPEN: no users"
         print(f"ndif up: NATS {url} (store {store}; {mode}); starting Ray with {len(gpus)} GPU(s)...", flush=True)
         ray.init(num_gpus=len(gpus), namespace=NAMESPACE, include_dashboard=False, log_to_driver=False)
-        role = (lambda r: auth.users[r]) if auth else (lambda r: None)  # noqa: E731
+        role = (lambda r: auth.users[r]) if auth else (lambda r: None)
         agent_creds = auth.users[f"agent:{node_id}"] if auth else None
         async with Controller(url, creds=role("controller")), \
                 NodeAgent(url, **{**kw, "node_id": node_id, "gpus": gpus, "creds": agent_creds}) as agent, \

@@ -252,7 +252,7 @@ async def test_a_deleted_event_stream_is_never_silently_recreated(tmp_path: Path
         await nc.jetstream().delete_stream(EVENTS_STREAM)  # an admin may
         await nc.close()
         for role in ("admin", "controller"):
-            with pytest.raises(errs.InfrastructureError, match="missing|does not exist"):
+            with pytest.raises(errs.InfrastructureError, match=r"missing|does not exist"):
                 await JetStreamEventLog.open(srv.url, creds=auth.role(role))
         # An operator's decision to start over is explicit.
         lg = await JetStreamEventLog.open(srv.url, creds=auth.role("admin"), ensure=False)
