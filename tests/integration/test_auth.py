@@ -367,3 +367,25 @@ def test_local_commands_find_their_role(auth: LocalAuth, monkeypatch: pytest.Mon
     assert resolve("agent", url="nats://127.0.0.1:4222", node_id=NODE_B) == auth.role(f"agent:{NODE_B}")
     assert resolve("admin", url="nats://nats.example.org:4222") is None  # never sent to a remote server
     assert permissions("admin")["publish"]["allow"] == [">"]
+
+
+async def test_no_credentials_no_connection(streams: str) -> None:
+    with pytest.raises(errs.InfrastructureError, match="refused the credentials"):
+        await connect(streams, creds=None)
+
+
+@pytest.mark.parametrize("conf", ["n1.conf", "n2.conf", "n3.conf"])
+def test_the_cluster_configs_take_the_generated_users(conf: str, auth: LocalAuth, tmp_path: Path) -> None:
+    import shutil
+    import subprocess
+
+    from controlplane.nats_server import find_nats_server
+
+    deploy = Path(__file__).resolve().parents[2] / "deploy" / "nats"
+    shutil.copy(deploy / conf, tmp_path / conf)
+    shutil.copy(auth.config_path, tmp_path / "ndif-auth.conf")
+    ran = subprocess.run([find_nats_server(), "-c", str(tmp_path / conf), "-t"], capture_output=True, text=True)
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    (tmp_path / "ndif-auth.conf").unlink()  # without the users the config does not start: nothing runs open
+    ran = subprocess.run([find_nats_server(), "-c", str(tmp_path / conf), "-t"], capture_output=True, text=True)
+    assert ran.returncode != 0
