@@ -186,7 +186,8 @@ async def _up(a: argparse.Namespace) -> int:
                 NodeAgent(url, **{**kw, "node_id": node_id, "gpus": gpus, "creds": agent_creds}) as agent, \
                 Dispatcher(url, creds=role("dispatcher")):
             print(f"ndif up: controller, agent {agent.node_id} and dispatcher running. In another shell:\n"
-                  f"  export NDIF_NATS_URL={url}\n"
+                  f"  export NDIF_NATS_URL={url}"
+                  + (f" NDIF_HOME={ndif_home()}  # its commands find their credentials there\n" if auth else "\n") +
                   "  python -m dataplane.tiny_models /tmp/ndif-models\n"
                   "  ndif deploy /tmp/ndif-models/tiny-gpt2 --replicas 2 --wait\n"
                   "  ndif status\n"

@@ -86,3 +86,15 @@ def test_a_fact_on_another_nodes_subject_is_caught(subject_node: str, body_node:
     subject = f"{replica_subject(M, 0)}.{node_token(subject_node)}"
     assert (subject_problem(subject, ev) is None) == (subject_node == body_node)
     assert subject_problem(replica_subject(M, 0), ev) is None  # stored before subjects named their source
+
+
+def test_requests_and_statuses_carry_their_owner() -> None:
+    from schemas.subjects import model_token, request_subject, request_subject_parts, status_key, status_subject
+
+    tok = model_token(M)
+    assert request_subject(M, "alice") == f"ndif.req.{tok}.alice"
+    assert request_subject_parts(request_subject(M, "alice")) == (tok, "alice")
+    assert request_subject_parts(request_subject(M)) == (tok, "")  # an open server's form
+    assert status_key("r1", "alice") == "alice.r1" and status_key("r1") == "r1"
+    # KV's republish ($KV.<bucket>.<key> -> ndif.status.<key>) lands where the owner listens.
+    assert status_subject("r1", "alice") == "ndif.status.alice.r1" and status_subject("r1") == "ndif.status.r1"
