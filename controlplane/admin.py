@@ -17,6 +17,7 @@ from types import TracebackType
 import msgspec
 import nats.errors
 
+from controlplane.auth import Creds
 from controlplane.committer import afold_batches
 from controlplane.eventstore import JetStreamEventLog
 from controlplane.ports import Stored
@@ -71,8 +72,10 @@ class AdminClient:
         self.actor = actor or f"cli:{getpass.getuser()}"
 
     @classmethod
-    async def open(cls, url: str, *, timeout: float = 30.0, actor: str | None = None) -> AdminClient:
-        return cls(await JetStreamEventLog.open(url, ensure=False, name="ndif-admin"), timeout=timeout, actor=actor)
+    async def open(cls, url: str, *, timeout: float = 30.0, actor: str | None = None,
+                   creds: Creds | None = None) -> AdminClient:
+        log = await JetStreamEventLog.open(url, ensure=False, name="ndif-admin", creds=creds, role="admin")
+        return cls(log, timeout=timeout, actor=actor)
 
     async def close(self) -> None:
         await self.log.close()

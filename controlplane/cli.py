@@ -328,7 +328,9 @@ async def _dashboard(a: argparse.Namespace) -> int:
 
     if not 0 <= a.port <= 65535:
         raise errs.InvalidCommand(f"--port must be 0..65535, got {a.port}")
-    await serve(a.nats, host=a.host, port=a.port)
+    from controlplane.auth import resolve
+
+    await serve(a.nats, host=a.host, port=a.port, creds=resolve("dashboard", url=a.nats))
     return 0
 
 

@@ -22,6 +22,7 @@ import structlog
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
+from controlplane.auth import Creds
 from controlplane.committer import GroupCommitter
 from controlplane.context import DecisionContext, utcnow
 from controlplane.decide import (
@@ -60,7 +61,8 @@ class Controller:
                  max_restarts: int = MAX_RESTARTS, heartbeat_grace_s: float = 20.0,
                  policy_interval_s: float = 2.0, max_inflight: int = 512, stream_replicas: int = 1,
                  headroom: float = PADDING, max_replicas_per_model: int | None = None,
-                 max_replicas_per_command: int | None = None) -> None:
+                 max_replicas_per_command: int | None = None,
+                 creds: Creds | None = None) -> None:
         self.url = url
         # Replica bounds, checked when a command is decoded (and the per-model one when decided):
         # a count past them is refused before placement runs. Defaults, then env, then arguments.
@@ -75,6 +77,7 @@ class Controller:
         self.heartbeat_grace_s = heartbeat_grace_s
         self.policy_interval_s = policy_interval_s
         self.stream_replicas = stream_replicas  # R3 on a NATS cluster (deploy/nats/)
+        self.creds = creds  # the controller role's user (controlplane/auth.py); None: found locally
         self.log: JetStreamEventLog | None = None
         self.committer: GroupCommitter[ClusterState] | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -96,7 +99,8 @@ class Controller:
         return self.committer.state
 
     async def start(self) -> Controller:
-        self.log = await JetStreamEventLog.open(self.url, name=self.name, replicas=self.stream_replicas)
+        self.log = await JetStreamEventLog.open(self.url, name=self.name, replicas=self.stream_replicas,
+                                                creds=self.creds, role="controller")
         self.committer = await GroupCommitter(self.log, ClusterState()).start()
         self._tasks.append(asyncio.create_task(self._follow(), name="controller-follow"))
         self._tasks.append(asyncio.create_task(self._watch_heartbeats(), name="controller-heartbeats"))

@@ -31,9 +31,20 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.js import api
 
+from controlplane.auth import Creds, resolve
 from controlplane.ports import AppendResult, Stored
 from schemas.errors import ConflictError, InfrastructureError, InfrastructureTimeout, InvalidCommand
-from schemas.events import Event, check_batch, decode_or_skip, encode_event, event_headers, event_subject
+from schemas.events import (
+    Event,
+    Skipped,
+    check_batch,
+    decode_or_skip,
+    encode_event,
+    event_headers,
+    event_subject,
+    event_tag,
+    subject_problem,
+)
 from schemas.subjects import (
     EVENTS_ALL,
     EVENTS_STREAM,
@@ -124,12 +135,19 @@ class FastHeaderClient(NatsClient):
 _BYTES_WS = " \t\n\r\x0b\x0c"
 
 
-async def connect(url: str, *, name: str = "ndif", timeout: float = 5.0) -> NatsClient:
-    """A NATS connection with the settings §10 asks for: endless reconnects, loud slow consumers."""
+async def connect(url: str, *, name: str = "ndif", timeout: float = 5.0, creds: Creds | None = None) -> NatsClient:
+    """A NATS connection with the settings §10 asks for: endless reconnects, loud slow consumers.
+
+    `creds`: the user of a role (controlplane/auth.py); its own inbox prefix keeps its replies
+    private. None connects without a user (an open server).
+    """
 
     connecting = True
+    refused: list[str] = []
 
     async def error_cb(err: Exception) -> None:
+        if "authorization violation" in str(err).lower():
+            refused.append(str(err))
         if connecting:
             log.debug("nats_connect_attempt_failed", url=url, error=str(err) or type(err).__name__)
         elif isinstance(err, nats.errors.SlowConsumerError):
@@ -154,11 +172,16 @@ async def connect(url: str, *, name: str = "ndif", timeout: float = 5.0) -> Nats
             # The first connect gives up after a few tries (a wrong URL is an error to report);
             # once connected, reconnects never stop (docs/architecture.md §10).
             max_reconnect_attempts=2,
+            **(creds.connect_options() if creds is not None else {}),
         )
         nc.options["max_reconnect_attempts"] = -1
         connecting = False
         return nc
     except (TimeoutError, OSError, nats.errors.NoServersError) as exc:
+        if refused:
+            raise InfrastructureError(
+                f"NATS at {url} refused the credentials of {creds.user if creds else 'no user'}: "
+                "use the files `ndif up` wrote under $NDIF_HOME/auth/ or set NDIF_CREDS") from None
         raise InfrastructureError(
             f"cannot reach NATS at {url} ({exc or type(exc).__name__}): start one with `ndif up` "
             "or pass --nats URL / set NDIF_NATS_URL"
@@ -183,12 +206,20 @@ class JetStreamEventLog:
         self.pending_msgs_limit = _PENDING_MSGS
         self.pending_bytes_limit = _PENDING_BYTES
         self.stall_check_s = 1.0  # a follower idle this long checks the stream for a stall
+        self.may_create = True
 
     @classmethod
     async def open(cls, url: str, *, timeout: float = 5.0, replicas: int = 1, ensure: bool = True,
-                   name: str = "ndif") -> JetStreamEventLog:
-        self = cls(await connect(url, name=name, timeout=timeout), timeout=timeout, replicas=replicas)
+                   name: str = "ndif", creds: Creds | None = None, role: str = "admin",
+                   node_id: str = "") -> JetStreamEventLog:
+        """Connect as `creds`, or as the local user of `role` (auth.resolve: NDIF_CREDS, $NDIF_HOME/auth/)."""
+        if creds is None:
+            creds = resolve(role, url=url, node_id=node_id)
+        self = cls(await connect(url, name=name, timeout=timeout, creds=creds), timeout=timeout, replicas=replicas)
         self._owns_nc = True
+        # Only an admin (or anyone on an open server) may create or reconfigure streams; the
+        # others check that they exist.
+        self.may_create = creds is None or creds.role == "admin"
         if ensure:
             await self.ensure()
         return self
@@ -206,8 +237,20 @@ class JetStreamEventLog:
 
     # ---- setup -------------------------------------------------------------------------------
 
-    async def ensure(self) -> None:
-        """Create or update every stream and bucket of docs/architecture.md §2. Safe to call any number of times."""
+    async def ensure(self, *, start_new_history: bool = False) -> None:
+        """Create or update every stream and bucket of docs/architecture.md §2. Safe to call any number of times.
+
+        A user who may not create streams (any role but admin) only checks that they exist. The
+        event stream is never created anew where the rest of a deployment exists (the request
+        stream or any bucket): its history was lost (deleted, or a wrong store) and an operator
+        must decide; `start_new_history=True` (`ndif up --new-history`) is that decision.
+        """
+        if not self.may_create:
+            for name in (EVENTS_STREAM, REQUESTS_STREAM):
+                await self._stream_info_or_fail(name)
+            return
+        if not start_new_history:
+            await self._refuse_lost_history()
         await self._ensure_stream(api.StreamConfig(
             name=EVENTS_STREAM, subjects=[EVENTS_ALL], retention=api.RetentionPolicy.LIMITS,
             storage=api.StorageType.FILE, num_replicas=self.replicas, deny_delete=True, deny_purge=True,
@@ -229,16 +272,53 @@ class JetStreamEventLog:
         await self._ensure_bucket(self.js.create_key_value, self.js.key_value, REQUEST_STATUS_BUCKET,
                                   api.KeyValueConfig(bucket=REQUEST_STATUS_BUCKET, ttl=REQUEST_STATUS_TTL_S,
                                                      replicas=self.replicas, storage=api.StorageType.FILE,
-                                                     republish=status_republish))
+                                                     republish=status_republish, direct=True))
         info = await self.js.stream_info(f"KV_{REQUEST_STATUS_BUCKET}")
-        if info.config.republish is None or info.config.republish.dest != status_republish.dest:
+        # Direct gets name the key in the API subject, so a client's permission can be its own keys
+        # only (controlplane/auth.py); a stored get names it in the body, which permissions cannot see.
+        if (info.config.republish is None or info.config.republish.dest != status_republish.dest
+                or not info.config.allow_direct):
             info.config.republish = status_republish  # a bucket made by an earlier version
+            info.config.allow_direct = True
             await self.js.update_stream(info.config)
             log.info("stream_updated", stream=f"KV_{REQUEST_STATUS_BUCKET}", republish=status_republish.dest)
         for bucket in (RESULTS_BUCKET, SNAPSHOTS_BUCKET):
             await self._ensure_bucket(self.js.create_object_store, self.js.object_store, bucket,
                                       api.ObjectStoreConfig(bucket=bucket, replicas=self.replicas,
                                                             storage=api.StorageType.FILE))
+
+    async def _stream_info_or_fail(self, name: str) -> None:
+        try:
+            await self.js.stream_info(name)
+        except nats.js.errors.NotFoundError:
+            raise InfrastructureError(f"stream {name} does not exist and this user may not create it: an admin "
+                                      "creates it (`ndif up`)") from None
+        except (nats.errors.TimeoutError, nats.errors.NoRespondersError) as exc:
+            raise InfrastructureError(f"JetStream is not answering ({type(exc).__name__}): is the server "
+                                      "running with -js?") from None
+
+    async def _refuse_lost_history(self) -> None:
+        """Raise when the event stream is missing but the rest of a deployment exists."""
+        try:
+            await self.js.stream_info(EVENTS_STREAM)
+            return
+        except nats.js.errors.NotFoundError:
+            pass
+        except (nats.errors.TimeoutError, nats.errors.NoRespondersError):
+            return  # reported by _ensure_stream
+        others = [REQUESTS_STREAM, f"KV_{HEARTBEATS_BUCKET}", f"KV_{REQUEST_STATUS_BUCKET}",
+                  f"OBJ_{RESULTS_BUCKET}", f"OBJ_{SNAPSHOTS_BUCKET}"]
+        found = []
+        for name in others:
+            with contextlib.suppress(nats.js.errors.NotFoundError):
+                await self.js.stream_info(name)
+                found.append(name)
+        if found:
+            log.error("event_stream_missing", existing=found)
+            raise InfrastructureError(
+                f"stream {EVENTS_STREAM} is missing but {', '.join(found)} exist: the event history was deleted "
+                "or this is the wrong store. Not starting an empty history: restore the stream, or, to start "
+                "a new one on purpose, run `ndif up --new-history`", retryable=False)
 
     async def _ensure_stream(self, cfg: api.StreamConfig) -> None:
         assert cfg.name is not None
@@ -437,7 +517,11 @@ class JetStreamEventLog:
                     return
                 else:
                     want[0] = seq + 1
-                    buf.append((seq, decode_or_skip(msg.data)))
+                    item = decode_or_skip(msg.data)
+                    problem = subject_problem(msg.subject, item)
+                    if problem is not None:
+                        item = Skipped(reason=problem, type=event_tag(item))  # type: ignore[arg-type]
+                    buf.append((seq, item))
                 ready.set()
 
             sub = await self._subscribe(expected, on_msg)

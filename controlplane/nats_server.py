@@ -61,7 +61,8 @@ class EmbeddedNats:
     """
 
     def __init__(self, store_dir: str | os.PathLike[str] | None = None, *, port: int | None = None,
-                 ready_timeout: float = 15.0, extra_args: tuple[str, ...] = ()) -> None:
+                 ready_timeout: float = 15.0, extra_args: tuple[str, ...] = (),
+                 config_file: str | os.PathLike[str] | None = None, host: str = "127.0.0.1") -> None:
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
         if store_dir is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="ndif-nats-")
@@ -70,6 +71,9 @@ class EmbeddedNats:
         self.port = port or _free_port()
         self.ready_timeout = ready_timeout
         self.extra_args = extra_args
+        # A config file with the users and their permissions (controlplane/auth.py); None: open.
+        self.config_file = None if config_file is None else Path(config_file)
+        self.host = host
         self.proc: subprocess.Popen[bytes] | None = None
         self._log_path = self.store_dir / "nats-server.log"
 
@@ -81,8 +85,10 @@ class EmbeddedNats:
         if self.proc is not None and self.proc.poll() is None:
             return self
         self.store_dir.mkdir(parents=True, exist_ok=True)
-        args = [find_nats_server(), "-js", "-sd", str(self.store_dir / "jetstream"), "-a", "127.0.0.1",
+        args = [find_nats_server(), "-js", "-sd", str(self.store_dir / "jetstream"), "-a", self.host,
                 "-p", str(self.port), "-l", str(self._log_path), *self.extra_args]
+        if self.config_file is not None:
+            args += ["-c", str(self.config_file)]
         self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                      stderr=subprocess.PIPE, start_new_session=True)
         self._wait_ready()

@@ -31,6 +31,7 @@ from typing import Any
 import ray
 import structlog
 
+from controlplane.auth import Creds, resolve
 from controlplane.context import observed
 from controlplane.eventstore import JetStreamEventLog
 from controlplane.projections import ClusterState
@@ -87,8 +88,10 @@ def default_cpu_cache_bytes() -> int:
 class NodeAgent:
     def __init__(self, url: str, node_id: str | None = None, *, gpus: tuple[GpuInfo, ...] | None = None,
                  cpu_cache_bytes: int | None = None, heartbeat_s: float = 2.0, drain_timeout_s: float = 30.0,
-                 health_interval_s: float = 1.0, execution_timeout_s: float = 60.0) -> None:
+                 health_interval_s: float = 1.0, execution_timeout_s: float = 60.0,
+                 creds: Creds | None = None) -> None:
         self.url = url
+        self.creds = creds  # this node's agent user (controlplane/auth.py); None: found locally
         self.node_id = node_id or socket.gethostname()
         self.gpus = gpus
         self.cpu_cache_bytes = default_cpu_cache_bytes() if cpu_cache_bytes is None else cpu_cache_bytes
@@ -117,7 +120,10 @@ class NodeAgent:
         self.ray_node_id = ray.get_runtime_context().get_node_id()
         if self.gpus is None:
             self.gpus = detect_gpus()
-        self.log_ = await JetStreamEventLog.open(self.url, ensure=False, name=self.actor)
+        if self.creds is None:
+            self.creds = resolve("agent", url=self.url, node_id=self.node_id)
+        self.log_ = await JetStreamEventLog.open(self.url, ensure=False, name=self.actor, creds=self.creds,
+                                                 role="agent", node_id=self.node_id)
         async for batch in self.log_.read_batches():
             for seq, item in batch:
                 self.state.apply(seq, item)
@@ -344,7 +350,7 @@ class NodeAgent:
         return await asyncio.to_thread(
             create_actor, r.model_key, r.replica_id, reg.checkpoint, revision=reg.revision, dtype=reg.dtype,
             ray_node_id=self.ray_node_id, node_id=self.node_id, execution_timeout_s=self.execution_timeout_s,
-            nats_url=self.url)
+            nats_url=self.url, nats_creds=self.creds)
 
     async def _drain_timer(self, r: ReplicaView) -> None:
         """The dispatcher reports the drain; if it has not within the timeout, the agent does."""

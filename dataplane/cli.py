@@ -57,6 +57,14 @@ def add_dataplane_commands(sub: Any) -> None:
     p.add_argument("--stay", action="store_true", help="after the demo, keep the cluster up until Ctrl-C")
     p.add_argument("--dashboard-port", type=int, default=8470,
                    help="port of the read-only dashboard on 127.0.0.1 (default 8470; a free one if taken)")
+    p.add_argument("--open", action="store_true",
+                   help="no users or permissions (loopback-only development); default: a user per role, "
+                        "credentials made on first start under $NDIF_HOME/auth/")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address NATS listens on (default 127.0.0.1; anything else with --open is warned about)")
+    p.add_argument("--new-history", action="store_true",
+                   help="start an empty event stream even where the rest of a deployment exists (the history "
+                        "was deleted on purpose); without it that is an error")
     _node_args(p)
     p = sub.add_parser("agent", help="run the node agent of this Ray node")
     _nats(p)
@@ -136,8 +144,11 @@ async def _up(a: argparse.Namespace) -> int:
             raise errs.InvalidCommand("--requests must be at least 1")
         return await run_demo(port=a.port, store=a.store, gpus=_agent_kwargs(a).get("gpus"), requests=a.requests,
                               stay=a.stay, dashboard_port=a.dashboard_port)
+    import socket
+
     import ray
 
+    from controlplane.auth import LocalAuth, ensure_local, ndif_home
     from controlplane.controller import Controller
     from controlplane.dashboard.server import open_dashboard
     from controlplane.eventstore import JetStreamEventLog
@@ -146,10 +157,20 @@ async def _up(a: argparse.Namespace) -> int:
     from dataplane.dispatcher import Dispatcher
     from dataplane.model_actor import NAMESPACE
 
-    home = Path(os.environ.get("NDIF_HOME", Path.home() / ".ndif"))  # the demo's and README's paths too
+    home = ndif_home()  # the demo's and README's paths too
     store = a.store or home / "nats"
     port = a.port or 4222
-    srv = EmbeddedNats(store, port=port)
+    kw = _agent_kwargs(a)
+    node_id = kw.get("node_id") or socket.gethostname()
+    auth: LocalAuth | None = None
+    if a.open:
+        if a.host not in ("127.0.0.1", "localhost", "::1"):
+            print(f"ndif up: WARNING: --open on {a.host}: anyone who can reach port {port} can append events, "
+                  "read every prompt and delete the history; use --open on loopback only", file=sys.stderr,
+                  flush=True)
+    else:
+        auth = ensure_local([node_id])
+    srv = EmbeddedNats(store, port=port, host=a.host, config_file=auth.config_path if auth else None)
     try:
         await srv.astart()
     except Exception as exc:  # noqa: BLE001 - port taken, binary missing: one clear line
@@ -157,17 +178,25 @@ async def _up(a: argparse.Namespace) -> int:
                                        "is another `ndif up` running? try --port") from None
     url = srv.url
     try:
-        log = await JetStreamEventLog.open(url)
-        await log.close()
-        kw = _agent_kwargs(a)
+        log = await JetStreamEventLog.open(url, ensure=False, creds=auth.role("admin") if auth else None)
+        try:
+            await log.ensure(start_new_history=a.new_history)
+        finally:
+            await log.close()
         gpus = kw.get("gpus") or detect_gpus()
-        print(f"ndif up: NATS {url} (store {store}); starting Ray with {len(gpus)} GPU(s)...", flush=True)
+        mode = f"users per role, credentials in {auth.config_path.parent}" if auth else "OPEN: no users"
+        print(f"ndif up: NATS {url} (store {store}; {mode}); starting Ray with {len(gpus)} GPU(s)...", flush=True)
         ray.init(num_gpus=len(gpus), namespace=NAMESPACE, include_dashboard=False, log_to_driver=False)
-        async with Controller(url), NodeAgent(url, **{**kw, "gpus": gpus}) as agent, Dispatcher(url), \
-                await open_dashboard(url, a.dashboard_port) as dash:
+        role = (lambda r: auth.users[r]) if auth else (lambda r: None)
+        agent_creds = auth.users[f"agent:{node_id}"] if auth else None
+        async with Controller(url, creds=role("controller")), \
+                NodeAgent(url, **{**kw, "node_id": node_id, "gpus": gpus, "creds": agent_creds}) as agent, \
+                Dispatcher(url, creds=role("dispatcher")), \
+                await open_dashboard(url, a.dashboard_port, creds=role("dashboard")) as dash:
             print(f"ndif up: dashboard {dash.url} (read-only, this machine only)", flush=True)
             print(f"ndif up: controller, agent {agent.node_id} and dispatcher running. In another shell:\n"
-                  f"  export NDIF_NATS_URL={url}\n"
+                  f"  export NDIF_NATS_URL={url}"
+                  + (f" NDIF_HOME={home}  # its commands find their credentials there\n" if auth else "\n") +
                   f"  python -m dataplane.tiny_models {home / 'models'}   # once; `ndif up --demo` makes them too\n"
                   f"  ndif deploy {home / 'models' / 'tiny-gpt2'} --replicas 2 --wait\n"
                   "  ndif status\n"
@@ -232,12 +261,20 @@ async def _submit(a: argparse.Namespace) -> int:
     return 0
 
 
+async def _admin_nc(url: str) -> Any:
+    """A connection as the local admin (auth.resolve), like every other admin verb."""
+    from controlplane.auth import resolve
+    from controlplane.eventstore import connect
+
+    return await connect(url, name="ndif-cli", creds=resolve("admin", url=url))
+
+
 async def _queue(a: argparse.Namespace) -> int:
     import json
 
     import nats as nats_mod
 
-    nc = await nats_mod.connect(a.nats, max_reconnect_attempts=1)
+    nc = await _admin_nc(a.nats)
     try:
         msg = await nc.request("ndif.dispatcher.state", b"", timeout=5)
     except nats_mod.errors.NoRespondersError:
@@ -262,7 +299,7 @@ async def _kill(a: argparse.Namespace) -> int:
 
     import nats as nats_mod
 
-    nc = await nats_mod.connect(a.nats, max_reconnect_attempts=1)
+    nc = await _admin_nc(a.nats)
     try:
         msg = await nc.request("ndif.dispatcher.kill", a.request_id.encode(), timeout=10)
     except nats_mod.errors.NoRespondersError:

@@ -29,12 +29,13 @@ import msgspec
 import nats.errors
 import nats.js.errors
 
+from controlplane.auth import Creds, resolve
 from controlplane.eventstore import JetStreamEventLog
 from schemas import errors as errs
 from schemas.keys import canonical_model_key
 from schemas.requests import MAX_REQUEST_BYTES, Request, StatusUpdate, check_request_id, encoder, status_decoder
 from schemas.status import RequestStatus
-from schemas.subjects import REQUEST_STATUS_BUCKET, RESULTS_BUCKET, request_subject, status_subject
+from schemas.subjects import REQUEST_STATUS_BUCKET, RESULTS_BUCKET, request_subject, status_key, status_subject
 
 # While a job is quiet its kept status is re-read from KV, first after 2 s, backing off to 30 s.
 KV_POLL_FIRST_S = 2.0
@@ -79,7 +80,7 @@ class Job:
 
         # Live statuses, and the kept ones as the server republishes them when KV stores them (the
         # terminal status only that way: it reaches us the moment it is kept, and only if it was).
-        self._sub = await self.client.log.nc.subscribe(status_subject(self.request_id), cb=cb)
+        self._sub = await self.client.log.nc.subscribe(status_subject(self.request_id, self.client.user), cb=cb)
         if not flush:
             return  # the request is published next on this connection: the server sees the SUB first
         await self.client.log.nc.flush()
@@ -87,7 +88,7 @@ class Job:
     async def latest(self) -> StatusUpdate | None:
         """The latest status kept in KV (what a reconnecting client starts from)."""
         try:
-            e = await self.client.kv.get(self.request_id)
+            e = await self.client.kv.get(status_key(self.request_id, self.client.user))
         except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
             return None
         return status_decoder.decode(e.value) if e.value else None
@@ -168,16 +169,25 @@ class Job:
 
 
 class Client:
-    def __init__(self, url: str, *, name: str = "ndif-client", timeout: float = 10.0) -> None:
+    """`creds`: this user's credentials (auth.Creds); None finds them as every local command does
+    (NDIF_CREDS, else the client file `ndif up` wrote under $NDIF_HOME/auth/, else none: an open
+    server). With a user, requests, statuses and kills are that user's own (`ndif.req.*.<user>`,
+    `ndif.status.<user>.>`): the server refuses anyone else's."""
+
+    def __init__(self, url: str, *, name: str = "ndif-client", timeout: float = 10.0,
+                 creds: Creds | None = None) -> None:
         self.url = url
         self.name = name
         self.timeout = timeout
+        self.creds = creds if creds is not None else resolve("client", url=url)
+        self.user = self.creds.name if self.creds is not None and self.creds.role == "client" else ""
         self.log: JetStreamEventLog = None  # type: ignore[assignment]
         self.kv: Any = None
         self.results: Any = None
 
     async def __aenter__(self) -> Client:
-        self.log = await JetStreamEventLog.open(self.url, ensure=False, name=self.name, timeout=self.timeout)
+        self.log = await JetStreamEventLog.open(self.url, ensure=False, name=self.name, timeout=self.timeout,
+                                                creds=self.creds, role="client")
         self.kv = await self.log.js.key_value(REQUEST_STATUS_BUCKET)
         self.results = await self.log.js.object_store(RESULTS_BUCKET)
         return self
@@ -198,7 +208,8 @@ class Client:
         await job._listen(flush=False)
         job._live_from_start = True
         try:
-            await self.log.js.publish(request_subject(mk), body, headers={"Nats-Msg-Id": rid}, timeout=self.timeout)
+            await self.log.js.publish(request_subject(mk, self.user), body,
+                                      headers={"Nats-Msg-Id": status_key(rid, self.user)}, timeout=self.timeout)
         except nats.errors.NoRespondersError:
             await job.close()
             raise errs.InfrastructureError("no NDIF_REQUESTS stream: start the service (`ndif up`)") from None
@@ -207,6 +218,16 @@ class Client:
             raise errs.InfrastructureTimeout(
                 f"submit of {rid} timed out; re-submit with request_id={rid!r} (it is stored at most once)") from None
         return job
+
+    async def kill(self, request_id: str) -> dict[str, Any]:
+        """Cancel one of this user's queued or running requests: `{"ok": bool, "message": ...}`."""
+        subject = f"ndif.dispatcher.kill.{self.user}" if self.user else "ndif.dispatcher.kill"
+        try:
+            msg = await self.log.nc.request(subject, check_request_id(request_id).encode(), timeout=self.timeout)
+        except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
+            raise errs.InfrastructureError("no dispatcher answered the kill (is one running?)") from None
+        out: dict[str, Any] = msgspec.json.decode(msg.data)
+        return out
 
     async def job(self, request_id: str, model: str = "") -> Job:
         """A handle on an earlier request (e.g. after a reconnect): its statuses resume from KV."""

@@ -35,6 +35,7 @@ from nats.aio.msg import Msg
 from nats.js import api
 
 from controlplane.admin import AdminClient
+from controlplane.auth import Creds
 from controlplane.context import observed
 from controlplane.eventstore import JetStreamEventLog
 from controlplane.projections import ClusterState
@@ -62,6 +63,8 @@ from schemas.subjects import (
     REQUESTS_STREAM,
     RESULTS_BUCKET,
     model_token,
+    request_subject_parts,
+    status_key,
     status_subject,
 )
 
@@ -85,8 +88,9 @@ def _env_int(name: str, default: int) -> int:
 class Dispatcher:
     def __init__(self, url: str, *, name: str | None = None, default_replicas: int | None = None,
                  min_ready: int | None = None, fetch_batch: int = 64, ack_wait_s: float | None = None,
-                 replica_lanes: int | None = None) -> None:
+                 replica_lanes: int | None = None, creds: Creds | None = None) -> None:
         self.url = url
+        self.creds = creds  # the dispatcher role's user (controlplane/auth.py); None: found locally
         self.name = name or f"dispatcher:{socket.gethostname()}"
         self.default_replicas = default_replicas or _env_int("NDIF_MODEL_REPLICAS_DEFAULT", 1)
         self.min_ready = min_ready or _env_int("NDIF_PROCESSOR_MIN_READY_REPLICAS", 1)
@@ -131,7 +135,7 @@ class Dispatcher:
     # ---- lifecycle ---------------------------------------------------------------------------
 
     async def start(self) -> Dispatcher:
-        self.log_ = await JetStreamEventLog.open(self.url, name=self.name)
+        self.log_ = await JetStreamEventLog.open(self.url, name=self.name, creds=self.creds, role="dispatcher")
         self.admin = AdminClient(self.log_, actor=self.name)
         self.kv = await self.log_.js.key_value(REQUEST_STATUS_BUCKET)
         self.results = await self.log_.js.object_store(RESULTS_BUCKET)
@@ -145,6 +149,8 @@ class Dispatcher:
         self._subs.append(await nc.subscribe(REQUESTS_ALL, cb=self._on_publish))
         self._subs.append(await nc.subscribe("ndif.dispatcher.state", cb=self._on_state))
         self._subs.append(await nc.subscribe("ndif.dispatcher.kill", cb=self._on_kill))
+        # A user's kill (`ndif.dispatcher.kill.<user>`, which only that user may publish): theirs only.
+        self._subs.append(await nc.subscribe("ndif.dispatcher.kill.*", cb=self._on_kill))
         with contextlib.suppress(nats.js.errors.NotFoundError):
             info = await self.log_.js.stream_info(REQUESTS_STREAM, subjects_filter=REQUESTS_ALL)
             for subject in (info.state.subjects or {}):
@@ -319,14 +325,18 @@ class Dispatcher:
         return p
 
     async def _on_publish(self, msg: Msg) -> None:
-        self._processor(msg.subject.rsplit(".", 1)[-1])
+        token, _ = request_subject_parts(msg.subject)
+        if token:
+            self._processor(token)
 
     async def _consume(self, p: Processor) -> None:
         """Take the model's requests as they are stored (a continuous pull on its durable consumer)."""
         assert self.log_ is not None
         js = self.log_.js
         durable = f"proc-{p.token}"
-        cfg = api.ConsumerConfig(durable_name=durable, filter_subject=f"ndif.req.{p.token}",
+        # A user's requests (`ndif.req.<mtok>.<user>`) and userless ones (an open server).
+        filters = [f"ndif.req.{p.token}", f"ndif.req.{p.token}.*"]
+        cfg = api.ConsumerConfig(durable_name=durable, filter_subjects=filters,
                                  ack_policy=api.AckPolicy.EXPLICIT, ack_wait=self.ack_wait_s, max_deliver=-1,
                                  max_ack_pending=100_000, deliver_policy=api.DeliverPolicy.ALL)
 
@@ -336,7 +346,9 @@ class Dispatcher:
         while True:
             try:
                 try:
-                    await js.consumer_info(REQUESTS_STREAM, durable)
+                    info = await js.consumer_info(REQUESTS_STREAM, durable)
+                    if sorted(info.config.filter_subjects or [info.config.filter_subject or ""]) != filters:
+                        await js.add_consumer(REQUESTS_STREAM, cfg)  # made by an older version: update
                 except nats.js.errors.NotFoundError:
                     with contextlib.suppress(nats.js.errors.BadRequestError):  # made by a peer meanwhile
                         await js.add_consumer(REQUESTS_STREAM, cfg)
@@ -350,16 +362,19 @@ class Dispatcher:
                 await asyncio.sleep(1.0)
 
     async def _accept(self, p: Processor, m: Msg) -> None:
+        _, user = request_subject_parts(m.subject)
         try:
             req = decode_request(m.data)
+            if req.user != user:
+                req = msgspec.structs.replace(req, user=user)  # the owner is the subject's, never the body's
             mk = canonical_model_key(req.model_key, relative=False)  # the SDK sends it absolute
             if model_token(mk) != p.token:
                 raise errs.InvalidCommand(f"request for {req.model_key!r} arrived on another model's subject")
         except errs.NdifError as exc:
-            rid = _request_id_of(m.data) or (m.headers or {}).get("Nats-Msg-Id", "")
+            rid = _request_id_of(m.data) or (m.headers or {}).get("Nats-Msg-Id", "").rsplit(".", 1)[-1]
             log.warning("request_refused", request_id=rid, error=str(exc))
             if rid:
-                bogus = Request(request_id=rid, model_key="", payload={}, submitted_at=datetime.now(UTC))
+                bogus = Request(request_id=rid, model_key="", payload={}, submitted_at=datetime.now(UTC), user=user)
                 await self.finish(Pending(bogus, m), R.ERROR, error=type(exc).__name__, message=str(exc))
             else:
                 await m.ack()
@@ -369,12 +384,12 @@ class Dispatcher:
         attempt = int(m.metadata.num_delivered) if m.metadata else 1
         # Only a redelivery can find its terminal status already kept (a first delivery that does,
         # a request id re-sent past the dedup window, runs again and its compare-and-set loses).
-        done = await self._terminal(req.request_id) if attempt > 1 else None
+        done = await self._terminal(status_key(req.request_id, user)) if attempt > 1 else None
         if done is not None:
             # Finished by an earlier delivery whose dispatcher died before acking: never run twice.
             # It may also have died before publishing, so the kept terminal status is published again
             # (same bytes; clients stop at the first terminal status they see).
-            await self.log_.nc.publish(status_subject(req.request_id), encoder.encode(done))
+            await self.log_.nc.publish(status_subject(req.request_id, user), encoder.encode(done))
             await m.ack()
             return
         if p.model_key is None:
@@ -399,7 +414,7 @@ class Dispatcher:
 
     def _update(self, p: Pending, status: RequestStatus, **kw: Any) -> StatusUpdate:
         return StatusUpdate(request_id=p.req.request_id, status=status, ts=datetime.now(UTC),
-                            model_key=p.req.model_key, attempt=p.attempt, **kw)
+                            model_key=p.req.model_key, attempt=p.attempt, user=p.req.user, **kw)
 
     def status(self, p: Pending, status: RequestStatus, **kw: Any) -> None:
         """A non-terminal status: published always, kept in KV for the ones a reconnecting client needs.
@@ -410,7 +425,7 @@ class Dispatcher:
             return
         u = self._update(p, status, **kw)
         data = encoder.encode(u)
-        self._send(status_subject(u.request_id), data)
+        self._send(status_subject(u.request_id, u.user), data)
         if status in _KV_STATUSES:
             self._kv_put(u, data, terminal=False).add_done_callback(_retrieve)
 
@@ -440,7 +455,7 @@ class Dispatcher:
         if status is R.COMPLETED and "result" in kw:
             body = msgspec.json.encode(kw["result"])
             if len(body) > INLINE_RESULT_BYTES:
-                name = f"{p.req.request_id}.json"
+                name = f"{status_key(p.req.request_id, p.req.user)}.json"
                 await self.results.put(name, body)
                 kw = {**kw, "result": None, "result_ref": name}
         u = self._update(p, status, **kw)
@@ -481,9 +496,10 @@ class Dispatcher:
         is never replaced: whatever comes after it resolves False, as the compare-and-set would.
         """
         fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-        w = self._writes.get(u.request_id)
+        key = status_key(u.request_id, u.user)
+        w = self._writes.get(key)
         if w is None:
-            w = self._writes[u.request_id] = _Writes()
+            w = self._writes[key] = _Writes()
         if w.waiting is not None:
             if w.waiting[2]:
                 fut.set_result(False)
@@ -494,12 +510,11 @@ class Dispatcher:
             if terminal:
                 if w.timer is not None:
                     w.timer.cancel()
-                self._start_writes(u.request_id, w)
+                self._start_writes(key, w)
             elif w.timer is None:
                 # A status superseded within the delay is never written: a request that runs at
                 # once costs one KV write (its terminal status), not three.
-                w.timer = asyncio.get_running_loop().call_later(STATUS_KV_DELAY_S, self._start_writes,
-                                                                u.request_id, w)
+                w.timer = asyncio.get_running_loop().call_later(STATUS_KV_DELAY_S, self._start_writes, key, w)
         return fut
 
     def _start_writes(self, key: str, w: _Writes) -> None:
@@ -531,7 +546,7 @@ class Dispatcher:
         The revision of our own last write is remembered, so the usual write is one round trip
         (create, or update expecting that revision); only a lost race reads the key first.
         """
-        key = u.request_id
+        key = status_key(u.request_id, u.user)
         rev = self._rev.pop(key, None)
         for _ in range(20):
             try:
@@ -569,8 +584,10 @@ class Dispatcher:
 
     async def _on_kill(self, msg: Msg) -> None:
         request_id = msg.data.decode(errors="replace").strip()
+        parts = msg.subject.split(".")
+        user = parts[3] if len(parts) > 3 else None  # None: an admin's kill (`ndif.dispatcher.kill`)
         for p in self.processors.values():
-            pend = p.cancel(request_id)
+            pend = p.cancel(request_id, user)
             if pend is not None:
                 await self.finish(pend, R.ERROR, error="Cancelled", message="cancelled by `ndif kill`")
                 if msg.reply:

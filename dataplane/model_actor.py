@@ -50,13 +50,13 @@ class ModelActor:
 
     def __init__(self, model_key: str, replica_id: int, checkpoint: str, *, revision: str | None = None,
                  dtype: str = "float32", node_id: str = "", execution_timeout_s: float = 60.0,
-                 nats_url: str | None = None) -> None:
+                 nats_url: str | None = None, nats_creds: Any = None) -> None:
         self.node_id = node_id
         self.replica = ModelReplica(model_key, replica_id, checkpoint, revision=revision, dtype=dtype,
                                     execution_timeout_s=execution_timeout_s)
         # The request path's endpoint (dataplane/replica_link.py): `run_batch` over NATS as well.
         self.endpoint = None if not nats_url else ReplicaEndpoint(
-            nats_url, replica_call_subject(model_key, replica_id), self.run_batch,
+            nats_url, replica_call_subject(model_key, replica_id), self.run_batch, creds=nats_creds,
             name=f"replica:{model_key}:{replica_id}", model_key=model_key, replica_id=replica_id).start()
 
     def load(self, devices: list[int], bytes_per_gpu: int = 0) -> float:
@@ -132,7 +132,7 @@ RemoteModelActor = ray.remote(ModelActor)
 
 def create_actor(model_key: str, replica_id: int, checkpoint: str, *, ray_node_id: str, node_id: str,
                  revision: str | None = None, dtype: str = "float32", execution_timeout_s: float = 60.0,
-                 max_concurrency: int = 4, nats_url: str | None = None) -> Any:
+                 max_concurrency: int = 4, nats_url: str | None = None, nats_creds: Any = None) -> Any:
     """Start the detached actor for a replica on `ray_node_id` (it loads nothing until `load`)."""
     env = {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}
     for var in ("HF_HOME", "HF_HUB_CACHE", "HF_HUB_OFFLINE", "NDIF_LOG_LEVEL"):
@@ -144,7 +144,7 @@ def create_actor(model_key: str, replica_id: int, checkpoint: str, *, ray_node_i
         scheduling_strategy=NodeAffinitySchedulingStrategy(ray_node_id, soft=False),
         runtime_env={"env_vars": env},
     ).remote(model_key, replica_id, checkpoint, revision=revision, dtype=dtype, node_id=node_id,
-             execution_timeout_s=execution_timeout_s, nats_url=nats_url)
+             execution_timeout_s=execution_timeout_s, nats_url=nats_url, nats_creds=nats_creds)
 
 
 def get_actor(model_key: str, replica_id: int) -> Any | None:

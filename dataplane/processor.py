@@ -138,14 +138,15 @@ class Processor:
         self._refresh_status()
         self._notify()
 
-    def cancel(self, request_id: str) -> Pending | None:
+    def cancel(self, request_id: str, user: str | None = None) -> Pending | None:
+        """Take a queued request out, or mark a running one cancelled; `user`: only if it is theirs."""
         for p in list(self.queue):
-            if p.req.request_id == request_id:
+            if p.req.request_id == request_id and (user is None or p.req.user == user):
                 self.queue.remove(p)
                 return p
         for running in self.in_flight.values():
             p = running.get(request_id)
-            if p is not None:
+            if p is not None and (user is None or p.req.user == user):
                 p.cancelled = True
                 return p
         return None

@@ -37,6 +37,7 @@ import structlog
 from nats.aio.msg import Msg
 from nats.js import api
 
+from controlplane.auth import Creds
 from controlplane.eventstore import connect
 
 log = structlog.get_logger("ndif.replica_link")
@@ -73,8 +74,9 @@ class ReplicaEndpoint:
 
     def __init__(self, url: str, subject: str, run_batch: Callable[[list[Any]], list[Any]], *,
                  name: str = "ndif-replica", threads: int = 4, max_answer_bytes: int | None = None,
-                 **log_fields: Any) -> None:
+                 creds: Creds | None = None, **log_fields: Any) -> None:
         self.url = url
+        self.creds = creds  # the node agent's user: it may serve `ndif.run.>`
         self.log = log.bind(subject=subject, **log_fields)
         self.subject = subject
         self.name = name
@@ -99,7 +101,7 @@ class ReplicaEndpoint:
     async def _connect(self) -> None:
         while True:
             try:
-                self.nc = await connect(self.url, name=self.name)
+                self.nc = await connect(self.url, name=self.name, creds=self.creds)
                 await self.nc.subscribe(self.subject, cb=self._on_call)
                 await self.nc.flush()
                 self._subscribed.set()

@@ -25,6 +25,7 @@ from schemas.subjects import (
     command_event_subject,
     model_subject,
     node_subject,
+    node_token,
     replica_subject,
 )
 
@@ -412,10 +413,56 @@ def event_tag(event: Event) -> str:
     return event.__struct_config__.tag  # type: ignore[return-value]
 
 
+# Facts only the agent of the node they are about observes (and may append).
+AGENT_FACTS: Final = frozenset({NodeJoined, ReplicaLoading, ReplicaLoaded, ReplicaLoadFailed, ReplicaCached,
+                                ReplicaUnloaded, ReplicaRestarted, ReplicaFailed})
+DISPATCHER_SOURCE: Final = "dispatcher"  # the source token of the dispatcher's observed replica facts
+
+
+def author_problem(event: Event) -> str | None:
+    """Why an observed fact's author may not state it (None: it may).
+
+    An agent's fact is accepted from `agent:<the node it is about>` only; `ReplicaDrained` also from
+    a `dispatcher:...`. An actor without a `kind:` prefix (events written before authors were
+    checked, test fixtures) is not checked; the server's per-node subject permissions cover those.
+    """
+    cls = event.__class__
+    if cls not in AGENT_FACTS and cls is not ReplicaDrained:
+        return None
+    actor = event.actor
+    kind, sep, _ = actor.partition(":")
+    if not sep:
+        return None
+    node_id = event.node_id  # type: ignore[attr-defined]
+    if actor == f"agent:{node_id}":
+        return None
+    if cls is ReplicaDrained and kind == DISPATCHER_SOURCE:
+        return None
+    return f"{event_tag(event)} about node {node_id!r} appended by {actor!r}: only that node's agent may state it"
+
+
+def _source_token(event: ReplicaEvent) -> str | None:
+    """The last subject token of an observed replica fact: its node's token, or `dispatcher`."""
+    kind, sep, _ = event.actor.partition(":")
+    if event.__class__ in AGENT_FACTS or event.__class__ is ReplicaDrained:
+        if kind == "agent" and sep and event.node_id:
+            return node_token(event.node_id)
+        if kind == DISPATCHER_SOURCE and sep:
+            return DISPATCHER_SOURCE
+    return None
+
+
 def event_subject(event: Event) -> str:
-    """The subject an event is stored on (docs/architecture.md §2)."""
+    """The subject an event is stored on (docs/architecture.md §2).
+
+    Observed replica facts carry their source as a last token
+    (`ndif.evt.replica.<mtok>.<rid>.<ntok>` or `.dispatcher`), so the server's permissions let an
+    agent append facts of its own node only; decisions stay on `ndif.evt.replica.<mtok>.<rid>`.
+    """
     if isinstance(event, ReplicaEvent):
-        return replica_subject(event.model_key, event.replica_id)
+        src = _source_token(event)
+        base = replica_subject(event.model_key, event.replica_id)
+        return base if src is None else f"{base}.{src}"
     if isinstance(event, (NodeJoined, NodeLost)):
         return node_subject(event.node_id)
     if isinstance(event, CommandDecided) and event.model_key is None:
@@ -427,3 +474,19 @@ def event_subject(event: Event) -> str:
 
 def event_headers(event: Event) -> dict[str, str]:
     return {HDR_MSG_ID: event.event_id, HDR_EVENT: event_tag(event), HDR_SCHEMA: str(event.schema)}
+
+
+def subject_problem(subject: str, item: AnyEvent | Skipped) -> str | None:
+    """Why an event stored on `subject` does not belong there (None: it does).
+
+    A fact on a node's subject, or on a source-tagged replica subject, must be the fact its body
+    says: the server's permissions vouch for the subject (who appended it), the body for the rest.
+    Replica facts stored before subjects carried their source (five tokens) are not checked.
+    """
+    if item.__class__ is Skipped:
+        return None
+    if subject.startswith("ndif.evt.node.") or (subject.startswith("ndif.evt.replica.") and subject.count(".") >= 5):
+        want = event_subject(item)  # type: ignore[arg-type]
+        if want != subject:
+            return f"{event_tag(item)} stored on {subject} belongs on {want}"  # type: ignore[arg-type]
+    return None

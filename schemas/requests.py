@@ -29,6 +29,9 @@ class Request(msgspec.Struct, frozen=True, kw_only=True):
     payload: dict[str, Any]
     submitted_at: datetime
     client: str = ""
+    # The owner, set by the dispatcher from the request's subject (`ndif.req.<mtok>.<user>`, which
+    # the server lets only that user publish); whatever a body says here is overwritten.
+    user: str = ""
 
 
 class StatusUpdate(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -43,6 +46,7 @@ class StatusUpdate(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True
     result_ref: str | None = None  # COMPLETED, when large: object name in `ndif_results`
     error: str | None = None  # ERROR: the error class (BadRequest, UnknownModel, ...)
     attempt: int = 1  # > 1 after a redelivery or a replica lost mid-request
+    user: str = ""  # the request's owner (its status key is `<user>.<request_id>`)
 
     @property
     def terminal(self) -> bool:

@@ -80,24 +80,43 @@ def replica_call_subject(model_key: str, replica_id: int) -> str:
 def model_events_filter(model_key: str) -> list[str]:
     """Subject filters that select every event of one model (model-level and replica-level)."""
     tok = model_token(model_key)
-    return [f"ndif.evt.model.{tok}", f"ndif.evt.replica.{tok}.*"]
+    return [f"ndif.evt.model.{tok}", f"ndif.evt.replica.{tok}.>"]
 
 
-def request_subject(model_key: str) -> str:
-    return f"ndif.req.{model_token(model_key)}"
+def request_subject(model_key: str, user: str = "") -> str:
+    """`ndif.req.<mtok>.<user>`; `ndif.req.<mtok>` without a user (an open server).
+
+    The user token is the client's user name, which the server's permissions make it publish
+    under: the dispatcher takes a request's owner from this subject, never from the body.
+    """
+    tok = model_token(model_key)
+    return f"ndif.req.{tok}.{user}" if user else f"ndif.req.{tok}"
+
+
+def request_subject_parts(subject: str) -> tuple[str, str]:
+    """(model token, user) of a request subject (user "" for the userless form)."""
+    parts = subject.split(".")
+    return (parts[2] if len(parts) > 2 else ""), (parts[3] if len(parts) > 3 else "")
+
+
+def status_key(request_id: str, user: str = "") -> str:
+    """A request's key in KV `ndif_request_status`: `<user>.<request_id>` (or the id alone, without a user)."""
+    return f"{user}.{request_id}" if user else request_id
 
 
 def command_subject(verb: str) -> str:
     return f"{COMMANDS_PREFIX}.{verb}"
 
 
-def status_subject(request_id: str) -> str:
-    """`ndif.status.<request_id>` (request ids are checked to be one subject token: [A-Za-z0-9_-]).
+def status_subject(request_id: str, user: str = "") -> str:
+    """`ndif.status.<user>.<request_id>` (request ids and user names are one subject token each:
+    [A-Za-z0-9_-]); `ndif.status.<request_id>` without a user. A client may subscribe to its own
+    user's statuses only.
 
     It is also where the server republishes the request's key of KV `ndif_request_status` as it
     is stored (`$KV.ndif_request_status.>` -> `ndif.status.>`), so the two must stay the same.
     """
-    return f"{STATUS_PREFIX}.{request_id}"
+    return f"{STATUS_PREFIX}.{status_key(request_id, user)}"
 
 
 def operator_filters(model_key: str | None = None, replica_id: int | None = None,
@@ -107,8 +126,11 @@ def operator_filters(model_key: str | None = None, replica_id: int | None = None
     if model_key is not None:
         tok = model_token(model_key)
         out["model events"] = f"ndif.evt.model.{tok}"
-        out["replica events"] = f"ndif.evt.replica.{tok}.*" if replica_id is None else replica_subject(model_key,
-                                                                                                         replica_id)
+        if replica_id is None:
+            out["replica events"] = f"ndif.evt.replica.{tok}.>"
+        else:  # decisions on the replica's subject, observed facts one token deeper (their source)
+            out["replica decisions"] = replica_subject(model_key, replica_id)
+            out["replica facts"] = f"{replica_subject(model_key, replica_id)}.*"
         out["requests"] = request_subject(model_key)
     if node_id is not None:
         out["node events"] = node_subject(node_id)

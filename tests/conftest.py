@@ -6,6 +6,7 @@ import asyncio
 import faulthandler
 import os
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -17,6 +18,11 @@ import pytest_asyncio
 from controlplane.eventstore import JetStreamEventLog
 from controlplane.nats_server import EmbeddedNats
 from schemas.subjects import EVENTS_STREAM, REQUESTS_STREAM
+
+# Credentials `ndif up` may have left in a developer's $NDIF_HOME must not reach the tests' servers
+# (their commands find credentials there): each session gets an empty home of its own.
+os.environ["NDIF_HOME"] = tempfile.mkdtemp(prefix="ndif-test-home-")
+os.environ.pop("NDIF_CREDS", None)
 
 EXIT_GRACE_S = 120
 _exit_status = 0
@@ -66,7 +72,7 @@ async def fresh_event_log(url: str) -> JetStreamEventLog:
             await log.js.delete_stream(stream)
         except Exception:  # noqa: BLE001 - absent on the first test
             pass
-    await log.ensure()
+    await log.ensure(start_new_history=True)  # dropped on purpose: not a lost history
     return log
 
 

@@ -24,6 +24,7 @@ import nats.js.errors
 import structlog
 from aiohttp import web
 
+from controlplane.auth import Creds
 from controlplane.dashboard.model import (
     BadQuery,
     DashboardModel,
@@ -97,8 +98,10 @@ class Dashboard:
     """`async with Dashboard(url, port=...) as d: print(d.url)`: serve until the block ends."""
 
     def __init__(self, nats_url: str, *, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,
-                 checkpoint_every: int | None = None, queue_poll_s: float = QUEUE_POLL_S) -> None:
+                 checkpoint_every: int | None = None, queue_poll_s: float = QUEUE_POLL_S,
+                 creds: Creds | None = None) -> None:
         self.nats_url = nats_url
+        self.creds = creds  # the read-only dashboard role where the server has users
         self.host, self.port = host, port
         self.model = DashboardModel(**({"checkpoint_every": checkpoint_every} if checkpoint_every else {}))
         self.queue_poll_s = queue_poll_s
@@ -130,7 +133,8 @@ class Dashboard:
         return app
 
     async def start(self) -> Dashboard:
-        self.log_ = await JetStreamEventLog.open(self.nats_url, name="ndif-dashboard", ensure=False)
+        self.log_ = await JetStreamEventLog.open(self.nats_url, name="ndif-dashboard", ensure=False,
+                                               creds=self.creds)
         t0 = time.perf_counter()
         async for batch in self.log_.read_batches():
             self.model.add_all(batch)
@@ -364,24 +368,25 @@ class Dashboard:
         return resp
 
 
-async def open_dashboard(nats_url: str, port: int = DEFAULT_PORT) -> Dashboard:
+async def open_dashboard(nats_url: str, port: int = DEFAULT_PORT, *, creds: Creds | None = None) -> Dashboard:
     """For `ndif up`: a started dashboard on 127.0.0.1:`port`, or on a free port if that one is taken."""
     try:
-        return await Dashboard(nats_url, port=port).start()
+        return await Dashboard(nats_url, port=port, creds=creds).start()
     except errs.InfrastructureError as exc:
         if port == 0:
             raise
         log.warning("dashboard_port_taken", port=port, error=str(exc))
-        return await Dashboard(nats_url, port=0).start()
+        return await Dashboard(nats_url, port=0, creds=creds).start()
 
 
-async def serve(nats_url: str, *, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT) -> None:
+async def serve(nats_url: str, *, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,
+                creds: Creds | None = None) -> None:
     """`ndif dashboard`: serve until SIGINT/SIGTERM."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    async with Dashboard(nats_url, host=host, port=port) as d:
+    async with Dashboard(nats_url, host=host, port=port, creds=creds) as d:
         print(f"ndif dashboard: {d.url} (log at seq {d.model.seq}; read-only). Ctrl-C stops it.", flush=True)
         if host not in ("127.0.0.1", "localhost", "::1"):
             print(f"ndif dashboard: listening on {host}: whoever reaches this port sees the whole cluster",

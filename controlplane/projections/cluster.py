@@ -15,6 +15,7 @@ import msgspec
 from controlplane.projections.base import Anomaly, Projection
 from controlplane.projections.replica import OBSERVED_RULES, ReplicaView, step
 from schemas.events import (
+    AGENT_FACTS,
     CommandDecided,
     DeploymentRequested,
     Event,
@@ -25,9 +26,11 @@ from schemas.events import (
     NodeLost,
     PlacementRejected,
     ReplicaCached,
+    ReplicaDrained,
     ReplicaEvent,
     ReplicaEvictionRequested,
     ReplicaScheduled,
+    author_problem,
 )
 from schemas.status import Level, ModelStatus, ReplicaState
 
@@ -37,6 +40,9 @@ CardKey = tuple[str, int]  # (node_id, gpu index)
 _replace = msgspec.structs.replace
 _LIVE = frozenset({ReplicaState.AVAILABLE})
 _DEAD = frozenset({ReplicaState.FAILED, ReplicaState.LOAD_FAILED})
+
+
+_AUTHORED = AGENT_FACTS | {ReplicaDrained}
 
 
 class NodeView(msgspec.Struct, frozen=True, kw_only=True, gc=False):
@@ -161,6 +167,11 @@ class ClusterState(Projection):
     # ---- the reducer -------------------------------------------------------------------------
 
     def _evolve(self, seq: int, ev: Event) -> None:
+        if ev.__class__ in _AUTHORED:
+            problem = author_problem(ev)
+            if problem is not None:  # a forged or misdirected fact: refused (not even its command id), and flagged
+                self._anomaly(seq, ev, problem, getattr(ev, "replica_id", None))
+                return
         cid = ev.command_id
         if cid is not None:
             rec = self.commands.get(cid)

@@ -1,0 +1,310 @@
+"""Roles as NATS users with subject permissions: who may publish and subscribe to what.
+
+One user per role in the server's config (`authorization { users = [...] }`), each with an allow
+list of publish and subscribe subjects and its own inbox prefix (`_INBOX_<user>.>`), so no user can
+read another's replies:
+
+- admin: everything (commands, every stream's API, the only one who may create, update or delete streams);
+- controller: appends decisions (`ndif.evt.model.*`, `ndif.evt.replica.<m>.<r>`, `ndif.evt.node.*`),
+  reads events and heartbeats, answers `ndif.cmd.*`;
+- agent (one user per node): appends observed facts of its own node only
+  (`ndif.evt.node.<ntok>`, `ndif.evt.replica.*.*.<ntok>`), its own heartbeat key, serves `ndif.run.>`;
+- dispatcher: requests, the status bucket and subjects, results, `ndif.run.>`, `ndif.cmd.deploy`
+  (provisioning) and its drain reports (`ndif.evt.replica.*.*.dispatcher`);
+- client (one user per person): publishes requests on `ndif.req.*.<user>`, reads only
+  `ndif.status.<user>.>` and its own keys of the status bucket, kills only through
+  `ndif.dispatcher.kill.<user>`;
+- dashboard: reads events, stream info and the dispatcher's state; writes nothing.
+
+`ndif up` generates a password per user on first start (`ensure_local`), keeps the credentials
+under `$NDIF_HOME/auth/` (0600) and writes the server's config from them; every local command
+finds its role's file there (`resolve`). Server-config users rather than decentralised JWTs: one
+file, no operator/account keys to manage, and a reload (`nats-server --signal reload`) adds a node.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import msgspec
+
+from schemas.errors import InvalidCommand
+from schemas.subjects import (
+    EVENTS_STREAM,
+    HEARTBEATS_BUCKET,
+    REQUEST_STATUS_BUCKET,
+    REQUESTS_STREAM,
+    RESULTS_BUCKET,
+    SNAPSHOTS_BUCKET,
+    node_token,
+)
+
+ROLES = ("admin", "controller", "agent", "dispatcher", "client", "dashboard")
+_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+MAX_PAYLOAD = 8 * 1024 * 1024  # bytes of one message; the largest legitimate one is a 1 MiB request or a result chunk
+
+
+class Creds(msgspec.Struct, frozen=True, kw_only=True):
+    """One user's credentials: `name` is its subject token (client users, agent node tokens)."""
+
+    role: str
+    user: str
+    password: str
+    name: str = ""
+    node_id: str = ""
+
+    @property
+    def inbox_prefix(self) -> str:
+        return f"_INBOX_{self.user}"
+
+    def connect_options(self) -> dict[str, Any]:
+        return {"user": self.user, "password": self.password, "inbox_prefix": self.inbox_prefix}
+
+
+def _check_name(name: str, what: str) -> str:
+    if not _NAME.match(name):
+        raise InvalidCommand(f"{what} {name!r}: 1-64 characters of [A-Za-z0-9_-]")
+    return name
+
+
+def user_name(role: str, *, name: str = "", node_id: str = "") -> str:
+    if role == "agent":
+        return f"agent-{node_token(node_id)}"
+    if role == "client":
+        return f"client-{_check_name(name, 'client name')}"
+    return role
+
+
+# ---- permissions -------------------------------------------------------------------------------
+
+_API = "$JS.API"
+
+
+def _read_stream(stream: str) -> list[str]:
+    """What reading a stream takes: its info, direct/stored gets, ordered consumers (create, delete, flow control)."""
+    return [f"{_API}.STREAM.INFO.{stream}", f"{_API}.DIRECT.GET.{stream}", f"{_API}.DIRECT.GET.{stream}.>",
+            f"{_API}.STREAM.MSG.GET.{stream}", f"{_API}.CONSUMER.CREATE.{stream}",
+            f"{_API}.CONSUMER.CREATE.{stream}.>", f"{_API}.CONSUMER.DELETE.{stream}.>",
+            f"{_API}.CONSUMER.INFO.{stream}.>", f"$JS.FC.{stream}.>"]
+
+
+def _kv(bucket: str) -> str:
+    return f"KV_{bucket}"
+
+
+def _obj(bucket: str) -> str:
+    return f"OBJ_{bucket}"
+
+
+def permissions(role: str, *, name: str = "", node_id: str = "") -> dict[str, Any]:
+    """The server-side permissions of one user (nats-server `permissions` block)."""
+    inbox = f"_INBOX_{user_name(role, name=name, node_id=node_id)}.>"
+    pub: list[str]
+    sub: list[str]
+    events = _read_stream(EVENTS_STREAM)
+    if role == "admin":
+        return {"publish": {"allow": [">"]}, "subscribe": {"allow": [">"]}}
+    if role == "controller":
+        pub = ["ndif.evt.model.*", "ndif.evt.replica.*.*", "ndif.evt.node.*", "ndif.evt.cmd.*", *events,
+               *_read_stream(_kv(HEARTBEATS_BUCKET)), *_read_stream(_kv(SNAPSHOTS_BUCKET)),
+               f"{_API}.STREAM.INFO.{REQUESTS_STREAM}", f"{_API}.STREAM.INFO.{_kv(REQUEST_STATUS_BUCKET)}",
+               f"{_API}.STREAM.INFO.{_obj(RESULTS_BUCKET)}", f"{_API}.STREAM.INFO.{_obj(SNAPSHOTS_BUCKET)}"]
+        sub = ["ndif.cmd.*", inbox]
+    elif role == "agent":
+        ntok = node_token(node_id)
+        pub = [f"ndif.evt.node.{ntok}", f"ndif.evt.replica.*.*.{ntok}", f"$KV.{HEARTBEATS_BUCKET}.{ntok}",
+               f"{_API}.STREAM.INFO.{_kv(HEARTBEATS_BUCKET)}", *events]
+        sub = ["ndif.run.>", inbox]
+    elif role == "dispatcher":
+        pub = ["ndif.evt.replica.*.*.dispatcher", "ndif.cmd.deploy", "ndif.status.>", "ndif.run.>",
+               f"$KV.{REQUEST_STATUS_BUCKET}.>", f"$O.{RESULTS_BUCKET}.>", *events,
+               *_read_stream(_kv(REQUEST_STATUS_BUCKET)), *_read_stream(_obj(RESULTS_BUCKET)),
+               *_read_stream(REQUESTS_STREAM), f"{_API}.CONSUMER.DURABLE.CREATE.{REQUESTS_STREAM}.>",
+               f"{_API}.CONSUMER.MSG.NEXT.{REQUESTS_STREAM}.>", f"$JS.ACK.{REQUESTS_STREAM}.>"]
+        sub = ["ndif.req.>", "ndif.dispatcher.state", "ndif.dispatcher.kill", "ndif.dispatcher.kill.*", inbox]
+    elif role == "client":
+        me = _check_name(name, "client name")
+        st = _kv(REQUEST_STATUS_BUCKET)
+        res = _obj(RESULTS_BUCKET)
+        pub = [f"ndif.req.*.{me}", f"ndif.dispatcher.kill.{me}",
+               f"{_API}.STREAM.INFO.{st}", f"{_API}.DIRECT.GET.{st}.$KV.{REQUEST_STATUS_BUCKET}.{me}.>",
+               # Large results: an object read by name (a meta get, then an ordered consumer on its chunks).
+               f"{_API}.STREAM.INFO.{res}", f"{_API}.DIRECT.GET.{res}.$O.{RESULTS_BUCKET}.M.*",
+               f"{_API}.STREAM.MSG.GET.{res}", f"{_API}.CONSUMER.CREATE.{res}",
+               f"{_API}.CONSUMER.CREATE.{res}.*.$O.{RESULTS_BUCKET}.C.*", f"{_API}.CONSUMER.DELETE.{res}.>",
+               f"$JS.FC.{res}.>"]
+        sub = [f"ndif.status.{me}.>", inbox]
+    elif role == "dashboard":
+        pub = [*events, f"{_API}.STREAM.INFO.*", f"{_API}.STREAM.NAMES", f"{_API}.STREAM.LIST",
+               f"{_API}.INFO", "ndif.dispatcher.state",
+               # the queue view: each model's work-queue consumer (pending counts), listed a page at a time
+               f"{_API}.CONSUMER.LIST.{REQUESTS_STREAM}", f"{_API}.CONSUMER.INFO.{REQUESTS_STREAM}.*"]
+        sub = [inbox]
+    else:
+        raise InvalidCommand(f"unknown role {role!r}: one of {', '.join(ROLES)}")
+    return {"publish": {"allow": pub}, "subscribe": {"allow": sub}, "allow_responses": role != "dashboard"}
+
+
+def server_config(users: list[Creds]) -> str:
+    """The `authorization` block (and payload limit) of a nats-server config.
+
+    Values are JSON (which nats-server's config format reads), so subjects such as `$JS.API.>` are
+    quoted strings, never variables. Usable as the whole config (`-c`) or `include`d by another.
+    """
+    entries = [{"user": c.user, "password": c.password,
+                "permissions": permissions(c.role, name=c.name, node_id=c.node_id)} for c in users]
+    return (f"# Generated by ndif (controlplane/auth.py): one user per role. Keep it private (0600).\n"
+            f"max_payload: {MAX_PAYLOAD}\n"
+            f"authorization: {json.dumps({'users': entries}, indent=2)}\n")
+
+
+def make_creds(role: str, *, name: str = "", node_id: str = "") -> Creds:
+    if role not in ROLES:
+        raise InvalidCommand(f"unknown role {role!r}: one of {', '.join(ROLES)}")
+    if role == "agent" and not node_id:
+        raise InvalidCommand("an agent's credentials are for one node: give its node id")
+    return Creds(role=role, user=user_name(role, name=name, node_id=node_id), password=secrets.token_urlsafe(24),
+                 name=name, node_id=node_id)
+
+
+# ---- files under $NDIF_HOME ---------------------------------------------------------------------
+
+
+def ndif_home() -> Path:
+    return Path(os.environ.get("NDIF_HOME") or (Path.home() / ".ndif"))
+
+
+def auth_dir(home: Path | None = None) -> Path:
+    return (home or ndif_home()) / "auth"
+
+
+def creds_file(role: str, *, name: str = "", node_id: str = "", home: Path | None = None) -> Path:
+    d = auth_dir(home)
+    if role == "agent":
+        return d / f"agent-{node_token(node_id)}.creds"
+    if role == "client":
+        return d / f"client-{name}.creds"
+    return d / f"{role}.creds"
+
+
+def _write_private(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.chmod(path.parent, 0o700)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.chmod(tmp, 0o600)
+    os.replace(tmp, path)
+
+
+def load_creds(path: Path) -> Creds:
+    try:
+        return msgspec.json.decode(path.read_bytes(), type=Creds)
+    except (OSError, msgspec.DecodeError) as exc:
+        raise InvalidCommand(f"credentials file {path}: {exc}") from None
+
+
+def save_creds(c: Creds, path: Path) -> None:
+    _write_private(path, msgspec.json.encode(c))
+
+
+@dataclass
+class LocalAuth:
+    """The credentials `ndif up` made: the server config path and every user."""
+
+    config_path: Path
+    users: dict[str, Creds]
+
+    def role(self, role: str) -> Creds:
+        return self.users[role]
+
+
+def local_client_name() -> str:
+    """The client user of this machine's person (from $USER, made subject-safe)."""
+    raw = os.environ.get("NDIF_CLIENT_NAME") or os.environ.get("USER") or "local"
+    return re.sub(r"[^A-Za-z0-9_-]", "_", raw)[:64] or "local"
+
+
+def ensure_local(node_ids: list[str], *, clients: list[str] | None = None, home: Path | None = None) -> LocalAuth:
+    """Credentials for every role (made once, kept) and the server config written from them (0600)."""
+    clients = clients or [local_client_name()]
+    wanted: list[tuple[str, str, str]] = [(r, "", "") for r in ("admin", "controller", "dispatcher", "dashboard")]
+    wanted += [("client", _check_name(c, "client name"), "") for c in clients]
+    wanted += [("agent", "", n) for n in node_ids]
+    users: dict[str, Creds] = {}
+    for role, name, node_id in wanted:
+        path = creds_file(role, name=name, node_id=node_id, home=home)
+        if path.exists():
+            c = load_creds(path)
+        else:
+            c = make_creds(role, name=name, node_id=node_id)
+            save_creds(c, path)
+        key = role if role not in ("client", "agent") else f"{role}:{name or node_id}"
+        users[key] = c
+        if role == "client" and "client" not in users:
+            users["client"] = c
+        if role == "agent" and "agent" not in users:
+            users["agent"] = c
+    # Users added by hand earlier (other clients, other nodes) stay in the config.
+    for path in sorted(auth_dir(home).glob("*.creds")):
+        c = load_creds(path)
+        users.setdefault(f"{c.role}:{c.name or c.node_id}" if c.role in ("client", "agent") else c.role, c)
+    conf = auth_dir(home) / "nats-auth.conf"
+    unique = {c.user: c for c in users.values()}
+    _write_private(conf, server_config(list(unique.values())).encode())
+    return LocalAuth(config_path=conf, users=users)
+
+
+def _loopback(url: str) -> bool:
+    hosts = [urlparse(u.strip() if "://" in u else f"nats://{u.strip()}").hostname for u in url.split(",")]
+    return all(h in ("127.0.0.1", "localhost", "::1") for h in hosts)
+
+
+def resolve(role: str, *, url: str, node_id: str = "", name: str = "") -> Creds | None:
+    """The credentials a local command of `role` uses when given none.
+
+    `NDIF_CREDS` (a credentials file) wins; else, for a loopback URL, `$NDIF_HOME/auth/`'s file of
+    this role (the client of $USER, the agent of `node_id`), if `ndif up` made one; else None (an
+    open server). Local files are never sent to a remote server.
+    """
+    env = os.environ.get("NDIF_CREDS")
+    if env:
+        return load_creds(Path(env))
+    if not _loopback(url):
+        return None
+    if role == "client":
+        name = name or local_client_name()
+    path = creds_file(role, name=name, node_id=node_id)
+    return load_creds(path) if path.exists() else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m controlplane.auth --home DIR --node ID... --client NAME...`: credentials and the
+    server config for a deployment (deploy/nats/*.conf include the config; each service gets its
+    role's file through NDIF_CREDS). Existing credentials are kept; new nodes and clients are added."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m controlplane.auth", description=main.__doc__)
+    p.add_argument("--home", type=Path, default=None, help="where auth/ goes (default $NDIF_HOME, ~/.ndif)")
+    p.add_argument("--node", action="append", default=[], help="a node id that runs an agent (repeat)")
+    p.add_argument("--client", action="append", default=[], help="a client user name (repeat)")
+    a = p.parse_args(argv)
+    made = ensure_local(a.node, clients=a.client or None, home=a.home)
+    print(f"server config: {made.config_path}")
+    for key, c in sorted(made.users.items()):
+        if key in ("client", "agent"):
+            continue
+        print(f"  {key:<40} NDIF_CREDS={creds_file(c.role, name=c.name, node_id=c.node_id, home=a.home)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,128 @@
+"""The whole stack with users and permissions on (the config `ndif up` generates): controller, agent,
+dispatcher and replica endpoints each as their role, the CLI as the admin, the SDK and `ndif submit`
+as a client; nothing any of them does for its job is refused by the server, and one client cannot
+touch another's request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytest_asyncio
+
+from controlplane.auth import LocalAuth, ensure_local
+from controlplane.controller import Controller
+from controlplane.eventstore import JetStreamEventLog
+from controlplane.nats_server import EmbeddedNats
+from dataplane.agent import NodeAgent, declared_gpus
+from dataplane.client import Client, RequestFailed
+from dataplane.dispatcher import Dispatcher
+from dataplane.tiny_models import make_tiny_gpt2
+from tests.conftest import bounded
+from tests.dataplane.conftest import kill_all_actors
+
+pytestmark = pytest.mark.timeout(300)
+GB = 10**9
+NODE = "node-a"
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("home")
+
+
+@pytest.fixture(scope="module")
+def auth(home: Path) -> LocalAuth:
+    return ensure_local([NODE], clients=["alice", "bob"], home=home)
+
+
+@pytest.fixture(scope="module")
+def secured(auth: LocalAuth, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedNats]:
+    with EmbeddedNats(tmp_path_factory.mktemp("nats"), config_file=auth.config_path) as srv:
+        yield srv
+
+
+async def ndif_as(home: Path, url: str, *args: str, client: str = "alice") -> tuple[int, str, str]:
+    """`ndif ARGS` as a local command: it finds its credentials under NDIF_HOME by itself."""
+    env = {**os.environ, "NDIF_HOME": str(home), "NDIF_CLIENT_NAME": client, "NDIF_LOG_LEVEL": "WARNING"}
+    env.pop("NDIF_CREDS", None)
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "dataplane.cli", *args, "--nats", url,
+                                                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+                                                env=env)
+    out, err = await asyncio.wait_for(proc.communicate(), 120)
+    return int(proc.returncode or 0), out.decode(), err.decode()
+
+
+@pytest_asyncio.fixture
+async def stack(secured: EmbeddedNats, auth: LocalAuth, home: Path, local_ray: str,
+                monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[dict[str, Any]]:
+    kill_all_actors()
+    url = secured.url
+    lg = await JetStreamEventLog.open(url, creds=auth.role("admin"))  # what `ndif up` does first, as the admin
+    await lg.close()
+    ctl = await Controller(url, policy_interval_s=0.2, creds=auth.role("controller")).start()
+    agent = await NodeAgent(url, NODE, gpus=declared_gpus(2, 80 * GB), cpu_cache_bytes=10 * GB, heartbeat_s=0.5,
+                            health_interval_s=0.5, creds=auth.role(f"agent:{NODE}")).start()
+    disp = await Dispatcher(url, creds=auth.role("dispatcher")).start()
+    monkeypatch.setenv("NDIF_HOME", str(home))  # the SDK's default credentials: this machine's client
+    monkeypatch.setenv("NDIF_CLIENT_NAME", "alice")
+    monkeypatch.delenv("NDIF_CREDS", raising=False)
+    try:
+        yield {"url": url, "log_path": secured.store_dir / "nats-server.log"}
+    finally:
+        await bounded(disp.stop(), "dispatcher.stop")
+        await bounded(agent.stop(), "agent.stop")
+        await bounded(ctl.stop(), "controller.stop")
+        kill_all_actors()
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("ckpt")  # made before the services start (it holds the event loop)
+    return {"gpt2": str(make_tiny_gpt2(root / "gpt2")), "big": str(make_tiny_gpt2(root / "big"))}
+
+
+async def test_the_whole_stack_runs_with_auth_on(models: dict[str, str], stack: dict[str, Any], auth: LocalAuth,
+                                                 home: Path) -> None:
+    url = stack["url"]
+    model, big = models["gpt2"], models["big"]
+    rc, out, err = await ndif_as(home, url, "deploy", model, "--replicas", "1", "--wait")
+    assert rc == 0, (out, err)
+
+    async with Client(url) as alice:  # the SDK's default: alice, from $NDIF_HOME
+        assert alice.user == "alice"
+        res = await alice.run(model, {"op": "forward", "input_ids": [[1, 2, 3]]}, timeout=120)
+        assert res["next_token_ids"]
+    rc, out, err = await ndif_as(home, url, "submit", model, "--input-ids", "1,2", "--max-new-tokens", "2")
+    assert rc == 0, (out, err)
+    rc, out, err = await ndif_as(home, url, "queue", "--json")
+    assert rc == 0, err
+    procs = json.loads(out)["processors"]
+    assert sum(p.get("endpoint_calls", 0) for p in procs) >= 1  # replicas served over NATS, as the agent's user
+
+    # Bob's request waits on a model with no room; Alice cannot kill it, Bob can.
+    rc, out, err = await ndif_as(home, url, "deploy", big, "--replicas", "1", "--size-bytes", str(10_000 * GB))
+    assert "CANT_ACCOMMODATE" in out + err, (rc, out, err)
+    async with Client(url, creds=auth.role("client:bob")) as bob, Client(url) as alice:
+        job = await bob.submit(big, {"op": "forward", "input_ids": [[1]]})
+        async with asyncio.timeout(30):
+            while (k := await job.latest()) is None or str(k.status) == "RECEIVED":
+                await asyncio.sleep(0.05)
+        ans = await alice.kill(job.request_id)
+        assert ans["ok"] is False
+        assert not (await job.latest()).terminal  # type: ignore[union-attr]
+        ans = await bob.kill(job.request_id)
+        assert ans["ok"] is True, ans
+        with pytest.raises(RequestFailed, match="cancelled"):
+            await job.result(timeout=30)
+
+    # Nothing any service did for its job was refused by the server.
+    violations = [ln for ln in stack["log_path"].read_text().splitlines() if "Violation" in ln]
+    assert violations == [], violations[:5]

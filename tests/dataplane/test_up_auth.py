@@ -1,0 +1,80 @@
+"""`ndif up` with its default users: credentials made on the first start (0600), kept on the next,
+and the CLI in another shell finds them by itself; without them the server refuses."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _up(home: Path, port: int) -> subprocess.Popen[str]:
+    env = {**os.environ, "NDIF_HOME": str(home), "NDIF_LOG_LEVEL": "WARNING"}
+    env.pop("NDIF_CREDS", None)
+    proc = subprocess.Popen([sys.executable, "-m", "dataplane.cli", "up", "--gpus", "1", "--gpu-memory-gb", "4",
+                             "--port", str(port)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert proc.stdout is not None
+    deadline = time.monotonic() + 180
+    seen = ""
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        seen += line
+        if "dispatcher running" in line:
+            return proc
+        if not line and proc.poll() is not None:
+            break
+    proc.kill()
+    raise AssertionError(f"ndif up did not start:\n{seen}")
+
+
+def _stop(proc: subprocess.Popen[str]) -> None:
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def _ndif(home: Path, port: int, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "NDIF_HOME": str(home), "NDIF_LOG_LEVEL": "WARNING"}
+    env.pop("NDIF_CREDS", None)
+    return subprocess.run([sys.executable, "-m", "dataplane.cli", *args, "--nats", f"nats://127.0.0.1:{port}"],
+                          env=env, capture_output=True, text=True, timeout=60)
+
+
+def test_ndif_up_makes_users_and_local_commands_use_them(tmp_path: Path) -> None:
+    home, port = tmp_path / "home", _free_port()
+    proc = _up(home, port)
+    try:
+        auth = home / "auth"
+        assert (auth / "admin.creds").exists() and (auth / "nats-auth.conf").exists()
+        assert all((f.stat().st_mode & 0o777) == 0o600 for f in auth.iterdir())
+        ran = _ndif(home, port, "status")
+        assert ran.returncode == 0 and "NODES" in ran.stdout, ran.stdout + ran.stderr
+        ran = _ndif(tmp_path / "elsewhere", port, "status")  # no credentials: refused
+        assert ran.returncode != 0 and "refused the credentials" in ran.stderr, ran.stderr
+        first = (auth / "admin.creds").read_bytes()
+    finally:
+        _stop(proc)
+    proc = _up(home, port)  # the second start keeps the users and the history
+    try:
+        assert (home / "auth" / "admin.creds").read_bytes() == first
+        ran = _ndif(home, port, "status")
+        assert ran.returncode == 0, ran.stderr
+    finally:
+        _stop(proc)

@@ -1,0 +1,391 @@
+"""Roles enforced by a real nats-server run with the config `ndif up` generates (controlplane/auth.py).
+
+Every forgery of issue 15 is attempted with a client's credentials and must be refused by the
+server (a permissions violation, and nothing changed); a table checks each role can do its job and
+nothing else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import nats
+import pytest
+import pytest_asyncio
+
+from controlplane.admin import AdminClient
+from controlplane.auth import Creds, LocalAuth, ensure_local, permissions, resolve
+from controlplane.controller import Controller
+from controlplane.eventstore import JetStreamEventLog, connect
+from controlplane.nats_server import EmbeddedNats
+from dataplane.tiny_models import make_tiny_gpt2
+from schemas import errors as errs
+from schemas.events import GpuInfo, NodeJoined, NodeLost, ReplicaFailed, encode_event, event_headers, event_subject
+from schemas.requests import Request, StatusUpdate, encoder
+from schemas.status import RequestStatus
+from schemas.subjects import (
+    EVENTS_STREAM,
+    HEARTBEATS_BUCKET,
+    REQUEST_STATUS_BUCKET,
+    REQUESTS_STREAM,
+    node_token,
+    request_subject,
+    status_key,
+    status_subject,
+)
+
+pytestmark = pytest.mark.timeout(120)
+NODE_A, NODE_B = "node-a.cluster", "node-b.cluster"
+MODEL = "openai-community/gpt2"
+
+
+@pytest.fixture(scope="module")
+def auth(tmp_path_factory: pytest.TempPathFactory) -> LocalAuth:
+    return ensure_local([NODE_A, NODE_B], clients=["alice", "bob"], home=tmp_path_factory.mktemp("home"))
+
+
+@pytest.fixture(scope="module")
+def secured(auth: LocalAuth, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedNats]:
+    srv = EmbeddedNats(tmp_path_factory.mktemp("nats"), config_file=auth.config_path)
+    srv.start()
+    yield srv
+    srv.close()
+
+
+@pytest_asyncio.fixture(scope="module")
+async def streams(secured: EmbeddedNats, auth: LocalAuth) -> AsyncIterator[str]:
+    lg = await JetStreamEventLog.open(secured.url, creds=auth.role("admin"))
+    await lg.close()
+    yield secured.url
+
+
+class Probe:
+    """A raw connection as one user that records the server's permission errors."""
+
+    def __init__(self, nc: Any, errors: list[str]) -> None:
+        self.nc = nc
+        self.errors = errors
+
+    @classmethod
+    async def open(cls, url: str, creds: Creds) -> Probe:
+        errors: list[str] = []
+
+        async def error_cb(e: Exception) -> None:
+            errors.append(str(e))
+
+        nc = await nats.connect(url, error_cb=error_cb, max_reconnect_attempts=1, **creds.connect_options())
+        return cls(nc, errors)
+
+    async def _refused(self, what: str) -> bool:
+        await self.nc.flush()
+        await asyncio.sleep(0.05)  # the -ERR is read before the PONG; its callback runs just after
+        return any("permissions violation" in e.lower() and what.lower() in e.lower() for e in self.errors)
+
+    async def can_publish(self, subject: str, data: bytes = b"{}", headers: dict[str, str] | None = None) -> bool:
+        await self.nc.publish(subject, data, headers=headers)
+        return not await self._refused(f"Publish to \"{subject}\"")
+
+    async def can_subscribe(self, subject: str) -> bool:
+        sub = await self.nc.subscribe(subject)
+        ok = not await self._refused(f"Subscription to \"{subject}\"")
+        await sub.unsubscribe()
+        return ok
+
+    async def close(self) -> None:
+        await self.nc.close()
+
+
+def _env(actor: str) -> dict[str, Any]:
+    return {"event_id": f"forged-{actor}-{datetime.now(UTC).timestamp()}", "ts": datetime.now(UTC), "actor": actor}
+
+
+async def _last_seq(url: str, auth: LocalAuth, stream: str = EVENTS_STREAM) -> int:
+    nc = await connect(url, creds=auth.role("admin"))
+    try:
+        return int((await nc.jetstream().stream_info(stream)).state.last_seq)
+    finally:
+        await nc.close()
+
+
+# ---- the forgeries of the issue, with a client's credentials ------------------------------------
+
+
+async def test_forged_observed_facts_are_refused(streams: str, auth: LocalAuth) -> None:
+    before = await _last_seq(streams, auth)
+    mallory = await Probe.open(streams, auth.role("client:alice"))
+    try:
+        forged = [
+            ReplicaFailed(**_env(f"agent:{NODE_A}"), model_key=MODEL, replica_id=0, node_id=NODE_A, error="forged"),
+            NodeLost(**_env("controller:x"), node_id=NODE_A),
+            NodeJoined(**_env(f"agent:{NODE_B}"), node_id="ghost", gpus=(GpuInfo(index=0, memory_bytes=1),),
+                       cpu_cache_bytes=1),
+        ]
+        for ev in forged:
+            subject = event_subject(ev)
+            assert not await mallory.can_publish(subject, encode_event(ev), headers=event_headers(ev)), subject
+            # The old (userless) replica subject too.
+            assert not await mallory.can_publish(f"ndif.evt.replica.{node_token(MODEL)}.0", encode_event(ev))
+    finally:
+        await mallory.close()
+    assert await _last_seq(streams, auth) == before  # nothing appended
+
+
+async def test_an_operators_command_id_cannot_be_taken(streams: str, auth: LocalAuth, tmp_path: Path) -> None:
+    model = str(make_tiny_gpt2(tmp_path / "gpt2"))
+    ctl = await Controller(streams, creds=auth.role("controller"), policy_interval_s=0.2).start()
+    admin = await AdminClient.open(streams, timeout=10, creds=auth.role("admin"))
+    mallory = await Probe.open(streams, auth.role("client:alice"))
+    try:
+        cid = "cmd-operators-own-0001"
+        body = msgspec.json.encode({"type": "Deploy", "command_id": cid, "actor": "cli:mallory",
+                                    "model_key": model, "replicas": 1})
+        for verb in ("deploy", "scale", "evict", "undeploy"):
+            assert not await mallory.can_publish(f"ndif.cmd.{verb}", body)
+        res = await admin.deploy(model, 1, command_id=cid)
+        assert res.ok and not res.duplicate, res  # the operator's command ran
+    finally:
+        await mallory.close()
+        await admin.close()
+        await ctl.stop()
+
+
+async def test_a_client_reads_no_one_elses_prompts_or_statuses(streams: str, auth: LocalAuth) -> None:
+    bob = await Probe.open(streams, auth.role("client:bob"))
+    alice = await Probe.open(streams, auth.role("client:alice"))
+    try:
+        req = Request(request_id="bobs-secret", model_key=MODEL, payload={"prompt": "bob's secret"},
+                      submitted_at=datetime.now(UTC))
+        js = bob.nc.jetstream()
+        ack = await js.publish(request_subject(MODEL, "bob"), encoder.encode(req), headers={"Nats-Msg-Id": "bob.x1"})
+        assert ack.seq > 0  # a client may submit its own requests
+        # Alice: the request stream (consumers, message gets, core subscriptions), others' statuses.
+        assert not await alice.can_subscribe("ndif.req.>")
+        assert not await alice.can_subscribe(request_subject(MODEL, "bob"))
+        for api_subject in (f"$JS.API.CONSUMER.CREATE.{REQUESTS_STREAM}",
+                            f"$JS.API.CONSUMER.DURABLE.CREATE.{REQUESTS_STREAM}.spy",
+                            f"$JS.API.STREAM.MSG.GET.{REQUESTS_STREAM}", f"$JS.API.DIRECT.GET.{REQUESTS_STREAM}"):
+            assert not await alice.can_publish(api_subject, b'{"seq": 1}'), api_subject
+        assert not await alice.can_subscribe("ndif.status.>")
+        assert not await alice.can_subscribe(status_subject("bobs-secret", "bob"))
+        assert not await alice.can_subscribe("_INBOX.>")
+        assert not await alice.can_subscribe("_INBOX_client-bob.>")
+        assert not await alice.can_publish(
+            f"$JS.API.DIRECT.GET.KV_{REQUEST_STATUS_BUCKET}.$KV.{REQUEST_STATUS_BUCKET}.bob.bobs-secret", b"")
+        # Her own are hers.
+        assert await alice.can_subscribe(status_subject("mine", "alice"))
+        assert await alice.can_subscribe("_INBOX_client-alice.>")
+    finally:
+        await alice.close()
+        await bob.close()
+
+
+async def test_no_forged_status_reaches_a_victim(streams: str, auth: LocalAuth) -> None:
+    admin_nc = await connect(streams, creds=auth.role("admin"))
+    victim = await Probe.open(streams, auth.role("client:bob"))
+    mallory = await Probe.open(streams, auth.role("client:alice"))
+    try:
+        got: list[bytes] = []
+
+        async def on_status(m: Any) -> None:
+            got.append(m.data)
+
+        sub = await victim.nc.subscribe(status_subject("r1", "bob"), cb=on_status)
+        await victim.nc.flush()
+        forged = encoder.encode(StatusUpdate(request_id="r1", status=RequestStatus.COMPLETED, ts=datetime.now(UTC),
+                                             result={"text": "forged"}, user="bob"))
+        assert not await mallory.can_publish(status_subject("r1", "bob"), forged)  # core publish
+        assert not await mallory.can_publish(status_subject("r1"), forged)  # the userless form
+        assert not await mallory.can_publish(f"$KV.{REQUEST_STATUS_BUCKET}.{status_key('r1', 'bob')}", forged)  # KV put
+        assert not await mallory.can_publish(f"$KV.{REQUEST_STATUS_BUCKET}.r1", forged)
+        await asyncio.sleep(0.2)
+        await sub.unsubscribe()
+        assert got == []
+        kv = await admin_nc.jetstream().key_value(REQUEST_STATUS_BUCKET)
+        with pytest.raises(nats.js.errors.KeyNotFoundError):
+            await kv.get(status_key("r1", "bob"))
+    finally:
+        await mallory.close()
+        await victim.close()
+        await admin_nc.close()
+
+
+async def test_no_client_kills_anothers_request(streams: str, auth: LocalAuth) -> None:
+    mallory = await Probe.open(streams, auth.role("client:alice"))
+    try:
+        assert not await mallory.can_publish("ndif.dispatcher.kill", b"bobs-request")  # an admin's kill
+        assert not await mallory.can_publish("ndif.dispatcher.kill.bob", b"bobs-request")
+        assert await mallory.can_publish("ndif.dispatcher.kill.alice", b"mine")  # only her own (checked by owner)
+    finally:
+        await mallory.close()
+
+
+async def test_only_an_admin_deletes_or_changes_a_stream(streams: str, auth: LocalAuth) -> None:
+    for who in ("client:alice", "dashboard", "controller", "dispatcher", f"agent:{NODE_A}"):
+        p = await Probe.open(streams, auth.role(who))
+        try:
+            for op in ("DELETE", "UPDATE", "PURGE", "CREATE"):
+                assert not await p.can_publish(f"$JS.API.STREAM.{op}.{EVENTS_STREAM}", b"{}"), (who, op)
+            assert not await p.can_publish(f"$JS.API.STREAM.DELETE.{REQUESTS_STREAM}", b""), who
+            assert not await p.can_publish(f"$JS.API.STREAM.DELETE.KV_{REQUEST_STATUS_BUCKET}", b""), who
+        finally:
+            await p.close()
+    assert await _last_seq(streams, auth) >= 0  # the stream is still there
+
+
+async def test_services_that_may_not_create_streams_say_so(tmp_path: Path, auth: LocalAuth) -> None:
+    """On a server without streams, the controller (not an admin) reports them missing; it creates nothing."""
+    with EmbeddedNats(tmp_path / "nats", config_file=auth.config_path) as srv:
+        with pytest.raises(errs.InfrastructureError, match="may not create"):
+            await JetStreamEventLog.open(srv.url, creds=auth.role("controller"))
+
+
+async def test_a_deleted_event_stream_is_never_silently_recreated(tmp_path: Path, auth: LocalAuth) -> None:
+    with EmbeddedNats(tmp_path / "nats", config_file=auth.config_path) as srv:
+        lg = await JetStreamEventLog.open(srv.url, creds=auth.role("admin"))
+        await lg.close()
+        nc = await connect(srv.url, creds=auth.role("admin"))
+        await nc.jetstream().delete_stream(EVENTS_STREAM)  # an admin may
+        await nc.close()
+        for role in ("admin", "controller"):
+            with pytest.raises(errs.InfrastructureError, match=r"missing|does not exist"):
+                await JetStreamEventLog.open(srv.url, creds=auth.role(role))
+        # An operator's decision to start over is explicit.
+        lg = await JetStreamEventLog.open(srv.url, creds=auth.role("admin"), ensure=False)
+        await lg.ensure(start_new_history=True)
+        assert await lg.last_seq() == 0
+        await lg.close()
+
+
+# ---- each role can do its job and nothing else ----------------------------------------------------
+
+A, B = node_token(NODE_A), node_token(NODE_B)
+M = node_token(MODEL)
+S = f"KV_{REQUEST_STATUS_BUCKET}"
+# (user, "pub"/"sub", subject, allowed)
+TABLE: list[tuple[str, str, str, bool]] = [
+    ("admin", "pub", "ndif.cmd.deploy", True),
+    ("admin", "pub", "$JS.API.STREAM.DELETE.NOPE", True),
+    ("admin", "sub", ">", True),
+    ("controller", "pub", f"ndif.evt.model.{M}", True),
+    ("controller", "pub", f"ndif.evt.replica.{M}.0", True),
+    ("controller", "pub", f"ndif.evt.node.{A}", True),
+    ("controller", "pub", f"$JS.API.CONSUMER.CREATE.{EVENTS_STREAM}", True),
+    ("controller", "sub", "ndif.cmd.*", True),
+    ("controller", "pub", f"ndif.evt.replica.{M}.0.{A}", False),
+    ("controller", "pub", "ndif.cmd.deploy", False),
+    ("controller", "pub", f"$JS.API.STREAM.DELETE.{EVENTS_STREAM}", False),
+    ("controller", "pub", f"$KV.{REQUEST_STATUS_BUCKET}.x", False),
+    ("controller", "pub", "ndif.status.x", False),
+    ("controller", "sub", "ndif.req.>", False),
+    ("controller", "sub", "ndif.status.>", False),
+    (f"agent:{NODE_A}", "pub", f"ndif.evt.node.{A}", True),
+    (f"agent:{NODE_A}", "pub", f"ndif.evt.replica.{M}.0.{A}", True),
+    (f"agent:{NODE_A}", "pub", f"$KV.{HEARTBEATS_BUCKET}.{A}", True),
+    (f"agent:{NODE_A}", "sub", f"ndif.run.{M}.0", True),
+    (f"agent:{NODE_A}", "pub", f"ndif.evt.node.{B}", False),
+    (f"agent:{NODE_A}", "pub", f"ndif.evt.replica.{M}.0.{B}", False),
+    (f"agent:{NODE_A}", "pub", f"ndif.evt.replica.{M}.0", False),
+    (f"agent:{NODE_A}", "pub", f"ndif.evt.model.{M}", False),
+    (f"agent:{NODE_A}", "pub", f"$KV.{HEARTBEATS_BUCKET}.{B}", False),
+    (f"agent:{NODE_A}", "pub", "ndif.cmd.scale", False),
+    (f"agent:{NODE_A}", "sub", "ndif.req.>", False),
+    (f"agent:{NODE_A}", "sub", "ndif.status.>", False),
+    ("dispatcher", "pub", "ndif.status.alice.r", True),
+    ("dispatcher", "pub", f"$KV.{REQUEST_STATUS_BUCKET}.alice.r", True),
+    ("dispatcher", "pub", "ndif.cmd.deploy", True),
+    ("dispatcher", "pub", f"ndif.evt.replica.{M}.0.dispatcher", True),
+    ("dispatcher", "pub", f"ndif.run.{M}.0", True),
+    ("dispatcher", "pub", f"$JS.API.CONSUMER.DURABLE.CREATE.{REQUESTS_STREAM}.proc-x", True),
+    ("dispatcher", "sub", "ndif.req.>", True),
+    ("dispatcher", "pub", "ndif.cmd.evict", False),
+    ("dispatcher", "pub", f"ndif.evt.replica.{M}.0", False),
+    ("dispatcher", "pub", f"ndif.evt.replica.{M}.0.{A}", False),
+    ("dispatcher", "pub", f"ndif.evt.node.{A}", False),
+    ("dispatcher", "sub", "ndif.cmd.*", False),
+    ("client:alice", "pub", f"ndif.req.{M}.alice", True),
+    ("client:alice", "pub", "ndif.dispatcher.kill.alice", True),
+    ("client:alice", "sub", "ndif.status.alice.r", True),
+    ("client:alice", "pub", f"$JS.API.DIRECT.GET.{S}.$KV.{REQUEST_STATUS_BUCKET}.alice.r", True),
+    ("client:alice", "pub", f"ndif.req.{M}.bob", False),
+    ("client:alice", "pub", f"ndif.req.{M}", False),
+    ("client:alice", "pub", f"ndif.evt.model.{M}", False),
+    ("client:alice", "pub", "ndif.status.alice.r", False),
+    ("client:alice", "pub", f"$KV.{REQUEST_STATUS_BUCKET}.alice.r", False),
+    ("client:alice", "pub", f"$JS.API.CONSUMER.CREATE.{EVENTS_STREAM}", False),
+    ("client:alice", "pub", "ndif.run.x.0", False),
+    ("client:alice", "sub", "ndif.status.bob.r", False),
+    ("client:alice", "sub", "ndif.run.>", False),
+    ("dashboard", "pub", f"$JS.API.STREAM.INFO.{EVENTS_STREAM}", True),
+    ("dashboard", "pub", f"$JS.API.CONSUMER.CREATE.{EVENTS_STREAM}", True),
+    ("dashboard", "pub", "ndif.dispatcher.state", True),
+    ("dashboard", "pub", f"ndif.evt.model.{M}", False),
+    ("dashboard", "pub", "ndif.cmd.deploy", False),
+    ("dashboard", "pub", f"$KV.{HEARTBEATS_BUCKET}.{A}", False),
+    ("dashboard", "pub", f"$JS.API.CONSUMER.CREATE.{REQUESTS_STREAM}", False),
+    ("dashboard", "pub", "ndif.dispatcher.kill", False),
+    ("dashboard", "sub", "ndif.status.>", False),
+    ("dashboard", "sub", "ndif.req.>", False),
+]
+
+
+async def test_each_role_does_its_job_and_nothing_else(streams: str, auth: LocalAuth) -> None:
+    wrong = []
+    probes: dict[str, Probe] = {}
+    try:
+        for user, kind, subject, allowed in TABLE:
+            p = probes.get(user) or await Probe.open(streams, auth.role(user))
+            probes[user] = p
+            got = await (p.can_publish(subject) if kind == "pub" else p.can_subscribe(subject))
+            if got != allowed:
+                wrong.append((user, kind, subject, "allowed" if got else "refused"))
+    finally:
+        for p in probes.values():
+            await p.close()
+    assert wrong == []
+
+
+def test_credentials_are_private_and_kept(auth: LocalAuth) -> None:
+    d = auth.config_path.parent
+    assert (d.stat().st_mode & 0o777) == 0o700
+    for f in d.iterdir():
+        assert (f.stat().st_mode & 0o777) == 0o600, f
+    again = ensure_local([NODE_A, NODE_B], clients=["alice", "bob"], home=d.parent)
+    assert again.role("admin") == auth.role("admin")  # made once, then reused
+
+
+def test_local_commands_find_their_role(auth: LocalAuth, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("NDIF_HOME", str(auth.config_path.parent.parent))
+    monkeypatch.delenv("NDIF_CREDS", raising=False)
+    monkeypatch.setenv("NDIF_CLIENT_NAME", "alice")
+    assert resolve("admin", url="nats://127.0.0.1:4222") == auth.role("admin")
+    assert resolve("client", url="nats://127.0.0.1:4222") == auth.role("client:alice")
+    assert resolve("agent", url="nats://127.0.0.1:4222", node_id=NODE_B) == auth.role(f"agent:{NODE_B}")
+    assert resolve("admin", url="nats://nats.example.org:4222") is None  # never sent to a remote server
+    assert permissions("admin")["publish"]["allow"] == [">"]
+
+
+async def test_no_credentials_no_connection(streams: str) -> None:
+    with pytest.raises(errs.InfrastructureError, match="refused the credentials"):
+        await connect(streams, creds=None)
+
+
+@pytest.mark.parametrize("conf", ["n1.conf", "n2.conf", "n3.conf"])
+def test_the_cluster_configs_take_the_generated_users(conf: str, auth: LocalAuth, tmp_path: Path) -> None:
+    import shutil
+    import subprocess
+
+    from controlplane.nats_server import find_nats_server
+
+    deploy = Path(__file__).resolve().parents[2] / "deploy" / "nats"
+    shutil.copy(deploy / conf, tmp_path / conf)
+    shutil.copy(auth.config_path, tmp_path / "ndif-auth.conf")
+    ran = subprocess.run([find_nats_server(), "-c", str(tmp_path / conf), "-t"], capture_output=True, text=True)
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    (tmp_path / "ndif-auth.conf").unlink()  # without the users the config does not start: nothing runs open
+    ran = subprocess.run([find_nats_server(), "-c", str(tmp_path / conf), "-t"], capture_output=True, text=True)
+    assert ran.returncode != 0
