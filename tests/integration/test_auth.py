@@ -147,7 +147,8 @@ async def test_an_operators_command_id_cannot_be_taken(streams: str, auth: Local
         for verb in ("deploy", "scale", "evict", "undeploy"):
             assert not await mallory.can_publish(f"ndif.cmd.{verb}", body)
         res = await admin.deploy(model, 1, command_id=cid)
-        assert res.ok and not res.duplicate, res  # the operator's command ran
+        # the operator's command ran: decided and appended (no node joined, so it placed nothing: ok is False)
+        assert not res.duplicate and res.first_seq and res.error == "PlacementError" and res.asked == 1, res
     finally:
         await mallory.close()
         await admin.close()
