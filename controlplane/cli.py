@@ -20,6 +20,7 @@ from typing import Any
 import msgspec
 
 from controlplane.admin import AdminClient
+from controlplane.heartbeats import heartbeat_ages
 from controlplane.logs import configure
 from controlplane.projections import ClusterState
 from controlplane.render import render_status, status_json
@@ -92,22 +93,22 @@ async def _command(a: argparse.Namespace, admin: AdminClient) -> int:
 
 async def _status(a: argparse.Namespace, admin: AdminClient) -> int:
     state = await admin.state()
-    _show(state, a.json)
+    _show(state, a.json, await heartbeat_ages(admin.log.js, sorted(state.nodes)))
     if a.watch:
         async for batch in admin.log.follow_batches(state.seq + 1):
             for seq, item in batch:
                 state.apply(seq, item)
             if not a.json:
                 sys.stdout.write("\x1b[2J\x1b[H")
-            _show(state, a.json)
+            _show(state, a.json, await heartbeat_ages(admin.log.js, sorted(state.nodes)))
     return 0
 
 
-def _show(state: ClusterState, as_json: bool) -> None:
+def _show(state: ClusterState, as_json: bool, heartbeats: dict[str, float | None] | None = None) -> None:
     if as_json:
-        _out(status_json(state))
+        _out(status_json(state, heartbeats))
     else:
-        print(render_status(state))
+        print(render_status(state, heartbeats))
     sys.stdout.flush()
 
 
