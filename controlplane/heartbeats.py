@@ -1,6 +1,7 @@
 """Node heartbeats as the KV bucket `ndif_heartbeats` keeps them: when each node's agent last beat.
 
-Agents put their key every `--heartbeat` seconds (2 by default); the bucket forgets a key
+Agents put their key every `--heartbeat` seconds (2 by default; the value is the node id) and,
+stopping cleanly, once more with an empty value (`stopped`); the bucket forgets a key
 `HEARTBEAT_TTL_S` after its last put. `ndif status` shows each node's heartbeat age and marks it
 stale past `STALE_S`; an agent refuses to start under a node id whose heartbeat is still live.
 """
@@ -22,6 +23,7 @@ STALE_S = 6.0  # three missed beats at the agents' default 2 s interval
 class Heartbeat(msgspec.Struct, frozen=True, kw_only=True):
     at: datetime  # the server's time of the last put
     seq: int  # its stream sequence: a later beat has a higher one
+    stopped: bool = False  # the agent's goodbye (an empty value): it stopped cleanly
 
     def age_s(self, now: datetime | None = None) -> float:
         return max(0.0, ((now or datetime.now(UTC)) - self.at).total_seconds())
@@ -37,7 +39,7 @@ async def last_heartbeat(js: Any, node_id: str) -> Heartbeat | None:
     if headers.get("KV-Operation") in ("DEL", "PURGE") or raw.time is None:
         return None
     at = raw.time if raw.time.tzinfo is not None else raw.time.replace(tzinfo=UTC)
-    return Heartbeat(at=at, seq=int(raw.seq or 0))
+    return Heartbeat(at=at, seq=int(raw.seq or 0), stopped=not raw.data)
 
 
 async def heartbeat_ages(js: Any, node_ids: list[str]) -> dict[str, float | None]:

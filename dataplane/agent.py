@@ -152,7 +152,14 @@ class NodeAgent:
 
     async def stop(self) -> None:
         """Stop acting; the detached actors stay (a restarted agent adopts them)."""
+        started = bool(self._tasks)
         await cancel_and_wait([*self._tasks, *self._busy.values(), *self._drain_timers.values()], owner=self.actor)
+        if started and self.log_ is not None:
+            # Goodbye: an empty heartbeat lets an agent started next under this node id take over
+            # at once (a live one is refused). Best effort: a dead NATS must not hold up the stop.
+            with contextlib.suppress(Exception):
+                kv = await asyncio.wait_for(self.log_.js.key_value(HEARTBEATS_BUCKET), 2)
+                await asyncio.wait_for(kv.put(node_token(self.node_id), b""), 2)
         self._tasks.clear()
         self._busy.clear()
         self._drain_timers.clear()
@@ -173,8 +180,12 @@ class NodeAgent:
         """
         assert self.log_ is not None
         js = self.log_.js
-        first = await last_heartbeat(js, self.node_id)
-        if first is None:
+        try:
+            first = await last_heartbeat(js, self.node_id)
+        except Exception as exc:  # noqa: BLE001 - e.g. not allowed to read the bucket: say so, go on
+            self.log.warning("node_id_check_skipped", error=str(exc) or type(exc).__name__)
+            return
+        if first is None or first.stopped:
             return
         window = max(3 * self.heartbeat_s, STALE_S)
         age0 = first.age_s()

@@ -114,6 +114,7 @@ class Dispatcher:
             raise errs.InvalidCommand(f"NDIF_REQUEST_QUEUE_LIFETIME_S must be > 0 (got {self.queue_lifetime_s})")
         # model token -> (capacity mark, reason it can never be placed or None) of its last rejected deploy
         self._rejected: dict[str, tuple[tuple[object, ...], str | None]] = {}
+        self._rechecks: set[str] = set()  # model tokens with a provisioning timer set
         self.state = ClusterState()
         self.processors: dict[str, Processor] = {}  # model token -> processor
         self.log_: JetStreamEventLog | None = None
@@ -248,23 +249,34 @@ class Dispatcher:
             if mark == capacity_mark(self.state, time.time()):
                 if never is not None:
                     p.fail_all("PlacementImpossible", f"cannot place {p.model_key}: {never}")
-                elif time.monotonic() >= p.provision_not_before:
-                    self._retry_provision_later(p)  # look again later (time alone can make room: evictions)
-                return  # still no room, nothing appended
-            if never is None and time.monotonic() < p.provision_not_before:
-                return  # changed, but too soon after the last deploy: the timer sends it
+                else:
+                    self._recheck_later(p, PROVISION_RETRY_S)  # time alone can make room (evictions)
+                return  # still no room: nothing appended
+            wait = p.provision_not_before - time.monotonic()
+            if never is None and wait > 0:
+                self._recheck_later(p, wait)  # changed, but too soon after the last deploy
+                return
         p.provisioning = True
         self.spawn(self._provision(p))
 
     def _retry_provision_later(self, p: Processor) -> None:
+        """After a rejected deploy: the next one no sooner than the backoff (5 s, 10 s, ... 60 s)."""
         p.provision_backoff_s = min(max(p.provision_backoff_s * 2, PROVISION_RETRY_S), PROVISION_RETRY_MAX_S)
         p.provision_not_before = time.monotonic() + p.provision_backoff_s
+        self._recheck_later(p, p.provision_backoff_s)
 
-        def retry() -> None:
+    def _recheck_later(self, p: Processor, delay_s: float) -> None:
+        """Look at a waiting model again in `delay_s` (one timer per model at a time)."""
+        if p.token in self._rechecks:
+            return
+        self._rechecks.add(p.token)
+
+        def fire() -> None:
+            self._rechecks.discard(p.token)
             if not self._stopped:
                 self.maybe_provision(p)
 
-        asyncio.get_running_loop().call_later(p.provision_backoff_s, retry)
+        asyncio.get_running_loop().call_later(max(0.0, delay_s), fire)
 
     async def _provision(self, p: Processor) -> None:
         assert self.admin is not None and p.model_key is not None
