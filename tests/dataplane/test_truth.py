@@ -157,7 +157,12 @@ async def test_a_node_id_held_by_a_live_agent_refuses_a_second_agent(service: di
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "dataplane.cli", "agent", "--nats", url, "--node-id", "node-a", "--gpus", "1",
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env)
-    out, err = await asyncio.wait_for(proc.communicate(), 120)
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), 60)
+    finally:
+        if proc.returncode is None:  # it wrongly started: stop it (it would act as a second node-a)
+            proc.kill()
+            await proc.wait()
     lines = [ln for ln in err.decode().splitlines() if ln.startswith("error:")]
     assert proc.returncode == 5, (out, err)
     assert lines and "node id 'node-a' is held by a live agent" in lines[0] and "--node-id" in lines[0], err
@@ -201,6 +206,7 @@ async def test_the_readme_snippet_runs_as_written_and_prints_only_its_own_output
     script.write_text(snippet.replace("/tmp/ndif-models/tiny-gpt2", str(models["gpt2"])))
     env = {k: v for k, v in os.environ.items() if not k.startswith("NDIF_LOG")}
     env["NDIF_NATS_URL"] = service["url"]  # Client() with no URL finds the server here
+    env["PYTHONPATH"] = str(ROOT)  # the tree under test (a script's own directory comes first otherwise)
     proc = await asyncio.create_subprocess_exec(sys.executable, str(script), cwd=tmp_path, env=env,
                                                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     out, err = await asyncio.wait_for(proc.communicate(), 180)
@@ -223,6 +229,7 @@ async def test_the_sdk_never_writes_to_stdout_even_when_it_logs(tmp_path: Path) 
         "structlog.get_logger('ndif.eventstore').error('worse', seq=3)\n"
         "print('mine')\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith("NDIF_LOG")}
+    env["PYTHONPATH"] = str(ROOT)
     proc = await asyncio.create_subprocess_exec(sys.executable, str(script), cwd=tmp_path, env=env,
                                                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     out, err = await asyncio.wait_for(proc.communicate(), 60)

@@ -91,6 +91,7 @@ async def test_a_second_up_on_a_port_in_use_fails_in_one_line_and_appends_nothin
     assert await _last_seq(url) == before  # quiet now: nothing appends on its own
 
     second = Up(tmp_path, "second", port, "--gpus", "1")
+    ups.append(second)  # stopped at the end should it wrongly come up
     rc = await asyncio.to_thread(second.proc.wait, 120)
     err = second.err.read_text().strip().splitlines()
     assert rc == 5, (rc, err)
