@@ -65,6 +65,8 @@ class ReplicaNotScheduled(InfrastructureError):
 
 class NodeIdHeld(InfrastructureError):
     """Another agent with this node id is alive (its heartbeat is fresh)."""
+
+
 S = ReplicaState
 RKey = tuple[str, int]
 # States in which the replica's actor should exist on this node.

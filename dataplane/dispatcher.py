@@ -108,8 +108,11 @@ class Dispatcher:
         # How long a request held by a dead dispatcher waits before redelivery (kept alive meanwhile).
         self.ack_wait_s = ack_wait_s or float(os.environ.get("NDIF_REQUEST_ACK_WAIT_S", ACK_WAIT_S))
         # How long a request may wait in a processor's queue (never placed, no room, no replica ready).
-        self.queue_lifetime_s = queue_lifetime_s or float(os.environ.get("NDIF_REQUEST_QUEUE_LIFETIME_S",
-                                                                         QUEUE_LIFETIME_S))
+        try:
+            self.queue_lifetime_s = queue_lifetime_s or float(os.environ.get("NDIF_REQUEST_QUEUE_LIFETIME_S",
+                                                                             QUEUE_LIFETIME_S))
+        except ValueError:
+            raise errs.InvalidCommand("NDIF_REQUEST_QUEUE_LIFETIME_S takes seconds, e.g. 600") from None
         if not self.queue_lifetime_s > 0:
             raise errs.InvalidCommand(f"NDIF_REQUEST_QUEUE_LIFETIME_S must be > 0 (got {self.queue_lifetime_s})")
         # model token -> (capacity mark, reason it can never be placed or None) of its last rejected deploy
@@ -246,7 +249,7 @@ class Dispatcher:
         rejected = self._rejected.get(p.token)
         if rejected is not None:
             mark, never = rejected
-            if mark == capacity_mark(self.state, time.time()):
+            if mark == self._mark(p.model_key):
                 if never is not None:
                     p.fail_all("PlacementImpossible", f"cannot place {p.model_key}: {never}")
                 else:
@@ -286,7 +289,7 @@ class Dispatcher:
                 r = res.rejections[0]
                 await self._folded(res.last_seq)
                 never = never_fits(self.state, r.needed_bytes)
-                self._rejected[p.token] = (capacity_mark(self.state, time.time()), never)
+                self._rejected[p.token] = (self._mark(p.model_key), never)
                 if never is not None:
                     # No node could hold it even empty: waiting cannot help, so the requests end now.
                     log.warning("provision_impossible", model_key=p.model_key, needed=r.needed_bytes, reason=never)
@@ -317,6 +320,12 @@ class Dispatcher:
             await asyncio.sleep(0)
             if p.model_key in self.state.models:
                 p.sync(queue_view(self.state, p.model_key))
+
+    def _mark(self, model_key: str) -> tuple[object, ...]:
+        """What a deploy's answer depends on: the cluster's capacity and the model's registered size."""
+        m = self.state.models.get(model_key)
+        size = m.registration.size_bytes if m is not None and m.registration is not None else None
+        return capacity_mark(self.state, time.time()), size
 
     async def _folded(self, seq: int, timeout: float = 5.0) -> None:
         """Wait (bounded) until the fold has reached `seq`: marks are taken after our own events."""
