@@ -140,9 +140,11 @@ async def test_a_request_waits_in_the_queue_at_most_its_lifetime(service: dict[s
 async def test_replica_actors_ask_ray_for_cpu_so_ray_refuses_what_the_node_cannot_run(
         service: dict[str, Any], models: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("NDIF_REPLICA_CPUS", "1.5")  # the test's Ray has 2 CPUs: one such replica fits
-    service["agent"].schedule_timeout_s = 5.0
     admin = service["admin"]
-    res = await admin.deploy(str(models["gpt2"]), 2)
+    res = await admin.deploy(str(models["gpt2"]), 1)  # the one that fits (default 60 s to start: slow CI)
+    await admin.wait(res, timeout=120)
+    service["agent"].schedule_timeout_s = 10.0
+    res = await admin.scale(str(models["gpt2"]), 2)  # a second one Ray has no CPU for
     state = await admin.wait(res, timeout=120)
     mk = canonical_model_key(str(models["gpt2"]))
     states = sorted(str(state.replicas[(mk, i)].state) for i in (0, 1))
