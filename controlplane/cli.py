@@ -22,6 +22,7 @@ from typing import Any, NoReturn
 import msgspec
 
 from controlplane.admin import AdminClient, resolve_name
+from controlplane.heartbeats import heartbeat_ages
 from controlplane.logs import configure
 from controlplane.placement import PADDING
 from controlplane.projections import ClusterState
@@ -120,7 +121,7 @@ async def _command(a: argparse.Namespace, admin: AdminClient) -> int:
 
 async def _status(a: argparse.Namespace, admin: AdminClient) -> int:
     state = await admin.state()
-    _show(state, a.json)
+    _show(state, a.json, await heartbeat_ages(admin.log.js, sorted(state.nodes)))
     if a.watch:
         async for batch in admin.log.follow_batches(state.seq + 1):
             for seq, item in batch:
@@ -128,15 +129,15 @@ async def _status(a: argparse.Namespace, admin: AdminClient) -> int:
             if not a.json:
                 # clear the screen on a terminal only; a pipe or file gets the views one after another
                 sys.stdout.write("\x1b[2J\x1b[H" if sys.stdout.isatty() else "\n")
-            _show(state, a.json)
+            _show(state, a.json, await heartbeat_ages(admin.log.js, sorted(state.nodes)))
     return 0
 
 
-def _show(state: ClusterState, as_json: bool) -> None:
+def _show(state: ClusterState, as_json: bool, heartbeats: dict[str, float | None] | None = None) -> None:
     if as_json:
-        _out(status_json(state))
+        _out(status_json(state, heartbeats))
     else:
-        print(render_status(state))
+        print(render_status(state, heartbeats))
     sys.stdout.flush()
 
 

@@ -18,6 +18,7 @@ import sys
 import sysconfig
 import tempfile
 import time
+import uuid
 from pathlib import Path
 from types import TracebackType
 
@@ -47,6 +48,21 @@ def find_nats_server() -> str:
     )
 
 
+def die_with_parent() -> None:
+    """`preexec_fn` for a child that must not outlive this process (Linux): SIGKILL on our death.
+
+    The kernel sends it when the thread that forked the child exits, so start such children from
+    the main thread. A no-op where `prctl` is not available.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -62,7 +78,8 @@ class EmbeddedNats:
 
     def __init__(self, store_dir: str | os.PathLike[str] | None = None, *, port: int | None = None,
                  ready_timeout: float = 15.0, extra_args: tuple[str, ...] = (),
-                 config_file: str | os.PathLike[str] | None = None, host: str = "127.0.0.1") -> None:
+                 config_file: str | os.PathLike[str] | None = None, host: str = "127.0.0.1",
+                 die_with_parent: bool = False) -> None:
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
         if store_dir is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="ndif-nats-")
@@ -75,6 +92,9 @@ class EmbeddedNats:
         self.config_file = None if config_file is None else Path(config_file)
         self.host = host
         self.proc: subprocess.Popen[bytes] | None = None
+        # Our server's name: readiness means *this* server answers (another one may hold the port).
+        self.server_name = f"ndif-{uuid.uuid4().hex[:12]}"
+        self.die_with_parent = die_with_parent
         self._log_path = self.store_dir / "nats-server.log"
 
     @property
@@ -86,11 +106,12 @@ class EmbeddedNats:
             return self
         self.store_dir.mkdir(parents=True, exist_ok=True)
         args = [find_nats_server(), "-js", "-sd", str(self.store_dir / "jetstream"), "-a", self.host,
-                "-p", str(self.port), "-l", str(self._log_path), *self.extra_args]
+                "-p", str(self.port), "-n", self.server_name, "-l", str(self._log_path), *self.extra_args]
         if self.config_file is not None:
             args += ["-c", str(self.config_file)]
         self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.PIPE, start_new_session=True)
+                                     stderr=subprocess.PIPE, start_new_session=True,
+                                     preexec_fn=die_with_parent if self.die_with_parent else None)
         self._wait_ready()
         log.info("nats_server_started", url=self.url, store_dir=str(self.store_dir), pid=self.proc.pid)
         return self
@@ -101,21 +122,24 @@ class EmbeddedNats:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 err = self.proc.stderr.read().decode(errors="replace") if self.proc.stderr else ""
-                raise InfrastructureError(f"nats-server exited with {self.proc.returncode}: {err.strip() or self._tail()}")
-            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
-                # The INFO line is sent once the server accepts clients; JetStream is ready by then.
-                s.settimeout(0.5)
-                if s.recv(4).startswith(b"INFO"):
-                    return
+                raise InfrastructureError(f"nats-server exited with {self.proc.returncode}: {self._tail() or err.strip()}")
+            info = _server_info(self.port)
+            # The INFO line is sent once the server accepts clients; JetStream is ready by then. It
+            # must be ours: a server already on the port (another `ndif up`) answers too.
+            if info is not None and info.get("server_name") == self.server_name:
+                return
             time.sleep(0.02)
         self.kill()
         raise InfrastructureError(f"nats-server did not answer on {self.url} within {self.ready_timeout}s: {self._tail()}")
 
     def _tail(self) -> str:
+        """The server's fatal/error lines (e.g. the port in use), else its last lines."""
         try:
-            return " | ".join(self._log_path.read_text(errors="replace").strip().splitlines()[-5:])
+            lines = self._log_path.read_text(errors="replace").strip().splitlines()
         except OSError:
             return "(no log)"
+        bad = [ln.split("] ", 2)[-1] for ln in lines if "[FTL]" in ln or "[ERR]" in ln]
+        return " | ".join(bad[-2:] or lines[-5:])
 
     def stop(self, timeout: float = 10.0) -> None:
         """Graceful stop (SIGTERM, then SIGKILL after `timeout`)."""
@@ -150,4 +174,24 @@ class EmbeddedNats:
         self.close()
 
     async def astart(self) -> EmbeddedNats:
+        """`start` off the event loop (not with `die_with_parent`: its thread may exit first)."""
         return await asyncio.to_thread(self.start)
+
+
+def _server_info(port: int) -> dict[str, object] | None:
+    """The INFO a server on 127.0.0.1:`port` greets with, or None (nothing there, not yet)."""
+    import json
+
+    with contextlib.suppress(OSError, ValueError), socket.create_connection(("127.0.0.1", port), timeout=0.2) as s:
+        s.settimeout(0.5)
+        buf = b""
+        while b"\r\n" not in buf and len(buf) < 65536:
+            chunk = s.recv(4096)
+            if not chunk:
+                break
+            buf += chunk
+        line = buf.split(b"\r\n", 1)[0]
+        if line.startswith(b"INFO "):
+            info = json.loads(line[5:])
+            return info if isinstance(info, dict) else None
+    return None

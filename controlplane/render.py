@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from controlplane.heartbeats import STALE_S
 from controlplane.placement import padded
 from controlplane.projections import ClusterState, ReplicaView
 from schemas.keys import display_name
@@ -38,8 +39,18 @@ def hot_count(state: ClusterState, model_key: str) -> int:
     return sum(1 for r in state.model_replicas(model_key) if r.level is Level.HOT)
 
 
-def render_status(state: ClusterState) -> str:
-    """Nodes and cards (GiB reserved / total), models, replicas (desired vs observed), anomalies."""
+def heartbeat_text(age: float | None, alive: bool) -> str:
+    """A node's heartbeat for people: its age, marked STALE past `STALE_S` (or none kept at all)."""
+    if age is None:
+        return "none (STALE)" if alive else "none"
+    return f"{age:.1f}s ago" + (" (STALE)" if age > STALE_S and alive else "")
+
+
+def render_status(state: ClusterState, heartbeats: dict[str, float | None] | None = None) -> str:
+    """Nodes and cards (GiB reserved / total), models, replicas (desired vs observed), anomalies.
+
+    With `heartbeats` (node id -> seconds since its last heartbeat; `ndif status`, not `replay`),
+    the nodes table has a heartbeat column."""
     out = [f"cluster at seq {state.seq}"]
     if state.nodes:
         rows = []
@@ -49,7 +60,10 @@ def render_status(state: ClusterState) -> str:
                              for c in state.node_cards(node_id))
             rows.append([node_id, "up" if node.alive else "LOST", cards or "-",
                          f"{_gib(state.cpu_committed(node_id))}/{_gib(node.cpu_cache_bytes)}"])
-        out += ["", "NODES (GiB reserved/total)"] + _table(rows, ["node", "state", "gpus", "cpu cache committed"])
+            if heartbeats is not None:
+                rows[-1].append(heartbeat_text(heartbeats.get(node_id), node.alive))
+        header = ["node", "state", "gpus", "cpu cache committed"] + (["heartbeat"] if heartbeats is not None else [])
+        out += ["", "NODES (GiB reserved/total)"] + _table(rows, header)
     if state.models:
         rows = []
         for mk in sorted(state.models):
@@ -92,8 +106,11 @@ def _charge(state: ClusterState, model_key: str) -> int | None:
     return padded(m.registration.size_bytes, m.headroom)
 
 
-def status_json(state: ClusterState) -> dict[str, object]:
-    """`ndif status --json` / `ndif replay --json`: the stable shape documented in docs/cli.md."""
+def status_json(state: ClusterState, heartbeats: dict[str, float | None] | None = None) -> dict[str, object]:
+    """`ndif status --json` / `ndif replay --json`: the stable shape documented in docs/cli.md.
+
+    With `heartbeats` (`ndif status` only) each node also has `heartbeat_age_s` (None: no heartbeat
+    kept) and `stale` (a node the log says is alive whose heartbeat is older than `STALE_S`)."""
     nodes = []
     for node_id in sorted(state.nodes):
         node = state.nodes[node_id]
@@ -106,6 +123,10 @@ def status_json(state: ClusterState) -> dict[str, object]:
                       "replicas": [{"model_key": m, "replica_id": r, "bytes": b} for m, r, b in c.replicas]}
                      for c in state.node_cards(node_id)],
         })
+        if heartbeats is not None:
+            age = heartbeats.get(node_id)
+            nodes[-1]["heartbeat_age_s"] = age
+            nodes[-1]["stale"] = node.alive and (age is None or age > STALE_S)
     models = []
     for mk in sorted(state.models):
         m = state.models[mk]

@@ -34,10 +34,11 @@ import structlog
 from controlplane.auth import Creds, resolve
 from controlplane.context import observed
 from controlplane.eventstore import JetStreamEventLog
+from controlplane.heartbeats import STALE_S, last_heartbeat
 from controlplane.projections import ClusterState
 from controlplane.projections.replica import ReplicaView
 from controlplane.tasks import cancel_and_wait
-from dataplane.model_actor import NAMESPACE, create_actor, get_actor, list_replica_actors
+from dataplane.model_actor import NAMESPACE, create_actor, get_actor, list_replica_actors, replica_resources
 from schemas.errors import InfrastructureError
 from schemas.events import (
     Event,
@@ -56,6 +57,17 @@ from schemas.status import Level, ReplicaState
 from schemas.subjects import HEARTBEATS_BUCKET, node_token
 
 log = structlog.get_logger("ndif.agent")
+SCHEDULE_TIMEOUT_S = 60.0  # a replica actor Ray has not started by then is a failed load
+
+
+class ReplicaNotScheduled(InfrastructureError):
+    """Ray left the replica's actor pending: the node has no CPU or memory left for its request."""
+
+
+class NodeIdHeld(InfrastructureError):
+    """Another agent with this node id is alive (its heartbeat is fresh)."""
+
+
 S = ReplicaState
 RKey = tuple[str, int]
 # States in which the replica's actor should exist on this node.
@@ -99,6 +111,7 @@ class NodeAgent:
         self.drain_timeout_s = drain_timeout_s
         self.health_interval_s = health_interval_s
         self.execution_timeout_s = execution_timeout_s
+        self.schedule_timeout_s = float(os.environ.get("NDIF_REPLICA_SCHEDULE_TIMEOUT_S", SCHEDULE_TIMEOUT_S))
         self.actor = f"agent:{self.node_id}"
         self.state = ClusterState()
         self.log_: JetStreamEventLog | None = None
@@ -127,6 +140,11 @@ class NodeAgent:
         async for batch in self.log_.read_batches():
             for seq, item in batch:
                 self.state.apply(seq, item)
+        try:
+            await self._refuse_if_held()  # before adopting: adoption would kill the live agent's actors
+        except NodeIdHeld:
+            await self.log_.close()
+            raise
         await self._adopt()
         await self.heartbeat_once()
         await self._append(observed(NodeJoined, actor=self.actor, node_id=self.node_id, gpus=self.gpus,
@@ -142,7 +160,14 @@ class NodeAgent:
 
     async def stop(self) -> None:
         """Stop acting; the detached actors stay (a restarted agent adopts them)."""
+        started = bool(self._tasks)
         await cancel_and_wait([*self._tasks, *self._busy.values(), *self._drain_timers.values()], owner=self.actor)
+        if started and self.log_ is not None:
+            # Goodbye: an empty heartbeat lets an agent started next under this node id take over
+            # at once (a live one is refused). Best effort: a dead NATS must not hold up the stop.
+            with contextlib.suppress(Exception):
+                kv = await asyncio.wait_for(self.log_.js.key_value(HEARTBEATS_BUCKET), 2)
+                await asyncio.wait_for(kv.put(node_token(self.node_id), b""), 2)
         self._tasks.clear()
         self._busy.clear()
         self._drain_timers.clear()
@@ -154,6 +179,34 @@ class NodeAgent:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.stop()
+
+    async def _refuse_if_held(self) -> None:
+        """Refuse a node id whose agent is alive: its heartbeat is fresh and still beats.
+
+        A heartbeat younger than `max(3 * heartbeat_s, STALE_S)` is watched until it is that old: a
+        new beat means a live agent (refused at once); none means its agent died (taken over).
+        """
+        assert self.log_ is not None
+        js = self.log_.js
+        try:
+            first = await last_heartbeat(js, self.node_id)
+        except Exception as exc:  # noqa: BLE001 - e.g. not allowed to read the bucket: say so, go on
+            self.log.warning("node_id_check_skipped", error=str(exc) or type(exc).__name__)
+            return
+        if first is None or first.stopped:
+            return
+        window = max(3 * self.heartbeat_s, STALE_S)
+        age0 = first.age_s()
+        deadline = time.monotonic() + max(0.0, window - age0)
+        while time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+            now = await last_heartbeat(js, self.node_id)
+            if now is not None and now.seq != first.seq:
+                raise NodeIdHeld(
+                    f"node id {self.node_id!r} is held by a live agent (it beat {now.age_s():.1f}s ago): "
+                    "stop that agent first, or give this one another --node-id")
+        if age0 < window:
+            self.log.warning("node_id_taken_over", heartbeat_age_s=round(age0, 1), waited_s=round(window - age0, 1))
 
     # ---- adoption ----------------------------------------------------------------------------
 
@@ -331,6 +384,7 @@ class NodeAgent:
                 # A leftover from before (same id) is reused, never duplicated.
                 handle = await _get(*key) or await self._create(r)
                 self.actors[key] = handle
+                await self._scheduled(handle)
                 await _aw(handle.load.remote(devices, r.bytes_per_gpu))
         except Exception as exc:  # noqa: BLE001 - whatever the load raised is the replica's error
             error = _error_text(exc)
@@ -341,6 +395,18 @@ class NodeAgent:
         took = time.perf_counter() - t0
         bound.info("replica_loaded", seconds=round(took, 3), devices=devices)
         await self._append(observed(ReplicaLoaded, load_seconds=round(took, 4), **kw))
+
+    async def _scheduled(self, handle: Any) -> None:
+        """Wait until Ray has started the actor; one it cannot place (no CPU or memory left for its
+        request on this node) stays pending, which is a failed load after `schedule_timeout_s`."""
+        try:
+            await asyncio.wait_for(_aw(handle.info.remote()), self.schedule_timeout_s)
+        except TimeoutError:
+            cpus, memory = replica_resources()
+            raise ReplicaNotScheduled(
+                f"Ray did not start the replica's actor within {self.schedule_timeout_s:g}s: node {self.node_id} "
+                f"has no room for its request of {cpus:g} CPU and {memory / 2**20:.0f} MiB "
+                "(NDIF_REPLICA_CPUS, NDIF_REPLICA_MEMORY_MB; NDIF_REPLICA_SCHEDULE_TIMEOUT_S)") from None
 
     async def _create(self, r: ReplicaView) -> Any:
         """A new actor for the replica, from its model's registration in the log (nothing loaded yet)."""

@@ -170,11 +170,18 @@ async def _up(a: argparse.Namespace) -> int:
                   flush=True)
     else:
         auth = ensure_local([node_id])
-    srv = EmbeddedNats(store, port=port, host=a.host, config_file=auth.config_path if auth else None)
+    # Nothing of ours outlives this process, even on SIGKILL: nats-server and Ray's core processes
+    # get the parent-death signal, and the watchdog kills what remains (Ray's helper agents).
+    from dataplane import watchdog
+
+    watchdog.start()
+    srv = EmbeddedNats(store, port=port, host=a.host, config_file=auth.config_path if auth else None,
+                       die_with_parent=True)
     try:
-        await srv.astart()
+        srv.start()  # from the main thread: the parent-death signal follows the thread that forked it
     except Exception as exc:  # noqa: BLE001 - port taken, binary missing: one clear line
-        raise errs.InfrastructureError(f"cannot start nats-server on port {port} ({exc}); "
+        raise errs.InfrastructureError(f"cannot start nats-server on port {port} "
+                                       f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__}); "
                                        "is another `ndif up` running? try --port") from None
     url = srv.url
     try:
@@ -184,6 +191,10 @@ async def _up(a: argparse.Namespace) -> int:
         finally:
             await log.close()
         gpus = kw.get("gpus") or detect_gpus()
+        if not gpus:
+            print("ndif up: warning: no GPU found, so no model can be placed on this node; on a CPU-only "
+                  "machine declare GPUs with --gpus N [--gpu-memory-gb G] (e.g. `ndif up --gpus 2`)",
+                  file=sys.stderr, flush=True)
         mode = f"users per role, credentials in {auth.config_path.parent}" if auth else "OPEN: no users"
         print(f"ndif up: NATS {url} (store {store}; {mode}); starting Ray with {len(gpus)} GPU(s)...", flush=True)
         ray.init(num_gpus=len(gpus), namespace=NAMESPACE, include_dashboard=False, log_to_driver=False)
@@ -257,7 +268,9 @@ async def _submit(a: argparse.Namespace) -> int:
                 print(f"error: {exc}", file=sys.stderr)
             return 1
         if not a.json:
-            print(result.get("text", result) if isinstance(result, dict) else result)
+            # A generated text as it is; anything else (forward's logprobs, ...) as JSON, never a Python repr.
+            text = result.get("text") if isinstance(result, dict) else None
+            print(text if isinstance(text, str) else msgspec.json.encode(result).decode())
     return 0
 
 

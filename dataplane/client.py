@@ -1,6 +1,6 @@
 """The async client SDK for researchers: submit a request, stream its statuses, get the result.
 
-    async with Client("nats://127.0.0.1:4222") as c:
+    async with Client() as c:  # NDIF_NATS_URL, else nats://127.0.0.1:4222
         job = await c.submit("openai-community/gpt2", {"op": "generate", "prompt": "Hello", "max_new_tokens": 8})
         async for s in job.statuses():
             print(s.status, s.queue_position)
@@ -11,6 +11,10 @@ id re-submitted within the dedup window is stored once). Statuses arrive live on
 `ndif.status.<id>`; a client that connects later (or reconnects) first reads the latest one kept in
 KV, and a job that has been quiet for a while re-reads it, so a live status lost on the way (core
 NATS is at-most-once) never leaves a user waiting for a terminal status that is already kept. `result()` raises `RequestFailed` for an ERROR.
+
+The SDK never writes to the user's stdout or stderr on its own: its logs go to the standard
+`logging` loggers `ndif.*` (silent unless the program configures logging), and when the program
+has not configured structlog, importing this module routes structlog there (`quiet_library_logs`).
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import logging
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -28,6 +34,7 @@ from typing import Any
 import msgspec
 import nats.errors
 import nats.js.errors
+import structlog
 
 from controlplane.auth import Creds, resolve
 from controlplane.eventstore import JetStreamEventLog
@@ -36,6 +43,29 @@ from schemas.keys import canonical_model_key
 from schemas.requests import MAX_REQUEST_BYTES, Request, StatusUpdate, check_request_id, encoder, status_decoder
 from schemas.status import RequestStatus
 from schemas.subjects import REQUEST_STATUS_BUCKET, RESULTS_BUCKET, request_subject, status_key, status_subject
+
+DEFAULT_URL = "nats://127.0.0.1:4222"
+
+
+def quiet_library_logs() -> None:
+    """Library logging: `ndif.*` records go to stdlib logging (a NullHandler, so silent by default).
+
+    structlog is configured only when the program has not configured it itself (its default
+    writes to stdout); `ndif` commands and services configure their own (stderr) logging.
+    """
+    logging.getLogger("ndif").addHandler(logging.NullHandler())
+    if not structlog.is_configured():
+        structlog.configure(
+            processors=[structlog.contextvars.merge_contextvars, structlog.processors.add_log_level,
+                        structlog.processors.TimeStamper(fmt="iso", utc=True), structlog.processors.format_exc_info,
+                        structlog.processors.KeyValueRenderer(key_order=["event"])],
+            logger_factory=structlog.stdlib.LoggerFactory(),
+            wrapper_class=structlog.stdlib.BoundLogger,
+            cache_logger_on_first_use=False,
+        )
+
+
+quiet_library_logs()
 
 # While a job is quiet its kept status is re-read from KV, first after 2 s, backing off to 30 s.
 KV_POLL_FIRST_S = 2.0
@@ -174,12 +204,13 @@ class Client:
     server). With a user, requests, statuses and kills are that user's own (`ndif.req.*.<user>`,
     `ndif.status.<user>.>`): the server refuses anyone else's."""
 
-    def __init__(self, url: str, *, name: str = "ndif-client", timeout: float = 10.0,
+    def __init__(self, url: str | None = None, *, name: str = "ndif-client", timeout: float = 10.0,
                  creds: Creds | None = None) -> None:
-        self.url = url
+        """`url`: the NATS server; default `NDIF_NATS_URL`, else nats://127.0.0.1:4222."""
+        self.url = url or os.environ.get("NDIF_NATS_URL") or DEFAULT_URL
         self.name = name
         self.timeout = timeout
-        self.creds = creds if creds is not None else resolve("client", url=url)
+        self.creds = creds if creds is not None else resolve("client", url=self.url)
         self.user = self.creds.name if self.creds is not None and self.creds.role == "client" else ""
         self.log: JetStreamEventLog = None  # type: ignore[assignment]
         self.kv: Any = None

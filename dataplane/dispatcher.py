@@ -42,6 +42,7 @@ from controlplane.projections import ClusterState
 from controlplane.projections.queue import queue_view
 from controlplane.tasks import cancel_and_wait
 from dataplane.processor import Pending, Processor
+from dataplane.provisioning import capacity_mark, never_fits
 from dataplane.pull import PullConsumer
 from dataplane.replica_link import ReplicaLink
 from schemas import errors as errs
@@ -74,6 +75,7 @@ _KV_STATUSES = {R.RECEIVED, R.QUEUED, R.RUNNING, R.PROVISIONING, R.DEPLOYING}
 ACK_WAIT_S = 30.0
 PROVISION_RETRY_S = 5.0  # a model the cluster has no room for is deployed again after 5 s, 10 s, ... 60 s
 PROVISION_RETRY_MAX_S = 60.0
+QUEUE_LIFETIME_S = 600.0  # a request still queued this long after a dispatcher took it ends in ERROR
 MAX_HELD = 10_000  # queued requests a processor holds; the rest wait in the stream (for other dispatchers)
 STATUS_KV_DELAY_S = 0.02  # a non-terminal status reaches KV this late at most (it is published at once)
 
@@ -88,7 +90,8 @@ def _env_int(name: str, default: int) -> int:
 class Dispatcher:
     def __init__(self, url: str, *, name: str | None = None, default_replicas: int | None = None,
                  min_ready: int | None = None, fetch_batch: int = 64, ack_wait_s: float | None = None,
-                 replica_lanes: int | None = None, creds: Creds | None = None) -> None:
+                 replica_lanes: int | None = None, creds: Creds | None = None,
+                 queue_lifetime_s: float | None = None) -> None:
         self.url = url
         self.creds = creds  # the dispatcher role's user (controlplane/auth.py); None: found locally
         self.name = name or f"dispatcher:{socket.gethostname()}"
@@ -109,6 +112,17 @@ class Dispatcher:
         self.batch_budget_s = float(os.environ.get("NDIF_BATCH_BUDGET_MS", 2.0)) / 1000
         # How long a request held by a dead dispatcher waits before redelivery (kept alive meanwhile).
         self.ack_wait_s = ack_wait_s or float(os.environ.get("NDIF_REQUEST_ACK_WAIT_S", ACK_WAIT_S))
+        # How long a request may wait in a processor's queue (never placed, no room, no replica ready).
+        try:
+            self.queue_lifetime_s = queue_lifetime_s or float(os.environ.get("NDIF_REQUEST_QUEUE_LIFETIME_S",
+                                                                             QUEUE_LIFETIME_S))
+        except ValueError:
+            raise errs.InvalidCommand("NDIF_REQUEST_QUEUE_LIFETIME_S takes seconds, e.g. 600") from None
+        if not self.queue_lifetime_s > 0:
+            raise errs.InvalidCommand(f"NDIF_REQUEST_QUEUE_LIFETIME_S must be > 0 (got {self.queue_lifetime_s})")
+        # model token -> (capacity mark, reason it can never be placed or None) of its last rejected deploy
+        self._rejected: dict[str, tuple[tuple[object, ...], str | None]] = {}
+        self._rechecks: set[str] = set()  # model tokens with a provisioning timer set
         self.state = ClusterState()
         self.processors: dict[str, Processor] = {}  # model token -> processor
         self._consumers: dict[str, asyncio.Task[None]] = {}  # model token -> its consume task
@@ -156,7 +170,8 @@ class Dispatcher:
             for subject in (info.state.subjects or {}):
                 self._processor(subject.rsplit(".", 1)[-1])
         self._tasks += [asyncio.create_task(self._follow(), name="dispatcher-follow"),
-                        asyncio.create_task(self._keepalive(), name="dispatcher-keepalive")]
+                        asyncio.create_task(self._keepalive(), name="dispatcher-keepalive"),
+                        asyncio.create_task(self._expire(), name="dispatcher-expire")]
         log.info("dispatcher_started", name=self.name, seq=self.state.seq, processors=len(self.processors))
         return self
 
@@ -263,33 +278,67 @@ class Dispatcher:
     # ---- provisioning ------------------------------------------------------------------------
 
     def maybe_provision(self, p: Processor) -> None:
-        """Requests wait and the model has no replica asked for: deploy it (once at a time)."""
+        """Requests wait and the model has no replica asked for: deploy it (once at a time).
+
+        After a rejection the deploy is sent again only once the cluster's capacity changed (and
+        not sooner than the backoff): an unchanged cluster would reject it again, and every deploy
+        appends events. A model no node can ever hold fails its requests at once, until a node
+        that changes that joins.
+        """
         if p.model_key is None or not p.queue or p.provisioning:
             return
         if p.view is not None and p.view.requested > 0:
             return
-        if time.monotonic() < p.provision_not_before:
-            return  # the cluster had no room: retried by the timer set then
+        rejected = self._rejected.get(p.token)
+        if rejected is not None:
+            mark, never = rejected
+            if mark == self._mark(p.model_key):
+                if never is not None:
+                    p.fail_all("PlacementImpossible", f"cannot place {p.model_key}: {never}")
+                else:
+                    self._recheck_later(p, PROVISION_RETRY_S)  # time alone can make room (evictions)
+                return  # still no room: nothing appended
+            wait = p.provision_not_before - time.monotonic()
+            if never is None and wait > 0:
+                self._recheck_later(p, wait)  # changed, but too soon after the last deploy
+                return
         p.provisioning = True
         self.spawn(self._provision(p))
 
     def _retry_provision_later(self, p: Processor) -> None:
+        """After a rejected deploy: the next one no sooner than the backoff (5 s, 10 s, ... 60 s)."""
         p.provision_backoff_s = min(max(p.provision_backoff_s * 2, PROVISION_RETRY_S), PROVISION_RETRY_MAX_S)
         p.provision_not_before = time.monotonic() + p.provision_backoff_s
+        self._recheck_later(p, p.provision_backoff_s)
 
-        def retry() -> None:
+    def _recheck_later(self, p: Processor, delay_s: float) -> None:
+        """Look at a waiting model again in `delay_s` (one timer per model at a time)."""
+        if p.token in self._rechecks:
+            return
+        self._rechecks.add(p.token)
+
+        def fire() -> None:
+            self._rechecks.discard(p.token)
             if not self._stopped:
                 self.maybe_provision(p)
 
-        asyncio.get_running_loop().call_later(p.provision_backoff_s, retry)
+        asyncio.get_running_loop().call_later(max(0.0, delay_s), fire)
 
     async def _provision(self, p: Processor) -> None:
         assert self.admin is not None and p.model_key is not None
         try:
             res = await self.admin.deploy(p.model_key, self.default_replicas)
             if res.rejections and not res.replicas:
-                # No room anywhere now: tell the waiting users why and try again later (not in a loop).
                 r = res.rejections[0]
+                await self._folded(res.last_seq)
+                never = never_fits(self.state, r.needed_bytes)
+                self._rejected[p.token] = (self._mark(p.model_key), never)
+                if never is not None:
+                    # No node could hold it even empty: waiting cannot help, so the requests end now.
+                    log.warning("provision_impossible", model_key=p.model_key, needed=r.needed_bytes, reason=never)
+                    p.fail_all("PlacementImpossible", f"cannot place {p.model_key}: {never}")
+                    return
+                # No room anywhere now: tell the waiting users why and try again later (not in a loop).
                 self._retry_provision_later(p)
                 msg = (f"no room for {p.model_key}: needs {r.needed_bytes} bytes, {r.free_bytes} free; "
                        f"trying again in {p.provision_backoff_s:.0f}s (or scale/evict to make room)")
@@ -299,6 +348,7 @@ class Dispatcher:
                     self.status(w, R.PROVISIONING, message=msg)
                 return
             p.provision_backoff_s = 0.0
+            self._rejected.pop(p.token, None)
             log.info("provisioned", model_key=p.model_key, replicas=self.default_replicas)
         except errs.InvalidCommand as exc:
             if "already has" not in str(exc):  # another dispatcher (or an operator) was first: fine
@@ -313,6 +363,35 @@ class Dispatcher:
             await asyncio.sleep(0)
             if p.model_key in self.state.models:
                 p.sync(queue_view(self.state, p.model_key))
+
+    def _mark(self, model_key: str) -> tuple[object, ...]:
+        """What a deploy's answer depends on: the cluster's capacity and the model's registered size."""
+        m = self.state.models.get(model_key)
+        size = m.registration.size_bytes if m is not None and m.registration is not None else None
+        return capacity_mark(self.state, time.time()), size
+
+    async def _folded(self, seq: int, timeout: float = 5.0) -> None:
+        """Wait (bounded) until the fold has reached `seq`: marks are taken after our own events."""
+        deadline = time.monotonic() + timeout
+        while self.state.seq < seq and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+
+    async def _expire(self) -> None:
+        """End requests that waited in a queue longer than their lifetime (clear error, acked)."""
+        while True:
+            await asyncio.sleep(min(2.0, self.queue_lifetime_s / 4))
+            now = time.monotonic()
+            for p in list(self.processors.values()):
+                old = [w for w in p.queue if now - w.received >= self.queue_lifetime_s]
+                for w in old:
+                    p.queue.remove(w)
+                    why = p.status if p.model_key is not None else "waiting"
+                    self.finish_soon(w, R.ERROR, error="QueueTimeout",
+                                     message=f"waited {now - w.received:.0f}s in the queue of {p.model_key} "
+                                             f"({str(why).lower()}), over the {self.queue_lifetime_s:g}s "
+                                             "limit (NDIF_REQUEST_QUEUE_LIFETIME_S); submit it again later")
+                if old:
+                    log.warning("requests_expired", model_key=p.model_key, count=len(old))
 
     # ---- requests in -------------------------------------------------------------------------
 

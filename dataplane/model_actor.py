@@ -8,6 +8,11 @@ exactly the GPU indices of its `ReplicaScheduled` event. Ray's own GPU accountin
 placement is authoritative, and a second allocator that could disagree with it (fractional shares,
 replicas still leaving a card) would only leave actors pending.
 
+CPU and memory are Ray's to account, though: each replica actor asks for `NDIF_REPLICA_CPUS`
+(default 0.1) CPUs and `NDIF_REPLICA_MEMORY_MB` (default 256) MiB, so a node runs no more replica
+processes than its CPUs and memory allow (2 CPUs: 20 replicas), and Ray leaves a replica it cannot
+run pending, which the agent reports as a failed load (`replica_resources`).
+
 Given the NATS URL (the agent passes its own), the actor also answers `run_batch` on its endpoint
 `ndif.run.<mtok>.<replica_id>` (dataplane/replica_link.py): the dispatcher's fast path to it.
 """
@@ -27,6 +32,8 @@ from schemas.subjects import replica_call_subject
 
 NAMESPACE = "ndif"
 PREFIX = "ModelActor:"
+REPLICA_CPUS = 0.1
+REPLICA_MEMORY_MB = 256
 OK, FAILED, NOT_RUN = 0, 1, 2  # the kinds of answer of `ModelActor.run_batch`
 
 
@@ -130,6 +137,19 @@ class ModelActor:
 RemoteModelActor = ray.remote(ModelActor)
 
 
+def replica_resources() -> tuple[float, int]:
+    """(num_cpus, memory bytes) a replica actor asks Ray for: `NDIF_REPLICA_CPUS`, `NDIF_REPLICA_MEMORY_MB`."""
+    try:
+        cpus = float(os.environ.get("NDIF_REPLICA_CPUS", REPLICA_CPUS))
+        mem_mb = float(os.environ.get("NDIF_REPLICA_MEMORY_MB", REPLICA_MEMORY_MB))
+    except ValueError:
+        raise ValueError("NDIF_REPLICA_CPUS and NDIF_REPLICA_MEMORY_MB take numbers (e.g. 0.1, 256)") from None
+    if not (0 < cpus <= 1024 and 0 < mem_mb <= 2**30):
+        raise ValueError(f"NDIF_REPLICA_CPUS must be in (0, 1024] and NDIF_REPLICA_MEMORY_MB > 0 "
+                         f"(got {cpus}, {mem_mb})")
+    return cpus, int(mem_mb * 2**20)
+
+
 def create_actor(model_key: str, replica_id: int, checkpoint: str, *, ray_node_id: str, node_id: str,
                  revision: str | None = None, dtype: str = "float32", execution_timeout_s: float = 60.0,
                  max_concurrency: int = 4, nats_url: str | None = None, nats_creds: Any = None) -> Any:
@@ -138,9 +158,10 @@ def create_actor(model_key: str, replica_id: int, checkpoint: str, *, ray_node_i
     for var in ("HF_HOME", "HF_HUB_CACHE", "HF_HUB_OFFLINE", "NDIF_LOG_LEVEL"):
         if var in os.environ:
             env[var] = os.environ[var]
+    cpus, memory = replica_resources()
     return RemoteModelActor.options(  # type: ignore[attr-defined]
         name=actor_name(model_key, replica_id), namespace=NAMESPACE, lifetime="detached",
-        num_cpus=0, num_gpus=0, max_concurrency=max_concurrency, max_restarts=0,
+        num_cpus=cpus, memory=memory, num_gpus=0, max_concurrency=max_concurrency, max_restarts=0,
         scheduling_strategy=NodeAffinitySchedulingStrategy(ray_node_id, soft=False),
         runtime_env={"env_vars": env},
     ).remote(model_key, replica_id, checkpoint, revision=revision, dtype=dtype, node_id=node_id,

@@ -238,10 +238,13 @@ async def _final_kept(job: Any) -> Any:
 async def test_a_model_that_cannot_be_placed_does_not_stall_another(service: dict[str, Any],
                                                                     models: dict[str, Path]) -> None:
     url, admin = service["url"], service["admin"]
-    huge = await admin.deploy(str(models["llama"]), 1, size_bytes=10_000 * GB)  # fits nowhere: rejected
-    assert huge.rejections
-    res = await admin.deploy(str(models["gpt2"]), 1)
+    # gpt2 claims 60 GB per replica (69 GB with headroom), one replica per 80 GB card: a 60 GB llama
+    # fits the node but has no room now, so its requests wait (one that can never fit ends at once:
+    # tests/dataplane/test_truth.py).
+    res = await admin.deploy(str(models["gpt2"]), 2, size_bytes=60 * GB)
     await admin.wait(res, timeout=120)
+    huge = await admin.deploy(str(models["llama"]), 1, size_bytes=60 * GB)  # no room now: rejected
+    assert huge.rejections
     deploys: list[bytes] = []
 
     async def on_deploy(msg: Any) -> None:
@@ -292,7 +295,9 @@ async def test_scale_adds_a_worker_as_soon_as_the_replica_is_loaded(service: dic
 
 async def test_kill_and_queue_through_the_cli(service: dict[str, Any], models: dict[str, Path]) -> None:
     url, admin = service["url"], service["admin"]
-    await admin.deploy(str(models["llama"]), 1, size_bytes=10_000 * GB)  # never placed: requests wait
+    full = await admin.deploy(str(models["gpt2"]), 2, size_bytes=60 * GB)  # both cards nearly full
+    await admin.wait(full, timeout=120)
+    await admin.deploy(str(models["llama"]), 1, size_bytes=60 * GB)  # no room now: requests wait
     async with Client(url) as c:
         job = await c.submit(str(models["llama"]), {"op": "forward", "input_ids": [[1]]})
         async with asyncio.timeout(30):

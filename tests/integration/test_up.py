@@ -1,0 +1,143 @@
+"""`ndif up` as an operator runs it: real subprocesses, real nats-server, real local Ray.
+
+A second `ndif up` on a port in use fails in one line (exit 5) and appends nothing; `kill -9` of
+`ndif up` leaves no process of it behind; a machine without GPUs is warned about; `ndif status`
+shows the heartbeat's age and marks a dead node stale.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from controlplane.eventstore import JetStreamEventLog
+from dataplane.watchdog import _start_time, descendants
+from tests.integration.cluster import ndif
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Up:
+    """One `ndif up` subprocess; stdout/stderr go to files (a full pipe would block it)."""
+
+    def __init__(self, tmp: Path, name: str, port: int, *args: str, store: str | None = None) -> None:
+        self.out, self.err = tmp / f"{name}.out", tmp / f"{name}.err"
+        env = {**os.environ, "NDIF_HOME": str(tmp / f"{name}-home")}
+        with self.out.open("wb") as out, self.err.open("wb") as err:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "dataplane.cli", "up", "--port", str(port), "--store",
+                 str(tmp / f"{store or name}-store"), "--heartbeat", "0.5", *args],
+                stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=env)
+
+    def wait_running(self, timeout: float = 180.0) -> None:
+        deadline = time.monotonic() + timeout
+        while "running" not in self.out.read_text():
+            assert self.proc.poll() is None, (self.out.read_text(), self.err.read_text()[-3000:])
+            assert time.monotonic() < deadline, "ndif up did not come up"
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@pytest.fixture
+def ups(tmp_path: Path) -> Iterator[list[Up]]:
+    started: list[Up] = []
+    yield started
+    for u in started:
+        u.stop()
+
+
+async def _last_seq(url: str) -> int:
+    log = await JetStreamEventLog.open(url, ensure=False)
+    try:
+        return int((await log.js.stream_info("NDIF_EVENTS")).state.last_seq)
+    finally:
+        await log.close()
+
+
+async def test_a_second_up_on_a_port_in_use_fails_in_one_line_and_appends_nothing(
+        tmp_path: Path, ups: list[Up]) -> None:
+    port = _free_port()
+    url = f"nats://127.0.0.1:{port}"
+    first = Up(tmp_path, "first", port)  # no --gpus on a CPU machine: warned, not silent
+    ups.append(first)
+    await asyncio.to_thread(first.wait_running)
+    assert "no GPU found" in first.err.read_text() and "--gpus N" in first.err.read_text()
+    before = await _last_seq(url)
+    await asyncio.sleep(1.0)
+    assert await _last_seq(url) == before  # quiet now: nothing appends on its own
+
+    second = Up(tmp_path, "second", port, "--gpus", "1")
+    ups.append(second)  # stopped at the end should it wrongly come up
+    rc = await asyncio.to_thread(second.proc.wait, 120)
+    err = second.err.read_text().strip().splitlines()
+    assert rc == 5, (rc, err)
+    assert len(err) == 1 and err[0].startswith("error: cannot start nats-server on port"), err
+    assert "address already in use" in err[0] and "try --port" in err[0]
+    assert "running" not in second.out.read_text()
+    await asyncio.sleep(2.0)  # a second agent/dispatcher would have appended NodeJoined by now
+    assert await _last_seq(url) == before
+
+    status = (await ndif(url, "status", "--json")).json()
+    assert [n["node_id"] for n in status["nodes"]] == [socket.gethostname()]
+    assert status["nodes"][0]["stale"] is False and status["nodes"][0]["heartbeat_age_s"] < 3
+
+
+async def test_kill_9_of_up_leaves_no_process_behind_and_status_marks_the_node_stale(
+        tmp_path: Path, ups: list[Up]) -> None:
+    port = _free_port()
+    url = f"nats://127.0.0.1:{port}"
+    up = Up(tmp_path, "up", port, "--gpus", "1")
+    ups.append(up)
+    await asyncio.to_thread(up.wait_running)
+    await asyncio.sleep(2.0)  # Ray's helper agents are up by now, and the watchdog has seen them
+    kids = descendants(up.proc.pid)
+    names = {p: Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ")[:80] for p in kids}
+    assert any(b"nats-server" in n for n in names.values()) and any(b"raylet" in n for n in names.values())
+
+    # The node's heartbeat is fresh while it runs.
+    status = (await ndif(url, "status", "--json")).json()
+    assert status["nodes"][0]["stale"] is False
+
+    up.proc.kill()
+    up.proc.wait()
+    deadline = time.monotonic() + 30
+    while (alive := {p: names[p] for p, st in kids.items() if _start_time(p) == st}) and time.monotonic() < deadline:
+        await asyncio.sleep(0.5)
+    assert not alive, alive  # nats-server, Ray's processes and its agents went with `ndif up`
+
+    # The same store under a new server: the log still says the node is up, its heartbeat says otherwise.
+    again = Up(tmp_path, "again", port, "--gpus", "1", "--node-id", "other", store="up")
+    ups.append(again)
+    await asyncio.to_thread(again.wait_running)
+    ran = await ndif(url, "status", "--json")
+    nodes = {n["node_id"]: n for n in ran.json()["nodes"]}
+    assert nodes["other"]["stale"] is False
+    hb: Any = nodes[socket.gethostname()]
+    assert hb["alive"] is True and hb["stale"] is True and (hb["heartbeat_age_s"] is None or hb["heartbeat_age_s"] > 6)
+    ran = await ndif(url, "status")
+    line = next(ln for ln in ran.out.splitlines() if ln.startswith(socket.gethostname()))
+    assert "STALE" in line, ran.out
