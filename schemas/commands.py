@@ -6,6 +6,7 @@ A command is a request, not a fact: the controller decides and appends events, t
 
 from __future__ import annotations
 
+import re
 from typing import Final, Union
 
 import msgspec
@@ -62,8 +63,18 @@ AnyCommand = Union[Deploy, Scale, ScaleDown, Evict, Restart]
 VERBS: Final[tuple[str, ...]] = tuple(c.__struct_config__.tag for c in AnyCommand.__args__)  # type: ignore[attr-defined,misc]
 
 
+# A command id becomes the id of its events (`<command_id>.<n>`, the `Nats-Msg-Id` header): one
+# printable token, bounded. An actor is recorded in every event of the decision.
+_COMMAND_ID = re.compile(r"[A-Za-z0-9_.:@+=/-]{1,128}")
+_ACTOR = re.compile(r"[\x21-\x7e][\x20-\x7e]{0,199}")
+
+
 def validate(cmd: AnyCommand) -> AnyCommand:
     """Reject what no cluster state could make valid; raises InvalidCommand."""
+    if not _COMMAND_ID.fullmatch(cmd.command_id):
+        raise InvalidCommand(f"command id {cmd.command_id[:60]!r}: 1-128 characters of [A-Za-z0-9_.:@+=/-]")
+    if not _ACTOR.fullmatch(cmd.actor):
+        raise InvalidCommand(f"actor {cmd.actor[:60]!r}: 1-200 printable ASCII characters")
     replicas = getattr(cmd, "replicas", None)
     if replicas is not None and replicas < 0:
         raise InvalidCommand(f"--replicas must be 0 or more, got {replicas}")
@@ -119,9 +130,18 @@ class CommandResult(msgspec.Struct, frozen=True, kw_only=True):
 _command_decoder = msgspec.json.Decoder(AnyCommand)
 
 
-def decode_command(data: bytes) -> AnyCommand:
-    """Decode and validate a command body; malformed input is InvalidCommand, never a crash."""
+def decode_command(data: bytes, *, verb: str | None = None) -> AnyCommand:
+    """Decode and validate a command body; malformed input is InvalidCommand, never a crash.
+
+    `verb` is the last token of the subject it came on (`ndif.cmd.<verb>`): the body's verb must be
+    the same (an evict sent on `ndif.cmd.scale` is refused, not run as an evict), so a server
+    permission on a verb's subject means what it says.
+    """
     try:
-        return validate(_command_decoder.decode(data))
+        cmd = _command_decoder.decode(data)
     except msgspec.DecodeError as exc:
         raise InvalidCommand(f"malformed command: {exc}") from None
+    if verb is not None and cmd.__struct_config__.tag != verb:
+        raise InvalidCommand(f"command {cmd.command_id!r} is a {cmd.__struct_config__.tag!r} sent on the subject of "
+                             f"{verb[:40]!r}: send it on ndif.cmd.{cmd.__struct_config__.tag}")
+    return validate(cmd)
