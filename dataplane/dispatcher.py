@@ -322,6 +322,7 @@ class Dispatcher:
         js = self.log_.js
         subject = f"ndif.req.{token}"
         seq = 0
+        misses = 0
         try:
             while not self._stopped:
                 if token in self.processors or token in self._known_tokens():
@@ -330,7 +331,14 @@ class Dispatcher:
                 try:
                     raw = await js.get_msg(REQUESTS_STREAM, seq=seq + 1, subject=subject, next=True)
                 except nats.js.errors.NotFoundError:
-                    return  # nothing (more) on the subject
+                    # Nothing (more) on the subject. The publish that woke us may reach us before the
+                    # stream has stored it: look twice more; the sweep finds any later straggler.
+                    misses += 1
+                    if misses > 2:
+                        return
+                    await asyncio.sleep(0.2 * misses)
+                    continue
+                misses = 0
                 seq = int(raw.seq or seq + 1)
                 data = raw.data or b""
                 try:
@@ -421,9 +429,15 @@ class Dispatcher:
         return gone
 
     async def _sweep_loop(self) -> None:
+        assert self.log_ is not None
         while True:
             try:
                 await self.sweep_consumers()
+                # Level-triggered: any subject still holding requests gets its processor or a triage.
+                with contextlib.suppress(nats.js.errors.NotFoundError):
+                    info = await self.log_.js.stream_info(REQUESTS_STREAM, subjects_filter=REQUESTS_ALL)
+                    for subject in (info.state.subjects or {}):
+                        self._route(subject.rsplit(".", 1)[-1])
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - NATS away: next time

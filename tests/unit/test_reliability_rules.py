@@ -43,11 +43,11 @@ def _hf_ok(repo_id: str) -> bool:
 @pytest.mark.parametrize("bad", BAD_REPO_IDS)
 def test_repo_ids_hf_refuses_are_invalid_commands(bad):
     assert not _hf_ok(bad) or bad == ""
-    with pytest.raises(InvalidCommand, match="repo id|model key"):
+    with pytest.raises(InvalidCommand, match=r"repo id|model key"):
         canonical_model_key(bad if bad else "x--")
     with pytest.raises(InvalidCommand):
-        canonical_model_key('nnsight.modeling.language.LanguageModel:{"repo_id": %s}' % msgspec.json.encode(
-            bad or "a..b").decode())
+        repo = msgspec.json.encode(bad or "a..b").decode()
+        canonical_model_key('nnsight.modeling.language.LanguageModel:{"repo_id": ' + repo + "}")
 
 
 @pytest.mark.parametrize("good", GOOD_REPO_IDS)
