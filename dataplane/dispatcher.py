@@ -70,7 +70,7 @@ R = RequestStatus
 _KV_STATUSES = {R.RECEIVED, R.QUEUED, R.RUNNING, R.PROVISIONING, R.DEPLOYING}
 # A request held by a dispatcher that dies is redelivered this long after its last in-progress ack
 # (sent every third of it while held): a dead dispatcher's requests move on within seconds.
-ACK_WAIT_S = 6.0
+ACK_WAIT_S = 4.0
 UNKNOWN_CONSUMER_SWEEP_S = 10.0  # consumers of models the log does not know are deleted this often
 KNOWN_GRACE_S = 10.0  # a processor made as its model was deployed waits this long for the fold to show it
 REFUSED_MODEL_MEMO_S = 10.0  # a model the controller refused to deploy is not asked again for this long
