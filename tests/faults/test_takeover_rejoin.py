@@ -66,9 +66,10 @@ async def base(nats_server: EmbeddedNats, local_ray: str) -> AsyncIterator[dict[
 
 def _process(*args: str, url: str, gcs: str) -> subprocess.Popen[bytes]:
     env = {k: v for k, v in os.environ.items() if k != "NDIF_REQUEST_ACK_WAIT_S"}  # the default ack wait
-    env["NDIF_LOG_LEVEL"] = "WARNING"
+    env["NDIF_LOG_LEVEL"] = os.environ.get("NDIF_TEST_PROC_LOG_LEVEL", "WARNING")
+    err = open(os.environ["NDIF_TEST_PROC_LOG"], "ab") if os.environ.get("NDIF_TEST_PROC_LOG") else subprocess.DEVNULL
     return subprocess.Popen([sys.executable, "-m", "dataplane.cli", *args, "--nats", url, "--ray-address", gcs],
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            env=env, stdout=err, stderr=err)
 
 
 def _end(proc: subprocess.Popen[bytes]) -> None:
@@ -184,6 +185,10 @@ async def test_an_agent_paused_past_the_grace_rejoins_and_serves_again(base: dic
         joined = [e async for _, e in admin.events() if type(e).__name__ == "NodeJoined" and e.node_id == "node-p"]
         assert len(joined) == 2  # start, and the evented rejoin
         assert st.anomaly_count == 0, st.anomalies
+        if os.environ.get("NDIF_TEST_TIMELINE"):
+            async for seq, e in admin.events():
+                print(seq, type(e).__name__, getattr(e, "replica_id", ""), getattr(e, "node_id", ""),
+                      e.ts.strftime("%H:%M:%S.%f")[:-3])
         RECORD.update(lost_after_pause_s=round(lost_after, 2), rejoined_after_resume_s=round(rejoined_s, 2),
                       available_after_resume_s=round(available_s, 2), serving_after_resume_s=round(serving_s, 2))
         print(f"\nRECORD agent pause: {RECORD}")
