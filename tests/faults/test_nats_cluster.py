@@ -40,7 +40,7 @@ from schemas.subjects import EVENTS_STREAM, REQUEST_STATUS_BUCKET, REQUESTS_STRE
 from tests.agent_sim import GB, ScriptedAgent
 from tests.conftest import bounded
 
-pytestmark = pytest.mark.timeout(420)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.long]
 COMMANDS = 2000
 REQUESTS = 500
 

@@ -39,6 +39,7 @@ from schemas.requests import MAX_REQUEST_BYTES, status_decoder
 from schemas.status import RequestStatus
 from schemas.subjects import REQUEST_STATUS_BUCKET, REQUESTS_STREAM, model_token, request_subject
 from tests.conftest import bounded, fresh_event_log
+from tests.integration.cluster import ndif
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -216,3 +217,9 @@ async def test_message_sizes_are_bounded(env: Env) -> None:
     async with Client(env.url) as c:
         with pytest.raises(errs.InvalidCommand, match="byte limit"):
             await c.submit(mk, {"op": "generate", "prompt": "z" * MAX_REQUEST_BYTES})
+
+
+async def test_the_cli_exits_2_for_a_bad_repo_id(env: Env) -> None:
+    ran = await ndif(env.url, "deploy", "org/a--b", "--command-id", "cli-bad-repo")
+    assert ran.rc == 2, (ran.rc, ran.err)
+    assert "not a valid Hugging Face repo id" in ran.err and "Traceback" not in ran.err
