@@ -171,7 +171,7 @@ class Dispatcher:
             with contextlib.suppress(Exception):
                 await s.unsubscribe()
         self._stopped = True
-        tasks = [*self._tasks, *self._bg]
+        tasks = [*self._tasks, *self._bg, *self._consumers.values()]
         for p in self.processors.values():
             tasks += [t for lanes in p.workers.values() for t in lanes]
         await cancel_and_wait(tasks, owner=self.name)
