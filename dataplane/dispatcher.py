@@ -73,7 +73,8 @@ _KV_STATUSES = {R.RECEIVED, R.QUEUED, R.RUNNING, R.PROVISIONING, R.DEPLOYING}
 ACK_WAIT_S = 4.0
 UNKNOWN_CONSUMER_SWEEP_S = 10.0  # consumers of models the log does not know are deleted this often
 KNOWN_GRACE_S = 10.0  # a processor made as its model was deployed waits this long for the fold to show it
-REFUSED_MODEL_MEMO_S = 10.0  # a model the controller refused to deploy is not asked again for this long
+REFUSED_MODEL_MEMO_S = 10.0
+TRIAGE_DEPLOYS = 4  # deployments the triage of unknown model subjects asks for at once  # a model the controller refused to deploy is not asked again for this long
 PROVISION_RETRY_S = 5.0  # a model the cluster has no room for is deployed again after 5 s, 10 s, ... 60 s
 PROVISION_RETRY_MAX_S = 60.0
 MAX_HELD = 10_000  # queued requests a processor holds; the rest wait in the stream (for other dispatchers)
@@ -135,6 +136,9 @@ class Dispatcher:
         self._triaging: set[str] = set()  # unknown model tokens whose requests are being looked at
         self._refused: dict[str, tuple[float, str, str]] = {}  # model key -> (until, error, message)
         self._unknown_seen: set[str] = set()  # consumer names found unknown at the last sweep
+        # Deployments asked for by triage at once: a flood of unknown model names waits here instead
+        # of queueing that many registry look-ups at the controller.
+        self._triage_deploys = asyncio.Semaphore(TRIAGE_DEPLOYS)
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
@@ -355,7 +359,8 @@ class Dispatcher:
                     await self._refuse_stored(seq, data, raw.headers, refused[1], refused[2])
                     continue
                 try:
-                    await self.admin.deploy(mk, self.default_replicas)
+                    async with self._triage_deploys:
+                        await self.admin.deploy(mk, self.default_replicas)
                     log.info("provisioned", model_key=mk, replicas=self.default_replicas, by="first request")
                 except (errs.InvalidCommand, errs.NotFound) as exc:
                     if "already has" not in str(exc):
