@@ -358,6 +358,9 @@ class Dispatcher:
                 if refused is not None and refused[0] > time.monotonic():
                     await self._refuse_stored(seq, data, raw.headers, refused[1], refused[2])
                     continue
+                # Tell the user while the model is resolved and placed (its processor takes over after).
+                self.status(Pending(msgspec.structs.replace(req, model_key=mk), None), R.PROVISIONING,
+                            message=f"model {display_name(mk)} is being deployed")
                 try:
                     async with self._triage_deploys:
                         await self.admin.deploy(mk, self.default_replicas)
