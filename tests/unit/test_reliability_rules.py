@@ -167,7 +167,7 @@ def test_unplaced_placement_laws(steps, replicas, seed):
                                    gpus=tuple(E.GpuInfo(index=g, memory_bytes=40 * GB) for g in range(2)))]
         else:
             events = decide_unplaced(b.state, c)
-            assert events == decide_unplaced(b.state, c)
+            assert events == decide_unplaced(b.state, ctx(f"s{i}", seed=seed))  # deterministic (a fresh context)
             assert not any(isinstance(e, E.ReplicaEvictionRequested) and e.reason is EvictionReason.PRESSURE
                            for e in events)
         _apply(b, events)
