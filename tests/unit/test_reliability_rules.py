@@ -14,7 +14,7 @@ from datetime import timedelta
 import msgspec
 import pytest
 from huggingface_hub.utils import HFValidationError, validate_repo_id
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from controlplane.decide import decide_node_lost, decide_unplaced
@@ -149,6 +149,8 @@ def test_room_elsewhere_is_used_and_running_replicas_are_never_pushed_out():
 
 
 @settings(max_examples=60, deadline=None)
+@example(steps=["lose-0", "lose-1", "join-0", "place"], replicas=1, seed=0)
+@example(steps=["lose-0", "join-2", "place", "join-0", "place"], replicas=4, seed=1)
 @given(st.lists(st.sampled_from(["lose-0", "lose-1", "join-0", "join-1", "join-2", "place"]), max_size=14),
        st.integers(1, 4), st.integers(0, 3))
 def test_unplaced_placement_laws(steps, replicas, seed):
