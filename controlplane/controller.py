@@ -32,6 +32,7 @@ from controlplane.decide import (
     decide,
     decide_failure,
     decide_node_lost,
+    decide_unplaced,
     summarize,
 )
 from controlplane.eventstore import JetStreamEventLog
@@ -40,7 +41,15 @@ from controlplane.projections import ClusterState
 from controlplane.tasks import cancel_and_wait
 from schemas.commands import AnyCommand, CommandResult, Limits, decode_command
 from schemas.errors import InfrastructureError, NdifError
-from schemas.events import Event, ReplicaFailed
+from schemas.events import (
+    Event,
+    NodeJoined,
+    ReplicaCached,
+    ReplicaFailed,
+    ReplicaLoadFailed,
+    ReplicaScheduled,
+    ReplicaUnloaded,
+)
 from schemas.keys import canonical_model_key
 from schemas.status import Level, ReplicaState
 from schemas.subjects import COMMANDS_PREFIX, HEARTBEATS_BUCKET, model_token, node_token
@@ -87,6 +96,9 @@ class Controller:
         self.handled = 0  # commands answered by this controller (tests, `ndif controller` logs)
         self._inflight = asyncio.Semaphore(max_inflight)
         self._seen: dict[str, datetime] = {}  # node token -> last heartbeat change seen
+        self._placing: asyncio.Task[None] | None = None  # the one unplaced-replica placement at a time
+        self._place_again = False
+        self.unplaced_placed = 0  # replicas placed by the level-triggered rule (tests, logs)
 
     def _background(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.create_task(coro)
@@ -143,7 +155,7 @@ class Controller:
 
     async def _answer_one(self, msg: Msg) -> None:
         try:
-            result = await self.handle(msg.data)
+            result = await self.handle(msg.data, verb=msg.subject.rsplit(".", 1)[-1])
         except Exception as exc:
             log.exception("command_crashed")
             result = CommandResult(command_id="", ok=False, error=type(exc).__name__,
@@ -152,11 +164,13 @@ class Controller:
             with contextlib.suppress(nats.errors.ConnectionClosedError):
                 await msg.respond(_result_encoder.encode(result))
 
-    async def handle(self, body: bytes) -> CommandResult:
-        """Decide one command body and append it; every failure becomes a typed error reply."""
-        cid = ""
+    async def handle(self, body: bytes, *, verb: str | None = None) -> CommandResult:
+        """Decide one command body and append it; every failure becomes a typed error reply.
+
+        `verb`: the subject's verb (`ndif.cmd.<verb>`), which must match the body's."""
+        cid = _command_id_of(body)
         try:
-            cmd = decode_command(body, self.limits)
+            cmd = decode_command(body, self.limits, verb=verb)
             cid = cmd.command_id
             cmd = self._canonical(cmd)
             with structlog.contextvars.bound_contextvars(command_id=cid, model_key=getattr(cmd, "model_key", None)):
@@ -219,10 +233,15 @@ class Controller:
         while True:
             try:
                 async for batch in self.log.follow_batches(self.state.seq + 1):
+                    room = False
                     for seq, item in batch:
                         self.committer.observe(seq, item)
                         if isinstance(item, ReplicaFailed):
                             self._background(self._on_failure(item.model_key, item.replica_id))
+                        elif isinstance(item, _ROOM_EVENTS):
+                            room = True
+                    if room:
+                        self.place_unplaced_soon()  # room may exist now for replicas wanted but unplaced
             except asyncio.CancelledError:
                 raise
             except InfrastructureError as exc:
@@ -243,6 +262,35 @@ class Controller:
             if res.events:
                 log.info("replica_failure_handled", model_key=model_key, replica_id=replica_id,
                          action=type(res.events[0]).__name__)
+
+    def place_unplaced_soon(self) -> None:
+        """Run `decide_unplaced` (one at a time; a call while one runs makes it run once more)."""
+        if self._placing is not None and not self._placing.done():
+            self._place_again = True
+            return
+        self._placing = asyncio.create_task(self._place_unplaced(), name="controller-place-unplaced")
+        self._bg.add(self._placing)
+        self._placing.add_done_callback(self._bg.discard)
+
+    async def _place_unplaced(self) -> None:
+        assert self.committer is not None
+        while True:
+            self._place_again = False
+            if any(r.state is ReplicaState.LOST and r.desired is Level.HOT for r in self.state.replicas.values()):
+                cid = f"policy-unplaced-{self.state.seq}"
+
+                def run(state: ClusterState, cid: str = cid) -> list[Event]:
+                    ctx = DecisionContext(now=utcnow(), actor=self.name, command_id=cid, seed=seed_of(cid))
+                    return decide_unplaced(state, ctx, headroom=self.headroom, min_deploy_s=self.min_deploy_s)
+
+                with contextlib.suppress(NdifError):
+                    res = await self.committer.submit(run)
+                    n = sum(1 for e in res.events if isinstance(e, ReplicaScheduled))
+                    if n:
+                        self.unplaced_placed += n
+                        log.info("unplaced_replicas_placed", replicas=n, first_seq=res.first_seq)
+            if not self._place_again:
+                return
 
     async def _watch_heartbeats(self) -> None:
         """Keep `_seen[node token]` = when its KV heartbeat last changed (a watch, not a poll: the
@@ -273,9 +321,14 @@ class Controller:
         started = utcnow()
         while True:
             await asyncio.sleep(self.policy_interval_s)
+            unplaced = False
             for r in list(self.state.replicas.values()):
                 if r.state is ReplicaState.FAILED and r.desired is Level.HOT:
                     await self._on_failure(r.model_key, r.replica_id)
+                elif r.state is ReplicaState.LOST and r.desired is Level.HOT:
+                    unplaced = True
+            if unplaced:
+                self.place_unplaced_soon()  # level-triggered: not only on the event that freed room
             now = utcnow()
             for node_id, node in list(self.state.nodes.items()):
                 if not node.alive:
@@ -299,6 +352,19 @@ class Controller:
             res = await self.committer.submit(run)
             if res.events:
                 log.warning("node_lost", node_id=node_id, events=len(res.events))
+
+
+# Events after which a wanted-but-unplaced replica may fit: a node (re)joined, or memory was freed.
+_ROOM_EVENTS = (NodeJoined, ReplicaUnloaded, ReplicaCached, ReplicaLoadFailed)
+
+
+def _command_id_of(body: bytes) -> str:
+    """The command id of a body that may not decode, so a refusal still names its command."""
+    try:
+        cid = msgspec.json.decode(body).get("command_id", "")
+    except Exception:  # noqa: BLE001 - malformed or not an object: no id to name
+        return ""
+    return cid[:200] if isinstance(cid, str) else ""
 
 
 async def run_controller(url: str, **kw: object) -> None:

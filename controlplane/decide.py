@@ -341,18 +341,62 @@ def decide_node_lost(state: ClusterState, node_id: str, ctx: DecisionContext, re
     events: list[Event] = [ctx.event(NodeLost, node_id=node_id, reason=reason)]
     after = state.copy()
     after.apply(state.seq + 1, events[0])  # place against the cluster without that node
-    return events + _replace_replicas(after, lost, ctx, EvictionReason.NODE_LOST, min_deploy_s, headroom)
+    return events + _replace_replicas(after, lost, ctx, EvictionReason.NODE_LOST, min_deploy_s, headroom,
+                                      keep_unplaced=True)
+
+
+def decide_unplaced(state: ClusterState, ctx: DecisionContext, *, headroom: float = PADDING,
+                    min_deploy_s: float = MIN_DEPLOY_S) -> list[Event]:
+    """Level-triggered placement of wanted replicas that hold no place: desired HOT, state `Lost`.
+
+    Each model's such replicas are placed where there is free room now (no pressure evictions: a
+    lost replica never pushes a running one out); every one placed ends its lost predecessor
+    (evicted to COLD, reason NODE_LOST) and takes a fresh id. Nothing placed: no events (nothing
+    is appended, so calling this on every change of room costs nothing in the log). Pure and
+    deterministic: the same state and context give the same events; after they are applied, the
+    same call on the new state places nothing more unless room appeared again. Each model is
+    charged its recorded headroom (else `headroom`, the controller's) on its recorded card count;
+    `min_deploy_s` (the controller's) is recorded, though no replica is evicted here.
+    """
+    wanted: dict[str, list[ReplicaView]] = {}
+    for r in state.replicas.values():
+        if r.desired is Level.HOT and r.state is S.LOST:
+            wanted.setdefault(r.model_key, []).append(r)
+    if not wanted:
+        return []
+    reqs = []
+    for mk in sorted(wanted):
+        m = state.models.get(mk)
+        if m is None or m.registration is None:
+            continue
+        reqs.append(Request(model_key=mk, size_bytes=m.registration.size_bytes, replicas=len(wanted[mk]),
+                            dedicated=False, headroom=model_headroom(state, mk, headroom), gpus=m.gpus))
+    p = plan(state, reqs, now_s=ctx.now.timestamp(), seed=ctx.seed, min_deploy_s=float("inf"))
+    if not p.placed:
+        return []
+    placed: dict[str, int] = {}
+    for pl in p.placed:
+        placed[pl.model_key] = placed.get(pl.model_key, 0) + 1
+    events: list[Event] = []
+    for mk in sorted(placed):
+        for r in sorted(wanted[mk], key=lambda r: r.replica_id)[: placed[mk]]:
+            events.append(ctx.event(ReplicaEvictionRequested, model_key=r.model_key, replica_id=r.replica_id,
+                                    node_id=r.node_id, reason=EvictionReason.NODE_LOST, target=Level.COLD))
+    return events + plan_events(Plan(placed=p.placed, evictions=p.evictions, min_deploy_s=min_deploy_s), ctx)
 
 
 def _replace_replicas(state: ClusterState, gone: Sequence[ReplicaView], ctx: DecisionContext,
-                      reason: EvictionReason, min_deploy_s: float, headroom: float) -> list[Event]:
+                      reason: EvictionReason, min_deploy_s: float, headroom: float, *,
+                      keep_unplaced: bool = False) -> list[Event]:
+    """Replace `gone` replicas elsewhere. With `keep_unplaced` (a lost node), a HOT replica with no
+    new place is not ended: it stays `Lost` and wanted (desired HOT), for `decide_unplaced` to place
+    once room appears (its node rejoining, or room elsewhere)."""
     events: list[Event] = []
     want: dict[str, int] = {}
     for r in gone:
-        events.append(ctx.event(ReplicaEvictionRequested, model_key=r.model_key, replica_id=r.replica_id,
-                                node_id=r.node_id, reason=reason, target=Level.COLD))
         if r.desired is Level.HOT:
             want[r.model_key] = want.get(r.model_key, 0) + 1
+    placed: dict[str, int] = {}
     reqs = []
     for mk, n in want.items():
         m = state.models.get(mk)
@@ -360,9 +404,18 @@ def _replace_replicas(state: ClusterState, gone: Sequence[ReplicaView], ctx: Dec
             reqs.append(Request(model_key=mk, size_bytes=m.registration.size_bytes, replicas=n,
                                 dedicated=any(r.dedicated for r in gone if r.model_key == mk),
                                 headroom=model_headroom(state, mk, headroom), gpus=m.gpus))
-    if reqs:
-        events += plan_events(plan(state, reqs, now_s=ctx.now.timestamp(), seed=ctx.seed, min_deploy_s=min_deploy_s),
-                              ctx)
+    p = plan(state, reqs, now_s=ctx.now.timestamp(), seed=ctx.seed, min_deploy_s=min_deploy_s) if reqs else None
+    for pl in p.placed if p is not None else ():
+        placed[pl.model_key] = placed.get(pl.model_key, 0) + 1
+    for r in sorted(gone, key=lambda r: (r.model_key, r.replica_id)) if keep_unplaced else gone:
+        if keep_unplaced and r.desired is Level.HOT:
+            if placed.get(r.model_key, 0) <= 0:
+                continue  # no place for it now: it stays wanted
+            placed[r.model_key] -= 1
+        events.append(ctx.event(ReplicaEvictionRequested, model_key=r.model_key, replica_id=r.replica_id,
+                                node_id=r.node_id, reason=reason, target=Level.COLD))
+    if p is not None:
+        events += plan_events(p, ctx)
     return events
 
 

@@ -15,6 +15,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
+import os
 import re
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -68,6 +70,13 @@ _LAST_SEQ_RE = re.compile(r"wrong last sequence: (\d+)")
 HEARTBEAT_TTL_S = 15.0
 REQUEST_STATUS_TTL_S = 24 * 3600.0
 DUPLICATE_WINDOW_S = 120.0
+# Message size limits per stream (the server's own limit, max_payload, is 2 MiB: nats_server.py).
+# An event is a few hundred bytes (a failure's error text is cut at 500 characters); a request body is
+# at most MAX_REQUEST_BYTES (1 MiB) and gets headers' room; a kept status holds a result of at most
+# INLINE_RESULT_BYTES (256 KiB) inline. Anything larger is refused by JetStream at the publish.
+EVENT_MAX_MSG_BYTES = 64 * 1024
+REQUEST_MAX_MSG_BYTES = (1 << 20) + 64 * 1024
+STATUS_MAX_VALUE_BYTES = 512 * 1024
 _PENDING_MSGS = 1_000_000
 _PENDING_BYTES = 1 << 30
 
@@ -135,6 +144,18 @@ class FastHeaderClient(NatsClient):
 _BYTES_WS = " \t\n\r\x0b\x0c"
 
 
+def stream_replicas_default() -> int:
+    """NDIF_STREAM_REPLICAS (1-5), else 1."""
+    raw = os.environ.get("NDIF_STREAM_REPLICAS", "1")
+    try:
+        n = int(raw)
+    except ValueError:
+        raise InvalidCommand(f"NDIF_STREAM_REPLICAS is {raw!r}: give 1, 3 or 5") from None
+    if not 1 <= n <= 5:
+        raise InvalidCommand(f"NDIF_STREAM_REPLICAS is {n}: JetStream keeps 1 to 5 copies")
+    return n
+
+
 async def connect(url: str, *, name: str = "ndif", timeout: float = 5.0, creds: Creds | None = None) -> NatsClient:
     """A NATS connection with the settings §10 asks for: endless reconnects, loud slow consumers.
 
@@ -195,11 +216,13 @@ class JetStreamEventLog:
     ``JetStreamEventLog(nc)`` borrows one.
     """
 
-    def __init__(self, nc: NatsClient, *, timeout: float = 5.0, replicas: int = 1) -> None:
+    def __init__(self, nc: NatsClient, *, timeout: float = 5.0, replicas: int | None = None) -> None:
         self.nc = nc
         self.js = nc.jetstream(timeout=timeout)
         self.timeout = timeout
-        self.replicas = replicas
+        # Copies of every stream and bucket it creates: 1 on a single server, 3 on a 3-server cluster
+        # (deploy/nats/); NDIF_STREAM_REPLICAS sets it for every component that does not pass it.
+        self.replicas = replicas if replicas is not None else stream_replicas_default()
         self._owns_nc = False
         # Client-side buffer of a follower; past it nats-py drops messages (slow consumer) and
         # the follower's gap check resubscribes. Large by default; tests shrink it.
@@ -209,7 +232,7 @@ class JetStreamEventLog:
         self.may_create = True
 
     @classmethod
-    async def open(cls, url: str, *, timeout: float = 5.0, replicas: int = 1, ensure: bool = True,
+    async def open(cls, url: str, *, timeout: float = 5.0, replicas: int | None = None, ensure: bool = True,
                    name: str = "ndif", creds: Creds | None = None, role: str = "admin",
                    node_id: str = "") -> JetStreamEventLog:
         """Connect as `creds`, or as the local user of `role` (auth.resolve: NDIF_CREDS, $NDIF_HOME/auth/)."""
@@ -255,11 +278,13 @@ class JetStreamEventLog:
             name=EVENTS_STREAM, subjects=[EVENTS_ALL], retention=api.RetentionPolicy.LIMITS,
             storage=api.StorageType.FILE, num_replicas=self.replicas, deny_delete=True, deny_purge=True,
             allow_atomic=True, allow_direct=True, duplicate_window=DUPLICATE_WINDOW_S,
+            max_msg_size=EVENT_MAX_MSG_BYTES,
             description="ndif control-plane events: the only source of truth (docs/architecture.md §2-3)",
         ))
         await self._ensure_stream(api.StreamConfig(
             name=REQUESTS_STREAM, subjects=[REQUESTS_ALL], retention=api.RetentionPolicy.WORK_QUEUE,
             storage=api.StorageType.FILE, num_replicas=self.replicas, duplicate_window=DUPLICATE_WINDOW_S,
+            max_msg_size=REQUEST_MAX_MSG_BYTES,
             description="ndif user requests, one durable consumer per model subject",
         ))
         await self._ensure_bucket(self.js.create_key_value, self.js.key_value, HEARTBEATS_BUCKET,
@@ -272,7 +297,8 @@ class JetStreamEventLog:
         await self._ensure_bucket(self.js.create_key_value, self.js.key_value, REQUEST_STATUS_BUCKET,
                                   api.KeyValueConfig(bucket=REQUEST_STATUS_BUCKET, ttl=REQUEST_STATUS_TTL_S,
                                                      replicas=self.replicas, storage=api.StorageType.FILE,
-                                                     republish=status_republish, direct=True))
+                                                     republish=status_republish, direct=True,
+                                                     max_value_size=STATUS_MAX_VALUE_BYTES))
         info = await self.js.stream_info(f"KV_{REQUEST_STATUS_BUCKET}")
         # Direct gets name the key in the API subject, so a client's permission can be its own keys
         # only (controlplane/auth.py); a stored get names it in the body, which permissions cannot see.
@@ -334,7 +360,9 @@ class JetStreamEventLog:
         have = info.config
         flags = ("deny_delete", "deny_purge", "allow_atomic", "allow_direct")
         if (sorted(have.subjects or []) != sorted(cfg.subjects or []) or have.retention != cfg.retention
-                or any(bool(getattr(have, f)) != bool(getattr(cfg, f)) for f in flags)):
+                or any(bool(getattr(have, f)) != bool(getattr(cfg, f)) for f in flags)
+                or (cfg.max_msg_size or -1) != (have.max_msg_size or -1)):  # a stream made before the limit
+            cfg = dataclasses.replace(cfg, num_replicas=have.num_replicas)  # an update never changes the copies
             await self.js.update_stream(cfg)
             log.info("stream_updated", stream=cfg.name)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -27,6 +28,11 @@ import structlog
 from schemas.errors import InfrastructureError
 
 log = structlog.get_logger("ndif.nats_server")
+
+# The largest message a client may publish (server `max_payload`; the default is 1 MiB). A request body
+# is at most 1 MiB (`schemas.requests.MAX_REQUEST_BYTES`) plus headers, so 2 MiB; stream limits
+# (`max_msg_size`, controlplane/eventstore.py) are tighter per stream. deploy/nats/*.conf say the same.
+MAX_PAYLOAD = 2 * 1024 * 1024
 
 
 def find_nats_server() -> str:
@@ -79,7 +85,7 @@ class EmbeddedNats:
     def __init__(self, store_dir: str | os.PathLike[str] | None = None, *, port: int | None = None,
                  ready_timeout: float = 15.0, extra_args: tuple[str, ...] = (),
                  config_file: str | os.PathLike[str] | None = None, host: str = "127.0.0.1",
-                 die_with_parent: bool = False) -> None:
+                 die_with_parent: bool = False, max_payload: int = MAX_PAYLOAD) -> None:
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
         if store_dir is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="ndif-nats-")
@@ -91,6 +97,7 @@ class EmbeddedNats:
         # A config file with the users and their permissions (controlplane/auth.py); None: open.
         self.config_file = None if config_file is None else Path(config_file)
         self.host = host
+        self.max_payload = max_payload
         self.proc: subprocess.Popen[bytes] | None = None
         # Our server's name: readiness means *this* server answers (another one may hold the port).
         self.server_name = f"ndif-{uuid.uuid4().hex[:12]}"
@@ -105,10 +112,15 @@ class EmbeddedNats:
         if self.proc is not None and self.proc.poll() is None:
             return self
         self.store_dir.mkdir(parents=True, exist_ok=True)
-        args = [find_nats_server(), "-js", "-sd", str(self.store_dir / "jetstream"), "-a", self.host,
+        # Settings with no command-line flag, and the users and their permissions when there are
+        # any (0600: it holds their passwords; nats-server reads one config file).
+        conf = self.store_dir / "server.conf"
+        conf.touch(mode=0o600)
+        conf.chmod(0o600)
+        conf.write_text(f"max_payload: {int(self.max_payload)}\n"
+                        + (self.config_file.read_text() if self.config_file is not None else ""))
+        args = [find_nats_server(), "-c", str(conf), "-js", "-sd", str(self.store_dir / "jetstream"), "-a", self.host,
                 "-p", str(self.port), "-n", self.server_name, "-l", str(self._log_path), *self.extra_args]
-        if self.config_file is not None:
-            args += ["-c", str(self.config_file)]
         self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                      stderr=subprocess.PIPE, start_new_session=True,
                                      preexec_fn=die_with_parent if self.die_with_parent else None)
@@ -195,3 +207,109 @@ def _server_info(port: int) -> dict[str, object] | None:
             info = json.loads(line[5:])
             return info if isinstance(info, dict) else None
     return None
+
+
+class NatsCluster:
+    """Three `nats-server`s on 127.0.0.1 in one JetStream cluster (routes, free ports, temp stores).
+
+    The configs follow deploy/nats/n1.conf-n3.conf with loopback addresses and the ports picked
+    here. `kill(i)` SIGKILLs server i (a crash), `start(i)` brings it back on the same ports and
+    store. Clients connect to every server's URL (`urls`), so they fail over.
+    """
+
+    def __init__(self, base_dir: str | os.PathLike[str] | None = None, *, size: int = 3, name: str = "ndif",
+                 ready_timeout: float = 20.0, max_payload: int = MAX_PAYLOAD) -> None:
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+        if base_dir is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="ndif-nats-cluster-")
+            base_dir = self._tmp.name
+        self.base = Path(base_dir)
+        self.size = size
+        self.name = name
+        self.ready_timeout = ready_timeout
+        self.max_payload = max_payload
+        self.ports = [_free_port() for _ in range(size)]
+        self.route_ports = [_free_port() for _ in range(size)]
+        self.procs: list[subprocess.Popen[bytes] | None] = [None] * size
+
+    @property
+    def urls(self) -> list[str]:
+        return [f"nats://127.0.0.1:{p}" for p in self.ports]
+
+    @property
+    def url(self) -> str:
+        """All servers, comma-separated (what `connect()` and `--nats` take)."""
+        return ",".join(self.urls)
+
+    def config(self, i: int) -> str:
+        routes = "\n".join(f"    nats-route://127.0.0.1:{p}" for p in self.route_ports)
+        store = self.base / f"n{i + 1}" / "jetstream"
+        return (f"server_name: {self.name}-n{i + 1}\n"
+                f"listen: 127.0.0.1:{self.ports[i]}\n"
+                f"max_payload: {int(self.max_payload)}\n"
+                f"jetstream {{\n  store_dir: {json.dumps(str(store))}\n}}\n"
+                f"cluster {{\n  name: {self.name}\n  listen: 127.0.0.1:{self.route_ports[i]}\n"
+                f"  routes: [\n{routes}\n  ]\n}}\n")
+
+    def start(self, i: int | None = None) -> NatsCluster:
+        for j in range(self.size) if i is None else (i,):
+            proc = self.procs[j]
+            if proc is not None and proc.poll() is None:
+                continue
+            d = self.base / f"n{j + 1}"
+            d.mkdir(parents=True, exist_ok=True)
+            conf = d / "server.conf"
+            conf.write_text(self.config(j))
+            self.procs[j] = subprocess.Popen(
+                [find_nats_server(), "-c", str(conf), "-l", str(d / "nats-server.log")],
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+        for j in range(self.size) if i is None else (i,):
+            self._wait_ready(j)
+        return self
+
+    def _wait_ready(self, i: int) -> None:
+        """Up once its monitoring-free client port answers INFO (JetStream may still elect leaders)."""
+        proc = self.procs[i]
+        assert proc is not None
+        deadline = time.monotonic() + self.ready_timeout
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
+                raise InfrastructureError(f"nats-server n{i + 1} exited with {proc.returncode}: {err.strip()}")
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", self.ports[i]), timeout=0.2) as s:
+                s.settimeout(0.5)
+                if s.recv(4).startswith(b"INFO"):
+                    return
+            time.sleep(0.05)
+        raise InfrastructureError(f"nats-server n{i + 1} did not answer within {self.ready_timeout}s")
+
+    def kill(self, i: int) -> None:
+        """SIGKILL server i: a crash, no flush."""
+        proc = self.procs[i]
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        self.procs[i] = None
+
+    def stop(self) -> None:
+        for i, proc in enumerate(self.procs):
+            if proc is not None and proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+            self.procs[i] = None
+
+    def close(self) -> None:
+        self.stop()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    def __enter__(self) -> NatsCluster:
+        return self.start()
+
+    def __exit__(self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()

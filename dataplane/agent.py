@@ -122,6 +122,8 @@ class NodeAgent:
         self._done: set[tuple[object, ...]] = set()  # actions taken, by (replica, what, state stamp)
         self._tasks: list[asyncio.Task[None]] = []
         self._kick = asyncio.Event()
+        self._rejoined_after = -1  # seq of the NodeLost this agent last answered with a NodeJoined
+        self.rejoins = 0
         self.log = log.bind(node_id=self.node_id)
 
     # ---- lifecycle ---------------------------------------------------------------------------
@@ -147,9 +149,7 @@ class NodeAgent:
             raise
         await self._adopt()
         await self.heartbeat_once()
-        await self._append(observed(NodeJoined, actor=self.actor, node_id=self.node_id, gpus=self.gpus,
-                                    cpu_cache_bytes=self.cpu_cache_bytes, hostname=socket.gethostname(),
-                                    ray_node_id=self.ray_node_id))
+        await self._append(self._joined())
         self._tasks += [asyncio.create_task(self._heartbeat(), name="agent-heartbeat"),
                         asyncio.create_task(self._follow(), name="agent-follow"),
                         asyncio.create_task(self._reconcile_loop(), name="agent-reconcile"),
@@ -239,6 +239,30 @@ class NodeAgent:
         kv = await self.log_.js.key_value(HEARTBEATS_BUCKET)
         await kv.put(node_token(self.node_id), self.node_id.encode())
 
+    def _joined(self) -> NodeJoined:
+        assert self.gpus is not None
+        return observed(NodeJoined, actor=self.actor, node_id=self.node_id, gpus=self.gpus,
+                        cpu_cache_bytes=self.cpu_cache_bytes, hostname=socket.gethostname(),
+                        ray_node_id=self.ray_node_id)
+
+    def _check_lost(self) -> None:
+        """Declared lost while we run (a pause past the heartbeat grace, a network blip): rejoin.
+
+        The log says NodeLost, this agent is alive and heartbeating: it announces itself again
+        (`NodeJoined`, once per NodeLost), and the controller places the replicas it still wants."""
+        node = self.state.nodes.get(self.node_id)
+        if node is None or node.alive or node.since_seq <= self._rejoined_after:
+            return
+        self._rejoined_after = node.since_seq
+        self._tasks.append(asyncio.create_task(self._rejoin(node.since_seq), name="agent-rejoin"))
+
+    async def _rejoin(self, lost_seq: int) -> None:
+        self.log.warning("node_declared_lost_rejoining", lost_seq=lost_seq)
+        with contextlib.suppress(Exception):
+            await self.heartbeat_once()
+        await self._append(self._joined())
+        self.rejoins += 1
+
     async def _heartbeat(self) -> None:
         while True:
             await asyncio.sleep(self.heartbeat_s)
@@ -256,6 +280,7 @@ class NodeAgent:
                     for seq, item in batch:
                         self.state.apply(seq, item)
                     self._kick.set()
+                    self._check_lost()
             except asyncio.CancelledError:
                 raise
             except InfrastructureError as exc:

@@ -72,7 +72,13 @@ from schemas.subjects import (
 log = structlog.get_logger("ndif.dispatcher")
 R = RequestStatus
 _KV_STATUSES = {R.RECEIVED, R.QUEUED, R.RUNNING, R.PROVISIONING, R.DEPLOYING}
-ACK_WAIT_S = 30.0
+# A request held by a dispatcher that dies is redelivered this long after its last in-progress ack
+# (sent every third of it while held): a dead dispatcher's requests move on within seconds.
+ACK_WAIT_S = 4.0
+UNKNOWN_CONSUMER_SWEEP_S = 10.0  # consumers of models the log does not know are deleted this often
+KNOWN_GRACE_S = 10.0  # a processor made as its model was deployed waits this long for the fold to show it
+REFUSED_MODEL_MEMO_S = 10.0
+TRIAGE_DEPLOYS = 4  # deployments the triage of unknown model subjects asks for at once  # a model the controller refused to deploy is not asked again for this long
 PROVISION_RETRY_S = 5.0  # a model the cluster has no room for is deployed again after 5 s, 10 s, ... 60 s
 PROVISION_RETRY_MAX_S = 60.0
 QUEUE_LIFETIME_S = 600.0  # a request still queued this long after a dispatcher took it ends in ERROR
@@ -145,6 +151,13 @@ class Dispatcher:
             raise errs.InvalidCommand(f"NDIF_REPLICA_LINK is {link!r}: use 'nats' (the default) or 'ray'")
         self.use_link = link == "nats"
         self._outbox_task: asyncio.Task[None] | None = None
+        self._consumers: dict[str, asyncio.Task[None]] = {}  # model token -> its consume task
+        self._triaging: set[str] = set()  # unknown model tokens whose requests are being looked at
+        self._refused: dict[str, tuple[float, str, str]] = {}  # model key -> (until, error, message)
+        self._unknown_seen: set[str] = set()  # consumer names found unknown at the last sweep
+        # Deployments asked for by triage at once: a flood of unknown model names waits here instead
+        # of queueing that many registry look-ups at the controller.
+        self._triage_deploys = asyncio.Semaphore(TRIAGE_DEPLOYS)
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
@@ -168,10 +181,13 @@ class Dispatcher:
         with contextlib.suppress(nats.js.errors.NotFoundError):
             info = await self.log_.js.stream_info(REQUESTS_STREAM, subjects_filter=REQUESTS_ALL)
             for subject in (info.state.subjects or {}):
-                self._processor(subject.rsplit(".", 1)[-1])
+                token, _ = request_subject_parts(subject)
+                if token:
+                    self._route(token)
         self._tasks += [asyncio.create_task(self._follow(), name="dispatcher-follow"),
                         asyncio.create_task(self._keepalive(), name="dispatcher-keepalive"),
-                        asyncio.create_task(self._expire(), name="dispatcher-expire")]
+                        asyncio.create_task(self._expire(), name="dispatcher-expire"),
+                        asyncio.create_task(self._sweep_loop(), name="dispatcher-sweep")]
         log.info("dispatcher_started", name=self.name, seq=self.state.seq, processors=len(self.processors))
         return self
 
@@ -183,7 +199,7 @@ class Dispatcher:
             with contextlib.suppress(Exception):
                 await s.unsubscribe()
         self._stopped = True
-        tasks = [*self._tasks, *self._bg]
+        tasks = [*self._tasks, *self._bg, *self._consumers.values()]
         for p in self.processors.values():
             tasks += [t for lanes in p.workers.values() for t in lanes]
         await cancel_and_wait(tasks, owner=self.name)
@@ -226,41 +242,21 @@ class Dispatcher:
                 await asyncio.sleep(0.5)
 
     def _sync_all(self, undeployed: set[str] | frozenset[str] = frozenset()) -> None:
-        for token, p in list(self.processors.items()):
+        known: set[str] | None = None
+        for p in list(self.processors.values()):
             mk = p.model_key
-            if mk is None:
-                continue
-            m = self.state.models.get(mk)
-            if mk in undeployed and p.queue:
+            if mk is not None and mk in undeployed and p.queue:
                 # `ndif undeploy` just now: the requests still waiting end (the ones running finish
                 # as the replicas drain); nothing provisions the model again for them.
                 p.fail_all("ModelUndeployed", f"{display_name(mk)} was undeployed (`ndif undeploy`) "
                                               "before this request ran; submit it again to deploy it anew")
-            if m is None and mk in self.state.undeployed and not p.queue and not p.running():
-                self._remove_processor(token, p)  # the model is forgotten: so is its processor
+            if mk is not None and mk in self.state.models:
+                p.sync(queue_view(self.state, mk))
                 continue
-            p.sync(queue_view(self.state, mk))
-
-    def _remove_processor(self, token: str, p: Processor) -> None:
-        """Drop an undeployed model's processor: its consume task, its lanes and its durable consumer
-        (a later request for the model makes a new one)."""
-        del self.processors[token]
-        tasks = [t for lanes in p.workers.values() for t in lanes]
-        task = self._consumers.pop(token, None)
-        if task is not None:
-            tasks.append(task)
-            with contextlib.suppress(ValueError):
-                self._tasks.remove(task)
-        for t in tasks:
-            t.cancel()
-        if self.log_ is not None:
-            self.spawn(self._delete_consumer(f"proc-{token}"))
-        log.info("processor_removed", model_key=p.model_key, token=token)
-
-    async def _delete_consumer(self, durable: str) -> None:
-        assert self.log_ is not None
-        with contextlib.suppress(nats.js.errors.NotFoundError):
-            await self.log_.js.delete_consumer(REQUESTS_STREAM, durable)
+            known = known if known is not None else self._known_tokens()
+            if p.token not in known and time.monotonic() - p.born > KNOWN_GRACE_S and not p.running():
+                # undeployed and forgotten (or never known): its processor and durable consumer go
+                self.spawn(self.remove_model(p.token, reason="the model is no longer deployed"))
 
     def report_drained(self, model_key: str, replica_id: int) -> None:
         r = self.state.replicas.get((model_key, replica_id))
@@ -399,14 +395,171 @@ class Dispatcher:
         p = self.processors.get(token)
         if p is None and not self._stopped:
             p = self.processors[token] = Processor(token, self)
-            task = self._consumers[token] = asyncio.create_task(self._consume(p), name=f"consume-{token}")
-            self._tasks.append(task)
+            self._consumers[token] = asyncio.create_task(self._consume(p), name=f"consume-{token}")
         return p
+
+    def _known_tokens(self) -> set[str]:
+        return {model_token(mk) for mk in self.state.models}
+
+    def _route(self, token: str) -> None:
+        """Requests on `ndif.req.<token>`: a model the log knows gets its processor and durable consumer;
+        any other subject is triaged without one (a consumer per junk subject would never go away)."""
+        if token in self.processors or self._stopped:
+            return
+        if token in self._known_tokens():
+            self._processor(token)
+        elif token not in self._triaging:
+            self._triaging.add(token)
+            self.spawn(self._triage(token))
 
     async def _on_publish(self, msg: Msg) -> None:
         token, _ = request_subject_parts(msg.subject)
         if token:
-            self._processor(token)
+            self._route(token)
+
+    async def _triage(self, token: str) -> None:
+        """Requests for a model the log does not know, read by subject (no consumer). The first valid
+        one asks for a deployment: once the model is in the log, its processor takes over (with its
+        durable consumer, from the stream's start). A request that is malformed, on another model's
+        subject, or for a model the controller refuses ends ERROR and is deleted from the stream."""
+        try:
+            # userless subjects (an open server), then every user's (`ndif.req.<mtok>.<user>`)
+            for subject in (f"ndif.req.{token}", f"ndif.req.{token}.*"):
+                await self._triage_subject(token, subject)
+        finally:
+            self._triaging.discard(token)
+
+    async def _triage_subject(self, token: str, subject: str) -> None:
+        assert self.log_ is not None and self.admin is not None
+        js = self.log_.js
+        seq = 0
+        misses = 0
+        while not self._stopped:
+            if token in self.processors or token in self._known_tokens():
+                self._processor(token)
+                return
+            try:
+                raw = await js.get_msg(REQUESTS_STREAM, seq=seq + 1, subject=subject, next=True)
+            except nats.js.errors.NotFoundError:
+                # Nothing (more) on the subject. The publish that woke us may reach us before the
+                # stream has stored it: look twice more; the sweep finds any later straggler.
+                misses += 1
+                if misses > 2:
+                    return  # this subject: done
+                await asyncio.sleep(0.2 * misses)
+                continue
+            misses = 0
+            seq = int(raw.seq or seq + 1)
+            data = raw.data or b""
+            _, user = request_subject_parts(raw.subject or subject)
+            try:
+                req = decode_request(data)
+                if req.user != user:
+                    req = msgspec.structs.replace(req, user=user)  # the owner is the subject's
+                mk = canonical_model_key(req.model_key, relative=False)  # the SDK sends it absolute
+                if model_token(mk) != token:
+                    raise errs.InvalidCommand(f"request for {req.model_key[:200]!r} arrived on another model's "
+                                              "subject")
+            except errs.NdifError as exc:
+                await self._refuse_stored(seq, data, raw.headers, type(exc).__name__, str(exc), user)
+                continue
+            refused = self._refused.get(mk)
+            if refused is not None and refused[0] > time.monotonic():
+                await self._refuse_stored(seq, data, raw.headers, refused[1], refused[2], user)
+                continue
+            # Tell the user while the model is resolved and placed (its processor takes over after).
+            self.status(Pending(msgspec.structs.replace(req, model_key=mk), None), R.PROVISIONING,
+                        message=f"model {display_name(mk)} is being deployed")
+            try:
+                async with self._triage_deploys:
+                    await self.admin.deploy(mk, self.default_replicas)
+                log.info("provisioned", model_key=mk, replicas=self.default_replicas, by="first request")
+            except (errs.InvalidCommand, errs.NotFound) as exc:
+                if "already has" not in str(exc):
+                    msg = f"cannot deploy {display_name(mk)}: {exc}"
+                    self._refused[mk] = (time.monotonic() + REFUSED_MODEL_MEMO_S, type(exc).__name__, msg)
+                    await self._refuse_stored(seq, data, raw.headers, type(exc).__name__, msg, user)
+                    continue
+            except errs.NdifError as exc:  # no controller: the request stays; try again shortly
+                log.warning("provision_failed", model_key=mk, error=str(exc))
+                seq -= 1
+                await asyncio.sleep(2.0)
+                continue
+            self._processor(token)  # deployed (by us or someone first): its consumer takes the requests
+            return
+
+    async def _refuse_stored(self, seq: int, data: bytes, headers: dict[str, str] | None, error: str,
+                             message: str, user: str = "") -> None:
+        """End a stored request that will never run: ERROR under its id (if it has a valid one), then
+        delete it from the work queue (nothing else would ever take it)."""
+        assert self.log_ is not None
+        rid = _request_id_of(data) or _valid_id((headers or {}).get("Nats-Msg-Id", "").rsplit(".", 1)[-1])
+        log.warning("request_refused", request_id=rid, error=error, message=message[:300])
+        if rid:
+            bogus = Request(request_id=rid, model_key="", payload={}, submitted_at=datetime.now(UTC), user=user)
+            with contextlib.suppress(Exception):
+                await self.finish(Pending(bogus, None), R.ERROR, error=error, message=message)
+        with contextlib.suppress(nats.js.errors.NotFoundError):
+            await self.log_.js.delete_msg(REQUESTS_STREAM, seq)
+
+    async def remove_model(self, token_or_key: str, *, reason: str) -> bool:
+        """Stop serving a model here: its waiting requests end ERROR (`reason`), its processor stops and
+        its durable consumer `proc-<mtok>` is deleted. The undeploy path calls this (with the model key
+        or its token); the dispatcher itself does for a model the log no longer knows. Returns whether
+        a consumer was deleted."""
+        assert self.log_ is not None
+        token = model_token(token_or_key) if "{" in token_or_key else token_or_key  # keys hold JSON, tokens never
+        p = self.processors.pop(token, None)
+        task = self._consumers.pop(token, None)
+        if task is not None:
+            task.cancel()
+        if p is not None:
+            p.fail_all("ModelRemoved", reason)
+            lanes = [t for ts in p.workers.values() for t in ts]
+            for t in lanes:
+                t.cancel()
+            for running in p.in_flight.values():
+                for held in running.values():
+                    self.finish_soon(held, R.ERROR, error="ModelRemoved", message=reason)
+        deleted = False
+        with contextlib.suppress(nats.js.errors.NotFoundError):
+            deleted = bool(await self.log_.js.delete_consumer(REQUESTS_STREAM, f"proc-{token}"))
+        log.info("model_removed", token=token, reason=reason, consumer_deleted=deleted)
+        return deleted
+
+    async def sweep_consumers(self) -> list[str]:
+        """Delete the durable consumers `proc-<mtok>` of models the log does not know, once seen unknown
+        at two sweeps in a row (a model deployed a moment ago may not be in this fold yet)."""
+        assert self.log_ is not None
+        known = self._known_tokens()
+        unknown: set[str] = set()
+        for info in await self.log_.js.consumers_info(REQUESTS_STREAM):
+            name = info.name or ""
+            if name.startswith("proc-") and name[5:] not in known:
+                unknown.add(name)
+        gone = sorted(unknown & self._unknown_seen)
+        self._unknown_seen = unknown - set(gone)
+        for name in gone:
+            await self.remove_model(name[5:], reason="the model is not in the log")
+        return gone
+
+    async def _sweep_loop(self) -> None:
+        assert self.log_ is not None
+        while True:
+            try:
+                await self.sweep_consumers()
+                # Level-triggered: any subject still holding requests gets its processor or a triage.
+                with contextlib.suppress(nats.js.errors.NotFoundError):
+                    info = await self.log_.js.stream_info(REQUESTS_STREAM, subjects_filter=REQUESTS_ALL)
+                    for subject in (info.state.subjects or {}):
+                        token, _ = request_subject_parts(subject)
+                        if token:
+                            self._route(token)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - NATS away: next time
+                log.warning("consumer_sweep_failed", error=str(exc) or type(exc).__name__)
+            await asyncio.sleep(UNKNOWN_CONSUMER_SWEEP_S)
 
     async def _consume(self, p: Processor) -> None:
         """Take the model's requests as they are stored (a continuous pull on its durable consumer)."""
@@ -424,10 +577,18 @@ class Dispatcher:
 
         while True:
             try:
+                if p.token not in self._known_tokens():
+                    if time.monotonic() - p.born < KNOWN_GRACE_S:
+                        await asyncio.sleep(0.1)  # deployed a moment ago: our fold has not seen it yet
+                        continue
+                    # Removed (undeployed): never make a consumer for a model the log does not know.
+                    self.spawn(self.remove_model(p.token, reason="the model is no longer deployed"))
+                    return
                 try:
-                    info = await js.consumer_info(REQUESTS_STREAM, durable)
-                    if sorted(info.config.filter_subjects or [info.config.filter_subject or ""]) != filters:
-                        await js.add_consumer(REQUESTS_STREAM, cfg)  # made by an older version: update
+                    have = await js.consumer_info(REQUESTS_STREAM, durable)
+                    if (sorted(have.config.filter_subjects or [have.config.filter_subject or ""]) != filters
+                            or (have.config.ack_wait is not None and abs(have.config.ack_wait - self.ack_wait_s) > 0.01)):
+                        await js.add_consumer(REQUESTS_STREAM, cfg)  # made by an older version or another ack wait
                 except nats.js.errors.NotFoundError:
                     with contextlib.suppress(nats.js.errors.BadRequestError):  # made by a peer meanwhile
                         await js.add_consumer(REQUESTS_STREAM, cfg)
@@ -450,13 +611,18 @@ class Dispatcher:
             if model_token(mk) != p.token:
                 raise errs.InvalidCommand(f"request for {req.model_key!r} arrived on another model's subject")
         except errs.NdifError as exc:
-            rid = _request_id_of(m.data) or (m.headers or {}).get("Nats-Msg-Id", "").rsplit(".", 1)[-1]
-            log.warning("request_refused", request_id=rid, error=str(exc))
+            rid = _request_id_of(m.data) or _valid_id((m.headers or {}).get("Nats-Msg-Id", "").rsplit(".", 1)[-1])
+            log.warning("request_refused", request_id=rid, error=str(exc)[:300])
             if rid:
                 bogus = Request(request_id=rid, model_key="", payload={}, submitted_at=datetime.now(UTC), user=user)
-                await self.finish(Pending(bogus, m), R.ERROR, error=type(exc).__name__, message=str(exc))
-            else:
-                await m.ack()
+                try:
+                    await self.finish(Pending(bogus, m), R.ERROR, error=type(exc).__name__, message=str(exc))
+                    return
+                except Exception as werr:  # noqa: BLE001 - its status could not be kept: end it anyway
+                    log.warning("request_refused_unrecorded", request_id=rid, error=str(werr))
+            # No id a status could be kept under: nobody can be told, so it is terminated (never redelivered).
+            with contextlib.suppress(Exception):
+                await m.term()
             return
         if req.model_key != mk:
             req = msgspec.structs.replace(req, model_key=mk)
@@ -695,6 +861,13 @@ def _retrieve(fut: asyncio.Future[bool]) -> None:
 def _resolve(fut: asyncio.Future[bool], value: bool) -> None:
     if not fut.done():
         fut.set_result(value)
+
+
+def _valid_id(rid: str) -> str | None:
+    try:
+        return check_request_id(rid)
+    except errs.InvalidCommand:
+        return None
 
 
 def _request_id_of(data: bytes) -> str | None:

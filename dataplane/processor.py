@@ -80,6 +80,7 @@ class Processor:
         self._actors: dict[int, Any] = {}
         self.exec_s: float | None = None  # recent run time of one request on a replica (moving average)
         self.log = log.bind(model_key=None, token=token)
+        self.born = time.monotonic()
 
     # ---- the replica set, from the log -------------------------------------------------------
 

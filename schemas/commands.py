@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 from typing import Final, Union
 
 import msgspec
@@ -113,12 +114,22 @@ def _env_int(name: str, default: int) -> int:
         raise InvalidCommand(f"{name} must be an integer, got {raw!r}") from None
 
 
+# A command id becomes the id of its events (`<command_id>.<n>`, the `Nats-Msg-Id` header): one
+# printable token, bounded. An actor is recorded in every event of the decision.
+_COMMAND_ID = re.compile(r"[A-Za-z0-9_.:@+=/-]{1,128}")
+_ACTOR = re.compile(r"[\x21-\x7e][\x20-\x7e]{0,199}")
+
+
 def validate(cmd: AnyCommand, limits: Limits | None = None) -> AnyCommand:
     """Reject what no cluster state could make valid; raises InvalidCommand.
 
     With `limits` (the controller's), a count above them is refused here, in microseconds, before
     any placement is tried; without (a client), only counts above ABSOLUTE_MAX_REPLICAS are.
     """
+    if not _COMMAND_ID.fullmatch(cmd.command_id):
+        raise InvalidCommand(f"command id {cmd.command_id[:60]!r}: 1-128 characters of [A-Za-z0-9_.:@+=/-]")
+    if not _ACTOR.fullmatch(cmd.actor):
+        raise InvalidCommand(f"actor {cmd.actor[:60]!r}: 1-200 printable ASCII characters")
     replicas = getattr(cmd, "replicas", None)
     if replicas is not None and replicas < 0:
         raise InvalidCommand(f"--replicas must be 0 or more, got {replicas}")
@@ -205,11 +216,20 @@ MAX_COMMAND_BYTES: Final = 64 * 1024
 _command_decoder = msgspec.json.Decoder(AnyCommand)
 
 
-def decode_command(data: bytes, limits: Limits | None = None) -> AnyCommand:
-    """Decode and validate a command body; malformed input is InvalidCommand, never a crash."""
+def decode_command(data: bytes, limits: Limits | None = None, *, verb: str | None = None) -> AnyCommand:
+    """Decode and validate a command body; malformed input is InvalidCommand, never a crash.
+
+    `verb` is the last token of the subject it came on (`ndif.cmd.<verb>`): the body's verb must be
+    the same (an evict sent on `ndif.cmd.scale` is refused, not run as an evict), so a server
+    permission on a verb's subject means what it says.
+    """
     if len(data) > MAX_COMMAND_BYTES:
         raise InvalidCommand(f"command body of {len(data)} bytes is above {MAX_COMMAND_BYTES}")
     try:
-        return validate(_command_decoder.decode(data), limits or Limits())
+        cmd = _command_decoder.decode(data)
     except msgspec.DecodeError as exc:
         raise InvalidCommand(f"malformed command: {exc}") from None
+    if verb is not None and cmd.__struct_config__.tag != verb:
+        raise InvalidCommand(f"command {cmd.command_id!r} is a {cmd.__struct_config__.tag!r} sent on the subject of "
+                             f"{verb[:40]!r}: send it on ndif.cmd.{cmd.__struct_config__.tag}")
+    return validate(cmd, limits or Limits())

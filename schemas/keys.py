@@ -18,8 +18,32 @@ DEFAULT_MODEL_CLASS = "nnsight.modeling.language.LanguageModel"
 
 # `pkg.module.Class:{...json...}`
 _NDIF_KEY = re.compile(r"^(?P<cls>[A-Za-z_][\w.]*):(?P<json>\{.*\})$", re.DOTALL)
-# `org/name`, `name`, optionally `@revision`; HF repo ids are ASCII letters, digits, `-_.`
-_REPO_ID = re.compile(r"^[\w.\-]+(/[\w.\-]+)?$")
+# `org/name`, `name`, optionally `@revision`. The rules of huggingface_hub's `validate_repo_id`
+# (`huggingface_hub/utils/_validators.py`, the same regex): at most one `/`; namespace and name
+# each 1-96 ASCII letters, digits, `_`, `-`, `.`, starting and ending with a letter, digit or `_`;
+# no `--`, no `..`; no `.git` at the end. A repo id these refuse crashed the registry's cache
+# lookup before (tests/unit/test_reliability_rules.py checks ours against huggingface_hub's).
+_REPO_ID = re.compile(r"(\b[\w\-.]{1,96}\b/)?\b[\w\-.]{1,96}\b", re.ASCII)
+
+
+def check_repo_id(repo_id: str) -> str:
+    """Refuse (InvalidCommand) a repo id Hugging Face's validator would refuse; return it unchanged."""
+    why = None
+    if not isinstance(repo_id, str) or not repo_id:
+        why = "it is empty"
+    elif repo_id.count("/") > 1:
+        why = "it has more than one '/' (org/name)"
+    elif not _REPO_ID.fullmatch(repo_id):
+        why = ("namespace and name must be 1-96 ASCII letters, digits, '-', '_', '.', and start and end "
+               "with a letter, digit or '_'")
+    elif "--" in repo_id or ".." in repo_id:
+        why = "'--' and '..' are not allowed"
+    elif repo_id.endswith(".git"):
+        why = "it cannot end with '.git'"
+    if why is not None:
+        shown = repo_id if len(str(repo_id)) <= 120 else f"{str(repo_id)[:117]}..."
+        raise InvalidCommand(f"repo id {shown!r} is not a valid Hugging Face repo id: {why}")
+    return repo_id
 
 
 def _dump(cls: str, kwargs: dict[str, object]) -> str:
@@ -65,15 +89,18 @@ def canonical_model_key(text: str, *, relative: bool = True) -> str:
         repo = kwargs["repo_id"]
         if _is_path(repo):
             kwargs = {**kwargs, "repo_id": _abs(repo, relative)}
+        else:
+            check_repo_id(repo)
         return _dump(m.group("cls"), kwargs)
     if _is_path(text):
         return _dump(DEFAULT_MODEL_CLASS, {"repo_id": _abs(text, relative), "revision": None})
     repo, _, rev = text.partition("@")
-    if not _REPO_ID.match(repo) or (rev == "" and "@" in text):
+    if not re.fullmatch(r"[\w.\-/]+", repo) or (rev == "" and "@" in text):
         raise InvalidCommand(
-            f"model key {text!r} is neither a repo id (org/name[@revision]), a path (/…, ./…) "
+            f"model key {text[:120]!r} is neither a repo id (org/name[@revision]), a path (/…, ./…) "
             "nor an NDIF key (Class:{\"repo_id\": …})"
         )
+    check_repo_id(repo)
     return _dump(DEFAULT_MODEL_CLASS, {"repo_id": repo, "revision": rev or None})
 
 

@@ -117,11 +117,18 @@ class ScriptedAgent:
 
     async def _follow(self) -> None:
         assert self.log is not None
-        await self._reconcile()
-        async for batch in self.log.follow_batches(self.state.seq + 1):
-            for seq, item in batch:
-                self.state.apply(seq, item)
-            await self._reconcile()
+        while True:  # like the real agent: a server crash interrupts the follow, it goes on from where it was
+            try:
+                await self._reconcile()
+                async for batch in self.log.follow_batches(self.state.seq + 1):
+                    for seq, item in batch:
+                        self.state.apply(seq, item)
+                    await self._reconcile()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - e.g. an append timed out in a server crash: fold on, act again
+                log.warning("sim_follow_restarting", node_id=self.node_id, error=str(exc) or type(exc).__name__)
+                await asyncio.sleep(0.5)
 
     async def _reconcile(self) -> None:
         """Act on every replica of this node whose state asks something of the node, in id order."""

@@ -28,6 +28,20 @@ EXIT_GRACE_S = 120
 _exit_status = 0
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--long", action="store_true", default=False,
+                     help="also run the long fault tests (marker `long`; CI runs them as a step of their own)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--long"):
+        return
+    skip = pytest.mark.skip(reason="long fault test: run with --long (CI: `python -m pytest -q --long -m long`)")
+    for item in items:
+        if "long" in item.keywords:
+            item.add_marker(skip)
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     global _exit_status
     _exit_status = int(exitstatus)

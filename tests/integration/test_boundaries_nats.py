@@ -1,0 +1,225 @@
+"""Issue 15 (reliability) at the boundary, on a real nats-server with a real controller and dispatcher.
+
+- Junk on request subjects leaves no server resource: no consumer for a model the log does not know,
+  each such request ends ERROR and leaves the stream; a consumer of a model the log no longer knows
+  is removed.
+- A request whose id is invalid in body and header is terminated, never redelivered.
+- A repo id Hugging Face refuses is an InvalidCommand naming the command (controller) and an ERROR
+  (request); a command published on another verb's subject is refused; nothing is appended.
+- Oversize messages are refused with a clear error (stream `max_msg_size`, the request limit).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+import msgspec
+import nats.js.errors
+import pytest
+import pytest_asyncio
+from nats.js import api
+
+from controlplane.admin import AdminClient
+from controlplane.context import observed
+from controlplane.controller import Controller
+from controlplane.eventstore import EVENT_MAX_MSG_BYTES, REQUEST_MAX_MSG_BYTES, JetStreamEventLog
+from controlplane.nats_server import MAX_PAYLOAD, EmbeddedNats
+from dataplane.client import Client
+from dataplane.dispatcher import Dispatcher
+from schemas import errors as errs
+from schemas.commands import CommandResult, Evict
+from schemas.events import ModelRegistered
+from schemas.keys import canonical_model_key
+from schemas.requests import MAX_REQUEST_BYTES, status_decoder
+from schemas.status import RequestStatus
+from schemas.subjects import REQUEST_STATUS_BUCKET, REQUESTS_STREAM, model_token, request_subject
+from tests.conftest import bounded, fresh_event_log
+from tests.integration.cluster import ndif
+
+pytestmark = pytest.mark.timeout(240)
+
+
+@dataclass
+class Env:
+    url: str
+    log: JetStreamEventLog
+    controller: Controller
+    dispatcher: Dispatcher
+    admin: AdminClient
+
+
+@pytest_asyncio.fixture
+async def env(nats_server: EmbeddedNats) -> AsyncIterator[Env]:
+    lg = await fresh_event_log(nats_server.url)
+    ctl = await Controller(nats_server.url, name="controller:test", policy_interval_s=0.5).start()
+    disp = await Dispatcher(nats_server.url, name="dispatcher:test").start()
+    admin = await AdminClient.open(nats_server.url, timeout=10)
+    try:
+        yield Env(nats_server.url, lg, ctl, disp, admin)
+    finally:
+        await bounded(admin.close(), "admin")
+        await bounded(disp.stop(), "dispatcher")
+        await bounded(ctl.stop(), "controller")
+        await lg.close()
+
+
+async def _consumers(lg: JetStreamEventLog) -> list[str]:
+    return sorted(c.name or "" for c in await lg.js.consumers_info(REQUESTS_STREAM))
+
+
+async def _stored(lg: JetStreamEventLog) -> int:
+    return int((await lg.js.stream_info(REQUESTS_STREAM)).state.messages)
+
+
+async def _status(lg: JetStreamEventLog, rid: str, timeout: float = 10.0) -> Any:
+    kv = await lg.js.key_value(REQUEST_STATUS_BUCKET)
+    async with asyncio.timeout(timeout):
+        while True:
+            try:
+                e = await kv.get(rid)
+                u = status_decoder.decode(e.value)
+                if u.terminal:
+                    return u
+            except nats.js.errors.KeyNotFoundError:
+                pass
+            await asyncio.sleep(0.05)
+
+
+def _body(rid: str, model: str, **extra: Any) -> bytes:
+    return msgspec.json.encode({"request_id": rid, "model_key": model, "payload": {"op": "generate"},
+                                "submitted_at": datetime.now(UTC).isoformat(), **extra})
+
+
+async def _register(lg: JetStreamEventLog, model: str) -> str:
+    mk = canonical_model_key(model)
+    await lg.append([observed(ModelRegistered, actor="test", model_key=mk, checkpoint="/nonexistent",
+                              size_bytes=10**6)], None)
+    return mk
+
+
+async def test_junk_request_subjects_leave_no_consumer_and_end_error(env: Env) -> None:
+    """200 requests, each on a new model subject the log does not know: 0 consumers (was 200), each
+    ERROR, the stream empty again."""
+    rids = []
+    for i in range(200):
+        rid = f"junk-{i}-{uuid.uuid4().hex[:8]}"
+        rids.append(rid)
+        model = f"nobody/model-{i}-{uuid.uuid4().hex[:6]}"
+        if i % 4 == 0:
+            subject, body = f"ndif.req.junk{i}-0123456789", _body(rid, model)  # another model's subject
+        elif i % 4 == 1:
+            subject, body = request_subject(canonical_model_key(model)), b"{not json" + rid.encode()
+        else:
+            subject, body = request_subject(canonical_model_key(model)), _body(rid, model)
+        await env.log.js.publish(subject, body, headers={"Nats-Msg-Id": rid})
+    for rid in rids:
+        u = await _status(env.log, rid, timeout=30)
+        assert u.status is RequestStatus.ERROR, u
+        assert u.error in ("InvalidCommand", "UnknownModel", "NotFound"), u
+        assert u.message
+    async with asyncio.timeout(10):
+        while await _stored(env.log):
+            await asyncio.sleep(0.1)
+    assert await _consumers(env.log) == []
+    assert env.dispatcher.processors == {}
+
+
+async def test_consumers_of_models_the_log_does_not_know_are_removed(env: Env) -> None:
+    mk = await _register(env.log, "acme/known-model")
+    tok = model_token(mk)
+    rid = f"held-{uuid.uuid4().hex[:8]}"
+    await env.log.js.publish(request_subject(mk), _body(rid, mk), headers={"Nats-Msg-Id": rid})
+    async with asyncio.timeout(10):
+        while f"proc-{tok}" not in await _consumers(env.log):
+            await asyncio.sleep(0.05)
+    # A consumer some earlier version left for a junk subject: swept (after two sweeps, not one).
+    await env.log.js.add_consumer(REQUESTS_STREAM, api.ConsumerConfig(
+        durable_name="proc-junk-0123456789", filter_subject="ndif.req.junk-0123456789",
+        ack_policy=api.AckPolicy.EXPLICIT))
+    assert await env.dispatcher.sweep_consumers() == []
+    assert await env.dispatcher.sweep_consumers() == ["proc-junk-0123456789"]
+    assert await _consumers(env.log) == [f"proc-{tok}"]
+    # The undeploy path: the model's processor stops, its waiting request ends ERROR, the consumer goes.
+    assert await env.dispatcher.remove_model(mk, reason="undeployed by test") is True
+    u = await _status(env.log, rid)
+    assert u.status is RequestStatus.ERROR and u.error == "ModelRemoved" and u.message == "undeployed by test"
+    assert await _consumers(env.log) == []
+
+
+async def test_request_id_invalid_in_body_and_header_is_terminated(env: Env) -> None:
+    """It used to raise a KV InvalidKeyError, was never acked and came back every ack wait, forever."""
+    mk = await _register(env.log, "acme/known-for-bad-ids")
+    tok = model_token(mk)
+    await env.log.js.publish(request_subject(mk), _body("bad id", mk), headers={"Nats-Msg-Id": "bad.id"})
+    async with asyncio.timeout(10):
+        while f"proc-{tok}" not in await _consumers(env.log) or await _stored(env.log):
+            await asyncio.sleep(0.05)
+    await asyncio.sleep(env.dispatcher.ack_wait_s + 1)  # past one ack wait: nothing comes back
+    info = await env.log.js.consumer_info(REQUESTS_STREAM, f"proc-{tok}")
+    assert info.num_ack_pending == 0 and info.num_redelivered == 0 and info.num_pending == 0
+    assert await _stored(env.log) == 0
+
+
+@pytest.mark.parametrize("bad", ["a" * 97, "a--b", "c..d", "x/y/z", "foo.git"])
+async def test_bad_repo_ids_are_refused_at_the_schema(env: Env, bad: str) -> None:
+    before = await env.log.last_seq()
+    cid = f"bad-repo-{uuid.uuid4().hex[:8]}"
+    with pytest.raises(errs.InvalidCommand, match="not a valid Hugging Face repo id"):
+        await env.admin.deploy(bad, 1, command_id=cid)
+    raw = await env.log.nc.request("ndif.cmd.deploy", msgspec.json.encode(
+        {"verb": "deploy", "command_id": cid, "model_key": bad}), timeout=5)
+    res = msgspec.json.decode(raw.data, type=CommandResult)
+    assert not res.ok and res.error == "InvalidCommand" and res.command_id == cid
+    assert await env.log.last_seq() == before
+    # As a request (through the SDK's publish path, raw: the SDK refuses it before sending).
+    rid = f"r-{uuid.uuid4().hex[:8]}"
+    subject = request_subject(canonical_model_key("placeholder/x")).rsplit(".", 1)[0] + ".bad-0123456789"
+    await env.log.js.publish(subject, _body(rid, bad), headers={"Nats-Msg-Id": rid})
+    u = await _status(env.log, rid)
+    assert u.status is RequestStatus.ERROR and "repo id" in u.message
+
+
+async def test_a_command_on_another_verbs_subject_is_refused(env: Env) -> None:
+    before = await env.log.last_seq()
+    raw = await env.log.nc.request("ndif.cmd.scale", msgspec.json.encode(Evict(command_id="verb-1", all=True)),
+                                   timeout=5)
+    res = msgspec.json.decode(raw.data, type=CommandResult)
+    assert not res.ok and res.error == "InvalidCommand" and res.command_id == "verb-1"
+    assert "ndif.cmd.evict" in res.message
+    assert await env.log.last_seq() == before
+    assert "verb-1" not in env.controller.state.commands
+
+
+async def test_message_sizes_are_bounded(env: Env) -> None:
+    assert env.log.nc.max_payload == MAX_PAYLOAD
+    ev = await env.log.js.stream_info("NDIF_EVENTS")
+    rq = await env.log.js.stream_info(REQUESTS_STREAM)
+    assert ev.config.max_msg_size == EVENT_MAX_MSG_BYTES and rq.config.max_msg_size == REQUEST_MAX_MSG_BYTES
+    mk = await _register(env.log, "acme/sized")
+    # Over the stream's limit: JetStream refuses the publish, with a reason.
+    with pytest.raises(nats.js.errors.APIError, match=r"(?i)message size exceeds"):
+        await env.log.js.publish(request_subject(mk), b"x" * (REQUEST_MAX_MSG_BYTES + 1))
+    with pytest.raises(nats.js.errors.APIError, match=r"(?i)message size exceeds"):
+        await env.log.js.publish("ndif.evt.node.x-0123456789", b"x" * (EVENT_MAX_MSG_BYTES + 1))
+    # Stored but over the request limit: ERROR, says the limit.
+    rid = f"big-{uuid.uuid4().hex[:8]}"
+    body = _body(rid, mk, client="y" * (MAX_REQUEST_BYTES + 10))
+    assert MAX_REQUEST_BYTES < len(body) <= REQUEST_MAX_MSG_BYTES
+    await env.log.js.publish(request_subject(mk), body, headers={"Nats-Msg-Id": rid})
+    u = await _status(env.log, rid)
+    assert u.status is RequestStatus.ERROR and "byte limit" in u.message
+    # The SDK refuses before sending.
+    async with Client(env.url) as c:
+        with pytest.raises(errs.InvalidCommand, match="byte limit"):
+            await c.submit(mk, {"op": "generate", "prompt": "z" * MAX_REQUEST_BYTES})
+
+
+async def test_the_cli_exits_2_for_a_bad_repo_id(env: Env) -> None:
+    ran = await ndif(env.url, "deploy", "org/a--b", "--command-id", "cli-bad-repo")
+    assert ran.rc == 2, (ran.rc, ran.err)
+    assert "not a valid Hugging Face repo id" in ran.err and "Traceback" not in ran.err

@@ -1,0 +1,208 @@
+"""Issue 15 (reliability): a hypothesis fuzz of every command and request field, published raw.
+
+Every input gets a clear answer: a command a typed reply (ok, or an error class and a message, with
+nothing appended when refused); a request with an id a status can be kept under ends ERROR with a
+message, one without is terminated; the request stream is left empty and no consumer is made. No
+service stalls: another command is answered within 1 s while each input is handled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from typing import Any
+
+import msgspec
+import nats.js.errors
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from controlplane.admin import AdminClient
+from controlplane.context import observed
+from controlplane.controller import Controller
+from controlplane.eventstore import JetStreamEventLog
+from controlplane.nats_server import EmbeddedNats
+from dataplane.dispatcher import Dispatcher
+from schemas.commands import VERBS, CommandResult
+from schemas.events import ModelRegistered
+from schemas.keys import canonical_model_key
+from schemas.requests import check_request_id, status_decoder
+from schemas.subjects import REQUEST_STATUS_BUCKET, REQUESTS_STREAM, model_token
+from tests.conftest import fresh_event_log
+
+pytestmark = pytest.mark.timeout(600)
+KNOWN = "acme/fuzz-known"
+ANSWER_S = 1.0  # another command is answered within this while an input is handled
+
+ints = st.one_of(st.integers(-3, 12), st.integers(-(2**70), 2**70), st.text(max_size=4), st.none(), st.floats())
+texts = st.one_of(st.text(max_size=24), st.sampled_from(["a--b", "c..d", "x" * 97, "a/b/c", "foo.git", "", " ",
+                                                         'Cls:{"repo_id": 1}', "gpt2@", "./nope-ckpt"]))
+models = st.one_of(st.just(KNOWN), texts)
+command_fields = {
+    "command_id": st.one_of(st.uuids().map(lambda u: u.hex), st.text(max_size=12)),
+    "actor": st.one_of(st.just("fuzz"), st.text(max_size=8)),
+    "model_key": models,
+    # Replica counts stay small here: bounding them (10^9 replicas) is issue 13's part.
+    "replicas": st.one_of(st.integers(-3, 16), st.text(max_size=3), st.none()),
+    "replica_id": ints, "all": st.one_of(st.booleans(), ints), "cold": st.booleans(), "scale_up": st.booleans(),
+    "dedicated": st.booleans(), "size_bytes": ints, "junk": texts,
+}
+command_bodies = st.one_of(
+    st.fixed_dictionaries({"verb": st.one_of(st.sampled_from(VERBS), st.text(max_size=8))},
+                          optional=command_fields).map(msgspec.json.encode),
+    st.binary(max_size=40),
+)
+subject_verbs = st.one_of(st.none(), st.sampled_from([*VERBS, "junk", "x-y"]))
+
+request_fields = {
+    "request_id": st.one_of(st.uuids().map(lambda u: u.hex), st.text(max_size=10), ints),
+    "model_key": st.one_of(texts, ints, st.sampled_from(["nobody/fuzz-a", "nobody/fuzz-b"])),
+    "payload": st.one_of(st.dictionaries(st.text(max_size=4), st.text(max_size=4), max_size=3), ints, texts),
+    "submitted_at": st.one_of(st.just(datetime.now(UTC).isoformat()), texts),
+    "client": texts,
+}
+request_bodies = st.one_of(st.fixed_dictionaries({}, optional=request_fields).map(msgspec.json.encode),
+                           st.binary(max_size=40))
+header_ids = st.one_of(st.none(), st.uuids().map(lambda u: u.hex), st.sampled_from(["bad id", "a.b", "x" * 200]))
+
+
+class Rig:
+    """Controller + dispatcher on one event loop that the (sync) hypothesis test drives."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.loop = asyncio.new_event_loop()
+        self.run(self._start())
+
+    def run(self, coro: Any) -> Any:
+        return self.loop.run_until_complete(coro)
+
+    async def _start(self) -> None:
+        self.log: JetStreamEventLog = await fresh_event_log(self.url)
+        await self.log.append([observed(ModelRegistered, actor="test", model_key=canonical_model_key(KNOWN),
+                                        checkpoint="/nonexistent", size_bytes=10**6)], None)
+        self.controller = await Controller(self.url, name="controller:fuzz").start()
+        self.dispatcher = await Dispatcher(self.url, name="dispatcher:fuzz").start()
+        self.admin = await AdminClient.open(self.url, timeout=10)
+        self.kv = await self.log.js.key_value(REQUEST_STATUS_BUCKET)
+        self.slowest = 0.0
+
+    async def _stop(self) -> None:
+        await self.admin.close()
+        await self.dispatcher.stop()
+        await self.controller.stop()
+        await self.log.close()
+
+    def close(self) -> None:
+        self.run(self._stop())
+        pending = asyncio.all_tasks(self.loop)
+        for t in pending:
+            t.cancel()
+        self.loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+        self.loop.close()
+        print(f"\nRECORD fuzz: slowest other command while fuzz input was handled: {self.slowest * 1000:.1f} ms")
+
+    async def answered_meanwhile(self, work: Any) -> Any:
+        """Run `work` while another command (a scale-down to the count it has: nothing to do) is sent;
+        that one must be answered within ANSWER_S."""
+
+        async def other() -> float:
+            t0 = time.perf_counter()
+            res = await self.admin.scale_down(KNOWN, 5)
+            assert res.ok, res
+            return time.perf_counter() - t0
+
+        took, out = await asyncio.gather(other(), work)
+        self.slowest = max(self.slowest, took)
+        assert took <= ANSWER_S, f"another command took {took:.2f}s while fuzz input was handled"
+        return out
+
+
+@pytest.fixture(scope="module")
+def rig(nats_server: EmbeddedNats) -> Iterator[Rig]:
+    r = Rig(nats_server.url)
+    try:
+        yield r
+    finally:
+        r.close()
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
+@given(body=command_bodies, verb=subject_verbs)
+def test_fuzzed_commands_get_a_clear_answer_and_refusals_append_nothing(rig: Rig, body: bytes, verb: str | None) -> None:
+    try:
+        sent_verb = verb or str(msgspec.json.decode(body).get("verb"))
+    except Exception:  # noqa: BLE001 - not an object: any verb
+        sent_verb = "deploy"
+    subject = f"ndif.cmd.{sent_verb}" if sent_verb and all(c.isalnum() or c in "-_" for c in sent_verb) \
+        else "ndif.cmd.junk"
+
+    async def one() -> None:
+        before = await rig.log.last_seq()
+        raw = await rig.answered_meanwhile(rig.log.nc.request(subject, body, timeout=5))
+        res = msgspec.json.decode(raw.data, type=CommandResult)
+        if not res.ok:
+            assert res.error and res.message, res
+            assert res.error != "Exception" and not res.message.startswith("controller error"), res  # no crash
+            assert await rig.log.last_seq() == before, f"refused input appended events: {res}"
+
+    rig.run(one())
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@given(body=request_bodies, header_id=header_ids, on_own_subject=st.booleans())
+def test_fuzzed_requests_end_clearly_and_leave_nothing_behind(rig: Rig, body: bytes, header_id: str | None,
+                                                              on_own_subject: bool) -> None:
+    try:
+        decoded = msgspec.json.decode(body)
+        rid = decoded.get("request_id") if isinstance(decoded, dict) else None
+        mk = decoded.get("model_key") if isinstance(decoded, dict) else None
+    except Exception:  # noqa: BLE001 - not JSON
+        rid, mk = None, None
+    try:
+        subject = f"ndif.req.{model_token(canonical_model_key(mk))}" if on_own_subject and isinstance(mk, str) \
+            else f"ndif.req.fuzz-{uuid.uuid4().hex[:10]}"
+    except Exception:  # noqa: BLE001 - not a model key
+        subject = f"ndif.req.fuzz-{uuid.uuid4().hex[:10]}"
+    headers = {"Nats-Msg-Id": header_id} if header_id is not None else None
+    keyed = next((i for i in (rid, header_id) if _valid(i)), None)
+
+    async def one() -> None:
+        before = await rig.log.last_seq()
+        try:
+            ack = await rig.answered_meanwhile(rig.log.js.publish(subject, body, headers=headers))
+        except nats.js.errors.APIError:
+            return  # refused by the server (e.g. a header id it rejects): nothing stored
+        if ack.duplicate:
+            return  # the same Nats-Msg-Id within the dedup window (hypothesis repeats inputs): not stored again
+        if keyed is not None and keyed == rid:
+            # The status is kept under the body's id (or the header's when the body has none valid).
+            async with asyncio.timeout(15):
+                while True:
+                    try:
+                        u = status_decoder.decode((await rig.kv.get(keyed)).value)
+                        if u.terminal:
+                            break
+                    except nats.js.errors.KeyNotFoundError:
+                        pass
+                    await asyncio.sleep(0.02)
+            assert u.status.value == "ERROR" and u.error and u.message, u
+        async with asyncio.timeout(15):  # refused or not, it leaves the work queue
+            while (await rig.log.js.stream_info(REQUESTS_STREAM)).state.messages:
+                await asyncio.sleep(0.05)
+        assert [c.name for c in await rig.log.js.consumers_info(REQUESTS_STREAM)] == []
+        assert await rig.log.last_seq() == before
+
+    rig.run(one())
+
+
+def _valid(rid: Any) -> bool:
+    try:
+        check_request_id(rid)
+    except Exception:  # noqa: BLE001
+        return False
+    return True
