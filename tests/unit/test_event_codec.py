@@ -11,8 +11,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from schemas import events as E
+from schemas.errors import InvalidCommand
 from schemas.events import ModelRef, Skipped, decode_event, decode_or_skip, encode_event, model_ref
-from schemas.keys import canonical_model_key
+from schemas.keys import canonical_model_key, check_repo_id
 from schemas.status import EvictionReason, Level
 
 GPT2 = 'nnsight.modeling.language.LanguageModel:{"repo_id": "openai-community/gpt2", "revision": null}'
@@ -126,8 +127,16 @@ def test_model_ref_fields():
     assert ref is not None and ref.model_key == PINNED
 
 
+def _valid_repo(r: str) -> bool:
+    try:
+        check_repo_id(r)
+    except InvalidCommand:
+        return False
+    return True
+
+
 _repo = st.from_regex(r"[A-Za-z0-9_.-]{1,12}(/[A-Za-z0-9_.-]{1,12})?", fullmatch=True).filter(
-    lambda r: r not in (".", "..") and not r.startswith("."))
+    lambda r: r not in (".", "..") and not r.startswith(".") and _valid_repo(r))
 _rev = st.none() | st.text(min_size=1, max_size=12)
 
 
