@@ -269,8 +269,10 @@ async def test_undeploy_ends_waiting_requests_and_drops_the_processor(nats_serve
     big = config_only(tmp_path, "huge", tiny)
     mk = canonical_model_key(big)
     async with Cluster(Controller(url), ScriptedAgent(url, "node-a", gpus=1, gpu_bytes=80 * GB)):
-        # Registered at 500 GB: it never fits, so its request waits in the processor.
-        assert (await ndif(url, "deploy", big, "--size-bytes", str(500 * GB))).rc == 7
+        # The only card is taken (60 of 80 GB) and the model needs 60 GB: no room now (not
+        # impossible: that would end the request at once), so its request waits in the processor.
+        assert (await ndif(url, "deploy", str(tiny), "--size-bytes", str(60 * GB))).rc == 0
+        assert (await ndif(url, "deploy", big, "--size-bytes", str(60 * GB))).rc == 7
         d = await Dispatcher(url, name="dispatcher:test").start()
         try:
             async with Client(url) as c:
