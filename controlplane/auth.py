@@ -119,7 +119,10 @@ def permissions(role: str, *, name: str = "", node_id: str = "") -> dict[str, An
     elif role == "agent":
         ntok = node_token(node_id)
         pub = [f"ndif.evt.node.{ntok}", f"ndif.evt.replica.*.*.{ntok}", f"$KV.{HEARTBEATS_BUCKET}.{ntok}",
-               f"{_API}.STREAM.INFO.{_kv(HEARTBEATS_BUCKET)}", *events]
+               f"{_API}.STREAM.INFO.{_kv(HEARTBEATS_BUCKET)}", *events,
+               # its own node's last heartbeat (a node id held by a live agent is not taken twice)
+               f"{_API}.STREAM.MSG.GET.{_kv(HEARTBEATS_BUCKET)}",
+               f"{_API}.DIRECT.GET.{_kv(HEARTBEATS_BUCKET)}.$KV.{HEARTBEATS_BUCKET}.{ntok}"]
         sub = ["ndif.run.>", inbox]
     elif role == "dispatcher":
         pub = ["ndif.evt.replica.*.*.dispatcher", "ndif.cmd.deploy", "ndif.status.>", "ndif.run.>",
