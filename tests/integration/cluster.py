@@ -30,9 +30,10 @@ class Ran:
         return [json.loads(line) for line in self.out.splitlines() if line.strip()]
 
 
-async def ndif(url: str, *args: str, timeout: float = 60.0) -> Ran:
-    """Run `ndif ARGS --nats URL` in a subprocess (the installed entry point's module)."""
-    env = {**os.environ, "NDIF_LOG_LEVEL": "WARNING"}
+async def ndif(url: str, *args: str, timeout: float = 60.0, env: dict[str, str] | None = None) -> Ran:
+    """Run `ndif ARGS --nats URL` in a subprocess (the installed entry point's module); `env` adds
+    to the environment (e.g. the NDIF_HOME whose credentials an `ndif up` made)."""
+    env = {**os.environ, "NDIF_LOG_LEVEL": "WARNING", **(env or {})}
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "dataplane.cli", *args, "--nats", url,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env,

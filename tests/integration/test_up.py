@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from controlplane.auth import creds_file, load_creds
 from controlplane.eventstore import JetStreamEventLog
 from dataplane.watchdog import _start_time, descendants
 from tests.integration.cluster import ndif
@@ -38,7 +39,9 @@ class Up:
 
     def __init__(self, tmp: Path, name: str, port: int, *args: str, store: str | None = None) -> None:
         self.out, self.err = tmp / f"{name}.out", tmp / f"{name}.err"
-        env = {**os.environ, "NDIF_HOME": str(tmp / f"{name}-home")}
+        # The home (its credentials) goes with the store: an `up` on the same store is the same deployment.
+        self.home = tmp / f"{store or name}-home"
+        env = {**os.environ, "NDIF_HOME": str(self.home)}
         with self.out.open("wb") as out, self.err.open("wb") as err:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "dataplane.cli", "up", "--port", str(port), "--store",
@@ -70,8 +73,8 @@ def ups(tmp_path: Path) -> Iterator[list[Up]]:
         u.stop()
 
 
-async def _last_seq(url: str) -> int:
-    log = await JetStreamEventLog.open(url, ensure=False)
+async def _last_seq(url: str, home: Path) -> int:
+    log = await JetStreamEventLog.open(url, ensure=False, creds=load_creds(creds_file("admin", home=home)))
     try:
         return int((await log.js.stream_info("NDIF_EVENTS")).state.last_seq)
     finally:
@@ -86,9 +89,9 @@ async def test_a_second_up_on_a_port_in_use_fails_in_one_line_and_appends_nothin
     ups.append(first)
     await asyncio.to_thread(first.wait_running)
     assert "no GPU found" in first.err.read_text() and "--gpus N" in first.err.read_text()
-    before = await _last_seq(url)
+    before = await _last_seq(url, first.home)
     await asyncio.sleep(1.0)
-    assert await _last_seq(url) == before  # quiet now: nothing appends on its own
+    assert await _last_seq(url, first.home) == before  # quiet now: nothing appends on its own
 
     second = Up(tmp_path, "second", port, "--gpus", "1")
     ups.append(second)  # stopped at the end should it wrongly come up
@@ -99,9 +102,9 @@ async def test_a_second_up_on_a_port_in_use_fails_in_one_line_and_appends_nothin
     assert "address already in use" in err[0] and "try --port" in err[0]
     assert "running" not in second.out.read_text()
     await asyncio.sleep(2.0)  # a second agent/dispatcher would have appended NodeJoined by now
-    assert await _last_seq(url) == before
+    assert await _last_seq(url, first.home) == before
 
-    status = (await ndif(url, "status", "--json")).json()
+    status = (await ndif(url, "status", "--json", env={"NDIF_HOME": str(first.home)})).json()
     assert [n["node_id"] for n in status["nodes"]] == [socket.gethostname()]
     assert status["nodes"][0]["stale"] is False and status["nodes"][0]["heartbeat_age_s"] < 3
 
@@ -119,7 +122,7 @@ async def test_kill_9_of_up_leaves_no_process_behind_and_status_marks_the_node_s
     assert any(b"nats-server" in n for n in names.values()) and any(b"raylet" in n for n in names.values())
 
     # The node's heartbeat is fresh while it runs.
-    status = (await ndif(url, "status", "--json")).json()
+    status = (await ndif(url, "status", "--json", env={"NDIF_HOME": str(up.home)})).json()
     assert status["nodes"][0]["stale"] is False
 
     up.proc.kill()
@@ -133,11 +136,11 @@ async def test_kill_9_of_up_leaves_no_process_behind_and_status_marks_the_node_s
     again = Up(tmp_path, "again", port, "--gpus", "1", "--node-id", "other", store="up")
     ups.append(again)
     await asyncio.to_thread(again.wait_running)
-    ran = await ndif(url, "status", "--json")
+    ran = await ndif(url, "status", "--json", env={"NDIF_HOME": str(up.home)})
     nodes = {n["node_id"]: n for n in ran.json()["nodes"]}
     assert nodes["other"]["stale"] is False
     hb: Any = nodes[socket.gethostname()]
     assert hb["alive"] is True and hb["stale"] is True and (hb["heartbeat_age_s"] is None or hb["heartbeat_age_s"] > 6)
-    ran = await ndif(url, "status")
+    ran = await ndif(url, "status", env={"NDIF_HOME": str(up.home)})
     line = next(ln for ln in ran.out.splitlines() if ln.startswith(socket.gethostname()))
     assert "STALE" in line, ran.out
