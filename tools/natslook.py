@@ -11,6 +11,10 @@ same reads through nats-py and prints what each read returned, in a layout of it
 `view` = `nats stream view NDIF_EVENTS [--subject F]` (stored messages by sequence), `subjects` =
 `nats stream subjects NDIF_EVENTS [F]`, `sub` = `nats sub SUBJECT` (live messages only),
 `kv-watch` = `nats kv watch BUCKET [KEY]` (the latest value of each key, then updates).
+
+Credentials: `--creds FILE` (a `$NDIF_HOME/auth/<user>.creds` file that `ndif up` wrote; default
+`NDIF_CREDS`, else the admin's file of `$NDIF_HOME/auth/` for a loopback URL), or `--user` and
+`--password`; none against `ndif up --open`.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import nats
 from nats.js import api
 
+from controlplane.auth import load_creds, resolve
 from schemas.subjects import EVENTS_STREAM
 
 
@@ -97,6 +102,9 @@ async def kv_watch(js: nats.js.JetStreamContext, bucket: str, key: str, count: i
 async def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--nats", default=os.environ.get("NDIF_NATS_URL", "nats://127.0.0.1:4222"), help="NATS URL")
+    ap.add_argument("--creds", default=None, help="credentials file (default: NDIF_CREDS, else the local admin's)")
+    ap.add_argument("--user", default=None, help="NATS user (with --password)")
+    ap.add_argument("--password", default=None, help="NATS password")
     sub = ap.add_subparsers(dest="what", required=True)
     p = sub.add_parser("view", help="stored events by sequence")
     p.add_argument("--subject", default="ndif.evt.>", help="subject filter")
@@ -112,7 +120,12 @@ async def main() -> None:
         if name == "kv-watch":
             p.add_argument("--key", default=">", help="key filter (default: every key)")
     a = ap.parse_args()
-    nc = await nats.connect(a.nats)
+    if a.user:
+        opts = {"user": a.user, "password": a.password or "", "inbox_prefix": f"_INBOX_{a.user}"}
+    else:
+        creds = load_creds(Path(a.creds)) if a.creds else resolve("admin", url=a.nats)
+        opts = creds.connect_options() if creds else {}
+    nc = await nats.connect(a.nats, **opts)
     js = nc.jetstream()
     try:
         if a.what == "view":
