@@ -299,8 +299,9 @@ def add_admin_commands(sub: Any) -> None:
                    help="seconds without a node heartbeat before NodeLost (default %(default)s)")
     p.add_argument("--max-restarts", type=int, default=3,
                    help="in-place restarts of a failed replica before it is placed elsewhere (default %(default)s)")
-    p.add_argument("--stream-replicas", type=int, default=1,
-                   help="replicas of the streams and buckets it creates (3 on a NATS cluster)")
+    p.add_argument("--stream-replicas", type=int, default=None,
+                   help="replicas of the streams and buckets it creates (3 on a NATS cluster; "
+                        "default env NDIF_STREAM_REPLICAS, else 1)")
     p.add_argument("--min-deploy-s", type=float, default=300.0,
                    help="seconds a replica stays before pressure may evict it (default %(default)s)")
     p.add_argument("--headroom", type=float, default=PADDING,

@@ -68,7 +68,7 @@ def seed_of(command_id: str) -> int:
 class Controller:
     def __init__(self, url: str, *, name: str | None = None, min_deploy_s: float = MIN_DEPLOY_S,
                  max_restarts: int = MAX_RESTARTS, heartbeat_grace_s: float = 20.0,
-                 policy_interval_s: float = 2.0, max_inflight: int = 512, stream_replicas: int = 1,
+                 policy_interval_s: float = 2.0, max_inflight: int = 512, stream_replicas: int | None = None,
                  headroom: float = PADDING, max_replicas_per_model: int | None = None,
                  max_replicas_per_command: int | None = None,
                  creds: Creds | None = None) -> None:
@@ -85,7 +85,7 @@ class Controller:
         self.max_restarts = max_restarts
         self.heartbeat_grace_s = heartbeat_grace_s
         self.policy_interval_s = policy_interval_s
-        self.stream_replicas = stream_replicas  # R3 on a NATS cluster (deploy/nats/)
+        self.stream_replicas = stream_replicas  # R3 on a NATS cluster (deploy/nats/); None: NDIF_STREAM_REPLICAS, else 1
         self.creds = creds  # the controller role's user (controlplane/auth.py); None: found locally
         self.log: JetStreamEventLog | None = None
         self.committer: GroupCommitter[ClusterState] | None = None

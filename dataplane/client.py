@@ -8,7 +8,7 @@
 
 A request is durable once `submit` returns (stored in the `NDIF_REQUESTS` stream; the same request
 id re-submitted within the dedup window is stored once). Statuses arrive live on
-`ndif.status.<id>`; a client that connects later (or reconnects) first reads the latest one kept in
+`ndif.status.<user>.<id>` (`ndif.status.<id>` on an open server); a client that connects later (or reconnects) first reads the latest one kept in
 KV, and a job that has been quiet for a while re-reads it, so a live status lost on the way (core
 NATS is at-most-once) never leaves a user waiting for a terminal status that is already kept. `result()` raises `RequestFailed` for an ERROR.
 

@@ -3,7 +3,8 @@
 - It folds the event stream with the same reducer as every component and hands each processor its
   queue view on every event: the processor's replica set is the log's, with no second control
   plane to lag behind.
-- Requests live in the work-queue stream `NDIF_REQUESTS` (`ndif.req.<mtok>`). Each model subject
+- Requests live in the work-queue stream `NDIF_REQUESTS` (`ndif.req.<mtok>.<user>`; `ndif.req.<mtok>`
+  on an open server). Each model
   gets its own durable pull consumer (`proc-<mtok>`): a model waiting for provisioning holds its own
   requests only and never stalls another model's. A request is acked only at COMPLETED or ERROR;
   while held (queued or running) it is kept alive with in-progress acks. Execution is
@@ -695,7 +696,7 @@ class Dispatcher:
     async def finish(self, p: Pending, status: RequestStatus, **kw: Any) -> bool:
         """The terminal status, written exactly once (CAS); then the request is acked.
 
-        Kept by compare-and-set; the server republishes it on `ndif.status.<id>` as it is stored.
+        Kept by compare-and-set; the server republishes it on `ndif.status.[<user>.]<id>` as it is stored.
         """
         if status is R.COMPLETED and "result" in kw:
             body = msgspec.json.encode(kw["result"])

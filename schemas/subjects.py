@@ -131,7 +131,8 @@ def operator_filters(model_key: str | None = None, replica_id: int | None = None
         else:  # decisions on the replica's subject, observed facts one token deeper (their source)
             out["replica decisions"] = replica_subject(model_key, replica_id)
             out["replica facts"] = f"{replica_subject(model_key, replica_id)}.*"
-        out["requests"] = request_subject(model_key)
+        out["requests"] = request_subject(model_key)  # an open server's (no users)
+        out["user requests"] = f"{request_subject(model_key)}.*"  # with users: `ndif.req.<mtok>.<user>`
     if node_id is not None:
         out["node events"] = node_subject(node_id)
         out["heartbeat key"] = f"{node_token(node_id)} (bucket {HEARTBEATS_BUCKET})"
