@@ -93,7 +93,8 @@ async def test_the_whole_stack_runs_with_auth_on(models: dict[str, str], stack: 
                                                  home: Path) -> None:
     url = stack["url"]
     model, big = models["gpt2"], models["big"]
-    rc, out, err = await ndif_as(home, url, "deploy", model, "--replicas", "1", "--wait")
+    # Two replicas that claim 60 GB each: one per 80 GB card, so a second 60 GB model has no room now.
+    rc, out, err = await ndif_as(home, url, "deploy", model, "--replicas", "2", "--size-bytes", str(60 * GB), "--wait")
     assert rc == 0, (out, err)
 
     async with Client(url) as alice:  # the SDK's default: alice, from $NDIF_HOME
@@ -107,8 +108,9 @@ async def test_the_whole_stack_runs_with_auth_on(models: dict[str, str], stack: 
     procs = json.loads(out)["processors"]
     assert sum(p.get("endpoint_calls", 0) for p in procs) >= 1  # replicas served over NATS, as the agent's user
 
-    # Bob's request waits on a model with no room; Alice cannot kill it, Bob can.
-    rc, out, err = await ndif_as(home, url, "deploy", big, "--replicas", "1", "--size-bytes", str(10_000 * GB))
+    # Bob's request waits on a model with no room now; Alice cannot kill it, Bob can.
+    # (not an impossible one: its requests would end at once)
+    rc, out, err = await ndif_as(home, url, "deploy", big, "--replicas", "1", "--size-bytes", str(60 * GB))
     assert "CANT_ACCOMMODATE" in out + err, (rc, out, err)
     async with Client(url, creds=auth.role("client:bob")) as bob, Client(url) as alice:
         job = await bob.submit(big, {"op": "forward", "input_ids": [[1]]})

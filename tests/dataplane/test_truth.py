@@ -101,7 +101,7 @@ async def test_a_model_no_node_can_hold_ends_at_once_with_the_reason(service: di
         for j in jobs:
             with pytest.raises(RequestFailed, match=r"largest card is 80\.00 GB"):
                 await j.result(timeout=20)
-    assert after_first[len(before):] == ["DeploymentRequested", "PlacementRejected"]
+    assert after_first[len(before):] == ["CommandDecided", "DeploymentRequested", "PlacementRejected"]
     assert await _events(lg, models["llama"]) == after_first
 
 
