@@ -152,7 +152,6 @@ class Dispatcher:
             raise errs.InvalidCommand(f"NDIF_REPLICA_LINK is {link!r}: use 'nats' (the default) or 'ray'")
         self.use_link = link == "nats"
         self._outbox_task: asyncio.Task[None] | None = None
-        self._consumers: dict[str, asyncio.Task[None]] = {}  # model token -> its consume task
         self._triaging: set[str] = set()  # unknown model tokens whose requests are being looked at
         self._refused: dict[str, tuple[float, str, str]] = {}  # model key -> (until, error, message)
         self._unknown_seen: set[str] = set()  # consumer names found unknown at the last sweep
@@ -633,6 +632,7 @@ class Dispatcher:
         # a request id re-sent past the dedup window, runs again and its compare-and-set loses).
         done = await self._terminal(status_key(req.request_id, user)) if attempt > 1 else None
         if done is not None:
+            assert self.log_ is not None
             # Finished by an earlier delivery whose dispatcher died before acking: never run twice.
             # It may also have died before publishing, so the kept terminal status is published again
             # (same bytes; clients stop at the first terminal status they see).
