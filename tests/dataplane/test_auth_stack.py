@@ -86,14 +86,16 @@ async def stack(secured: EmbeddedNats, auth: LocalAuth, home: Path, local_ray: s
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("ckpt")  # made before the services start (it holds the event loop)
-    return {"gpt2": str(make_tiny_gpt2(root / "gpt2")), "big": str(make_tiny_gpt2(root / "big"))}
+    return {"gpt2": str(make_tiny_gpt2(root / "gpt2")), "big": str(make_tiny_gpt2(root / "big")),
+            "third": str(make_tiny_gpt2(root / "third"))}
 
 
 async def test_the_whole_stack_runs_with_auth_on(models: dict[str, str], stack: dict[str, Any], auth: LocalAuth,
                                                  home: Path) -> None:
     url = stack["url"]
     model, big = models["gpt2"], models["big"]
-    rc, out, err = await ndif_as(home, url, "deploy", model, "--replicas", "1", "--wait")
+    # Charged 40 GB: it takes most of one card, so `big` below has no room now (though an empty node holds it).
+    rc, out, err = await ndif_as(home, url, "deploy", model, "--replicas", "1", "--size-bytes", str(40 * GB), "--wait")
     assert rc == 0, (out, err)
 
     async with Client(url) as alice:  # the SDK's default: alice, from $NDIF_HOME
@@ -107,8 +109,9 @@ async def test_the_whole_stack_runs_with_auth_on(models: dict[str, str], stack: 
     procs = json.loads(out)["processors"]
     assert sum(p.get("endpoint_calls", 0) for p in procs) >= 1  # replicas served over NATS, as the agent's user
 
-    # Bob's request waits on a model with no room; Alice cannot kill it, Bob can.
-    rc, out, err = await ndif_as(home, url, "deploy", big, "--replicas", "1", "--size-bytes", str(10_000 * GB))
+    # Bob's request waits on a model with no room now (a model no node could ever hold would end it at
+    # once); Alice cannot kill it, Bob can. 100 GB spans both cards, and one of them is mostly taken.
+    rc, out, err = await ndif_as(home, url, "deploy", big, "--replicas", "1", "--size-bytes", str(100 * GB))
     assert "CANT_ACCOMMODATE" in out + err, (rc, out, err)
     async with Client(url, creds=auth.role("client:bob")) as bob, Client(url) as alice:
         job = await bob.submit(big, {"op": "forward", "input_ids": [[1]]})
@@ -141,7 +144,7 @@ async def test_undeploy_unknown_model_and_dashboard_with_auth_on(models: dict[st
     from schemas.subjects import REQUESTS_STREAM, model_token
 
     url = stack["url"]
-    model = models["gpt2"]
+    model = models["third"]  # its own model: the server (and its log) is the module's
     rc, out, err = await ndif_as(home, url, "deploy", model, "--replicas", "1", "--wait")
     assert rc == 0, (out, err)
     async with Client(url) as alice:
