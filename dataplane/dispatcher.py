@@ -78,8 +78,9 @@ _KV_STATUSES = {R.RECEIVED, R.QUEUED, R.RUNNING, R.PROVISIONING, R.DEPLOYING}
 ACK_WAIT_S = 4.0
 UNKNOWN_CONSUMER_SWEEP_S = 10.0  # consumers of models the log does not know are deleted this often
 KNOWN_GRACE_S = 10.0  # a processor made as its model was deployed waits this long for the fold to show it
-REFUSED_MODEL_MEMO_S = 10.0
-TRIAGE_DEPLOYS = 4  # deployments the triage of unknown model subjects asks for at once  # a model the controller refused to deploy is not asked again for this long
+REFUSED_MODEL_MEMO_S = 10.0  # a model the controller refused to deploy is not asked again for this long
+MAX_REFUSED_MEMO = 1_000  # refused model names remembered at once (the names come from users: bounded)
+TRIAGE_DEPLOYS = 4  # deployments the triage of unknown model subjects asks for at once
 PROVISION_RETRY_S = 5.0  # a model the cluster has no room for is deployed again after 5 s, 10 s, ... 60 s
 PROVISION_RETRY_MAX_S = 60.0
 QUEUE_LIFETIME_S = 600.0  # a request still queued this long after a dispatcher took it ends in ERROR
@@ -152,7 +153,6 @@ class Dispatcher:
             raise errs.InvalidCommand(f"NDIF_REPLICA_LINK is {link!r}: use 'nats' (the default) or 'ray'")
         self.use_link = link == "nats"
         self._outbox_task: asyncio.Task[None] | None = None
-        self._consumers: dict[str, asyncio.Task[None]] = {}  # model token -> its consume task
         self._triaging: set[str] = set()  # unknown model tokens whose requests are being looked at
         self._refused: dict[str, tuple[float, str, str]] = {}  # model key -> (until, error, message)
         self._unknown_seen: set[str] = set()  # consumer names found unknown at the last sweep
@@ -478,7 +478,8 @@ class Dispatcher:
             except (errs.InvalidCommand, errs.NotFound) as exc:
                 if "already has" not in str(exc):
                     msg = f"cannot deploy {display_name(mk)}: {exc}"
-                    self._refused[mk] = (time.monotonic() + REFUSED_MODEL_MEMO_S, type(exc).__name__, msg)
+                    now = time.monotonic()
+                    _memo_put(self._refused, mk, (now + REFUSED_MODEL_MEMO_S, type(exc).__name__, msg), now)
                     await self._refuse_stored(seq, data, raw.headers, type(exc).__name__, msg, user)
                     continue
             except errs.NdifError as exc:  # no controller: the request stays; try again shortly
@@ -632,6 +633,7 @@ class Dispatcher:
         # a request id re-sent past the dedup window, runs again and its compare-and-set loses).
         done = await self._terminal(status_key(req.request_id, user)) if attempt > 1 else None
         if done is not None:
+            assert self.log_ is not None
             # Finished by an earlier delivery whose dispatcher died before acking: never run twice.
             # It may also have died before publishing, so the kept terminal status is published again
             # (same bytes; clients stop at the first terminal status they see).
@@ -862,6 +864,18 @@ def _retrieve(fut: asyncio.Future[bool]) -> None:
 def _resolve(fut: asyncio.Future[bool], value: bool) -> None:
     if not fut.done():
         fut.set_result(value)
+
+
+def _memo_put(memo: dict[str, tuple[float, str, str]], key: str, value: tuple[float, str, str], now: float,
+              cap: int = MAX_REFUSED_MEMO) -> None:
+    """Keep `value` (its first field: until when) under `key`; a full memo drops its expired entries,
+    then its oldest, so it never holds more than `cap` (a flood of model names cannot grow it)."""
+    if key not in memo and len(memo) >= cap:
+        for k in [k for k, v in memo.items() if v[0] <= now]:
+            del memo[k]
+        while len(memo) >= cap:
+            del memo[next(iter(memo))]
+    memo[key] = value
 
 
 def _valid_id(rid: str) -> str | None:

@@ -261,9 +261,11 @@ class Dashboard:
             out["error"] = f"no dispatcher answered ({type(exc).__name__})"
         # Every model's work-queue consumer in a few listing requests (256 a page), not one request each.
         pending: dict[str, tuple[int, int]] = {}
+        listed = 0  # consumers listed so far, ours or not: the next page's offset
         with contextlib.suppress(nats.js.errors.NotFoundError):
-            while len(pending) < MAX_QUEUE_CONSUMERS:
-                page = await self.log_.js.consumers_info(REQUESTS_STREAM, offset=len(pending) or None)
+            while listed < MAX_QUEUE_CONSUMERS:
+                page = await self.log_.js.consumers_info(REQUESTS_STREAM, offset=listed or None)
+                listed += len(page)
                 for info in page:
                     if info.name and info.name.startswith("proc-"):
                         pending[info.name[5:]] = (info.num_pending or 0, info.num_ack_pending or 0)

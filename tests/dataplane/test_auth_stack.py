@@ -86,15 +86,16 @@ async def stack(secured: EmbeddedNats, auth: LocalAuth, home: Path, local_ray: s
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("ckpt")  # made before the services start (it holds the event loop)
-    return {"gpt2": str(make_tiny_gpt2(root / "gpt2")), "big": str(make_tiny_gpt2(root / "big"))}
+    return {"gpt2": str(make_tiny_gpt2(root / "gpt2")), "big": str(make_tiny_gpt2(root / "big")),
+            "third": str(make_tiny_gpt2(root / "third"))}
 
 
 async def test_the_whole_stack_runs_with_auth_on(models: dict[str, str], stack: dict[str, Any], auth: LocalAuth,
                                                  home: Path) -> None:
     url = stack["url"]
     model, big = models["gpt2"], models["big"]
-    # Two replicas that claim 60 GB each: one per 80 GB card, so a second 60 GB model has no room now.
-    rc, out, err = await ndif_as(home, url, "deploy", model, "--replicas", "2", "--size-bytes", str(60 * GB), "--wait")
+    # Charged 40 GB: it takes most of one card, so `big` below has no room now (though an empty node holds it).
+    rc, out, err = await ndif_as(home, url, "deploy", model, "--replicas", "1", "--size-bytes", str(40 * GB), "--wait")
     assert rc == 0, (out, err)
 
     async with Client(url) as alice:  # the SDK's default: alice, from $NDIF_HOME
@@ -108,9 +109,9 @@ async def test_the_whole_stack_runs_with_auth_on(models: dict[str, str], stack: 
     procs = json.loads(out)["processors"]
     assert sum(p.get("endpoint_calls", 0) for p in procs) >= 1  # replicas served over NATS, as the agent's user
 
-    # Bob's request waits on a model with no room now; Alice cannot kill it, Bob can.
-    # (not an impossible one: its requests would end at once)
-    rc, out, err = await ndif_as(home, url, "deploy", big, "--replicas", "1", "--size-bytes", str(60 * GB))
+    # Bob's request waits on a model with no room now (a model no node could ever hold would end it at
+    # once); Alice cannot kill it, Bob can. 100 GB spans both cards, and one of them is mostly taken.
+    rc, out, err = await ndif_as(home, url, "deploy", big, "--replicas", "1", "--size-bytes", str(100 * GB))
     assert "CANT_ACCOMMODATE" in out + err, (rc, out, err)
     async with Client(url, creds=auth.role("client:bob")) as bob, Client(url) as alice:
         job = await bob.submit(big, {"op": "forward", "input_ids": [[1]]})
@@ -126,5 +127,58 @@ async def test_the_whole_stack_runs_with_auth_on(models: dict[str, str], stack: 
             await job.result(timeout=30)
 
     # Nothing any service did for its job was refused by the server.
+    violations = [ln for ln in stack["log_path"].read_text().splitlines() if "Violation" in ln]
+    assert violations == [], violations[:5]
+
+
+async def test_undeploy_unknown_model_and_dashboard_with_auth_on(models: dict[str, str], stack: dict[str, Any],
+                                                                 auth: LocalAuth, home: Path,
+                                                                 tmp_path: Path) -> None:
+    """The paths where two roles meet: a request for a model that cannot be deployed (the dispatcher's
+    triage asks the controller, then ends and deletes the request), the dashboard as its read-only
+    role (events, the dispatcher's state, the queue consumers), and `ndif undeploy` (the dispatcher
+    removes the model's consumer). Nothing any of them does is refused by the server."""
+    import aiohttp
+
+    from controlplane.dashboard import Dashboard
+    from schemas.subjects import REQUESTS_STREAM, model_token
+
+    url = stack["url"]
+    model = models["third"]  # its own model: the server (and its log) is the module's
+    rc, out, err = await ndif_as(home, url, "deploy", model, "--replicas", "1", "--wait")
+    assert rc == 0, (out, err)
+    async with Client(url) as alice:
+        assert (await alice.run(model, {"op": "forward", "input_ids": [[1, 2]]}, timeout=120))["next_token_ids"]
+        # A model no one deployed, and no checkpoint there: triage's deploy is refused, the request ends.
+        job = await alice.submit(str(tmp_path / "no-such-model"), {"op": "forward", "input_ids": [[1]]})
+        with pytest.raises(RequestFailed):
+            await job.result(timeout=60)
+
+    async with Dashboard(url, port=0, creds=auth.role("dashboard"), queue_poll_s=0.2) as dash:
+        async with aiohttp.ClientSession() as http:
+            for path in ("api/state", "api/events", "api/queues"):
+                async with http.get(dash.url + path) as r:
+                    assert r.status == 200, (path, await r.text())
+            async with asyncio.timeout(30):
+                while True:
+                    async with http.get(dash.url + "api/queues") as r:
+                        q = await r.json()
+                    rows = [v for k, v in q["models"].items() if model in k]
+                    if q["dispatcher"] and rows and rows[0].get("pending") is not None:
+                        break
+                    await asyncio.sleep(0.2)
+            assert q["error"] is None, q
+
+    rc, out, err = await ndif_as(home, url, "undeploy", model)
+    assert rc == 0, (out, err)
+    admin = await JetStreamEventLog.open(url, creds=auth.role("admin"), ensure=False)
+    try:
+        tok = model_token(next(k for k in q["models"] if model in k))
+        async with asyncio.timeout(60):
+            while f"proc-{tok}" in [c.name for c in await admin.js.consumers_info(REQUESTS_STREAM)]:
+                await asyncio.sleep(0.2)
+    finally:
+        await admin.close()
+
     violations = [ln for ln in stack["log_path"].read_text().splitlines() if "Violation" in ln]
     assert violations == [], violations[:5]

@@ -194,3 +194,28 @@ async def test_ndif_dashboard_command(nats_server: EmbeddedNats) -> None:
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     _, err = await asyncio.wait_for(bad.communicate(), 60)
     assert bad.returncode == 2 and b"--port" in err
+
+
+async def test_queue_figures_page_past_consumers_that_are_not_a_models(stack: Any, tiny: Path) -> None:
+    """The request stream's consumer list is read a page (256) at a time; a page of consumers that
+    are not `proc-<mtok>` ones still moves the listing on (it once asked for that page forever)."""
+    from nats.js import api
+
+    from schemas.subjects import REQUESTS_STREAM
+
+    url, _, lg = stack
+    for i in range(300):
+        await lg.js.add_consumer(REQUESTS_STREAM, api.ConsumerConfig(
+            durable_name=f"other-{i:03d}", filter_subject=f"ndif.req.other-{i:03d}", ack_policy=api.AckPolicy.EXPLICIT))
+    try:
+        async with Dashboard(url, port=0, queue_poll_s=0.2) as d, aiohttp.ClientSession() as http:
+            async with asyncio.timeout(20):
+                while True:
+                    status, q = await get(http, d.url.rstrip("/"), "/api/queues")
+                    assert status == 200
+                    if q.get("asked_at"):
+                        break
+                    await asyncio.sleep(0.2)
+    finally:
+        for i in range(300):
+            await lg.js.delete_consumer(REQUESTS_STREAM, f"other-{i:03d}")
