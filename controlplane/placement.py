@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import bisect
 import enum
+import heapq
 import math
 from collections.abc import Iterable
 
@@ -47,7 +48,7 @@ MAX_EVICTION_SETS = 4096
 # DECISION_EVICTION_SETS victim sets over all nodes together (nodes best bound first), then keeps
 # the best found so far; smaller clusters have no such cap (each node keeps its own).
 EXACT_NODES = 16
-DECISION_EVICTION_SETS = 1024
+DECISION_EVICTION_SETS = 512
 
 
 class Candidate(enum.IntEnum):
@@ -547,13 +548,14 @@ def _evict_lower_bound(w: _Work, node: NodeView, req: Request, size: int,
             lack += bpg - f
     if lack <= 0:
         return (0, 0)
+    one = bisect.bisect_left(fps, lack)  # footprints ascend
+    if one < len(fps):  # one victim may do: at least the smallest footprint that covers `lack` alone
+        return 1, fps[one]
     got = 0
-    for k, b in enumerate(fps, 1):
+    for k, b in enumerate(reversed(fps), 1):
         got += b
         if got >= lack:
-            if k == 1:  # one victim: at least the smallest footprint that covers `lack` alone
-                return 1, next(b for b in reversed(fps) if b >= lack)
-            return k, max(lack, sum(fps[-k:]))
+            return k, max(lack, sum(fps[:k]))
     return None
 
 
@@ -568,28 +570,48 @@ def _choose_evict(w: _Work, nodes: list[NodeView], req: Request, size: int, warm
     """
     shapes: dict[int, tuple[int, int]] = {}
     cands = []
+    touched, node_free, bisect_left = w.touched, w.state.node_free, bisect.bisect_left
     for i, node in enumerate(nodes):
-        lb = _evict_lower_bound(w, node, req, size, shapes)
-        if lb is None:
-            continue
         warm = warm_by_node.get(node.node_id)
-        level = Candidate.CACHED_AND_FULL if warm is not None else Candidate.FULL
-        cands.append((level, lb[0], lb[1], i, node, warm))
-    cands.sort()  # positions are unique: nodes themselves are never compared
+        if node.node_id in touched or warm is not None:
+            lb = _evict_lower_bound(w, node, req, size, shapes)
+            if lb is None:
+                continue
+            cands.append((0 if warm is not None else 1, lb[0], lb[1], i, node, warm))
+            continue
+        # `_evict_lower_bound` inlined for the many nodes this plan has not touched (the hot loop).
+        card_bytes, free, _, fps = node_free(node.node_id)
+        shape = shapes.get(card_bytes)
+        if shape is None:
+            shape = shapes[card_bytes] = _shape(size, card_bytes, req.gpus)
+        n, bpg = shape
+        if len(free) < n:
+            continue
+        lack = bpg - free[0] if n == 1 else sum(bpg - f for f in free[:n] if f < bpg)
+        if lack <= 0:
+            cands.append((1, 0, 0, i, node, None))
+        elif (one := bisect_left(fps, lack)) < len(fps):  # one victim may do: the smallest covering `lack`
+            cands.append((1, 1, fps[one], i, node, None))
+        else:
+            lb = _evict_lower_bound(w, node, req, size, shapes)
+            if lb is not None:
+                cands.append((1, lb[0], lb[1], i, node, None))
+    heapq.heapify(cands)  # positions are unique: nodes themselves are never compared
     w.sets_left = _sets_budget(len(nodes))
-    brank: tuple[Candidate, int, int, int] | None = None
+    brank: tuple[int, int, int, int] | None = None  # (0: CACHED_AND_FULL / 1: FULL, count, bytes, position)
     bchoice: _Choice | None = None
-    for level, lc, lbytes, i, node, warm in cands:
+    while cands:
+        level, lc, lbytes, i, node, warm = heapq.heappop(cands)
         if brank is not None and (level, lc, lbytes, i) >= brank:
-            break  # sorted by bound: no node from here on can beat the best
+            break  # popped by bound: no node from here on can beat the best
         bound = None
-        if brank is not None and brank[0] is level:
+        if brank is not None and brank[0] == level:
             bound = (brank[1], brank[2] + (1 if i < brank[3] else 0))  # an earlier node wins a tie
         got_level, gpus, bpg, keys = _assess_evict(w, node.node_id, req, size, warm, now_s, min_deploy_s, bound)
         if got_level is Candidate.CANT_ACCOMMODATE:
             continue
         evicted = sum(w.state.replicas[k].bytes_per_gpu * len(w.state.replicas[k].gpu_indices) for k in keys)
-        rank = (got_level, len(keys), evicted, i)
+        rank = (0 if got_level is Candidate.CACHED_AND_FULL else 1, len(keys), evicted, i)
         if brank is None or rank < brank:
             brank, bchoice = rank, (got_level, node.node_id, gpus, bpg, keys, warm)
         if w.sets_left is not None and w.sets_left <= 0:

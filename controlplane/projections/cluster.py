@@ -64,7 +64,7 @@ class NodeFree(NamedTuple):
     card_bytes: int  # the node's largest card
     free: tuple[int, ...]  # total - committed bytes of each card, largest first
     min_footprint: int  # smallest total bytes (all its cards) of a replica on the node's GPUs; 0 if none
-    # Total bytes (all its cards) of each replica on the node's GPUs, largest first: placement's
+    # Total bytes (all its cards) of each replica on the node's GPUs, smallest first: placement's
     # lower bound on a node's evictions reads it without visiting the replicas.
     footprints: tuple[int, ...] = ()
 
@@ -417,7 +417,7 @@ class ClusterState(Projection):
             node = self.nodes[node_id]
             seen = {k: b * len(self.replicas[k].gpu_indices) for g in node.gpus
                     for k, b in self._cards.get((node_id, g.index), {}).items()}
-            footprints = sorted(seen.values(), reverse=True)
+            footprints = sorted(seen.values())
             got = NodeFree(
                 card_bytes=max((g.memory_bytes for g in node.gpus), default=0),
                 free=tuple(sorted((g.memory_bytes - self.card_committed(node_id, g.index) for g in node.gpus),
