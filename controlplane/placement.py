@@ -48,7 +48,7 @@ MAX_EVICTION_SETS = 4096
 # DECISION_EVICTION_SETS victim sets over all nodes together (nodes best bound first), then keeps
 # the best found so far; smaller clusters have no such cap (each node keeps its own).
 EXACT_NODES = 16
-DECISION_EVICTION_SETS = 512
+DECISION_EVICTION_SETS = 256
 
 
 class Candidate(enum.IntEnum):
@@ -587,15 +587,24 @@ def _choose_evict(w: _Work, nodes: list[NodeView], req: Request, size: int, warm
         n, bpg = shape
         if len(free) < n:
             continue
-        lack = bpg - free[0] if n == 1 else sum(bpg - f for f in free[:n] if f < bpg)
+        if n == 1:
+            lack = bpg - free[0]
+        elif free[0] <= bpg:  # free bytes descend: each of the `n` freest cards lacks something
+            lack = n * bpg - sum(free[:n])
+        else:
+            lack = sum(bpg - f for f in free[:n] if f < bpg)
         if lack <= 0:
             cands.append((1, 0, 0, i, node, None))
         elif (one := bisect_left(fps, lack)) < len(fps):  # one victim may do: the smallest covering `lack`
             cands.append((1, 1, fps[one], i, node, None))
-        else:
-            lb = _evict_lower_bound(w, node, req, size, shapes)
-            if lb is not None:
-                cands.append((1, lb[0], lb[1], i, node, None))
+        else:  # the `k` largest footprints must cover `lack`
+            got = k = 0
+            for b in reversed(fps):
+                k += 1
+                got += b
+                if got >= lack:
+                    cands.append((1, k, max(lack, sum(fps[:k])), i, node, None))
+                    break
     heapq.heapify(cands)  # positions are unique: nodes themselves are never compared
     w.sets_left = _sets_budget(len(nodes))
     brank: tuple[int, int, int, int] | None = None  # (0: CACHED_AND_FULL / 1: FULL, count, bytes, position)
