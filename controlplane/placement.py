@@ -18,7 +18,9 @@ and the tie-break seed come in and are recorded in the events). NDIF's rules:
   charged `ceil(charge / N)`;
 - pressure evictions only of non-dedicated, HOT replicas of other models, fewest and then smallest
   over the whole node (a victim spanning several cards frees all of them at once), and only of
-  replicas loaded at least `min_deploy_s` ago unless the requester is dedicated;
+  replicas loaded at least `min_deploy_s` ago unless the requester is dedicated; nodes are
+  searched best bound first; exact on clusters of up to EXACT_NODES live nodes (and whenever the
+  search ends within its budget), else the best found within DECISION_EVICTION_SETS victim sets;
 - an evicted HOT replica goes WARM if its node's CPU cache can hold it (smallest WARM copies are
   dropped to COLD first to make room), else COLD. The cache counts what it holds and what was
   already ordered to WARM but is not yet `Cached`; a WARM copy this plan reuses frees its bytes once;
@@ -252,7 +254,9 @@ def _node_evictions(w: _Work, node_id: str, req: Request, n: int, bpg: int, now_
     Exact: victim sets are tried by size, so one replica spanning every card needed beats one
     victim per card. `bound` (count, bytes) is the best another node offers: only strictly better
     sets are looked for. A size whose largest victims cannot free what the `n` least needy cards
-    lack is skipped untried. Past MAX_EVICTION_SETS tries it settles for the per-card choice.
+    lack is skipped untried, and so is one below what each card's own fewest victims allow.
+    Past MAX_EVICTION_SETS tries, or once the decision's budget (`_Work.sets_left`) is spent, it
+    settles for the per-card choice.
     Returns (cards, victims) or None when no evictable set frees enough (or none beats `bound`).
     """
     node = w.state.nodes[node_id]
