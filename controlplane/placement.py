@@ -539,20 +539,30 @@ def _evict_lower_bound(w: _Work, node: NodeView, req: Request, size: int,
     """
     if node.node_id in w.touched:
         return (0, 0)
-    card_bytes, free, _, fps = w.state.node_free(node.node_id)
+    card_bytes, free, _, fps, _ = w.state.node_free(node.node_id)
     shape = shapes.get(card_bytes)
     if shape is None:
         shape = shapes[card_bytes] = _shape(size, card_bytes, req.gpus)
-    n, bpg = shape
+    return _index_bound(free, fps, *shape)
+
+
+_UNSET = object()
+_MEMO_SHAPES = 32  # replica shapes memoised per node summary (cleared past this: a bound, not a leak)
+
+
+def _index_bound(free: tuple[int, ...], fps: tuple[int, ...], n: int, bpg: int) -> tuple[int, int] | None:
+    """`_evict_lower_bound` from a node's summary: free bytes per card (descending), footprints (ascending)."""
     if len(free) < n:
         return None
-    lack = 0
-    for f in free[:n]:
-        if f < bpg:
-            lack += bpg - f
+    if n == 1:
+        lack = bpg - free[0]
+    elif free[0] <= bpg:  # free bytes descend: each of the `n` freest cards lacks something
+        lack = n * bpg - sum(free[:n])
+    else:
+        lack = sum(bpg - f for f in free[:n] if f < bpg)
     if lack <= 0:
         return (0, 0)
-    one = bisect.bisect_left(fps, lack)  # footprints ascend
+    one = bisect.bisect_left(fps, lack)
     if one < len(fps):  # one victim may do: at least the smallest footprint that covers `lack` alone
         return 1, fps[one]
     got = 0
@@ -574,7 +584,7 @@ def _choose_evict(w: _Work, nodes: list[NodeView], req: Request, size: int, warm
     """
     shapes: dict[int, tuple[int, int]] = {}
     cands = []
-    touched, node_free, bisect_left = w.touched, w.state.node_free, bisect.bisect_left
+    touched, node_free = w.touched, w.state.node_free
     for i, node in enumerate(nodes):
         warm = warm_by_node.get(node.node_id)
         if node.node_id in touched or warm is not None:
@@ -583,32 +593,22 @@ def _choose_evict(w: _Work, nodes: list[NodeView], req: Request, size: int, warm
                 continue
             cands.append((0 if warm is not None else 1, lb[0], lb[1], i, node, warm))
             continue
-        # `_evict_lower_bound` inlined for the many nodes this plan has not touched (the hot loop).
-        card_bytes, free, _, fps = node_free(node.node_id)
-        shape = shapes.get(card_bytes)
+        # `_evict_lower_bound` inlined for the many nodes this plan has not touched (the hot loop),
+        # memoised on the state's per-node summary (a pure function of it and the replica's shape).
+        nf = node_free(node.node_id)
+        shape = shapes.get(nf.card_bytes)
         if shape is None:
-            shape = shapes[card_bytes] = _shape(size, card_bytes, req.gpus)
-        n, bpg = shape
-        if len(free) < n:
-            continue
-        if n == 1:
-            lack = bpg - free[0]
-        elif free[0] <= bpg:  # free bytes descend: each of the `n` freest cards lacks something
-            lack = n * bpg - sum(free[:n])
-        else:
-            lack = sum(bpg - f for f in free[:n] if f < bpg)
-        if lack <= 0:
-            cands.append((1, 0, 0, i, node, None))
-        elif (one := bisect_left(fps, lack)) < len(fps):  # one victim may do: the smallest covering `lack`
-            cands.append((1, 1, fps[one], i, node, None))
-        else:  # the `k` largest footprints must cover `lack`
-            got = k = 0
-            for b in reversed(fps):
-                k += 1
-                got += b
-                if got >= lack:
-                    cands.append((1, k, max(lack, sum(fps[:k])), i, node, None))
-                    break
+            shape = shapes[nf.card_bytes] = _shape(size, nf.card_bytes, req.gpus)
+        memo = nf.memo
+        got = memo.get(shape, _UNSET) if memo is not None else _UNSET
+        if got is _UNSET:
+            got = _index_bound(nf.free, nf.footprints, *shape)
+            if memo is not None:
+                if len(memo) >= _MEMO_SHAPES:
+                    memo.clear()
+                memo[shape] = got
+        if got is not None:
+            cands.append((1, *got, i, node, None))  # type: ignore[misc]
     heapq.heapify(cands)  # positions are unique: nodes themselves are never compared
     w.sets_left = _sets_budget(len(nodes))
     brank: tuple[int, int, int, int] | None = None  # (0: CACHED_AND_FULL / 1: FULL, count, bytes, position)
@@ -642,7 +642,7 @@ def _fits(w: _Work, node: NodeView, size: int, gpus: int | None,
           avoid: set[int] | None) -> tuple[tuple[int, ...], int, bool] | None:
     """(cards, bytes per card, shares a card in `avoid`) if the replica fits on the node without
     evictions: cards outside `avoid` first, best fit (least free first) within each group."""
-    card_bytes, free, _, _ = w.state.node_free(node.node_id)
+    card_bytes, free, _, _, _ = w.state.node_free(node.node_id)
     n, bpg = _shape(size, card_bytes, gpus)
     # The state's per-node index rejects most full nodes in O(1); nodes this plan changed are exact below.
     if node.node_id not in w.touched and (len(free) < n or free[n - 1] < bpg):

@@ -67,6 +67,9 @@ class NodeFree(NamedTuple):
     # Total bytes (all its cards) of each replica on the node's GPUs, smallest first: placement's
     # lower bound on a node's evictions reads it without visiting the replicas.
     footprints: tuple[int, ...] = ()
+    # Placement's memo of what it derives from this summary alone (its eviction lower bound per
+    # replica shape): a pure function of the fields above, dropped with them when a card changes.
+    memo: dict[object, object] | None = None
 
 
 class Registration(msgspec.Struct, frozen=True, kw_only=True, gc=False):
@@ -424,6 +427,7 @@ class ClusterState(Projection):
                                   reverse=True)),
                 min_footprint=min(footprints, default=0),
                 footprints=tuple(footprints),
+                memo={},
             )
             self._node_free[node_id] = got
         return got
