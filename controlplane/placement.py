@@ -18,7 +18,9 @@ and the tie-break seed come in and are recorded in the events). NDIF's rules:
   charged `ceil(charge / N)`;
 - pressure evictions only of non-dedicated, HOT replicas of other models, fewest and then smallest
   over the whole node (a victim spanning several cards frees all of them at once), and only of
-  replicas loaded at least `min_deploy_s` ago unless the requester is dedicated;
+  replicas loaded at least `min_deploy_s` ago unless the requester is dedicated; nodes are
+  searched best bound first; exact on clusters of up to EXACT_NODES live nodes (and whenever the
+  search ends within its budget), else the best found within DECISION_EVICTION_SETS victim sets;
 - an evicted HOT replica goes WARM if its node's CPU cache can hold it (smallest WARM copies are
   dropped to COLD first to make room), else COLD. The cache counts what it holds and what was
   already ordered to WARM but is not yet `Cached`; a WARM copy this plan reuses frees its bytes once;
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import bisect
 import enum
+import heapq
 import math
 from collections.abc import Iterable
 
@@ -43,6 +46,11 @@ MIN_DEPLOY_S = 300.0  # NDIF's minimum deployment time before a non-dedicated re
 # The exact eviction search tries at most this many victim sets per node before it settles for
 # the per-card choice (a node holds a few dozen replicas at most; 1-3 evictions are the norm).
 MAX_EVICTION_SETS = 4096
+# On clusters of more than EXACT_NODES live nodes one replica's eviction search tries at most
+# DECISION_EVICTION_SETS victim sets over all nodes together (nodes best bound first), then keeps
+# the best found so far; smaller clusters have no such cap (each node keeps its own).
+EXACT_NODES = 16
+DECISION_EVICTION_SETS = 256
 
 
 class Candidate(enum.IntEnum):
@@ -154,6 +162,8 @@ class _Work:
         self.cpu_extra: dict[str, int] = {}  # node -> CPU cache bytes this plan sends there (evicted to WARM)
         self.reused: set[RKey] = set()  # WARM replicas this plan brings back
         self.touched: set[str] = set()  # nodes whose cards this plan changed (the state's index is stale)
+        self.sets_left: int | None = None  # victim sets the current eviction search may still try (None: no cap)
+        self.sets_tried = 0  # victim sets tried by this plan (all its searches)
 
     def free(self, node_id: str, g: int, total: int) -> int:
         used = self.state.card_committed(node_id, g) + self.extra.get((node_id, g), 0)
@@ -244,7 +254,9 @@ def _node_evictions(w: _Work, node_id: str, req: Request, n: int, bpg: int, now_
     Exact: victim sets are tried by size, so one replica spanning every card needed beats one
     victim per card. `bound` (count, bytes) is the best another node offers: only strictly better
     sets are looked for. A size whose largest victims cannot free what the `n` least needy cards
-    lack is skipped untried. Past MAX_EVICTION_SETS tries it settles for the per-card choice.
+    lack is skipped untried, and so is one below what each card's own fewest victims allow.
+    Past MAX_EVICTION_SETS tries, or once the decision's budget (`_Work.sets_left`) is spent, it
+    settles for the per-card choice.
     Returns (cards, victims) or None when no evictable set frees enough (or none beats `bound`).
     """
     node = w.state.nodes[node_id]
@@ -265,8 +277,11 @@ def _node_evictions(w: _Work, node_id: str, req: Request, n: int, bpg: int, now_
         for k in victims:
             for g, b in vic[k]:
                 f[g] += b
-        ok = sorted((v, g) for g, v in f.items() if v >= bpg)  # best fit: least free first
-        return tuple(sorted(g for _, g in ok[:n])) if len(ok) >= n else None
+        ok = [(v, g) for g, v in f.items() if v >= bpg]
+        if len(ok) < n:
+            return None
+        ok.sort()  # best fit: least free first
+        return tuple(sorted(g for _, g in ok[:n]))
 
     if not vic:
         return None
@@ -287,8 +302,13 @@ def _node_evictions(w: _Work, node_id: str, req: Request, n: int, bpg: int, now_
         nonlocal tried
         if left == 0:
             tried += 1
+            w.sets_tried += 1
             if tried > MAX_EVICTION_SETS:
                 return False
+            if w.sets_left is not None:
+                if w.sets_left <= 0:
+                    return False
+                w.sets_left -= 1
             cards = cards_after(chosen)
             if cards is not None:
                 best.total, best.victims, best.cards = total, tuple(chosen), cards
@@ -304,8 +324,27 @@ def _node_evictions(w: _Work, node_id: str, req: Request, n: int, bpg: int, now_
                 return False
         return True
 
+    # Each card needs at least as many victims as its own largest victims take to free what it
+    # lacks; any set readying `n` cards has at least the `n`th smallest of those counts, and
+    per_card: dict[int, list[int]] = {g: [] for g in frees}
+    for on in vic.values():
+        for g, b in on:
+            per_card[g].append(b)
+    needs = []
+    for g, f in frees.items():
+        m, got, bs = 0, f, sorted(per_card[g], reverse=True)
+        while got < bpg and m < len(bs):
+            got += bs[m]
+            m += 1
+        if got >= bpg:
+            needs.append(m)
+    needs.sort()
+    # A victim counts on at most `span` of the cards: the `n` cards' counts add up to at most
+    # `span` times the set's size. (`cards_after(keys)` found `n` cards: there are enough counts.)
+    span = max(len(on) for on in vic.values())
+    least = max(needs[n - 1], -(-sum(needs[:n]) // span))
     most = len(keys) if bound is None else min(len(keys), bound[0])
-    for size in range(most + 1):
+    for size in range(least, most + 1):
         if sum(freed[:size]) < lack:
             continue  # no `size` victims free enough
         best = _Best(bound[1] if bound is not None and size == bound[0] else None)
@@ -485,35 +524,125 @@ def _choose(w: _Work, nodes: list[NodeView], pos: _Positions, req: Request, size
                 return Candidate.FREE, node_id, fit[0], fit[1], (), None
     if best is not None:
         return best[1]
-    ebest: tuple[tuple[Candidate, int, int], _Choice] | None = None
-    for node in nodes:
+    return _choose_evict(w, nodes, req, size, warm_by_node, now_s, min_deploy_s)
+
+
+def _evict_lower_bound(w: _Work, node: NodeView, req: Request, size: int,
+                       shapes: dict[int, tuple[int, int]]) -> tuple[int, int] | None:
+    """A lower bound (count, bytes) on the evictions a node needs for one replica, read from the
+    state's per-node index alone; None when no set of its replicas can free enough.
+
+    The `n` cards a replica needs lack at least what the `n` freest cards lack (`lack`); a victim
+    frees at most its footprint, so at least the `k` largest footprints must add up to `lack`, and
+    those `k` victims weigh at least `lack` and at least the `k` smallest footprints. Nodes this
+    plan changed are not summarised by the index: (0, 0), searched as they are.
+    """
+    if node.node_id in w.touched:
+        return (0, 0)
+    card_bytes, free, _, fps, _ = w.state.node_free(node.node_id)
+    shape = shapes.get(card_bytes)
+    if shape is None:
+        shape = shapes[card_bytes] = _shape(size, card_bytes, req.gpus)
+    return _index_bound(free, fps, *shape)
+
+
+_UNSET = object()
+_MEMO_SHAPES = 32  # replica shapes memoised per node summary (cleared past this: a bound, not a leak)
+
+
+def _index_bound(free: tuple[int, ...], fps: tuple[int, ...], n: int, bpg: int) -> tuple[int, int] | None:
+    """`_evict_lower_bound` from a node's summary: free bytes per card (descending), footprints (ascending)."""
+    if len(free) < n:
+        return None
+    if n == 1:
+        lack = bpg - free[0]
+    elif free[0] <= bpg:  # free bytes descend: each of the `n` freest cards lacks something
+        lack = n * bpg - sum(free[:n])
+    else:
+        lack = sum(bpg - f for f in free[:n] if f < bpg)
+    if lack <= 0:
+        return (0, 0)
+    one = bisect.bisect_left(fps, lack)
+    if one < len(fps):  # one victim may do: at least the smallest footprint that covers `lack` alone
+        return 1, fps[one]
+    got = 0
+    for k, b in enumerate(reversed(fps), 1):
+        got += b
+        if got >= lack:
+            return k, max(lack, sum(fps[:k]))
+    return None
+
+
+def _choose_evict(w: _Work, nodes: list[NodeView], req: Request, size: int, warm_by_node: dict[str, ReplicaView],
+                  now_s: float, min_deploy_s: float) -> _Choice | None:
+    """The node whose evictions rank best: (level, how many, how many bytes, seeded order).
+
+    Best first: nodes are searched in the order of their lower bound (`_evict_lower_bound`), and
+    the search stops at the first node whose bound cannot beat the best found, as every later one
+    cannot either; each search only looks for victim sets that beat the best so far (or tie it
+    from a node earlier in the seeded order). This is the exhaustive ranking, with less work.
+    """
+    shapes: dict[int, tuple[int, int]] = {}
+    cands = []
+    touched, node_free = w.touched, w.state.node_free
+    for i, node in enumerate(nodes):
         warm = warm_by_node.get(node.node_id)
-        if ebest is not None and ebest[0][1] == 1 and (warm is None or ebest[0][0] is Candidate.CACHED_AND_FULL):
-            # Prune: here at least one eviction of at least the node's smallest replica; it cannot
-            # beat one eviction of fewer bytes at the same or a better level.
-            if w.state.node_free(node.node_id).min_footprint >= ebest[0][2]:
+        if node.node_id in touched or warm is not None:
+            lb = _evict_lower_bound(w, node, req, size, shapes)
+            if lb is None:
                 continue
+            cands.append((0 if warm is not None else 1, lb[0], lb[1], i, node, warm))
+            continue
+        # `_evict_lower_bound` inlined for the many nodes this plan has not touched (the hot loop),
+        # memoised on the state's per-node summary (a pure function of it and the replica's shape).
+        nf = node_free(node.node_id)
+        shape = shapes.get(nf.card_bytes)
+        if shape is None:
+            shape = shapes[nf.card_bytes] = _shape(size, nf.card_bytes, req.gpus)
+        memo = nf.memo
+        got = memo.get(shape, _UNSET) if memo is not None else _UNSET
+        if got is _UNSET:
+            got = _index_bound(nf.free, nf.footprints, *shape)
+            if memo is not None:
+                if len(memo) >= _MEMO_SHAPES:
+                    memo.clear()
+                memo[shape] = got
+        if got is not None:
+            cands.append((1, *got, i, node, None))  # type: ignore[misc]
+    heapq.heapify(cands)  # positions are unique: nodes themselves are never compared
+    w.sets_left = _sets_budget(len(nodes))
+    brank: tuple[int, int, int, int] | None = None  # (0: CACHED_AND_FULL / 1: FULL, count, bytes, position)
+    bchoice: _Choice | None = None
+    while cands:
+        level, lc, lbytes, i, node, warm = heapq.heappop(cands)
+        if brank is not None and (level, lc, lbytes, i) >= brank:
+            break  # popped by bound: no node from here on can beat the best
         bound = None
-        if ebest is not None:
-            if ebest[0][0] is Candidate.CACHED_AND_FULL and warm is None:
-                continue  # FULL here cannot beat a CACHED_AND_FULL already found
-            if (ebest[0][0] is Candidate.CACHED_AND_FULL) == (warm is not None):
-                bound = (ebest[0][1], ebest[0][2])  # same level: only strictly fewer / smaller can win
-        level, gpus, bpg, keys = _assess_evict(w, node.node_id, req, size, warm, now_s, min_deploy_s, bound)
-        if level is Candidate.CANT_ACCOMMODATE:
+        if brank is not None and brank[0] == level:
+            bound = (brank[1], brank[2] + (1 if i < brank[3] else 0))  # an earlier node wins a tie
+        got_level, gpus, bpg, keys = _assess_evict(w, node.node_id, req, size, warm, now_s, min_deploy_s, bound)
+        if got_level is Candidate.CANT_ACCOMMODATE:
             continue
         evicted = sum(w.state.replicas[k].bytes_per_gpu * len(w.state.replicas[k].gpu_indices) for k in keys)
-        erank = (level, len(keys), evicted)
-        if ebest is None or erank < ebest[0]:
-            ebest = (erank, (level, node.node_id, gpus, bpg, keys, warm))
-    return ebest[1] if ebest is not None else None
+        rank = (0 if got_level is Candidate.CACHED_AND_FULL else 1, len(keys), evicted, i)
+        if brank is None or rank < brank:
+            brank, bchoice = rank, (got_level, node.node_id, gpus, bpg, keys, warm)
+        if w.sets_left is not None and w.sets_left <= 0:
+            break  # the decision's budget is spent: the best found so far stands
+    w.sets_left = None
+    return bchoice
+
+
+def _sets_budget(nodes: int) -> int | None:
+    """Victim sets one replica's eviction search may try over all nodes: no cap up to EXACT_NODES."""
+    return None if nodes <= EXACT_NODES else DECISION_EVICTION_SETS
 
 
 def _fits(w: _Work, node: NodeView, size: int, gpus: int | None,
           avoid: set[int] | None) -> tuple[tuple[int, ...], int, bool] | None:
     """(cards, bytes per card, shares a card in `avoid`) if the replica fits on the node without
     evictions: cards outside `avoid` first, best fit (least free first) within each group."""
-    card_bytes, free, _ = w.state.node_free(node.node_id)
+    card_bytes, free, _, _, _ = w.state.node_free(node.node_id)
     n, bpg = _shape(size, card_bytes, gpus)
     # The state's per-node index rejects most full nodes in O(1); nodes this plan changed are exact below.
     if node.node_id not in w.touched and (len(free) < n or free[n - 1] < bpg):

@@ -64,6 +64,12 @@ class NodeFree(NamedTuple):
     card_bytes: int  # the node's largest card
     free: tuple[int, ...]  # total - committed bytes of each card, largest first
     min_footprint: int  # smallest total bytes (all its cards) of a replica on the node's GPUs; 0 if none
+    # Total bytes (all its cards) of each replica on the node's GPUs, smallest first: placement's
+    # lower bound on a node's evictions reads it without visiting the replicas.
+    footprints: tuple[int, ...] = ()
+    # Placement's memo of what it derives from this summary alone (its eviction lower bound per
+    # replica shape): a pure function of the fields above, dropped with them when a card changes.
+    memo: dict[object, object] | None = None
 
 
 class Registration(msgspec.Struct, frozen=True, kw_only=True, gc=False):
@@ -412,13 +418,16 @@ class ClusterState(Projection):
         got = self._node_free.get(node_id)
         if got is None:
             node = self.nodes[node_id]
-            footprints = [b * len(self.replicas[k].gpu_indices) for g in node.gpus
-                          for k, b in self._cards.get((node_id, g.index), {}).items()]
+            seen = {k: b * len(self.replicas[k].gpu_indices) for g in node.gpus
+                    for k, b in self._cards.get((node_id, g.index), {}).items()}
+            footprints = sorted(seen.values())
             got = NodeFree(
                 card_bytes=max((g.memory_bytes for g in node.gpus), default=0),
                 free=tuple(sorted((g.memory_bytes - self.card_committed(node_id, g.index) for g in node.gpus),
                                   reverse=True)),
                 min_footprint=min(footprints, default=0),
+                footprints=tuple(footprints),
+                memo={},
             )
             self._node_free[node_id] = got
         return got

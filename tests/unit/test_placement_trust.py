@@ -277,9 +277,9 @@ def test_one_multi_card_victim_beats_one_victim_per_card():
 
 
 @st.composite
-def small_full_clusters(draw):
+def small_full_clusters(draw, max_nodes=2):
     b = Builder()
-    for n in range(draw(st.integers(1, 2))):
+    for n in range(draw(st.integers(1, max_nodes))):
         cards = draw(st.integers(1, 3))
         b.node(f"n{n}", gpus=cards, gpu_gb=40, cpu_gb=0)
         free = [40.0] * cards
@@ -332,6 +332,54 @@ def test_evictions_are_minimal_by_exhaustive_reference(b, gb, gpus):
     assert len(p.placed) == 1
     got = [b.state.replicas[(e.model_key, e.replica_id)] for e in p.evictions]
     assert (len(got), sum(r.bytes_per_gpu * len(r.gpu_indices) for r in got)) == want
+
+
+def check_minimal(b, gb, gpus):
+    charge = gb * GB
+    if gpus is not None and not any(len(n.gpus) >= gpus for n in b.state.nodes.values()):
+        return
+    want = reference_evictions(b.state, charge, gpus)
+    p = plan(b.state, [Request(model_key="new", size_bytes=charge, replicas=1, headroom=0.0, gpus=gpus)],
+             now_s=NOW + 10**6)
+    if want is None:
+        assert not p.placed
+        return
+    got = [b.state.replicas[(e.model_key, e.replica_id)] for e in p.evictions]
+    assert (len(got), sum(r.bytes_per_gpu * len(r.gpu_indices) for r in got)) == want
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(small_full_clusters(max_nodes=placement.EXACT_NODES), st.sampled_from([5, 10, 20, 30, 40, 60]),
+       st.sampled_from([None, 1, 2]))
+def test_evictions_are_minimal_on_clusters_up_to_exact_nodes(b, gb, gpus):
+    # Best first (nodes by their lower bound, stopping once none can beat the best) loses nothing.
+    check_minimal(b, gb, gpus)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(small_full_clusters(max_nodes=6), st.sampled_from([5, 10, 20, 30, 40, 60]), st.sampled_from([None, 1, 2]))
+def test_the_decision_budget_keeps_the_search_exact_while_it_lasts(b, gb, gpus):
+    # The budget applied to every cluster size, large enough never to run out here: still minimal.
+    saved = placement.EXACT_NODES, placement.DECISION_EVICTION_SETS
+    placement.EXACT_NODES, placement.DECISION_EVICTION_SETS = 0, 10**6
+    try:
+        check_minimal(b, gb, gpus)
+    finally:
+        placement.EXACT_NODES, placement.DECISION_EVICTION_SETS = saved
+
+
+def test_a_spent_decision_budget_keeps_the_best_found_so_far():
+    # Two nodes, each freeing the card with one eviction; a budget of one victim set searches only
+    # the node with the best bound (the smaller victim) and still places, with that one eviction.
+    b = Builder().node("A", gpus=1, gpu_gb=40, cpu_gb=0).node("B", gpus=1, gpu_gb=40, cpu_gb=0)
+    b.hot("a", 0, "A", (0,), 30).hot("b", 0, "B", (0,), 20)
+    saved = placement.EXACT_NODES, placement.DECISION_EVICTION_SETS
+    placement.EXACT_NODES, placement.DECISION_EVICTION_SETS = 0, 1
+    try:
+        p = plan(b.state, [Request(model_key="m", size_bytes=25 * GB, replicas=1, headroom=0.0)], now_s=NOW + 10**6)
+    finally:
+        placement.EXACT_NODES, placement.DECISION_EVICTION_SETS = saved
+    assert [(e.model_key, e.node_id) for e in p.evictions] == [("b", "B")] and p.placed[0].node_id == "B"
 
 
 # ---- 5. relative checkpoint paths --------------------------------------------------------------
