@@ -247,6 +247,9 @@ class Controller:
             except InfrastructureError as exc:
                 log.warning("follow_interrupted", error=str(exc))
                 await asyncio.sleep(0.5)
+            except Exception as exc:  # noqa: BLE001 - a follower never dies: its fold is what every decision reads
+                log.exception("follow_failed", error=str(exc) or type(exc).__name__)
+                await asyncio.sleep(0.5)
 
     async def _on_failure(self, model_key: str, replica_id: int) -> None:
         assert self.committer is not None

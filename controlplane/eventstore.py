@@ -594,10 +594,18 @@ class JetStreamEventLog:
         # An ordered consumer: its flow control keeps the server from flooding us (a plain push
         # consumer measured slower here, ~45k vs ~75k events/s, the client drowning in its input).
         cfg = api.ConsumerConfig(deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start_seq)
-        return await self.js.subscribe(
-            EVENTS_ALL, stream=EVENTS_STREAM, ordered_consumer=True, config=cfg, deliver_policy=cfg.deliver_policy,
-            cb=cb, pending_msgs_limit=self.pending_msgs_limit, pending_bytes_limit=self.pending_bytes_limit,
-        )
+        try:
+            return await self.js.subscribe(
+                EVENTS_ALL, stream=EVENTS_STREAM, ordered_consumer=True, config=cfg,
+                deliver_policy=cfg.deliver_policy, cb=cb, pending_msgs_limit=self.pending_msgs_limit,
+                pending_bytes_limit=self.pending_bytes_limit,
+            )
+        except (nats.errors.TimeoutError, nats.errors.NoRespondersError) as exc:
+            # A server lost or a leader being elected (a cluster): the follower retries, never dies.
+            raise InfrastructureTimeout(f"subscribing to {EVENTS_STREAM} from seq {start_seq} failed: "
+                                        f"{type(exc).__name__}; retrying") from None
+        except nats.js.errors.APIError as exc:
+            raise InfrastructureError(f"subscribing to {EVENTS_STREAM} from seq {start_seq} failed: {exc}") from None
 
     # ---- snapshots ---------------------------------------------------------------------------
 

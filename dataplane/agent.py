@@ -286,6 +286,9 @@ class NodeAgent:
             except InfrastructureError as exc:
                 self.log.warning("follow_interrupted", error=str(exc))
                 await asyncio.sleep(0.5)
+            except Exception as exc:  # noqa: BLE001 - a follower never dies: its fold is what every decision reads
+                self.log.exception("follow_failed", error=str(exc) or type(exc).__name__)
+                await asyncio.sleep(0.5)
 
     async def _reconcile_loop(self) -> None:
         while True:

@@ -241,6 +241,9 @@ class Dispatcher:
             except errs.InfrastructureError as exc:
                 log.warning("follow_interrupted", error=str(exc))
                 await asyncio.sleep(0.5)
+            except Exception as exc:  # noqa: BLE001 - a follower never dies: its fold is what every decision reads
+                log.exception("follow_failed", error=str(exc) or type(exc).__name__)
+                await asyncio.sleep(0.5)
 
     def _sync_all(self, undeployed: set[str] | frozenset[str] = frozenset()) -> None:
         known: set[str] | None = None
