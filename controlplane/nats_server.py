@@ -22,6 +22,7 @@ import time
 import uuid
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 import structlog
 
@@ -69,10 +70,23 @@ def die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (the OS picks it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def stop_process(proc: subprocess.Popen[Any], sig: int = signal.SIGTERM, timeout: float = 10.0) -> None:
+    """Stop a child still running: `sig`, then SIGKILL if it has not exited after `timeout` seconds."""
+    if proc.poll() is not None:
+        return
+    proc.send_signal(sig)
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 class EmbeddedNats:
@@ -91,7 +105,7 @@ class EmbeddedNats:
             self._tmp = tempfile.TemporaryDirectory(prefix="ndif-nats-")
             store_dir = self._tmp.name
         self.store_dir = Path(store_dir)
-        self.port = port or _free_port()
+        self.port = port or free_port()
         self.ready_timeout = ready_timeout
         self.extra_args = extra_args
         # A config file with the users and their permissions (controlplane/auth.py); None: open.
@@ -157,13 +171,7 @@ class EmbeddedNats:
         """Graceful stop (SIGTERM, then SIGKILL after `timeout`)."""
         if self.proc is None:
             return
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc, signal.SIGTERM, timeout)
         self.proc = None
 
     def kill(self) -> None:
@@ -228,8 +236,8 @@ class NatsCluster:
         self.name = name
         self.ready_timeout = ready_timeout
         self.max_payload = max_payload
-        self.ports = [_free_port() for _ in range(size)]
-        self.route_ports = [_free_port() for _ in range(size)]
+        self.ports = [free_port() for _ in range(size)]
+        self.route_ports = [free_port() for _ in range(size)]
         self.procs: list[subprocess.Popen[bytes] | None] = [None] * size
 
     @property
@@ -293,13 +301,8 @@ class NatsCluster:
 
     def stop(self) -> None:
         for i, proc in enumerate(self.procs):
-            if proc is not None and proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(10)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+            if proc is not None:
+                stop_process(proc, signal.SIGTERM, 10)
             self.procs[i] = None
 
     def close(self) -> None:

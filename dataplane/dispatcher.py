@@ -179,12 +179,7 @@ class Dispatcher:
         self._subs.append(await nc.subscribe("ndif.dispatcher.kill", cb=self._on_kill))
         # A user's kill (`ndif.dispatcher.kill.<user>`, which only that user may publish): theirs only.
         self._subs.append(await nc.subscribe("ndif.dispatcher.kill.*", cb=self._on_kill))
-        with contextlib.suppress(nats.js.errors.NotFoundError):
-            info = await self.log_.js.stream_info(REQUESTS_STREAM, subjects_filter=REQUESTS_ALL)
-            for subject in (info.state.subjects or {}):
-                token, _ = request_subject_parts(subject)
-                if token:
-                    self._route(token)
+        await self._route_stored()
         self._tasks += [asyncio.create_task(self._follow(), name="dispatcher-follow"),
                         asyncio.create_task(self._keepalive(), name="dispatcher-keepalive"),
                         asyncio.create_task(self._expire(), name="dispatcher-expire"),
@@ -548,18 +543,23 @@ class Dispatcher:
             await self.remove_model(name[5:], reason="the model is not in the log")
         return gone
 
+    async def _route_stored(self) -> None:
+        """Route every model subject that holds stored requests (no stream yet: nothing to route)."""
+        assert self.log_ is not None
+        with contextlib.suppress(nats.js.errors.NotFoundError):
+            info = await self.log_.js.stream_info(REQUESTS_STREAM, subjects_filter=REQUESTS_ALL)
+            for subject in (info.state.subjects or {}):
+                token, _ = request_subject_parts(subject)
+                if token:
+                    self._route(token)
+
     async def _sweep_loop(self) -> None:
         assert self.log_ is not None
         while True:
             try:
                 await self.sweep_consumers()
                 # Level-triggered: any subject still holding requests gets its processor or a triage.
-                with contextlib.suppress(nats.js.errors.NotFoundError):
-                    info = await self.log_.js.stream_info(REQUESTS_STREAM, subjects_filter=REQUESTS_ALL)
-                    for subject in (info.state.subjects or {}):
-                        token, _ = request_subject_parts(subject)
-                        if token:
-                            self._route(token)
+                await self._route_stored()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - NATS away: next time

@@ -1,13 +1,26 @@
-"""Shared by the Ray test modules: one local Ray per module (2 declared GPUs), actor cleanup."""
+"""Shared by the Ray test modules: one local Ray per module (2 declared GPUs), actor cleanup, tiny
+checkpoints and the service (controller, agent, dispatcher) the request-path tests run against."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import contextlib
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 import ray
 
+from controlplane.admin import AdminClient
+from controlplane.controller import Controller
+from controlplane.eventstore import JetStreamEventLog
+from dataplane.agent import NodeAgent, declared_gpus
+from dataplane.dispatcher import Dispatcher
 from dataplane.model_actor import NAMESPACE, get_actor, list_replica_actors
+from dataplane.tiny_models import make_tiny_gpt2, make_tiny_llama
+from tests.conftest import bounded, fresh_event_log
+
+GB = 10**9
 
 
 @pytest.fixture(scope="module")
@@ -24,3 +37,31 @@ def kill_all_actors() -> None:
         h = get_actor(mk, rid)
         if h is not None:
             ray.kill(h, no_restart=True)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("ckpt")
+    return {"gpt2": make_tiny_gpt2(root / "gpt2"), "llama": make_tiny_llama(root / "llama")}
+
+
+@contextlib.asynccontextmanager
+async def running_service(url: str, gcs: str, *, drain_timeout_s: float) -> AsyncIterator[dict[str, Any]]:
+    """Controller + agent (node-a, 2 declared 80 GB GPUs) + dispatcher on fresh streams; yields the parts."""
+    kill_all_actors()
+    lg: JetStreamEventLog = await fresh_event_log(url)
+    ctl = await Controller(url, policy_interval_s=0.2).start()
+    agent = await NodeAgent(url, "node-a", gpus=declared_gpus(2, 80 * GB), cpu_cache_bytes=10 * GB,
+                            heartbeat_s=0.5, drain_timeout_s=drain_timeout_s, health_interval_s=0.5).start()
+    disp = await Dispatcher(url).start()
+    admin = await AdminClient.open(url, timeout=30)
+    try:
+        yield {"url": url, "controller": ctl, "agent": agent, "dispatcher": disp, "admin": admin, "log": lg,
+               "gcs": gcs}
+    finally:
+        await bounded(admin.close(), "admin.close")
+        await bounded(disp.stop(), "dispatcher.stop")
+        await bounded(agent.stop(), "agent.stop")
+        await bounded(ctl.stop(), "controller.stop")
+        await bounded(lg.close(), "log.close")
+        kill_all_actors()

@@ -21,55 +21,28 @@ import pytest
 import pytest_asyncio
 import ray
 
-from controlplane.admin import AdminClient
-from controlplane.controller import Controller
-from controlplane.eventstore import JetStreamEventLog
 from controlplane.nats_server import EmbeddedNats
-from dataplane.agent import NodeAgent, declared_gpus
 from dataplane.client import Client, RequestFailed
 from dataplane.dispatcher import Dispatcher
 from dataplane.model import ModelReplica
 from dataplane.model_actor import get_actor
-from dataplane.tiny_models import make_tiny_gpt2, make_tiny_llama
 from schemas import errors as errs
 from schemas.keys import canonical_model_key
 from schemas.requests import status_decoder
 from schemas.subjects import REQUEST_STATUS_BUCKET, request_subject
-from tests.conftest import bounded, fresh_event_log
-from tests.dataplane.conftest import kill_all_actors
+from tests.conftest import bounded
+from tests.dataplane.conftest import running_service
 from tests.integration.cluster import ndif
 
 pytestmark = pytest.mark.timeout(300)
 GB = 10**9
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("ckpt")
-    return {"gpt2": make_tiny_gpt2(root / "gpt2"), "llama": make_tiny_llama(root / "llama")}
-
-
 @pytest_asyncio.fixture
 async def service(nats_server: EmbeddedNats, local_ray: str) -> AsyncIterator[dict[str, Any]]:
     """Controller + agent + dispatcher on fresh streams; yields the parts."""
-    kill_all_actors()
-    lg: JetStreamEventLog = await fresh_event_log(nats_server.url)
-    url = nats_server.url
-    ctl = await Controller(url, policy_interval_s=0.2).start()
-    agent = await NodeAgent(url, "node-a", gpus=declared_gpus(2, 80 * GB), cpu_cache_bytes=10 * GB,
-                            heartbeat_s=0.5, drain_timeout_s=30, health_interval_s=0.5).start()
-    disp = await Dispatcher(url).start()
-    admin = await AdminClient.open(url, timeout=30)
-    try:
-        yield {"url": url, "controller": ctl, "agent": agent, "dispatcher": disp, "admin": admin, "log": lg,
-               "gcs": local_ray}
-    finally:
-        await bounded(admin.close(), "admin.close")
-        await bounded(disp.stop(), "dispatcher.stop")
-        await bounded(agent.stop(), "agent.stop")
-        await bounded(ctl.stop(), "controller.stop")
-        await bounded(lg.close(), "log.close")
-        kill_all_actors()
+    async with running_service(nats_server.url, local_ray, drain_timeout_s=30) as parts:
+        yield parts
 
 
 def expected_next_tokens(ckpt: Path, inputs: list[list[int]]) -> list[int]:

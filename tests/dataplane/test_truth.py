@@ -24,16 +24,12 @@ import pytest
 import pytest_asyncio
 
 from controlplane.admin import AdminClient
-from controlplane.controller import Controller
 from controlplane.eventstore import JetStreamEventLog
 from controlplane.nats_server import EmbeddedNats
 from dataplane.agent import NodeAgent, NodeIdHeld, declared_gpus
 from dataplane.client import DEFAULT_URL, Client, RequestFailed
-from dataplane.dispatcher import Dispatcher
-from dataplane.tiny_models import make_tiny_gpt2, make_tiny_llama
 from schemas.keys import canonical_model_key
-from tests.conftest import bounded, fresh_event_log
-from tests.dataplane.conftest import kill_all_actors
+from tests.dataplane.conftest import running_service
 from tests.integration.cluster import ndif
 
 pytestmark = pytest.mark.timeout(300)
@@ -41,31 +37,10 @@ GB = 10**9
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("ckpt")
-    return {"gpt2": make_tiny_gpt2(root / "gpt2"), "llama": make_tiny_llama(root / "llama")}
-
-
 @pytest_asyncio.fixture
 async def service(nats_server: EmbeddedNats, local_ray: str) -> AsyncIterator[dict[str, Any]]:
-    kill_all_actors()
-    lg: JetStreamEventLog = await fresh_event_log(nats_server.url)
-    url = nats_server.url
-    ctl = await Controller(url, policy_interval_s=0.2).start()
-    agent = await NodeAgent(url, "node-a", gpus=declared_gpus(2, 80 * GB), cpu_cache_bytes=10 * GB,
-                            heartbeat_s=0.5, drain_timeout_s=5, health_interval_s=0.5).start()
-    disp = await Dispatcher(url).start()
-    admin = await AdminClient.open(url, timeout=30)
-    try:
-        yield {"url": url, "agent": agent, "dispatcher": disp, "admin": admin, "log": lg, "gcs": local_ray}
-    finally:
-        await bounded(admin.close(), "admin.close")
-        await bounded(disp.stop(), "dispatcher.stop")
-        await bounded(agent.stop(), "agent.stop")
-        await bounded(ctl.stop(), "controller.stop")
-        await bounded(lg.close(), "log.close")
-        kill_all_actors()
+    async with running_service(nats_server.url, local_ray, drain_timeout_s=5) as parts:
+        yield parts
 
 
 async def _events(lg: JetStreamEventLog, model: Path) -> list[str]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -13,13 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from controlplane.nats_server import free_port, stop_process
+
 pytestmark = pytest.mark.timeout(300)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _up(home: Path, port: int) -> subprocess.Popen[str]:
@@ -41,15 +36,6 @@ def _up(home: Path, port: int) -> subprocess.Popen[str]:
     raise AssertionError(f"ndif up did not start:\n{seen}")
 
 
-def _stop(proc: subprocess.Popen[str]) -> None:
-    proc.send_signal(signal.SIGINT)
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-
-
 def _ndif(home: Path, port: int, *args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "NDIF_HOME": str(home), "NDIF_LOG_LEVEL": "WARNING"}
     env.pop("NDIF_CREDS", None)
@@ -58,7 +44,7 @@ def _ndif(home: Path, port: int, *args: str) -> subprocess.CompletedProcess[str]
 
 
 def test_ndif_up_makes_users_and_local_commands_use_them(tmp_path: Path) -> None:
-    home, port = tmp_path / "home", _free_port()
+    home, port = tmp_path / "home", free_port()
     proc = _up(home, port)
     try:
         auth = home / "auth"
@@ -70,11 +56,11 @@ def test_ndif_up_makes_users_and_local_commands_use_them(tmp_path: Path) -> None
         assert ran.returncode != 0 and "refused the credentials" in ran.stderr, ran.stderr
         first = (auth / "admin.creds").read_bytes()
     finally:
-        _stop(proc)
+        stop_process(proc, signal.SIGINT, 60)
     proc = _up(home, port)  # the second start keeps the users and the history
     try:
         assert (home / "auth" / "admin.creds").read_bytes() == first
         ran = _ndif(home, port, "status")
         assert ran.returncode == 0, ran.stderr
     finally:
-        _stop(proc)
+        stop_process(proc, signal.SIGINT, 60)

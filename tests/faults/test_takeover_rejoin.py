@@ -28,7 +28,7 @@ import pytest_asyncio
 from controlplane.admin import AdminClient
 from controlplane.controller import Controller
 from controlplane.eventstore import JetStreamEventLog
-from controlplane.nats_server import EmbeddedNats
+from controlplane.nats_server import EmbeddedNats, stop_process
 from dataplane.agent import NodeAgent, declared_gpus
 from dataplane.client import Client
 from dataplane.dispatcher import ACK_WAIT_S, Dispatcher
@@ -74,13 +74,8 @@ def _process(*args: str, url: str, gcs: str) -> subprocess.Popen[bytes]:
 
 def _end(proc: subprocess.Popen[bytes]) -> None:
     if proc.poll() is None:
-        proc.send_signal(signal.SIGCONT)
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        proc.send_signal(signal.SIGCONT)  # it may be SIGSTOPped: SIGTERM waits until it runs
+    stop_process(proc, signal.SIGTERM, 20)
 
 
 async def test_a_sigkilled_dispatchers_requests_end_within_10s(base: dict[str, Any], tiny: Path) -> None:

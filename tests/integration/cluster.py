@@ -7,6 +7,7 @@ import json
 import os
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from controlplane.admin import AdminClient
@@ -59,3 +60,11 @@ def by_id(status: dict[str, Any], model_key: str) -> dict[int, dict[str, Any]]:
 
 def model_row(status: dict[str, Any], model_key: str) -> dict[str, Any]:
     return next(m for m in status["models"] if m["model_key"] == model_key)
+
+
+def config_only(root: Path, name: str, tiny: Path) -> str:
+    """A checkpoint dir with only a config (sizes come from --size-bytes): a model key for placement tests."""
+    d = root / name
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "config.json").write_bytes((tiny / "config.json").read_bytes())
+    return str(d)

@@ -10,53 +10,25 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import msgspec
 import pytest
-import pytest_asyncio
 
 from controlplane.admin import AdminClient
 from controlplane.controller import Controller
 from controlplane.eventstore import JetStreamEventLog
 from controlplane.nats_server import EmbeddedNats
-from dataplane.tiny_models import make_tiny_gpt2
 from schemas.commands import CommandResult
 from schemas.events import Event
 from schemas.keys import canonical_model_key
 from schemas.subjects import model_token
 from tests.agent_sim import GB, ScriptedAgent
-from tests.conftest import bounded, fresh_event_log
-from tests.integration.cluster import by_id, model_row, ndif, settle
+from tests.conftest import bounded
+from tests.integration.cluster import by_id, config_only, model_row, ndif, settle
 
 pytestmark = pytest.mark.timeout(240)
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_gpt2(tmp_path_factory.mktemp("ckpt") / "tiny-gpt2")
-
-
-def config_only(root: Path, name: str, tiny: Path) -> str:
-    d = root / name
-    d.mkdir(parents=True, exist_ok=True)
-    (d / "config.json").write_bytes((tiny / "config.json").read_bytes())
-    return str(d)
-
-
-@pytest_asyncio.fixture
-async def log(nats_server: EmbeddedNats) -> AsyncIterator[JetStreamEventLog]:
-    lg = await fresh_event_log(nats_server.url)
-    yield lg
-    await lg.close()
-
-
-@pytest_asyncio.fixture
-async def admin(nats_server: EmbeddedNats, log: JetStreamEventLog) -> AsyncIterator[AdminClient]:
-    async with await AdminClient.open(nats_server.url, timeout=20) as a:
-        yield a
 
 
 class Cluster:

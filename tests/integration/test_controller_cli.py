@@ -7,13 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import msgspec
 import pytest
-import pytest_asyncio
 
 from controlplane.admin import AdminClient
 from controlplane.controller import Controller
@@ -21,44 +19,16 @@ from controlplane.eventstore import JetStreamEventLog
 from controlplane.nats_server import EmbeddedNats
 from controlplane.projections import replay
 from controlplane.render import status_json
-from dataplane.tiny_models import make_tiny_gpt2
 from schemas import errors as errs
 from schemas.commands import CommandResult
 from schemas.events import ReplicaEvictionRequested, ReplicaScheduled
 from schemas.keys import canonical_model_key
 from schemas.status import EvictionReason
 from tests.agent_sim import GB, ScriptedAgent
-from tests.conftest import fresh_event_log
-from tests.integration.cluster import ndif, settle
+from tests.integration.cluster import config_only, ndif, settle
 from tests.integration.scenario import lifecycle_scenario
 
 pytestmark = pytest.mark.timeout(240)
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_gpt2(tmp_path_factory.mktemp("ckpt") / "tiny-gpt2")
-
-
-def config_only(root: Path, name: str, tiny: Path) -> str:
-    """A checkpoint dir with only a config (sizes come from --size-bytes): a model key for placement tests."""
-    d = root / name
-    d.mkdir(parents=True, exist_ok=True)
-    (d / "config.json").write_bytes((tiny / "config.json").read_bytes())
-    return str(d)
-
-
-@pytest_asyncio.fixture
-async def log(nats_server: EmbeddedNats) -> AsyncIterator[JetStreamEventLog]:
-    lg = await fresh_event_log(nats_server.url)
-    yield lg
-    await lg.close()
-
-
-@pytest_asyncio.fixture
-async def admin(nats_server: EmbeddedNats, log: JetStreamEventLog) -> AsyncIterator[AdminClient]:
-    async with await AdminClient.open(nats_server.url, timeout=20) as a:
-        yield a
 
 
 async def start_all(url: str, *parts: Controller | ScriptedAgent) -> list[Controller | ScriptedAgent]:

@@ -22,16 +22,11 @@ import pytest
 
 from controlplane.auth import creds_file, load_creds
 from controlplane.eventstore import JetStreamEventLog
+from controlplane.nats_server import free_port, stop_process
 from dataplane.watchdog import _start_time, descendants
 from tests.integration.cluster import ndif
 
 pytestmark = pytest.mark.timeout(300)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Up:
@@ -56,13 +51,7 @@ class Up:
             time.sleep(0.2)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc, signal.SIGINT, 60)
 
 
 @pytest.fixture
@@ -83,7 +72,7 @@ async def _last_seq(url: str, home: Path) -> int:
 
 async def test_a_second_up_on_a_port_in_use_fails_in_one_line_and_appends_nothing(
         tmp_path: Path, ups: list[Up]) -> None:
-    port = _free_port()
+    port = free_port()
     url = f"nats://127.0.0.1:{port}"
     first = Up(tmp_path, "first", port)  # no --gpus on a CPU machine: warned, not silent
     ups.append(first)
@@ -111,7 +100,7 @@ async def test_a_second_up_on_a_port_in_use_fails_in_one_line_and_appends_nothin
 
 async def test_kill_9_of_up_leaves_no_process_behind_and_status_marks_the_node_stale(
         tmp_path: Path, ups: list[Up]) -> None:
-    port = _free_port()
+    port = free_port()
     url = f"nats://127.0.0.1:{port}"
     up = Up(tmp_path, "up", port, "--gpus", "1")
     ups.append(up)

@@ -132,41 +132,62 @@ def bench_placement(samples: int, rng: random.Random) -> dict[str, float]:
     return out | bench_pressure(max(50, samples // 10), rng)
 
 
-def bench_pressure(samples: int, rng: random.Random) -> dict[str, float]:
-    """The slow path: every card is nearly full, so a dedicated deploy must evict (fewest, smallest)."""
+def _empty_cluster(node_prefix: str, *, cpu_cache_bytes: int) -> ClusterState:
+    """1,000 nodes x 8 x 80 GB cards, nothing placed."""
     state = ClusterState()
     for i in range(1000):
-        state.apply(state.seq + 1, E.NodeJoined(event_id=f"p-node-{i}", ts=T0, actor="agent", node_id=f"gpu-{i:04d}",
-                                                cpu_cache_bytes=500 * GB,
+        state.apply(state.seq + 1, E.NodeJoined(event_id=f"{node_prefix}-{i}", ts=T0, actor="agent",
+                                                node_id=f"gpu-{i:04d}", cpu_cache_bytes=cpu_cache_bytes,
                                                 gpus=tuple(E.GpuInfo(index=g, memory_bytes=80 * GB) for g in range(8))))
-    i = 0
-    while True:  # 65 GB replicas (74.75 GB padded): one per card until nothing fits
-        cmd = Deploy(command_id=f"fill-{i}", model_key=key(200_000 + i), replicas=100)
-        ctx = DecisionContext(now=T0, actor="bench", command_id=cmd.command_id, seed=i)
-        evs = decide(state, cmd, ctx, registration=Registration(checkpoint="/c", size_bytes=65 * GB))
-        for ev in evs:
-            state.apply(state.seq + 1, ev)
-            if isinstance(ev, E.ReplicaScheduled):
-                state.apply(state.seq + 1, E.ReplicaLoaded(event_id=f"l-{state.seq}", ts=T0, actor="agent",
-                                                           model_key=ev.model_key, replica_id=ev.replica_id,
-                                                           node_id=ev.node_id))
-        i += 1
-        if any(isinstance(ev, E.PlacementRejected) for ev in evs):
-            break
+    return state
+
+
+def _deploy_loaded(state: ClusterState, command_id: str, model_key: str, size_bytes: int, seed: int, *,
+                   loaded_prefix: str) -> list[E.Event]:
+    """Decide a 100-replica deploy and apply it, every scheduled replica loaded at once; the decision's events."""
+    cmd = Deploy(command_id=command_id, model_key=model_key, replicas=100)
+    ctx = DecisionContext(now=T0, actor="bench", command_id=cmd.command_id, seed=seed)
+    evs = decide(state, cmd, ctx, registration=Registration(checkpoint="/c", size_bytes=size_bytes))
+    for ev in evs:
+        state.apply(state.seq + 1, ev)
+        if isinstance(ev, E.ReplicaScheduled):
+            state.apply(state.seq + 1, E.ReplicaLoaded(event_id=f"{loaded_prefix}-{state.seq}", ts=T0, actor="agent",
+                                                       model_key=ev.model_key, replica_id=ev.replica_id,
+                                                       node_id=ev.node_id))
+    return evs
+
+
+def _time_dedicated_deploys(state: ClusterState, samples: int, rng: random.Random, prefix: str, key_base: int,
+                            sizes_gb: list[int]) -> tuple[list[float], list[float], int]:
+    """Time `samples` one-replica dedicated deploys of new models on `state` (not changed between them):
+    wall ms, this thread's CPU ms, and how many evictions they asked for."""
     now = T0 + timedelta(hours=1)
     times: list[float] = []
     cpu: list[float] = []
     evicted = 0
     for s in range(samples):
-        cid = f"pressure-{s}"
+        cid = f"{prefix}-{s}"
         ctx = DecisionContext(now=now, actor="bench", command_id=cid, seed=s)
-        cmd = Deploy(command_id=cid, model_key=key(300_000 + s), replicas=1, dedicated=True)
-        reg = Registration(checkpoint="/c", size_bytes=rng.choice([7, 30, 65]) * GB)
+        cmd = Deploy(command_id=cid, model_key=key(key_base + s), replicas=1, dedicated=True)
+        reg = Registration(checkpoint="/c", size_bytes=rng.choice(sizes_gb) * GB)
         t0, c0 = time.perf_counter(), time.thread_time()
         evs = decide(state, cmd, ctx, registration=reg)
         cpu.append((time.thread_time() - c0) * 1000)
         times.append((time.perf_counter() - t0) * 1000)
         evicted += sum(isinstance(e, E.ReplicaEvictionRequested) for e in evs)
+    return times, cpu, evicted
+
+
+def bench_pressure(samples: int, rng: random.Random) -> dict[str, float]:
+    """The slow path: every card is nearly full, so a dedicated deploy must evict (fewest, smallest)."""
+    state = _empty_cluster("p-node", cpu_cache_bytes=500 * GB)
+    i = 0
+    while True:  # 65 GB replicas (74.75 GB padded): one per card until nothing fits
+        evs = _deploy_loaded(state, f"fill-{i}", key(200_000 + i), 65 * GB, i, loaded_prefix="l")
+        i += 1
+        if any(isinstance(ev, E.PlacementRejected) for ev in evs):
+            break
+    times, cpu, evicted = _time_dedicated_deploys(state, samples, rng, "pressure", 300_000, [7, 30, 65])
     p50, p99 = pct(times, 50), pct(times, 99)
     print(f"(a') full cluster ({len(state.replicas)} replicas, every card ~93% committed), dedicated deploys that "
           f"must evict: p50 {p50:.2f} ms, p99 {p99:.2f} ms; CPU time p50 {pct(cpu, 50):.2f} ms, p99 "
@@ -178,42 +199,17 @@ def bench_pressure(samples: int, rng: random.Random) -> dict[str, float]:
 def bench_pressure_mixed(samples: int, rng: random.Random) -> dict[str, float]:
     """The exact eviction search at work: cards shared by several replicas, some spanning 2-4 cards,
     nothing free; a dedicated deploy of 1-3 cards must find the fewest, smallest victims per node."""
-    state = ClusterState()
-    for i in range(1000):
-        state.apply(state.seq + 1, E.NodeJoined(event_id=f"m-node-{i}", ts=T0, actor="agent", node_id=f"gpu-{i:04d}",
-                                                cpu_cache_bytes=0,
-                                                gpus=tuple(E.GpuInfo(index=g, memory_bytes=80 * GB) for g in range(8))))
+    state = _empty_cluster("m-node", cpu_cache_bytes=0)
     i = 0
     for size_gb in (140, 30, 14, 7):  # big multi-card replicas first, then small ones fill the gaps
         while True:
-            cmd = Deploy(command_id=f"mfill-{i}", model_key=key(400_000 + i), replicas=100)
-            ctx = DecisionContext(now=T0, actor="bench", command_id=cmd.command_id, seed=i)
-            evs = decide(state, cmd, ctx, registration=Registration(checkpoint="/c", size_bytes=size_gb * GB))
-            for ev in evs:
-                state.apply(state.seq + 1, ev)
-                if isinstance(ev, E.ReplicaScheduled):
-                    state.apply(state.seq + 1, E.ReplicaLoaded(event_id=f"ml-{state.seq}", ts=T0, actor="agent",
-                                                               model_key=ev.model_key, replica_id=ev.replica_id,
-                                                               node_id=ev.node_id))
+            evs = _deploy_loaded(state, f"mfill-{i}", key(400_000 + i), size_gb * GB, i, loaded_prefix="ml")
             i += 1
             if any(isinstance(ev, E.PlacementRejected) for ev in evs) or i > 400:
                 break
     cards = [c for node in state.nodes for c in state.node_cards(node)]
     fill = sum(c.committed_bytes for c in cards) / sum(c.total_bytes for c in cards)
-    now = T0 + timedelta(hours=1)
-    times: list[float] = []
-    cpu: list[float] = []
-    evicted = 0
-    for s in range(samples):
-        cid = f"mixed-{s}"
-        ctx = DecisionContext(now=now, actor="bench", command_id=cid, seed=s)
-        cmd = Deploy(command_id=cid, model_key=key(500_000 + s), replicas=1, dedicated=True)
-        reg = Registration(checkpoint="/c", size_bytes=rng.choice([20, 60, 120, 180]) * GB)
-        t0, c0 = time.perf_counter(), time.thread_time()
-        evs = decide(state, cmd, ctx, registration=reg)
-        cpu.append((time.thread_time() - c0) * 1000)
-        times.append((time.perf_counter() - t0) * 1000)
-        evicted += sum(isinstance(e, E.ReplicaEvictionRequested) for e in evs)
+    times, cpu, evicted = _time_dedicated_deploys(state, samples, rng, "mixed", 500_000, [20, 60, 120, 180])
     p50, p99 = pct(times, 50), pct(times, 99)
     print(f"(a'') mixed full cluster ({len(state.replicas)} replicas, {fill:.0%} committed, multi-card replicas), "
           f"dedicated deploys of 1-3 cards that must evict: p50 {p50:.2f} ms, p99 {p99:.2f} ms, max {max(times):.2f} ms; "

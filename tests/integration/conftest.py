@@ -1,0 +1,33 @@
+"""Fixtures shared by the control-plane integration tests: a tiny checkpoint, a fresh event log, an admin client."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+
+from controlplane.admin import AdminClient
+from controlplane.eventstore import JetStreamEventLog
+from controlplane.nats_server import EmbeddedNats
+from dataplane.tiny_models import make_tiny_gpt2
+from tests.conftest import fresh_event_log
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_gpt2(tmp_path_factory.mktemp("ckpt") / "tiny-gpt2")
+
+
+@pytest_asyncio.fixture
+async def log(nats_server: EmbeddedNats) -> AsyncIterator[JetStreamEventLog]:
+    lg = await fresh_event_log(nats_server.url)
+    yield lg
+    await lg.close()
+
+
+@pytest_asyncio.fixture
+async def admin(nats_server: EmbeddedNats, log: JetStreamEventLog) -> AsyncIterator[AdminClient]:
+    async with await AdminClient.open(nats_server.url, timeout=20) as a:
+        yield a
