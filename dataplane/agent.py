@@ -286,7 +286,7 @@ class NodeAgent:
             except InfrastructureError as exc:
                 self.log.warning("follow_interrupted", error=str(exc))
                 await asyncio.sleep(0.5)
-            except Exception as exc:  # noqa: BLE001 - a follower never dies: its fold is what every decision reads
+            except Exception as exc:
                 self.log.exception("follow_failed", error=str(exc) or type(exc).__name__)
                 await asyncio.sleep(0.5)
 
