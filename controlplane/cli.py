@@ -422,6 +422,12 @@ def main(argv: list[str] | None = None, extra: Callable[[Any], None] | None = No
         return asyncio.run(runner(a))
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # The reader went away (`ndif status | head`): not an error of ours. Quiet, and the exit
+        # status a shell gives a command killed by SIGPIPE (141); stdout is pointed at /dev/null so
+        # that Python's own flush at exit does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except errs.NdifError as exc:
         if as_json:
             json_error(type(exc).__name__, str(exc), exit_code(exc))

@@ -49,3 +49,18 @@ async def test_status_watch_into_a_pipe_writes_no_screen_codes(nats_server: Embe
     text = out.decode()
     assert "cluster at seq 1" in text and "node-b" in text.split("cluster at seq 2")[1]
     assert "\x1b" not in text  # no clear-screen / cursor codes in a pipe
+
+
+async def test_a_reader_that_goes_away_is_not_a_crash(nats_server: EmbeddedNats, event_log: JetStreamEventLog) -> None:
+    """`ndif status | head`: the pipe closes before ndif writes; no traceback, the SIGPIPE status 141."""
+    if await event_log.last_seq() == 0:
+        await event_log.append([joined("node-b")], 0)
+    read_fd, write_fd = os.pipe()
+    os.close(read_fd)  # the reader is gone before ndif writes a byte
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "dataplane.cli", "status", "--nats", nats_server.url,
+        stdout=write_fd, stderr=asyncio.subprocess.PIPE, env={**os.environ, "NDIF_LOG_LEVEL": "WARNING"})
+    os.close(write_fd)
+    _, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 141, (proc.returncode, err.decode()[-2000:])
+    assert b"Traceback" not in err, err.decode()[-2000:]
