@@ -132,7 +132,7 @@ def _key_from_wire(obj: Any) -> str:
 def _dec_hook(typ: type, obj: Any) -> Any:
     if typ is _WireModelKey:
         return _key_from_wire(obj)
-    raise NotImplementedError(typ)
+    raise NotImplementedError(typ)  # msgspec's dec_hook contract: "not a type this hook decodes"
 
 
 class Event(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", gc=False):
