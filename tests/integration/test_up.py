@@ -22,6 +22,7 @@ import pytest
 
 from controlplane.auth import creds_file, load_creds
 from controlplane.eventstore import JetStreamEventLog
+from controlplane.heartbeats import STALE_S
 from controlplane.nats_server import free_port, stop_process
 from dataplane.watchdog import _start_time, descendants
 from tests.integration.cluster import ndif
@@ -116,6 +117,7 @@ async def test_kill_9_of_up_leaves_no_process_behind_and_status_marks_the_node_s
 
     up.proc.kill()
     up.proc.wait()
+    killed_at = time.monotonic()
     deadline = time.monotonic() + 30
     while (alive := {p: names[p] for p, st in kids.items() if _start_time(p) == st}) and time.monotonic() < deadline:
         await asyncio.sleep(0.5)
@@ -125,6 +127,8 @@ async def test_kill_9_of_up_leaves_no_process_behind_and_status_marks_the_node_s
     again = Up(tmp_path, "again", port, "--gpus", "1", "--node-id", "other", store="up")
     ups.append(again)
     await asyncio.to_thread(again.wait_running)
+    # Stale means no beat for more than STALE_S: on a fast machine `again` is up sooner than that.
+    await asyncio.sleep(max(0.0, killed_at + STALE_S + 1.0 - time.monotonic()))
     ran = await ndif(url, "status", "--json", env={"NDIF_HOME": str(up.home)})
     nodes = {n["node_id"]: n for n in ran.json()["nodes"]}
     assert nodes["other"]["stale"] is False
