@@ -94,7 +94,7 @@ def add_dataplane_commands(sub: Any) -> None:
 
 
 def _agent_kwargs(a: argparse.Namespace) -> dict[str, Any]:
-    from dataplane.agent import declared_gpus
+    from dataplane.node.agent import declared_gpus
 
     kw: dict[str, Any] = {"node_id": a.node_id, "drain_timeout_s": a.drain_timeout, "heartbeat_s": a.heartbeat}
     if a.gpus is not None:
@@ -116,7 +116,7 @@ def _join_ray(address: str) -> None:
     """Join the Ray cluster at `address` (agent, dispatcher); a clear error when there is none."""
     import ray
 
-    from dataplane.model_actor import NAMESPACE
+    from dataplane.node.actor import NAMESPACE
 
     try:
         ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
@@ -128,7 +128,7 @@ def _join_ray(address: str) -> None:
 
 
 async def _agent(a: argparse.Namespace) -> int:
-    from dataplane.agent import NodeAgent
+    from dataplane.node.agent import NodeAgent
 
     _join_ray(a.ray_address)
     async with NodeAgent(a.nats, **_agent_kwargs(a)):
@@ -153,9 +153,9 @@ async def _up(a: argparse.Namespace) -> int:
     from controlplane.dashboard.server import open_dashboard
     from controlplane.eventstore import JetStreamEventLog
     from controlplane.nats_server import EmbeddedNats
-    from dataplane.agent import NodeAgent, detect_gpus
-    from dataplane.dispatcher import Dispatcher
-    from dataplane.model_actor import NAMESPACE
+    from dataplane.node.actor import NAMESPACE
+    from dataplane.node.agent import NodeAgent, detect_gpus
+    from dataplane.serving.dispatcher import Dispatcher
 
     home = ndif_home()  # the demo's and README's paths too
     store = a.store or home / "nats"
@@ -172,7 +172,7 @@ async def _up(a: argparse.Namespace) -> int:
         auth = ensure_local([node_id])
     # Nothing of ours outlives this process, even on SIGKILL: nats-server and Ray's core processes
     # get the parent-death signal, and the watchdog kills what remains (Ray's helper agents).
-    from dataplane import watchdog
+    from dataplane.node import watchdog
 
     watchdog.start()
     srv = EmbeddedNats(store, port=port, host=a.host, config_file=auth.config_path if auth else None,
@@ -208,7 +208,7 @@ async def _up(a: argparse.Namespace) -> int:
             print(f"ndif up: controller, agent {agent.node_id} and dispatcher running. In another shell:\n"
                   f"  export NDIF_NATS_URL={url}"
                   + (f" NDIF_HOME={home}  # its commands find their credentials there\n" if auth else "\n") +
-                  f"  python -m dataplane.tiny_models {home / 'models'}   # once; `ndif up --demo` makes them too\n"
+                  f"  python -m dataplane.node.tiny_models {home / 'models'}   # once; `ndif up --demo` makes them too\n"
                   f"  ndif deploy {home / 'models' / 'tiny-gpt2'} --replicas 2 --wait\n"
                   "  ndif status\n"
                   f"  ndif submit {home / 'models' / 'tiny-gpt2'} --prompt 'Hello'\n"
@@ -223,7 +223,7 @@ async def _up(a: argparse.Namespace) -> int:
 
 
 async def _dispatcher(a: argparse.Namespace) -> int:
-    from dataplane.dispatcher import Dispatcher
+    from dataplane.serving.dispatcher import Dispatcher
 
     _join_ray(a.ray_address)
     async with Dispatcher(a.nats):
@@ -234,7 +234,7 @@ async def _dispatcher(a: argparse.Namespace) -> int:
 async def _submit(a: argparse.Namespace) -> int:
     import msgspec
 
-    from dataplane.client import Client, RequestFailed
+    from dataplane.serving.client import Client, RequestFailed
 
     payload: dict[str, Any] = {"op": "forward" if a.forward else "generate", "max_new_tokens": a.max_new_tokens}
     if a.prompt is not None:

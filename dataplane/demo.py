@@ -79,7 +79,7 @@ async def run_cli(url: str, *args: str) -> str:
 async def _burst(client: Any, model: str, n: int, label: str, *, during: Any = None,
                  during_at: int = 0) -> dict[str, Any]:
     """n requests at once through the SDK; `during` runs once `during_at` of them are done."""
-    from dataplane.client import RequestFailed
+    from dataplane.serving.client import RequestFailed
 
     bar = Progress(n, label)
     per_replica: Counter[int] = Counter()
@@ -138,11 +138,11 @@ async def run_demo(*, port: int | None, store: Path | None, gpus: list[Any] | No
     from controlplane.eventstore import JetStreamEventLog
     from controlplane.logs import configure
     from controlplane.nats_server import EmbeddedNats
-    from dataplane.agent import NodeAgent, declared_gpus, detect_gpus
-    from dataplane.client import Client
-    from dataplane.dispatcher import Dispatcher
-    from dataplane.model_actor import NAMESPACE
-    from dataplane.tiny_models import make_tiny_gpt2, make_tiny_llama
+    from dataplane.node.actor import NAMESPACE
+    from dataplane.node.agent import NodeAgent, declared_gpus, detect_gpus
+    from dataplane.node.tiny_models import make_tiny_gpt2, make_tiny_llama
+    from dataplane.serving.client import Client
+    from dataplane.serving.dispatcher import Dispatcher
     from schemas.keys import canonical_model_key
 
     configure(os.environ.get("NDIF_LOG_LEVEL", "WARNING"))

@@ -1,6 +1,6 @@
 """A scripted node agent for tests: plays a node (and the dispatcher's drain report) through the real log.
 
-It does what the real agent (dataplane/agent.py) does to the event log, without Ray or torch:
+It does what the real agent (dataplane/node/agent.py) does to the event log, without Ray or torch:
 appends `NodeJoined`, keeps a KV heartbeat, folds the stream and reconciles its node's replicas:
 
     LoadRequested   -> ReplicaLoading, then ReplicaLoaded (or ReplicaLoadFailed for `fail_loads` models)

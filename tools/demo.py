@@ -31,10 +31,10 @@ from controlplane.admin import AdminClient  # noqa: E402
 from controlplane.controller import Controller  # noqa: E402
 from controlplane.eventstore import JetStreamEventLog  # noqa: E402
 from controlplane.nats_server import EmbeddedNats  # noqa: E402
-from dataplane.agent import NodeAgent, declared_gpus  # noqa: E402
 from dataplane.demo import run_cli, say  # noqa: E402
-from dataplane.model_actor import NAMESPACE, get_actor, list_replica_actors  # noqa: E402
-from dataplane.tiny_models import make_tiny_gpt2, make_tiny_llama  # noqa: E402
+from dataplane.node.actor import NAMESPACE, get_actor, list_replica_actors  # noqa: E402
+from dataplane.node.agent import NodeAgent, declared_gpus  # noqa: E402
+from dataplane.node.tiny_models import make_tiny_gpt2, make_tiny_llama  # noqa: E402
 from schemas.keys import canonical_model_key  # noqa: E402
 
 GB = 10**9

@@ -14,10 +14,10 @@ import ray
 from controlplane.admin import AdminClient
 from controlplane.controller import Controller
 from controlplane.eventstore import JetStreamEventLog
-from dataplane.agent import NodeAgent, declared_gpus
-from dataplane.dispatcher import Dispatcher
-from dataplane.model_actor import NAMESPACE, get_actor, list_replica_actors
-from dataplane.tiny_models import make_tiny_gpt2, make_tiny_llama
+from dataplane.node.actor import NAMESPACE, get_actor, list_replica_actors
+from dataplane.node.agent import NodeAgent, declared_gpus
+from dataplane.node.tiny_models import make_tiny_gpt2, make_tiny_llama
+from dataplane.serving.dispatcher import Dispatcher
 from tests.conftest import bounded, fresh_event_log
 
 GB = 10**9

@@ -25,9 +25,9 @@ from controlplane.admin import AdminClient
 from controlplane.controller import Controller
 from controlplane.eventstore import JetStreamEventLog
 from controlplane.nats_server import EmbeddedNats
-from dataplane.agent import NodeAgent, declared_gpus
-from dataplane.model_actor import actor_name, get_actor, list_replica_actors, parse_actor_name
-from dataplane.tiny_models import make_tiny_gpt2
+from dataplane.node.actor import actor_name, get_actor, list_replica_actors, parse_actor_name
+from dataplane.node.agent import NodeAgent, declared_gpus
+from dataplane.node.tiny_models import make_tiny_gpt2
 from schemas.keys import canonical_model_key
 from tests.conftest import fresh_event_log
 from tests.dataplane.conftest import kill_all_actors

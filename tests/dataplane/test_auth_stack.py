@@ -21,10 +21,10 @@ from controlplane.auth import LocalAuth, ensure_local
 from controlplane.controller import Controller
 from controlplane.eventstore import JetStreamEventLog
 from controlplane.nats_server import EmbeddedNats
-from dataplane.agent import NodeAgent, declared_gpus
 from dataplane.client import Client, RequestFailed
-from dataplane.dispatcher import Dispatcher
-from dataplane.tiny_models import make_tiny_gpt2
+from dataplane.node.agent import NodeAgent, declared_gpus
+from dataplane.node.tiny_models import make_tiny_gpt2
+from dataplane.serving.dispatcher import Dispatcher
 from tests.conftest import bounded
 from tests.dataplane.conftest import kill_all_actors
 

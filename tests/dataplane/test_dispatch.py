@@ -23,9 +23,9 @@ import ray
 
 from controlplane.nats_server import EmbeddedNats
 from dataplane.client import Client, RequestFailed
-from dataplane.dispatcher import Dispatcher
-from dataplane.model import ModelReplica
-from dataplane.model_actor import get_actor
+from dataplane.node.actor import get_actor
+from dataplane.node.model import ModelReplica
+from dataplane.serving.dispatcher import Dispatcher
 from schemas import errors as errs
 from schemas.keys import canonical_model_key
 from schemas.requests import status_decoder

@@ -26,8 +26,8 @@ import pytest_asyncio
 from controlplane.admin import AdminClient
 from controlplane.eventstore import JetStreamEventLog
 from controlplane.nats_server import EmbeddedNats
-from dataplane.agent import NodeAgent, NodeIdHeld, declared_gpus
 from dataplane.client import DEFAULT_URL, Client, RequestFailed
+from dataplane.node.agent import NodeAgent, NodeIdHeld, declared_gpus
 from schemas.keys import canonical_model_key
 from tests.dataplane.conftest import running_service
 from tests.integration.cluster import ndif

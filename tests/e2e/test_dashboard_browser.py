@@ -21,7 +21,7 @@ from controlplane.admin import AdminClient
 from controlplane.controller import Controller
 from controlplane.dashboard import Dashboard
 from controlplane.nats_server import EmbeddedNats
-from dataplane.tiny_models import make_tiny_gpt2, make_tiny_llama
+from dataplane.node.tiny_models import make_tiny_gpt2, make_tiny_llama
 from tests.agent_sim import GB, ScriptedAgent
 from tests.conftest import fresh_event_log
 from tests.integration.cluster import ndif, settle

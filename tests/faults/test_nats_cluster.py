@@ -32,7 +32,7 @@ from controlplane.eventstore import JetStreamEventLog
 from controlplane.nats_server import NatsCluster
 from controlplane.projections import ClusterState
 from dataplane.client import Client
-from dataplane.dispatcher import Dispatcher
+from dataplane.serving.dispatcher import Dispatcher
 from schemas import errors as errs
 from schemas.commands import CommandResult, Scale, ScaleDown
 from schemas.events import Event

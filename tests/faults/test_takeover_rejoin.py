@@ -29,10 +29,10 @@ from controlplane.admin import AdminClient
 from controlplane.controller import Controller
 from controlplane.eventstore import JetStreamEventLog
 from controlplane.nats_server import EmbeddedNats, stop_process
-from dataplane.agent import NodeAgent, declared_gpus
 from dataplane.client import Client
-from dataplane.dispatcher import ACK_WAIT_S, Dispatcher
-from dataplane.tiny_models import make_tiny_gpt2
+from dataplane.node.agent import NodeAgent, declared_gpus
+from dataplane.node.tiny_models import make_tiny_gpt2
+from dataplane.serving.dispatcher import ACK_WAIT_S, Dispatcher
 from schemas.keys import canonical_model_key
 from schemas.requests import status_decoder
 from schemas.status import Level, ReplicaState

@@ -11,7 +11,7 @@ import pytest_asyncio
 from controlplane.admin import AdminClient
 from controlplane.eventstore import JetStreamEventLog
 from controlplane.nats_server import EmbeddedNats
-from dataplane.tiny_models import make_tiny_gpt2
+from dataplane.node.tiny_models import make_tiny_gpt2
 from tests.conftest import fresh_event_log
 
 

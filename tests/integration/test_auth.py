@@ -23,7 +23,7 @@ from controlplane.auth import Creds, LocalAuth, ensure_local, permissions, resol
 from controlplane.controller import Controller
 from controlplane.eventstore import JetStreamEventLog, connect
 from controlplane.nats_server import EmbeddedNats
-from dataplane.tiny_models import make_tiny_gpt2
+from dataplane.node.tiny_models import make_tiny_gpt2
 from schemas import errors as errs
 from schemas.events import GpuInfo, NodeJoined, NodeLost, ReplicaFailed, encode_event, event_headers, event_subject
 from schemas.requests import Request, StatusUpdate, encoder

@@ -30,7 +30,7 @@ from controlplane.controller import Controller
 from controlplane.eventstore import EVENT_MAX_MSG_BYTES, REQUEST_MAX_MSG_BYTES, JetStreamEventLog
 from controlplane.nats_server import MAX_PAYLOAD, EmbeddedNats
 from dataplane.client import Client
-from dataplane.dispatcher import Dispatcher
+from dataplane.serving.dispatcher import Dispatcher
 from schemas import errors as errs
 from schemas.commands import CommandResult, Evict
 from schemas.events import ModelRegistered

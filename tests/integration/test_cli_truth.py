@@ -235,7 +235,7 @@ async def test_undeploy_ends_waiting_requests_and_drops_the_processor(nats_serve
                                                                      admin: AdminClient, tiny: Path,
                                                                      tmp_path: Path) -> None:
     from dataplane.client import Client
-    from dataplane.dispatcher import Dispatcher
+    from dataplane.serving.dispatcher import Dispatcher
 
     url = nats_server.url
     big = config_only(tmp_path, "huge", tiny)

@@ -21,7 +21,7 @@ from controlplane.controller import Controller
 from controlplane.dashboard import Dashboard
 from controlplane.eventstore import JetStreamEventLog
 from controlplane.nats_server import EmbeddedNats
-from dataplane.tiny_models import make_tiny_gpt2
+from dataplane.node.tiny_models import make_tiny_gpt2
 from schemas.keys import canonical_model_key
 from tests.agent_sim import GB, ScriptedAgent
 from tests.conftest import fresh_event_log

@@ -26,7 +26,7 @@ from controlplane.context import observed
 from controlplane.controller import Controller
 from controlplane.eventstore import JetStreamEventLog
 from controlplane.nats_server import EmbeddedNats
-from dataplane.dispatcher import Dispatcher
+from dataplane.serving.dispatcher import Dispatcher
 from schemas.commands import VERBS, CommandResult
 from schemas.events import ModelRegistered
 from schemas.keys import canonical_model_key

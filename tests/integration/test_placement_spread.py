@@ -22,7 +22,7 @@ from controlplane.controller import Controller
 from controlplane.eventstore import JetStreamEventLog
 from controlplane.nats_server import EmbeddedNats
 from controlplane.placement import padded
-from dataplane.tiny_models import make_tiny_gpt2
+from dataplane.node.tiny_models import make_tiny_gpt2
 from schemas.commands import CommandResult
 from schemas.keys import canonical_model_key
 from tests.agent_sim import GB, ScriptedAgent

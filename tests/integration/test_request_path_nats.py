@@ -11,7 +11,7 @@ import pytest
 from nats.js import api
 
 from controlplane.eventstore import JetStreamEventLog
-from dataplane.pull import ConsumerGone, PullConsumer
+from dataplane.serving.pull import ConsumerGone, PullConsumer
 from schemas.subjects import REQUEST_STATUS_BUCKET, status_subject
 
 

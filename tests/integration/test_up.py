@@ -24,7 +24,7 @@ from controlplane.auth import creds_file, load_creds
 from controlplane.eventstore import JetStreamEventLog
 from controlplane.heartbeats import STALE_S
 from controlplane.nats_server import free_port, stop_process
-from dataplane.watchdog import _start_time, descendants
+from dataplane.node.watchdog import _start_time, descendants
 from tests.integration.cluster import ndif
 
 pytestmark = pytest.mark.timeout(300)

@@ -46,11 +46,11 @@ from controlplane.admin import AdminClient  # noqa: E402
 from controlplane.controller import Controller  # noqa: E402
 from controlplane.eventstore import JetStreamEventLog  # noqa: E402
 from controlplane.nats_server import EmbeddedNats  # noqa: E402
-from dataplane.agent import NodeAgent, declared_gpus  # noqa: E402
 from dataplane.client import Client  # noqa: E402
-from dataplane.dispatcher import Dispatcher  # noqa: E402
-from dataplane.model_actor import NAMESPACE, get_actor  # noqa: E402
-from dataplane.tiny_models import make_tiny_gpt2  # noqa: E402
+from dataplane.node.actor import NAMESPACE, get_actor  # noqa: E402
+from dataplane.node.agent import NodeAgent, declared_gpus  # noqa: E402
+from dataplane.node.tiny_models import make_tiny_gpt2  # noqa: E402
+from dataplane.serving.dispatcher import Dispatcher  # noqa: E402
 from schemas.keys import canonical_model_key  # noqa: E402
 
 NOOP = {"op": "echo", "data": 1}

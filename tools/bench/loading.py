@@ -24,8 +24,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from dataplane.model import ModelReplica
-from dataplane.tiny_models import make_gpt2_of_size
+from dataplane.node.model import ModelReplica
+from dataplane.node.tiny_models import make_gpt2_of_size
 
 
 def bench_plain(ckpt: str, reps: int, devices: tuple[int, ...]) -> dict[str, float]:
@@ -53,7 +53,7 @@ def bench_plain(ckpt: str, reps: int, devices: tuple[int, ...]) -> dict[str, flo
 def bench_ray(ckpt: str, reps: int, devices: tuple[int, ...]) -> dict[str, float]:
     import ray
 
-    from dataplane.model_actor import NAMESPACE, create_actor
+    from dataplane.node.actor import NAMESPACE, create_actor
 
     ray.init(num_gpus=max(1, len(devices)), namespace=NAMESPACE, include_dashboard=False, log_to_driver=False)
     node = ray.get_runtime_context().get_node_id()

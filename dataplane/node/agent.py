@@ -38,7 +38,7 @@ from controlplane.heartbeats import STALE_S, last_heartbeat
 from controlplane.projections import ClusterState
 from controlplane.projections.replica import ReplicaView
 from controlplane.tasks import cancel_and_wait
-from dataplane.model_actor import NAMESPACE, create_actor, get_actor, list_replica_actors, replica_resources
+from dataplane.node.actor import NAMESPACE, create_actor, get_actor, list_replica_actors, replica_resources
 from schemas.errors import InfrastructureError
 from schemas.events import (
     Event,

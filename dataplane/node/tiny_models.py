@@ -1,7 +1,7 @@
 """Tiny real checkpoints made locally (no hub): random weights, real configs, `save_pretrained`.
 
-    python -m dataplane.tiny_models DIR            # DIR/tiny-gpt2 and DIR/tiny-llama
-    python -m dataplane.tiny_models DIR --mb 300   # also DIR/gpt2-300mb, big enough to time loads
+    python -m dataplane.node.tiny_models DIR            # DIR/tiny-gpt2 and DIR/tiny-llama
+    python -m dataplane.node.tiny_models DIR --mb 300   # also DIR/gpt2-300mb, big enough to time loads
 
 The checkpoints are deterministic (seeded), so the same input gives the same output on every
 replica and every machine. COLD means "on disk" for real: these are what replicas load.

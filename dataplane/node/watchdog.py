@@ -6,7 +6,7 @@ process, in a session of its own, notes every descendant of `ndif up` (pid and s
 every `INTERVAL_S`) and, once `ndif up` is gone, SIGKILLs the ones still running, then exits.
 Linux only (it reads /proc); elsewhere `ndif up` runs without it.
 
-    python -m dataplane.watchdog PID
+    python -m dataplane.node.watchdog PID
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def start(parent: int | None = None) -> int | None:
 
     if not sys.platform.startswith("linux") or not Path("/proc/self/task").exists():
         return None
-    proc = subprocess.Popen([sys.executable, "-m", "dataplane.watchdog", str(parent or os.getpid())],
+    proc = subprocess.Popen([sys.executable, "-m", "dataplane.node.watchdog", str(parent or os.getpid())],
                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)  # not in our process group: Ctrl-C must not end it first
     return proc.pid

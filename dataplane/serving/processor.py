@@ -21,15 +21,15 @@ import structlog
 from nats.aio.msg import Msg
 
 from controlplane.projections.queue import ModelQueueView, processor_status
-from dataplane.model import ReplicaNotHot, error_text
-from dataplane.model_actor import NOT_RUN, OK, get_actor
-from dataplane.replica_link import NoEndpoint, ReplyLost, encode_call
+from dataplane.node.actor import NOT_RUN, OK, get_actor
+from dataplane.node.model import ReplicaNotHot, error_text
+from dataplane.serving.replica_link import NoEndpoint, ReplyLost, encode_call
 from schemas.requests import Request
 from schemas.status import ProcessorStatus, RequestStatus
 from schemas.subjects import replica_call_subject
 
 if TYPE_CHECKING:
-    from dataplane.dispatcher import Dispatcher
+    from dataplane.serving.dispatcher import Dispatcher
 
 log = structlog.get_logger("ndif.processor")
 R = RequestStatus
@@ -247,7 +247,7 @@ class Processor:
         return rid, batch, actor, ref
 
     def _call(self, rid: int, actor: Any, payloads: list[Any]) -> Any:
-        """Start a replica call: over its NATS endpoint when it has one (dataplane/replica_link.py),
+        """Start a replica call: over its NATS endpoint when it has one (dataplane/serving/replica_link.py),
         else a Ray call. Either is awaited for the same answers."""
         link = self.d.link
         if link is not None:

@@ -42,10 +42,10 @@ from controlplane.eventstore import JetStreamEventLog
 from controlplane.projections import ClusterState
 from controlplane.projections.queue import queue_view
 from controlplane.tasks import cancel_and_wait
-from dataplane.processor import Pending, Processor
 from dataplane.provisioning import capacity_mark, never_fits
-from dataplane.pull import PullConsumer
-from dataplane.replica_link import ReplicaLink
+from dataplane.serving.processor import Pending, Processor
+from dataplane.serving.pull import PullConsumer
+from dataplane.serving.replica_link import ReplicaLink
 from schemas import errors as errs
 from schemas.events import ModelUndeployed, ReplicaDrained
 from schemas.keys import canonical_model_key, display_name
@@ -146,7 +146,7 @@ class Dispatcher:
         self._subs: list[Any] = []
         self._stopped = False
         self._outbox: list[tuple[str, bytes, str]] = []
-        # Replica calls over NATS (dataplane/replica_link.py); NDIF_REPLICA_LINK=ray makes them Ray calls.
+        # Replica calls over NATS (dataplane/serving/replica_link.py); NDIF_REPLICA_LINK=ray makes them Ray calls.
         self.link: ReplicaLink | None = None
         link = os.environ.get("NDIF_REPLICA_LINK", "nats").strip().lower() or "nats"
         if link not in ("nats", "ray"):

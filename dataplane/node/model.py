@@ -1,6 +1,6 @@
 """One model replica in one process: real transformers weights, HOT (GPU), WARM (CPU) or COLD (disk).
 
-A plain class, so the same code runs inside the Ray actor (`dataplane/model_actor.py`) and on a GPU
+A plain class, so the same code runs inside the Ray actor (`dataplane/node/actor.py`) and on a GPU
 machine without Ray. COLD -> HOT is `load()` (`from_pretrained` from a local directory or the HF
 cache; never the hub), HOT -> WARM is `to_cache()` (weights to CPU memory, GPU memory released),
 WARM -> HOT is `from_cache(devices)`. Devices are the exact CUDA indices the controller chose; with

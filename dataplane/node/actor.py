@@ -14,7 +14,7 @@ processes than its CPUs and memory allow (2 CPUs: 20 replicas), and Ray leaves a
 run pending, which the agent reports as a failed load (`replica_resources`).
 
 Given the NATS URL (the agent passes its own), the actor also answers `run_batch` on its endpoint
-`ndif.run.<mtok>.<replica_id>` (dataplane/replica_link.py): the dispatcher's fast path to it.
+`ndif.run.<mtok>.<replica_id>` (dataplane/serving/replica_link.py): the dispatcher's fast path to it.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from dataplane.model import LoadError, ModelReplica, ReplicaNotHot, error_text
-from dataplane.replica_link import ReplicaEndpoint
+from dataplane.node.model import LoadError, ModelReplica, ReplicaNotHot, error_text
+from dataplane.serving.replica_link import ReplicaEndpoint
 from schemas.subjects import replica_call_subject
 
 NAMESPACE = "ndif"
@@ -61,7 +61,7 @@ class ModelActor:
         self.node_id = node_id
         self.replica = ModelReplica(model_key, replica_id, checkpoint, revision=revision, dtype=dtype,
                                     execution_timeout_s=execution_timeout_s)
-        # The request path's endpoint (dataplane/replica_link.py): `run_batch` over NATS as well.
+        # The request path's endpoint (dataplane/serving/replica_link.py): `run_batch` over NATS as well.
         self.endpoint = None if not nats_url else ReplicaEndpoint(
             nats_url, replica_call_subject(model_key, replica_id), self.run_batch, creds=nats_creds,
             name=f"replica:{model_key}:{replica_id}", model_key=model_key, replica_id=replica_id).start()

@@ -1,0 +1,1 @@
+"""The serving side: user requests in, results out (dispatcher, processors, pull, replica link, client SDK)."""
