@@ -36,11 +36,13 @@ from controlplane.decide import (
     summarize,
 )
 from controlplane.eventstore import JetStreamEventLog
+from controlplane.follow import follow_log
 from controlplane.placement import MIN_DEPLOY_S, PADDING
+from controlplane.ports import Stored
 from controlplane.projections import ClusterState
 from controlplane.tasks import cancel_and_wait
 from schemas.commands import AnyCommand, CommandResult, Limits, decode_command
-from schemas.errors import InfrastructureError, NdifError
+from schemas.errors import NdifError
 from schemas.events import (
     Event,
     NodeJoined,
@@ -229,27 +231,20 @@ class Controller:
     # ---- the follower and the policies -------------------------------------------------------
 
     async def _follow(self) -> None:
-        assert self.log is not None and self.committer is not None
-        while True:
-            try:
-                async for batch in self.log.follow_batches(self.state.seq + 1):
-                    room = False
-                    for seq, item in batch:
-                        self.committer.observe(seq, item)
-                        if isinstance(item, ReplicaFailed):
-                            self._background(self._on_failure(item.model_key, item.replica_id))
-                        elif isinstance(item, _ROOM_EVENTS):
-                            room = True
-                    if room:
-                        self.place_unplaced_soon()  # room may exist now for replicas wanted but unplaced
-            except asyncio.CancelledError:
-                raise
-            except InfrastructureError as exc:
-                log.warning("follow_interrupted", error=str(exc))
-                await asyncio.sleep(0.5)
-            except Exception as exc:
-                log.exception("follow_failed", error=str(exc) or type(exc).__name__)
-                await asyncio.sleep(0.5)
+        assert self.log is not None
+        await follow_log(self.log, lambda: self.state.seq + 1, self._on_batch, logger=log)
+
+    def _on_batch(self, batch: list[Stored]) -> None:
+        assert self.committer is not None
+        room = False
+        for seq, item in batch:
+            self.committer.observe(seq, item)
+            if isinstance(item, ReplicaFailed):
+                self._background(self._on_failure(item.model_key, item.replica_id))
+            elif isinstance(item, _ROOM_EVENTS):
+                room = True
+        if room:
+            self.place_unplaced_soon()  # room may exist now for replicas wanted but unplaced
 
     async def _on_failure(self, model_key: str, replica_id: int) -> None:
         assert self.committer is not None

@@ -34,7 +34,9 @@ import structlog
 from controlplane.auth import Creds, resolve
 from controlplane.context import observed
 from controlplane.eventstore import JetStreamEventLog
+from controlplane.follow import follow_log
 from controlplane.heartbeats import STALE_S, last_heartbeat
+from controlplane.ports import Stored
 from controlplane.projections import ClusterState
 from controlplane.projections.replica import ReplicaView
 from controlplane.tasks import cancel_and_wait
@@ -274,21 +276,13 @@ class NodeAgent:
     async def _follow(self) -> None:
         assert self.log_ is not None
         self._kick.set()
-        while True:
-            try:
-                async for batch in self.log_.follow_batches(self.state.seq + 1):
-                    for seq, item in batch:
-                        self.state.apply(seq, item)
-                    self._kick.set()
-                    self._check_lost()
-            except asyncio.CancelledError:
-                raise
-            except InfrastructureError as exc:
-                self.log.warning("follow_interrupted", error=str(exc))
-                await asyncio.sleep(0.5)
-            except Exception as exc:
-                self.log.exception("follow_failed", error=str(exc) or type(exc).__name__)
-                await asyncio.sleep(0.5)
+        await follow_log(self.log_, lambda: self.state.seq + 1, self._on_batch, logger=self.log)
+
+    def _on_batch(self, batch: list[Stored]) -> None:
+        for seq, item in batch:
+            self.state.apply(seq, item)
+        self._kick.set()
+        self._check_lost()
 
     async def _reconcile_loop(self) -> None:
         while True:

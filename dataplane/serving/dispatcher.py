@@ -39,6 +39,8 @@ from controlplane.admin import AdminClient
 from controlplane.auth import Creds
 from controlplane.context import observed
 from controlplane.eventstore import JetStreamEventLog
+from controlplane.follow import follow_log
+from controlplane.ports import Stored
 from controlplane.projections import ClusterState
 from controlplane.projections.queue import queue_view
 from controlplane.tasks import cancel_and_wait
@@ -222,23 +224,15 @@ class Dispatcher:
 
     async def _follow(self) -> None:
         assert self.log_ is not None
-        while True:
-            try:
-                async for batch in self.log_.follow_batches(self.state.seq + 1):
-                    undeployed: set[str] = set()
-                    for seq, item in batch:
-                        self.state.apply(seq, item)
-                        if isinstance(item, ModelUndeployed):
-                            undeployed.add(item.model_key)
-                    self._sync_all(undeployed)
-            except asyncio.CancelledError:
-                raise
-            except errs.InfrastructureError as exc:
-                log.warning("follow_interrupted", error=str(exc))
-                await asyncio.sleep(0.5)
-            except Exception as exc:
-                log.exception("follow_failed", error=str(exc) or type(exc).__name__)
-                await asyncio.sleep(0.5)
+        await follow_log(self.log_, lambda: self.state.seq + 1, self._on_batch, logger=log)
+
+    def _on_batch(self, batch: list[Stored]) -> None:
+        undeployed: set[str] = set()
+        for seq, item in batch:
+            self.state.apply(seq, item)
+            if isinstance(item, ModelUndeployed):
+                undeployed.add(item.model_key)
+        self._sync_all(undeployed)
 
     def _sync_all(self, undeployed: set[str] | frozenset[str] = frozenset()) -> None:
         known: set[str] | None = None

@@ -1,0 +1,40 @@
+"""The one "follow the log" loop every service runs (controller, node agent, dispatcher).
+
+Each folds the same events through the same reducers; what differs is what it does after a batch.
+The loop resumes from the service's own fold (`next_seq()`), so an interrupted feed (a server
+restart, a leader change) picks up exactly where the fold stopped: no gap, no double apply.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+from controlplane.ports import EventLog, Stored
+from schemas.errors import InfrastructureError
+
+RETRY_S = 0.5  # pause before following again after the feed broke
+
+
+async def follow_log(log: EventLog, next_seq: Callable[[], int], on_batch: Callable[[list[Stored]], None],
+                     *, logger: Any, retry_s: float = RETRY_S) -> None:
+    """Feed every batch of events from `next_seq()` on to `on_batch`, forever, across interruptions.
+
+    `on_batch` is synchronous (it folds and schedules work; it never awaits), so a batch is applied
+    whole before the next one is read. Cancellation stops the loop; any other error is logged
+    (`follow_interrupted` for the infrastructure, `follow_failed` with a traceback otherwise) and
+    the loop follows again from the fold's position after `retry_s`.
+    """
+    while True:
+        try:
+            async for batch in log.follow_batches(next_seq()):
+                on_batch(batch)
+        except asyncio.CancelledError:
+            raise
+        except InfrastructureError as exc:
+            logger.warning("follow_interrupted", error=str(exc))
+            await asyncio.sleep(retry_s)
+        except Exception as exc:
+            logger.exception("follow_failed", error=str(exc) or type(exc).__name__)
+            await asyncio.sleep(retry_s)
