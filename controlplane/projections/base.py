@@ -3,6 +3,10 @@
 A projection is an accumulator owned by one fold. `apply(seq, item)` is the fold step: the
 per-entity reducers it calls are pure; the container is mutated in place so a fold over 10^5
 events costs O(events), not O(events x state). `evolve()` is the pure form (copy, then apply).
+
+The fold is silent: what it cannot use (an anomaly, an unreadable stored message) it keeps as
+data with its seq, and never logs. A live service logs what is new after each batch it folds
+(`new_anomalies(since_seq)`), so a restart, which folds the whole history again, re-logs nothing.
 """
 
 from __future__ import annotations
@@ -12,11 +16,8 @@ from collections.abc import Iterable
 from typing import Any, Self, TypeVar
 
 import msgspec
-import structlog
 
 from schemas.events import Event, Skipped, event_tag
-
-log = structlog.get_logger("ndif.projection")
 
 MAX_ANOMALIES_KEPT = 1000
 
@@ -35,14 +36,18 @@ class Anomaly(msgspec.Struct, frozen=True, kw_only=True):
 class Projection(abc.ABC):
     """Base fold: tracks `seq`, drops redeliveries, counts what it could not read."""
 
-    __slots__ = ("anomalies", "anomaly_count", "event_ids", "seq", "skipped")
+    __slots__ = ("anomalies", "anomaly_count", "event_ids", "seq", "skipped", "unreadable")
 
     def __init__(self) -> None:
         self.seq = 0  # last stored sequence applied (or skipped)
         self.skipped = 0  # stored messages no reader of this version can use
         self.event_ids: set[str] = set()  # applied event ids: a re-appended event changes nothing
-        self.anomalies: list[Anomaly] = []
+        self.anomalies: list[Anomaly] = []  # the last MAX_ANOMALIES_KEPT, in seq order
         self.anomaly_count = 0
+        # The last MAX_ANOMALIES_KEPT unreadable messages, as anomalies (event_type: the stored type
+        # tag, or ""). Not in snapshots (their count, `skipped`, is): they are kept for the live
+        # service to log once, and `skipped` says how many there were.
+        self.unreadable: list[Anomaly] = []
 
     def apply(self, seq: int, item: Event | Skipped) -> Self:
         """Fold one stored item at `seq`. Never raises for any decodable input."""
@@ -51,7 +56,8 @@ class Projection(abc.ABC):
         self.seq = seq
         if item.__class__ is Skipped:
             self.skipped += 1
-            log.warning("event_skipped", seq=seq, reason=item.reason, event_type=item.type)  # type: ignore[union-attr]
+            _keep(self.unreadable, Anomaly(seq=seq, event_type=item.type or "",  # type: ignore[union-attr]
+                                           message=item.reason))  # type: ignore[union-attr]
             return self
         ids = self.event_ids
         eid = item.event_id  # type: ignore[union-attr]
@@ -67,19 +73,18 @@ class Projection(abc.ABC):
 
     def _anomaly(self, seq: int, event: Event, message: str, replica_id: int | None = None) -> None:
         self.anomaly_count += 1
-        a = Anomaly(
-            seq=seq,
-            event_type=event_tag(event),
-            message=message,
-            model_key=event.model_key,
-            replica_id=replica_id,
-            event_id=event.event_id,
-        )
-        self.anomalies.append(a)
-        if len(self.anomalies) > MAX_ANOMALIES_KEPT:
-            del self.anomalies[0]
-        log.warning("projection_anomaly", seq=seq, event_type=a.event_type, model_key=a.model_key,
-                    replica_id=replica_id, message=message)
+        _keep(self.anomalies, Anomaly(seq=seq, event_type=event_tag(event), message=message,
+                                      model_key=event.model_key, replica_id=replica_id, event_id=event.event_id))
+
+    def new_anomalies(self, since_seq: int) -> list[Anomaly]:
+        """What the fold found after `since_seq` (anomalies and unreadable messages), in seq order.
+
+        For the live adapters: note `seq` before folding a batch, then log each of these once. At
+        most the last MAX_ANOMALIES_KEPT of each kind are kept; `anomaly_count` and `skipped` count
+        them all. Pure: reading does not consume them.
+        """
+        return sorted([*_since(self.anomalies, since_seq), *_since(self.unreadable, since_seq)],
+                      key=lambda a: a.seq)
 
     @abc.abstractmethod
     def copy(self) -> Self:
@@ -91,6 +96,21 @@ class Projection(abc.ABC):
         other.event_ids = set(self.event_ids)
         other.anomalies = list(self.anomalies)
         other.anomaly_count = self.anomaly_count
+        other.unreadable = list(self.unreadable)
+
+
+def _keep(kept: list[Anomaly], a: Anomaly) -> None:
+    kept.append(a)
+    if len(kept) > MAX_ANOMALIES_KEPT:
+        del kept[0]
+
+
+def _since(kept: list[Anomaly], since_seq: int) -> list[Anomaly]:
+    """The tail of `kept` (seq order) after `since_seq`: O(new ones), not O(kept)."""
+    i = len(kept)
+    while i and kept[i - 1].seq > since_seq:
+        i -= 1
+    return kept[i:]
 
 
 P = TypeVar("P", bound=Projection)

@@ -1,0 +1,54 @@
+"""The fold is silent: anomalies are data with their seq; the live services log only new ones."""
+
+from __future__ import annotations
+
+import pathlib
+import re
+from datetime import UTC, datetime
+
+from structlog.testing import capture_logs
+
+from controlplane.projections import ClusterState, fold
+from schemas.events import NodeLost, Skipped, decode_or_skip
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+BAD = ROOT / "tests" / "replay" / "histories" / "v1_bad_double_booking.jsonl"
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
+
+
+def _stored(path: pathlib.Path):
+    return [(i, decode_or_skip(line)) for i, line in enumerate(path.read_bytes().splitlines(), 1) if line.strip()]
+
+
+def test_projections_import_no_logger():
+    offenders = [f"{p.relative_to(ROOT)}:{i}" for p in (ROOT / "controlplane" / "projections").rglob("*.py")
+                 for i, line in enumerate(p.read_text().splitlines(), 1)
+                 if re.search(r"^\s*(import|from)\s+(structlog|logging)\b|\blog\.(warning|info|error|debug)\(", line)]
+    assert not offenders, offenders
+
+
+def test_a_fold_with_anomalies_and_unreadable_messages_logs_nothing_and_keeps_them():
+    items = _stored(BAD)
+    n = len(items)
+    items.append((n + 1, Skipped(reason="malformed body: x")))
+    with capture_logs() as logs:
+        state = fold(items, ClusterState())
+    assert not logs
+    assert state.anomaly_count >= 4 and state.skipped >= 2
+    found = state.new_anomalies(0)
+    assert [a.seq for a in found] == sorted(a.seq for a in found)
+    assert len(found) == state.anomaly_count + state.skipped
+    assert [a for a in found if a in state.anomalies] == state.anomalies
+    assert found[-1].seq == n + 1 and found[-1].message == "malformed body: x"
+
+
+def test_new_anomalies_are_only_those_after_the_mark():
+    state = fold(_stored(BAD), ClusterState())
+    mark = state.seq  # what a restarted service notes after rebuilding: the history is not re-logged
+    assert state.new_anomalies(mark) == []
+    state.apply(mark + 1, NodeLost(event_id="x1", ts=T0, actor="controller:t", node_id="nowhere"))
+    state.apply(mark + 2, Skipped(reason="unknown event type 'X'", type="X"))
+    new = state.new_anomalies(mark)
+    assert [(a.seq, a.event_type) for a in new] == [(mark + 1, "NodeLost"), (mark + 2, "X")]
+    assert state.new_anomalies(mark + 1) == new[1:]
+    assert state.copy().new_anomalies(mark) == new  # copies keep them
