@@ -31,6 +31,7 @@ from schemas import errors as errs
 from schemas.commands import MAX_HEADROOM, CommandResult
 from schemas.events import Event, ReplicaEvent, Skipped, event_tag
 from schemas.keys import display_name
+from schemas.status import ReplicaState
 
 DEFAULT_URL = "nats://127.0.0.1:4222"
 # A deploy/scale that placed fewer replicas than asked: its decision is in the log, but it fell short.
@@ -100,11 +101,11 @@ async def _command(a: argparse.Namespace, admin: AdminClient) -> int:
         waited = []
         for r in res.replicas:
             view = state.replicas[(r.model_key, r.replica_id)]
-            failed += view.state in ("LoadFailed", "Failed")
+            failed += view.state in (ReplicaState.LOAD_FAILED, ReplicaState.FAILED)
             seconds = view.load_seconds
             if r.action == "restarted":
                 seconds = ((view.loaded_at - decided).total_seconds()
-                           if decided is not None and view.loaded_at is not None and view.state == "Available"
+                           if decided is not None and view.loaded_at is not None and view.state is ReplicaState.AVAILABLE
                            else None)
             waited.append({"model_key": r.model_key, "replica_id": r.replica_id, "state": str(view.state),
                            "level": str(view.level), "load_seconds": seconds, "error": view.error})

@@ -24,6 +24,7 @@ from controlplane.placement import (
     plan,
 )
 from controlplane.projections.cluster import ClusterState
+from controlplane.projections.cluster import Registration as Registration  # decide()'s argument type, re-exported
 from controlplane.projections.replica import ReplicaView
 from schemas.commands import (
     MAX_REPLICAS_PER_MODEL,
@@ -57,15 +58,6 @@ from schemas.status import DeploymentOp, EvictionReason, Level, ReplicaState
 
 S = ReplicaState
 MAX_RESTARTS = 3
-
-
-class Registration(msgspec.Struct, frozen=True, kw_only=True):
-    """What the controller resolved offline for an unregistered model (checkpoint dir, measured size)."""
-
-    checkpoint: str
-    revision: str | None = None
-    size_bytes: int
-    dtype: str = "float32"
 
 
 def decide(state: ClusterState, cmd: AnyCommand, ctx: DecisionContext, *,
@@ -152,16 +144,17 @@ def _not_undeploying(state: ClusterState, model_key: str) -> None:
 
 
 def _size(state: ClusterState, model_key: str, registration: Registration | None,
-          override: int | None) -> tuple[int, list[Event], Registration | None]:
+          override: int | None) -> tuple[int, Registration | None]:
+    """The model's size, and the registration to record (None: already in the log)."""
     m = state.models.get(model_key)
     if m is not None and m.registration is not None:
-        return m.registration.size_bytes, [], None
+        return m.registration.size_bytes, None
     if registration is None:
         raise UnknownModel(f"unknown model {display_name(model_key)}: not registered and not resolved "
                            "(give a local checkpoint dir, a repo in the HF cache, or --size-bytes)")
     if override is not None:
         registration = msgspec.structs.replace(registration, size_bytes=override)
-    return registration.size_bytes, [], registration
+    return registration.size_bytes, registration
 
 
 def model_headroom(state: ClusterState, model_key: str, default: float) -> float:
@@ -173,7 +166,7 @@ def model_headroom(state: ClusterState, model_key: str, default: float) -> float
 def _grow(state: ClusterState, model_key: str, new: int, target: int, op: DeploymentOp, typed: int,
           dedicated: bool, ctx: DecisionContext, registration: Registration | None, override: int | None,
           min_deploy_s: float, headroom: float, gpus: int | None) -> list[Event]:
-    size, _, reg = _size(state, model_key, registration, override)
+    size, reg = _size(state, model_key, registration, override)
     if gpus is not None:
         why = gpus_refusal(state, padded(size, headroom), gpus)
         if why is not None:  # refused before anything is reserved: nothing is appended
@@ -327,7 +320,7 @@ def decide_failure(state: ClusterState, model_key: str, replica_id: int, ctx: De
     if r.restarts < max_restarts:
         return [ctx.event(ReplicaRestartRequested, model_key=model_key, replica_id=replica_id, node_id=r.node_id,
                           attempt=r.restarts + 1)]
-    return _replace_replicas(state, [r], ctx, EvictionReason.ADMIN, min_deploy_s, headroom)
+    return _replace_replicas(state, [r], ctx, EvictionReason.FAILURE, min_deploy_s, headroom)
 
 
 def decide_node_lost(state: ClusterState, node_id: str, ctx: DecisionContext, reason: str, *,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from controlplane.decide import Registration
+from controlplane.projections.cluster import Registration
 from schemas.errors import UnknownModel
 from schemas.keys import display_name, model_parts
 

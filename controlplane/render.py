@@ -75,8 +75,9 @@ def render_status(state: ClusterState, heartbeats: dict[str, float | None] | Non
                          human_bytes(charge) if charge is not None else "?",
                          f"{m.headroom:.0%}" if m.headroom is not None else "default",
                          str(m.gpus) if m.gpus else "auto", "yes" if m.dedicated else "no"])
-        out += ["", "MODELS (hot: on GPU now; wanted: replicas desired HOT)"] + _table(
-            rows, ["model", "status", "hot", "wanted", "last asked", "size", "charge", "headroom", "gpus", "dedicated"])
+        out += ["", "MODELS (hot: on GPU now; replica count: desired HOT; target_hot: of the last deploy/scale)"] + _table(
+            rows, ["model", "status", "hot", "replica count", "target_hot", "size", "charge", "headroom", "gpus",
+                   "dedicated"])
     live = [r for r in state.replicas.values()]
     if live:
         rows = []

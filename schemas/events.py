@@ -22,6 +22,8 @@ from schemas.subjects import (
     HDR_EVENT,
     HDR_MSG_ID,
     HDR_SCHEMA,
+    NODE_EVENTS_PREFIX,
+    REPLICA_EVENTS_PREFIX,
     command_event_subject,
     model_subject,
     node_subject,
@@ -195,12 +197,12 @@ class ModelRegistered(Event, frozen=True, kw_only=True, tag="ModelRegistered"):
 
 
 class DeploymentRequested(Event, frozen=True, kw_only=True, tag="DeploymentRequested"):
-    """An operator (or the dispatcher) asked for `target_hot` HOT replicas of a model."""
+    """An operator (or the dispatcher) asked for a replica count of `target_hot` (replicas desired HOT)."""
 
     model_key: ModelKey
     op: DeploymentOp
     replicas: int  # the number the operator typed
-    target_hot: int  # resulting desired HOT count
+    target_hot: int  # the replica count this operation aims at (ModelView.target_hot)
     dedicated: bool = False
     # Charging settings of the model from here on (None: unchanged; absent in old events). The
     # headroom is the fraction over the measured size it is charged; `gpus` the exact card count
@@ -485,7 +487,7 @@ def subject_problem(subject: str, item: AnyEvent | Skipped) -> str | None:
     """
     if item.__class__ is Skipped:
         return None
-    if subject.startswith("ndif.evt.node.") or (subject.startswith("ndif.evt.replica.") and subject.count(".") >= 5):
+    if subject.startswith(NODE_EVENTS_PREFIX) or (subject.startswith(REPLICA_EVENTS_PREFIX) and subject.count(".") >= 5):
         want = event_subject(item)  # type: ignore[arg-type]
         if want != subject:
             return f"{event_tag(item)} stored on {subject} belongs on {want}"  # type: ignore[arg-type]

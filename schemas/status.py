@@ -71,11 +71,15 @@ class RequestStatus(enum.StrEnum):
 
 
 class EvictionReason(enum.StrEnum):
-    ADMIN = "admin"
-    PRESSURE = "pressure"
+    """Why a replica was asked off its GPUs. Stored events keep the reason they were written with
+    (failure replacements written before `FAILURE` existed say `admin`)."""
+
+    ADMIN = "admin"  # `ndif evict`
+    PRESSURE = "pressure"  # room for another model's placement
     SCALE_DOWN = "scale-down"
     NODE_LOST = "node-lost"
     UNDEPLOY = "undeploy"
+    FAILURE = "failure"  # failed past `max_restarts`: ended here, replaced elsewhere (decide_failure)
 
 
 class DeploymentOp(enum.StrEnum):

@@ -21,6 +21,9 @@ RESULTS_BUCKET = "ndif_results"
 SNAPSHOTS_BUCKET = "ndif_snapshots"
 
 EVENTS_ALL = "ndif.evt.>"
+NODE_EVENTS_PREFIX = "ndif.evt.node."  # + <ntok>
+MODEL_EVENTS_PREFIX = "ndif.evt.model."  # + <mtok>
+REPLICA_EVENTS_PREFIX = "ndif.evt.replica."  # + <mtok>.<replica_id>[.<source>]
 REQUESTS_ALL = "ndif.req.>"
 COMMANDS_PREFIX = "ndif.cmd"
 STATUS_PREFIX = "ndif.status"
@@ -56,15 +59,15 @@ def node_token(node_id: str) -> str:
 
 
 def node_subject(node_id: str) -> str:
-    return f"ndif.evt.node.{node_token(node_id)}"
+    return f"{NODE_EVENTS_PREFIX}{node_token(node_id)}"
 
 
 def model_subject(model_key: str) -> str:
-    return f"ndif.evt.model.{model_token(model_key)}"
+    return f"{MODEL_EVENTS_PREFIX}{model_token(model_key)}"
 
 
 def replica_subject(model_key: str, replica_id: int) -> str:
-    return f"ndif.evt.replica.{model_token(model_key)}.{int(replica_id)}"
+    return f"{REPLICA_EVENTS_PREFIX}{model_token(model_key)}.{int(replica_id)}"
 
 
 def command_event_subject(command_id: str) -> str:
@@ -80,7 +83,7 @@ def replica_call_subject(model_key: str, replica_id: int) -> str:
 def model_events_filter(model_key: str) -> list[str]:
     """Subject filters that select every event of one model (model-level and replica-level)."""
     tok = model_token(model_key)
-    return [f"ndif.evt.model.{tok}", f"ndif.evt.replica.{tok}.>"]
+    return [f"{MODEL_EVENTS_PREFIX}{tok}", f"{REPLICA_EVENTS_PREFIX}{tok}.>"]
 
 
 def request_subject(model_key: str, user: str = "") -> str:
@@ -125,9 +128,9 @@ def operator_filters(model_key: str | None = None, replica_id: int | None = None
     out: dict[str, str] = {}
     if model_key is not None:
         tok = model_token(model_key)
-        out["model events"] = f"ndif.evt.model.{tok}"
+        out["model events"] = f"{MODEL_EVENTS_PREFIX}{tok}"
         if replica_id is None:
-            out["replica events"] = f"ndif.evt.replica.{tok}.>"
+            out["replica events"] = f"{REPLICA_EVENTS_PREFIX}{tok}.>"
         else:  # decisions on the replica's subject, observed facts one token deeper (their source)
             out["replica decisions"] = replica_subject(model_key, replica_id)
             out["replica facts"] = f"{replica_subject(model_key, replica_id)}.*"

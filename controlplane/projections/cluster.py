@@ -73,11 +73,18 @@ class NodeFree(NamedTuple):
 
 
 class Registration(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+    """Where a model loads from and how big it is: what `ModelRegistered` records.
+
+    The one registration type: the controller resolves one offline for a model not yet in the log
+    (controlplane/registry.py; `seq` 0), decide() records it, and the fold keeps it with the seq of
+    its `ModelRegistered`.
+    """
+
     checkpoint: str
-    revision: str | None
+    revision: str | None = None
     size_bytes: int
-    dtype: str
-    seq: int
+    dtype: str = "float32"
+    seq: int = 0  # of its ModelRegistered; 0: resolved, not yet in the log
 
 
 class RejectionView(msgspec.Struct, frozen=True, kw_only=True, gc=False):

@@ -19,7 +19,7 @@ class ModelQueueView(msgspec.Struct, frozen=True, kw_only=True):
     """What a processor needs from the log for one model."""
 
     model_key: str
-    requested: int  # desired HOT replicas (the replica count)
+    replica_count: int  # replicas whose desired level is HOT (ClusterState.replica_count)
     ready: tuple[int, ...]  # Available: a worker each
     draining: tuple[int, ...]  # finish in-flight work, take nothing new
     starting: tuple[int, ...]  # scheduled, loading or restarting
@@ -33,7 +33,7 @@ def queue_view(state: ClusterState, model_key: str) -> ModelQueueView:
     hot = [r for r in rs if r.desired is Level.HOT]
     return ModelQueueView(
         model_key=model_key,
-        requested=len(hot),
+        replica_count=len(hot),
         ready=tuple(r.replica_id for r in rs if r.state is S.AVAILABLE),
         draining=tuple(r.replica_id for r in rs if r.state is S.DRAINING),
         starting=tuple(r.replica_id for r in hot if r.state in (S.LOAD_REQUESTED, S.LOADING, S.RESTARTING)),
@@ -50,8 +50,8 @@ def processor_status(view: ModelQueueView, *, in_flight: int, queued: int, provi
         return ProcessorStatus.DEPLOYING
     if provisioning:
         return ProcessorStatus.PROVISIONING
-    if view.requested and (view.failed or view.rejected) and not view.starting:
+    if view.replica_count and (view.failed or view.rejected) and not view.starting:
         return ProcessorStatus.CANCELLED
-    if view.requested:
+    if view.replica_count:
         return ProcessorStatus.PROVISIONING
     return ProcessorStatus.PROVISIONING if queued else ProcessorStatus.UNINITIALIZED

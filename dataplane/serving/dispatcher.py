@@ -276,7 +276,7 @@ class Dispatcher:
         """
         if p.model_key is None or not p.queue or p.provisioning:
             return
-        if p.view is not None and p.view.requested > 0:
+        if p.view is not None and p.view.replica_count > 0:
             return
         rejected = self._rejected.get(p.token)
         if rejected is not None:

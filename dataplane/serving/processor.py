@@ -339,7 +339,7 @@ class Processor:
             "model_key": self.model_key, "status": str(self.status), "queued": len(self.queue),
             "in_flight": self.running(), "lanes_per_replica": self.lanes, "ready_replicas": sorted(self.ready),
             "draining_replicas": sorted(self.draining), "starting_replicas": list(v.starting) if v else [],
-            "requested_replicas": v.requested if v else 0, "workers": sorted(self.workers),
+            "replica_count": v.replica_count if v else 0, "workers": sorted(self.workers),
             "completed": self.completed, "errors": self.errors, "replica_calls": self.calls,
             "endpoint_calls": self.link_calls,
             "run_ms": round(self.exec_s * 1000, 3) if self.exec_s is not None else None, "provisioning": self.provisioning,
