@@ -222,6 +222,10 @@ def test_failure_replacement_honours_min_deploy_s_and_records_it():
     assert sched.node_id == "B" and sched.min_deploy_s == 60 and sched.headroom == 0.1
     assert [e.model_key for e in short if isinstance(e, E.ReplicaEvictionRequested)
             and e.reason is EvictionReason.PRESSURE] == ["x"]
+    # The failed replica is ended with its own reason (not an operator's `admin`), in both outcomes.
+    for events in (default, short):
+        assert [(e.model_key, e.reason) for e in events if isinstance(e, E.ReplicaEvictionRequested)
+                and e.model_key == "m"] == [("m", EvictionReason.FAILURE)]
     (rej,) = [e for e in default if isinstance(e, E.PlacementRejected)]
     assert rej.min_deploy_s == 300 and rej.headroom == placement.PADDING
 
