@@ -29,6 +29,7 @@ import hashlib
 import pathlib
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
+from typing import Union
 
 import msgspec
 
@@ -39,23 +40,11 @@ from controlplane.memlog import MemoryEventLog
 from controlplane.placement import MIN_DEPLOY_S, PADDING
 from controlplane.projections import ClusterState
 from controlplane.projections.cluster import Registration
+from controlplane.projections.replica import ReplicaView
+from schemas import events as E
 from schemas.commands import MAX_REPLICAS_PER_MODEL, AnyCommand, Deploy, Evict, Restart, Scale, ScaleDown, Undeploy
 from schemas.errors import NdifError
-from schemas.events import (
-    Event,
-    GpuInfo,
-    NodeJoined,
-    ReplicaCached,
-    ReplicaDrained,
-    ReplicaFailed,
-    ReplicaLoaded,
-    ReplicaLoadFailed,
-    ReplicaLoading,
-    ReplicaRestarted,
-    ReplicaUnloaded,
-    encode_event,
-)
-from schemas.keys import canonical_model_key
+from schemas.keys import canonical_model_key, model_parts
 from schemas.status import Level, ReplicaState
 
 HERE = pathlib.Path(__file__).parent / "histories"
@@ -73,50 +62,82 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     max_replicas_per_model: int = MAX_REPLICAS_PER_MODEL
 
 
-class Decision(msgspec.Struct, frozen=True, kw_only=True):
-    """One decision as recorded: what it was given, and where its events are in the history.
+class Context(msgspec.Struct, frozen=True, kw_only=True):
+    """A `DecisionContext`'s inputs."""
 
-    `policy` is `command` (an operator command: `command`, `registration`), `failure`
-    (`model_key`, `replica_id`), `node_lost` (`node_id`, `reason`) or `unplaced`. `at_seq` is the
-    last seq of the prefix it was decided over; its events are `at_seq + 1 .. at_seq + events`.
-    `refused` is the NdifError class it raised instead (nothing appended).
-    """
-
-    policy: str
-    at_seq: int
-    events: int
     now: datetime
     actor: str
     command_id: str
     seed: int
-    settings: Settings
-    command: AnyCommand | None = None
+
+    def build(self) -> DecisionContext:
+        return DecisionContext(now=self.now, actor=self.actor, command_id=self.command_id, seed=self.seed)
+
+
+class Policy(msgspec.Struct, frozen=True, kw_only=True, tag_field="policy"):
+    """What a decision decides on, besides the state: one kind per deciding path of the controller."""
+
+
+class CommandPolicy(Policy, frozen=True, kw_only=True, tag="command"):
+    """An operator command, with the registration the controller resolved for it (if it needed one)."""
+
+    command: AnyCommand
     registration: Registration | None = None
-    model_key: str | None = None
-    replica_id: int | None = None
-    node_id: str | None = None
-    reason: str = ""
+
+
+class FailurePolicy(Policy, frozen=True, kw_only=True, tag="failure"):
+    """A replica failed at run time: restart it, or replace it past max_restarts."""
+
+    model_key: str
+    replica_id: int
+
+
+class NodeLostPolicy(Policy, frozen=True, kw_only=True, tag="node_lost"):
+    node_id: str
+    reason: str
+
+
+class UnplacedPolicy(Policy, frozen=True, kw_only=True, tag="unplaced"):
+    """Place the wanted replicas that hold no place (level-triggered)."""
+
+
+AnyPolicy = Union[CommandPolicy, FailurePolicy, NodeLostPolicy, UnplacedPolicy]
+
+
+class Decision(msgspec.Struct, frozen=True, kw_only=True):
+    """One decision as recorded: what it was given, and where its events are in the history.
+
+    `at_seq` is the last seq of the prefix it was decided over; its events are `at_seq + 1 ..
+    at_seq + events`. `refused` is the NdifError class it raised instead (nothing appended).
+    """
+
+    on: AnyPolicy
+    ctx: Context
+    settings: Settings
+    at_seq: int = 0
+    events: int = 0
     refused: str | None = None
 
+    @property
+    def policy(self) -> str:
+        return str(self.on.__struct_config__.tag)
 
-def run(d: Decision, state: ClusterState) -> list[Event]:
+
+def run(d: Decision, state: ClusterState) -> list[E.Event]:
     """The decision `d` describes, taken on `state` (the recorder and the replay test both call this)."""
-    ctx = DecisionContext(now=d.now, actor=d.actor, command_id=d.command_id, seed=d.seed)
-    st = d.settings
-    if d.policy == "command":
-        assert d.command is not None
-        return decide(state, d.command, ctx, registration=d.registration, min_deploy_s=st.min_deploy_s,
-                      headroom=st.headroom, max_replicas_per_model=st.max_replicas_per_model)
-    if d.policy == "failure":
-        assert d.model_key is not None and d.replica_id is not None
-        return decide_failure(state, d.model_key, d.replica_id, ctx, max_restarts=st.max_restarts,
-                              min_deploy_s=st.min_deploy_s, headroom=st.headroom)
-    if d.policy == "node_lost":
-        assert d.node_id is not None
-        return decide_node_lost(state, d.node_id, ctx, d.reason, min_deploy_s=st.min_deploy_s, headroom=st.headroom)
-    if d.policy == "unplaced":
-        return decide_unplaced(state, ctx, headroom=st.headroom, min_deploy_s=st.min_deploy_s)
-    raise ValueError(f"unknown policy {d.policy!r}")
+    ctx, st = d.ctx.build(), d.settings
+    match d.on:
+        case CommandPolicy(command=cmd, registration=reg):
+            return decide(state, cmd, ctx, registration=reg, min_deploy_s=st.min_deploy_s, headroom=st.headroom,
+                          max_replicas_per_model=st.max_replicas_per_model)
+        case FailurePolicy(model_key=mk, replica_id=rid):
+            return decide_failure(state, mk, rid, ctx, max_restarts=st.max_restarts, min_deploy_s=st.min_deploy_s,
+                                  headroom=st.headroom)
+        case NodeLostPolicy(node_id=node_id, reason=reason):
+            return decide_node_lost(state, node_id, ctx, reason, min_deploy_s=st.min_deploy_s, headroom=st.headroom)
+        case UnplacedPolicy():
+            return decide_unplaced(state, ctx, headroom=st.headroom, min_deploy_s=st.min_deploy_s)
+    raise ValueError(f"unknown policy {d.on!r}")
 
 
 def seed_of(command_id: str) -> int:
@@ -136,7 +157,7 @@ class Recorder:
         self.committer = GroupCommitter(self.log, ClusterState())
         self.now = T0
         self.decisions: list[Decision] = []
-        self.gpus: dict[str, tuple[GpuInfo, ...]] = {}
+        self.gpus: dict[str, tuple[E.GpuInfo, ...]] = {}
         self.cpu: dict[str, int] = {}
         self.silent: set[str] = set()  # nodes whose agent stopped (heartbeat expired)
         self.failing: set[str] = set()  # models whose loads fail
@@ -149,6 +170,9 @@ class Recorder:
     def state(self) -> ClusterState:
         return self.committer.state
 
+    def context(self, actor: str, command_id: str) -> Context:
+        return Context(now=self.now, actor=actor, command_id=command_id, seed=seed_of(command_id))
+
     def tick(self, seconds: float = 1.0) -> None:
         self.now += timedelta(seconds=seconds)
 
@@ -157,7 +181,7 @@ class Recorder:
     async def decide(self, d: Decision) -> None:
         seen: list[int] = []
 
-        def once(state: ClusterState) -> list[Event]:
+        def once(state: ClusterState) -> list[E.Event]:
             seen.append(state.seq)
             return run(d, state)
 
@@ -177,26 +201,25 @@ class Recorder:
         if isinstance(cmd, (Deploy, Scale)) and mk is not None:
             m = self.state.models.get(mk)
             if m is None or m.registration is None:
-                reg = Registration(checkpoint=f"/models/{mk.rsplit('/', 1)[-1][:24]}", size_bytes=self.sizes[mk],
-                                   dtype="float32")
-        await self.decide(Decision(policy="command", at_seq=0, events=0, now=self.now, actor=cmd.actor,
-                                   command_id=cmd.command_id, seed=seed_of(cmd.command_id), settings=self.settings,
-                                   command=cmd, registration=reg))
+                repo = model_parts(mk)[1]  # what controlplane/registry.py resolves, without reading a disk
+                reg = Registration(checkpoint=repo if repo.startswith("/") else f"/hf-cache/{repo}",
+                                   size_bytes=self.sizes[mk], dtype="float32")
+        await self.decide(Decision(on=CommandPolicy(command=cmd, registration=reg),
+                                   ctx=self.context(cmd.actor, cmd.command_id), settings=self.settings))
         await self.settle()
 
-    async def policy(self, policy: str, **args: object) -> None:
+    async def policy(self, on: Policy) -> None:
         self.tick()
         self.n_ctl += 1
-        cid = f"ctl-{policy}-{self.n_ctl:04d}"
-        await self.decide(Decision(policy=policy, at_seq=0, events=0, now=self.now, actor="controller:rec",
-                                   command_id=cid, seed=seed_of(cid), settings=self.settings, **args))  # type: ignore[arg-type]
+        cid = f"ctl-{on.__struct_config__.tag}-{self.n_ctl:04d}"
+        await self.decide(Decision(on=on, ctx=self.context("controller:rec", cid), settings=self.settings))  # type: ignore[arg-type]
 
     async def catch_up(self) -> None:
         await afold_batches(self.log.read_batches(self.state.seq + 1), self.state)
 
     # ---- the nodes' part --------------------------------------------------------------------
 
-    async def observe(self, cls: type[Event], actor: str, **fields: object) -> None:
+    async def observe(self, cls: type[E.Event], actor: str, **fields: object) -> None:
         self.n_obs += 1
         self.tick(0.5)
         ev = cls(event_id=f"obs-{self.n_obs:05d}", ts=self.now, actor=actor, **fields)
@@ -204,32 +227,32 @@ class Recorder:
         await self.catch_up()
 
     async def join(self, node_id: str, gpus: int, gpu_gb: int, cpu_gb: int) -> None:
-        self.gpus[node_id] = tuple(GpuInfo(index=i, memory_bytes=gpu_gb * GB, name="sim") for i in range(gpus))
+        self.gpus[node_id] = tuple(E.GpuInfo(index=i, memory_bytes=gpu_gb * GB, name="sim") for i in range(gpus))
         self.cpu[node_id] = cpu_gb * GB
         self.silent.discard(node_id)
-        await self.observe(NodeJoined, f"agent:{node_id}", node_id=node_id, gpus=self.gpus[node_id],
+        await self.observe(E.NodeJoined, f"agent:{node_id}", node_id=node_id, gpus=self.gpus[node_id],
                            cpu_cache_bytes=self.cpu[node_id], hostname=node_id)
-        await self.policy("unplaced")
+        await self.policy(UnplacedPolicy())
         await self.settle()
 
     async def lose(self, node_id: str) -> None:
         """The node's agent stops; its heartbeat expires and the controller decides NodeLost."""
         self.silent.add(node_id)
-        await self.policy("node_lost", node_id=node_id, reason="heartbeat expired")
+        await self.policy(NodeLostPolicy(node_id=node_id, reason="heartbeat expired"))
         await self.settle()
 
     async def fail(self, model_key: str, replica_id: int, error: str) -> None:
         r = self.state.replicas[(model_key, replica_id)]
-        await self.observe(ReplicaFailed, f"agent:{r.node_id}", model_key=model_key, replica_id=replica_id,
+        await self.observe(E.ReplicaFailed, f"agent:{r.node_id}", model_key=model_key, replica_id=replica_id,
                            node_id=r.node_id, error=error)
-        await self.policy("failure", model_key=model_key, replica_id=replica_id)
+        await self.policy(FailurePolicy(model_key=model_key, replica_id=replica_id))
         await self.settle()
 
     async def settle(self) -> None:
         """Every live node answers what its replicas' states ask, until none asks anything."""
         while await self._answer_one():
             pass
-        await self.policy("unplaced")  # the controller's level-triggered placement after room changed
+        await self.policy(UnplacedPolicy())  # the controller's level-triggered placement after room changed
 
     async def _answer_one(self) -> bool:
         moving = sorted((r for r in self.state.replicas.values() if r.node_id and r.node_id not in self.silent
@@ -248,31 +271,31 @@ class Recorder:
         return False
 
 
-Answer = Callable[[Recorder, object], tuple[type[Event], str, dict[str, object]]]
+Answer = Callable[[Recorder, ReplicaView], tuple[type[E.Event], str, dict[str, object]]]
 
 
-def _agent(r: object) -> str:
-    return f"agent:{r.node_id}"  # type: ignore[attr-defined]
+def _agent(r: ReplicaView) -> str:
+    return f"agent:{r.node_id}"
 
 
-def _load(rec: Recorder, r: object) -> tuple[type[Event], str, dict[str, object]]:
-    if r.model_key in rec.failing:  # type: ignore[attr-defined]
-        return ReplicaLoadFailed, _agent(r), {"error": "OSError: config.json is corrupt"}
-    return ReplicaLoaded, _agent(r), {"load_seconds": 1.25}
+def _load(rec: Recorder, r: ReplicaView) -> tuple[type[E.Event], str, dict[str, object]]:
+    if r.model_key in rec.failing:
+        return E.ReplicaLoadFailed, _agent(r), {"error": "OSError: config.json is corrupt"}
+    return E.ReplicaLoaded, _agent(r), {"load_seconds": 1.25}
 
 
-def _unload(rec: Recorder, r: object) -> tuple[type[Event], str, dict[str, object]]:
-    if r.desired is Level.WARM:  # type: ignore[attr-defined]
-        return ReplicaCached, _agent(r), {"cpu_bytes": rec.sizes[r.model_key]}  # type: ignore[attr-defined]
-    return ReplicaUnloaded, _agent(r), {}
+def _unload(rec: Recorder, r: ReplicaView) -> tuple[type[E.Event], str, dict[str, object]]:
+    if r.desired is Level.WARM:
+        return E.ReplicaCached, _agent(r), {"cpu_bytes": rec.sizes[r.model_key]}
+    return E.ReplicaUnloaded, _agent(r), {}
 
 
 _ANSWERS: dict[ReplicaState, Answer] = {
-    S.LOAD_REQUESTED: lambda rec, r: (ReplicaLoading, _agent(r), {}),
+    S.LOAD_REQUESTED: lambda rec, r: (E.ReplicaLoading, _agent(r), {}),
     S.LOADING: _load,
-    S.DRAINING: lambda rec, r: (ReplicaDrained, "dispatcher:rec", {}),
+    S.DRAINING: lambda rec, r: (E.ReplicaDrained, "dispatcher:rec", {}),
     S.UNLOAD_REQUESTED: _unload,
-    S.RESTARTING: lambda rec, r: (ReplicaRestarted, _agent(r), {}),
+    S.RESTARTING: lambda rec, r: (E.ReplicaRestarted, _agent(r), {}),
 }
 
 
@@ -372,7 +395,7 @@ async def record(name: str) -> tuple[list[bytes], list[Decision], ClusterState]:
     rec = Recorder(settings)
     async with rec.committer:
         await scenario(rec)
-    lines = [encode_event(e) for e in rec.log.events()]
+    lines = [E.encode_event(e) for e in rec.log.events()]
     return lines, rec.decisions, rec.state
 
 

@@ -42,10 +42,10 @@ def test_every_recorded_decision_redecides_byte_identical(name: str):
     state = ClusterState()
     checked = 0
     for i, d in enumerate(decisions):
-        assert d.at_seq >= state.seq, f"decision {i} ({d.command_id}) is out of order"
+        assert d.at_seq >= state.seq, f"decision {i} ({d.ctx.command_id}) is out of order"
         for seq in range(state.seq + 1, d.at_seq + 1):
             state.apply(seq, decode_or_skip(lines[seq - 1]))
-        where = f"decision {i} ({d.policy} {d.command_id}) over seq 1..{d.at_seq}"
+        where = f"decision {i} ({d.policy} {d.ctx.command_id}) over seq 1..{d.at_seq}"
         if d.refused is not None:
             with pytest.raises(getattr(errors, d.refused)):
                 run(d, state.copy())
@@ -69,7 +69,7 @@ def test_every_event_is_a_recorded_decision_or_an_observed_fact(name: str):
     decided: set[int] = set()
     for d in decisions:
         span = set(range(d.at_seq + 1, d.at_seq + d.events + 1))
-        assert not span & decided, f"{d.command_id}: overlaps another decision"
+        assert not span & decided, f"{d.ctx.command_id}: overlaps another decision"
         decided |= span
     for seq, line in enumerate(lines, 1):
         if seq not in decided:
