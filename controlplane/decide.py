@@ -16,8 +16,8 @@ from controlplane.context import DecisionContext
 from controlplane.placement import (
     MIN_DEPLOY_S,
     PADDING,
+    PlacementRequest,
     Plan,
-    Request,
     cache_target,
     gpus_refusal,
     padded,
@@ -40,7 +40,7 @@ from schemas.commands import (
     Undeploy,
     fingerprint,
 )
-from schemas.errors import CommandIdConflict, InvalidCommand, NotFound, UnknownModel
+from schemas.errors import AlreadyDeployed, CommandIdConflict, InvalidCommand, NotFound, UnknownModel
 from schemas.events import (
     CommandDecided,
     DeploymentRequested,
@@ -82,7 +82,7 @@ def decide(state: ClusterState, cmd: AnyCommand, ctx: DecisionContext, *,
         case Deploy():
             _not_undeploying(state, cmd.model_key)
             if state.replica_count(cmd.model_key):
-                raise InvalidCommand(
+                raise AlreadyDeployed(
                     f"{display_name(cmd.model_key)} already has {state.replica_count(cmd.model_key)} HOT replicas: "
                     f"use `ndif scale {display_name(cmd.model_key)} --replicas N`")
             body = _grow(state, cmd.model_key, cmd.replicas, cmd.replicas, DeploymentOp.DEPLOY, cmd.replicas,
@@ -177,7 +177,7 @@ def _grow(state: ClusterState, model_key: str, new: int, target: int, op: Deploy
                                 revision=reg.revision, size_bytes=reg.size_bytes, dtype=reg.dtype))
     events.append(ctx.event(DeploymentRequested, model_key=model_key, op=op, replicas=typed, target_hot=target,
                             dedicated=dedicated, headroom=headroom, gpus=gpus))
-    p = plan(state, [Request(model_key=model_key, size_bytes=size, replicas=new, dedicated=dedicated,
+    p = plan(state, [PlacementRequest(model_key=model_key, size_bytes=size, replicas=new, dedicated=dedicated,
                              headroom=headroom, gpus=gpus)],
              now_s=ctx.now.timestamp(), seed=ctx.seed, min_deploy_s=min_deploy_s)
     return events + plan_events(p, ctx)
@@ -362,7 +362,7 @@ def decide_unplaced(state: ClusterState, ctx: DecisionContext, *, headroom: floa
         m = state.models.get(mk)
         if m is None or m.registration is None:
             continue
-        reqs.append(Request(model_key=mk, size_bytes=m.registration.size_bytes, replicas=len(wanted[mk]),
+        reqs.append(PlacementRequest(model_key=mk, size_bytes=m.registration.size_bytes, replicas=len(wanted[mk]),
                             dedicated=False, headroom=model_headroom(state, mk, headroom), gpus=m.gpus))
     p = plan(state, reqs, now_s=ctx.now.timestamp(), seed=ctx.seed, min_deploy_s=float("inf"))
     if not p.placed:
@@ -394,7 +394,7 @@ def _replace_replicas(state: ClusterState, gone: Sequence[ReplicaView], ctx: Dec
     for mk, n in want.items():
         m = state.models.get(mk)
         if m is not None and m.registration is not None:
-            reqs.append(Request(model_key=mk, size_bytes=m.registration.size_bytes, replicas=n,
+            reqs.append(PlacementRequest(model_key=mk, size_bytes=m.registration.size_bytes, replicas=n,
                                 dedicated=any(r.dedicated for r in gone if r.model_key == mk),
                                 headroom=model_headroom(state, mk, headroom), gpus=m.gpus))
     p = plan(state, reqs, now_s=ctx.now.timestamp(), seed=ctx.seed, min_deploy_s=min_deploy_s) if reqs else None

@@ -62,7 +62,10 @@ class Candidate(enum.IntEnum):
     CANT_ACCOMMODATE = 5
 
 
-class Request(msgspec.Struct, frozen=True, kw_only=True):
+class PlacementRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """Place `replicas` more replicas of a model (what decide() asks of placement; not a user request,
+    schemas.requests.Request)."""
+
     model_key: str
     size_bytes: int  # measured size; the headroom is added here
     replicas: int
@@ -194,7 +197,7 @@ def _evictable(r: ReplicaView, requester: str, dedicated: bool, now_s: float, mi
     return loaded is not None and now_s - loaded >= min_deploy_s
 
 
-def _card_evictions(w: _Work, node_id: str, g: int, total: int, bpg: int, req: Request, now_s: float,
+def _card_evictions(w: _Work, node_id: str, g: int, total: int, bpg: int, req: PlacementRequest, now_s: float,
                     min_deploy_s: float) -> tuple[int, int, tuple[RKey, ...]] | None:
     """Fewest, then smallest, evictions that free `bpg` on one card: (count, bytes, keys) or None."""
     need = bpg - w.free(node_id, g, total)
@@ -247,7 +250,7 @@ class _Spread:
         self.cards.setdefault(node_id, set()).update(gpus)
 
 
-def _node_evictions(w: _Work, node_id: str, req: Request, n: int, bpg: int, now_s: float, min_deploy_s: float,
+def _node_evictions(w: _Work, node_id: str, req: PlacementRequest, n: int, bpg: int, now_s: float, min_deploy_s: float,
                     bound: tuple[int, int] | None = None) -> tuple[tuple[int, ...], tuple[RKey, ...]] | None:
     """Fewest, then smallest (total bytes), evictions that free `bpg` on `n` cards of one node.
 
@@ -366,7 +369,7 @@ class _Best:
         self.cards: tuple[int, ...] = ()
 
 
-def _per_card_evictions(w: _Work, node_id: str, frees: dict[int, int], req: Request, n: int, bpg: int,
+def _per_card_evictions(w: _Work, node_id: str, frees: dict[int, int], req: PlacementRequest, n: int, bpg: int,
                         now_s: float, min_deploy_s: float) -> tuple[tuple[int, ...], tuple[RKey, ...]] | None:
     """The bounded fallback: each card's own fewest-then-smallest victims, the `n` cheapest cards."""
     costs = []
@@ -381,7 +384,7 @@ def _per_card_evictions(w: _Work, node_id: str, frees: dict[int, int], req: Requ
     return tuple(sorted(c[2] for c in chosen)), tuple(dict.fromkeys(k for c in chosen for k in c[3]))
 
 
-def _assess_evict(w: _Work, node_id: str, req: Request, size: int, warm: ReplicaView | None, now_s: float,
+def _assess_evict(w: _Work, node_id: str, req: PlacementRequest, size: int, warm: ReplicaView | None, now_s: float,
                   min_deploy_s: float, bound: tuple[int, int] | None = None,
                   ) -> tuple[Candidate, tuple[int, ...], int, tuple[RKey, ...]]:
     """A node's level for one replica after evictions: (candidate, cards, bytes per card, evictions);
@@ -394,7 +397,7 @@ def _assess_evict(w: _Work, node_id: str, req: Request, size: int, warm: Replica
     return level, got[0], bpg, got[1]
 
 
-def plan(state: ClusterState, requests: Iterable[Request], *, now_s: float, seed: int = 0,
+def plan(state: ClusterState, requests: Iterable[PlacementRequest], *, now_s: float, seed: int = 0,
          min_deploy_s: float = MIN_DEPLOY_S) -> Plan:
     """Place every request's replicas (largest models first). Deterministic for (state, args)."""
     w = _Work(state)
@@ -480,7 +483,7 @@ def _warm_copies(w: _Work, model_key: str) -> dict[str, ReplicaView]:
     return warm_by_node
 
 
-def _choose(w: _Work, nodes: list[NodeView], pos: _Positions, req: Request, size: int, spread: _Spread,
+def _choose(w: _Work, nodes: list[NodeView], pos: _Positions, req: PlacementRequest, size: int, spread: _Spread,
             now_s: float, min_deploy_s: float) -> _Choice | None:
     """The best node for one more replica: (level, node, cards, bytes per card, evictions, WARM copy).
 
@@ -527,7 +530,7 @@ def _choose(w: _Work, nodes: list[NodeView], pos: _Positions, req: Request, size
     return _choose_evict(w, nodes, req, size, warm_by_node, now_s, min_deploy_s)
 
 
-def _evict_lower_bound(w: _Work, node: NodeView, req: Request, size: int,
+def _evict_lower_bound(w: _Work, node: NodeView, req: PlacementRequest, size: int,
                        shapes: dict[int, tuple[int, int]]) -> tuple[int, int] | None:
     """A lower bound (count, bytes) on the evictions a node needs for one replica, read from the
     state's per-node index alone; None when no set of its replicas can free enough.
@@ -573,7 +576,7 @@ def _index_bound(free: tuple[int, ...], fps: tuple[int, ...], n: int, bpg: int) 
     return None
 
 
-def _choose_evict(w: _Work, nodes: list[NodeView], req: Request, size: int, warm_by_node: dict[str, ReplicaView],
+def _choose_evict(w: _Work, nodes: list[NodeView], req: PlacementRequest, size: int, warm_by_node: dict[str, ReplicaView],
                   now_s: float, min_deploy_s: float) -> _Choice | None:
     """The node whose evictions rank best: (level, how many, how many bytes, seeded order).
 

@@ -50,6 +50,13 @@ class CommandIdConflict(InvalidCommand):
     """A command id already used for a different command (same id, different payload); nothing appended."""
 
 
+class AlreadyDeployed(InvalidCommand):
+    """`deploy` of a model that already has HOT replicas (use `scale`); nothing appended.
+
+    Its own kind, so a caller for whom that is success (a dispatcher provisioning a model another
+    one deployed first) tells it apart without reading the message."""
+
+
 class NotFound(NdifError, LookupError):
     """A model, replica, node or request that does not exist."""
 

@@ -6,7 +6,7 @@ from datetime import timedelta
 
 import pytest
 
-from controlplane.placement import Candidate, Request, padded, plan
+from controlplane.placement import Candidate, PlacementRequest, padded, plan
 from schemas.status import Level
 from tests.cluster_builder import GB, T0, Builder
 
@@ -15,7 +15,7 @@ NOW = (T0 + timedelta(hours=1)).timestamp()
 
 
 def one(state, model, gb, n=1, dedicated=False, now=NOW, **kw):
-    return plan(state, [Request(model_key=model, size_bytes=int(gb * GB), replicas=n, dedicated=dedicated)],
+    return plan(state, [PlacementRequest(model_key=model, size_bytes=int(gb * GB), replicas=n, dedicated=dedicated)],
                 now_s=now, **kw)
 
 
@@ -119,8 +119,8 @@ def test_cpu_cache_overflow_drops_the_smallest_warm_first():
 
 def test_largest_model_placed_first():
     s = Builder().node(A, gpus=1).state
-    p = plan(s, [Request(model_key="small", size_bytes=30 * GB, replicas=1),
-                 Request(model_key="large", size_bytes=60 * GB, replicas=1)], now_s=NOW)
+    p = plan(s, [PlacementRequest(model_key="small", size_bytes=30 * GB, replicas=1),
+                 PlacementRequest(model_key="large", size_bytes=60 * GB, replicas=1)], now_s=NOW)
     assert [pl.model_key for pl in p.placed] == ["large"] and p.shortfalls[0].model_key == "small"
 
 

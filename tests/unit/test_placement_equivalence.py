@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from controlplane import placement
-from controlplane.placement import Request, plan
+from controlplane.placement import PlacementRequest, plan
 from tests.cluster_builder import GB, T0, Builder
 from tests.unit.test_decide_properties import reference_choose
 
@@ -52,7 +52,7 @@ def clusters(draw: st.DrawFn) -> Builder:
 
 
 requests = st.lists(
-    st.builds(Request, model_key=st.sampled_from(MODELS), size_bytes=st.sampled_from([2, 6, 10, 17, 30, 45, 70]).map(
+    st.builds(PlacementRequest, model_key=st.sampled_from(MODELS), size_bytes=st.sampled_from([2, 6, 10, 17, 30, 45, 70]).map(
         lambda g: g * GB), replicas=st.integers(1, 3), dedicated=st.booleans()),
     min_size=1, max_size=3, unique_by=lambda r: r.model_key,
 )
@@ -60,7 +60,7 @@ requests = st.lists(
 
 @settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(clusters(), requests, st.integers(0, 10))
-def test_fast_scan_equals_exhaustive_ranking(b: Builder, reqs: list[Request], seed: int) -> None:
+def test_fast_scan_equals_exhaustive_ranking(b: Builder, reqs: list[PlacementRequest], seed: int) -> None:
     now_s = (T0 + timedelta(hours=1)).timestamp()
     fast = plan(b.state, reqs, now_s=now_s, seed=seed)
     saved = placement._choose

@@ -22,7 +22,7 @@ from controlplane.admin import AdminClient
 from controlplane.controller import Controller
 from controlplane.decide import Registration, decide_failure, decide_node_lost
 from controlplane.decide import decide as _decide
-from controlplane.placement import Candidate, Request, padded, plan
+from controlplane.placement import Candidate, PlacementRequest, padded, plan
 from controlplane.projections import ClusterState
 from controlplane.render import render_status, status_json
 from schemas import events as E
@@ -43,7 +43,7 @@ def decide(*args, **kwargs) -> list[E.Event]:
 
 def one(state, model, gb, n=1, **kw):
     gpus = kw.pop("gpus", None)
-    return plan(state, [Request(model_key=model, size_bytes=int(gb * GB), replicas=n, gpus=gpus)], now_s=NOW, **kw)
+    return plan(state, [PlacementRequest(model_key=model, size_bytes=int(gb * GB), replicas=n, gpus=gpus)], now_s=NOW, **kw)
 
 
 def apply(b: Builder, events) -> Builder:
@@ -122,7 +122,7 @@ def test_spread_holds_whenever_room_allows(b, model, gb, gpus, seed):
     among those: the brute-force minimum over every node and card subset."""
     charge = padded(gb * GB)
     options = _options(b.state, model, charge, gpus)
-    p = plan(b.state, [Request(model_key=model, size_bytes=gb * GB, replicas=1, gpus=gpus)], now_s=NOW, seed=seed)
+    p = plan(b.state, [PlacementRequest(model_key=model, size_bytes=gb * GB, replicas=1, gpus=gpus)], now_s=NOW, seed=seed)
     if not options:
         assert not p.placed or p.evictions or p.placed[0].candidate in (Candidate.FULL, Candidate.CACHED_AND_FULL)
         return
@@ -169,7 +169,7 @@ def test_reusing_a_warm_copy_frees_its_bytes_once():
     # evicts z (8) on the same node: the cache must drop y to hold z (4 + 8 > 10).
     b = Builder().node("A", gpus=1, gpu_gb=80, cpu_gb=10)
     b.warm("m", 0, "A", (0,), 6).warm("y", 0, "A", (0,), 4).hot("z", 0, "A", (0,), 8).hot("w", 0, "A", (0,), 70)
-    p = plan(b.state, [Request(model_key="m", size_bytes=int(6 / 1.15 * GB), replicas=1, headroom=0.15)],
+    p = plan(b.state, [PlacementRequest(model_key="m", size_bytes=int(6 / 1.15 * GB), replicas=1, headroom=0.15)],
              now_s=NOW)
     (pl,) = p.placed
     assert pl.source is Level.WARM
@@ -269,14 +269,14 @@ def test_one_multi_card_victim_beats_one_victim_per_card():
     # evictions); evicting big alone frees both cards (one).
     b = Builder().node("A", gpus=2, cpu_gb=0)
     b.hot("a", 0, "A", (0,), 35).hot("b", 0, "A", (1,), 35).hot("big", 0, "A", (0, 1), 40)
-    p = plan(b.state, [Request(model_key="m", size_bytes=60 * GB, replicas=1, headroom=0.0, gpus=2)], now_s=NOW)
+    p = plan(b.state, [PlacementRequest(model_key="m", size_bytes=60 * GB, replicas=1, headroom=0.0, gpus=2)], now_s=NOW)
     assert [e.model_key for e in p.evictions] == ["big"]
     assert p.placed[0].gpu_indices == (0, 1)
     # The same without a GPU count: 84 GB spans two 80 GB cards at 42 each; a (33) or big (37)
     # suffices on each card, a is smaller, so per card it was a and b (seen failing before issue 12).
     b2 = Builder().node("A", gpus=2, cpu_gb=0)
     b2.hot("a", 0, "A", (0,), 33).hot("b", 0, "A", (1,), 33).hot("big", 0, "A", (0, 1), 37)
-    p2 = plan(b2.state, [Request(model_key="m", size_bytes=84 * GB, replicas=1, headroom=0.0)], now_s=NOW)
+    p2 = plan(b2.state, [PlacementRequest(model_key="m", size_bytes=84 * GB, replicas=1, headroom=0.0)], now_s=NOW)
     assert [e.model_key for e in p2.evictions] == ["big"] and p2.placed[0].gpu_indices == (0, 1)
 
 
@@ -332,7 +332,7 @@ def check_minimal(b, gb, gpus):
     if gpus is not None and not any(len(n.gpus) >= gpus for n in b.state.nodes.values()):
         return
     want = reference_evictions(b.state, charge, gpus)
-    p = plan(b.state, [Request(model_key="new", size_bytes=charge, replicas=1, headroom=0.0, gpus=gpus)],
+    p = plan(b.state, [PlacementRequest(model_key="new", size_bytes=charge, replicas=1, headroom=0.0, gpus=gpus)],
              now_s=NOW + 10**6)
     if want is None:
         assert not p.placed
@@ -370,7 +370,7 @@ def test_a_spent_decision_budget_keeps_the_best_found_so_far():
     saved = placement.EXACT_NODES, placement.DECISION_EVICTION_SETS
     placement.EXACT_NODES, placement.DECISION_EVICTION_SETS = 0, 1
     try:
-        p = plan(b.state, [Request(model_key="m", size_bytes=25 * GB, replicas=1, headroom=0.0)], now_s=NOW + 10**6)
+        p = plan(b.state, [PlacementRequest(model_key="m", size_bytes=25 * GB, replicas=1, headroom=0.0)], now_s=NOW + 10**6)
     finally:
         placement.EXACT_NODES, placement.DECISION_EVICTION_SETS = saved
     assert [(e.model_key, e.node_id) for e in p.evictions] == [("b", "B")] and p.placed[0].node_id == "B"

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from controlplane.placement import Request, padded, plan
+from controlplane.placement import PlacementRequest, padded, plan
 from dataplane.provisioning import capacity_mark, never_fits
 from tests.cluster_builder import GB, T0, Builder
 
@@ -36,7 +36,7 @@ def test_never_fits_agrees_with_placement_on_an_empty_cluster(cards: list[int], 
         b.node(f"n{i}", gpus=n, gpu_gb=card_gb)
     size = need_gb * GB
     b.model("m", size / GB)
-    p = plan(b.state, [Request(model_key="m", size_bytes=size, replicas=1)], now_s=T0.timestamp())
+    p = plan(b.state, [PlacementRequest(model_key="m", size_bytes=size, replicas=1)], now_s=T0.timestamp())
     assert (never_fits(b.state, padded(size)) is None) == bool(p.placed)
 
 
