@@ -23,7 +23,7 @@ from controlplane.projections.base import Projection
 from schemas.errors import ConflictError, NdifError
 from schemas.events import MAX_BATCH, AnyEvent, Event, Skipped
 
-log = structlog.get_logger("ndif.committer")
+logger = structlog.get_logger("ndif.committer")  # `log` is the event log
 
 P = TypeVar("P", bound=Projection)
 Decide = Callable[[P], Sequence[Event]]
@@ -159,7 +159,7 @@ class GroupCommitter(Generic[P]):
                 item.future.set_exception(exc)
                 continue
             except Exception as exc:
-                log.exception("decide_failed")
+                logger.exception("decide_failed")
                 self._pending.pop(0)
                 item.future.set_exception(exc)
                 continue
@@ -182,7 +182,7 @@ class GroupCommitter(Generic[P]):
             res = await self.log.append(events, base)
         except ConflictError as exc:
             self.conflicts += 1
-            log.info("append_conflict", expected=exc.expected_last_seq, actual=exc.actual_last_seq,
+            logger.info("append_conflict", expected=exc.expected_last_seq, actual=exc.actual_last_seq,
                      decisions=len(taken))
             retry = []
             for item, _, _ in taken:
