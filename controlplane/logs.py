@@ -5,8 +5,11 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from typing import Any
 
 import structlog
+
+from controlplane.projections.base import Projection
 
 
 def configure(default_level: str = "WARNING", *, json: bool | None = None) -> None:
@@ -30,3 +33,18 @@ def configure(default_level: str = "WARNING", *, json: bool | None = None) -> No
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=False,
     )
+
+
+def log_new_anomalies(logger: Any, state: Projection, since_seq: int) -> int:
+    """Log, once each, what the fold found after `since_seq` (the live services' half of the silent fold).
+
+    A service notes `state.seq` before it applies a batch and calls this after; after a rebuild it
+    notes the seq the rebuild reached, so the history's anomalies are not logged again. Returns how
+    many it logged.
+    """
+    found = state.new_anomalies(since_seq)
+    for a in found:
+        what = "projection_anomaly" if a.event_id else "event_skipped"  # an unreadable message has no event id
+        logger.warning(what, seq=a.seq, event_type=a.event_type, model_key=a.model_key, replica_id=a.replica_id,
+                       message=a.message)
+    return len(found)

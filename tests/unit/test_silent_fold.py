@@ -52,3 +52,27 @@ def test_new_anomalies_are_only_those_after_the_mark():
     assert [(a.seq, a.event_type) for a in new] == [(mark + 1, "NodeLost"), (mark + 2, "X")]
     assert state.new_anomalies(mark + 1) == new[1:]
     assert state.copy().new_anomalies(mark) == new  # copies keep them
+
+
+def test_a_live_service_logs_each_anomaly_once_and_a_restart_logs_none_of_the_history():
+    import structlog
+
+    from controlplane.logs import log_new_anomalies
+
+    logger = structlog.get_logger("test")
+    items = _stored(BAD)
+    live = ClusterState()
+    with capture_logs() as logs:
+        for seq, item in items:  # batches of one, as a follower sees them
+            mark = live.seq
+            live.apply(seq, item)
+            log_new_anomalies(logger, live, mark)
+    assert len(logs) == live.anomaly_count + live.skipped
+    assert {e["event"] for e in logs} == {"projection_anomaly", "event_skipped"}
+    assert [e["seq"] for e in logs] == sorted(e["seq"] for e in logs)
+    restarted = fold(items, ClusterState())  # a restart rebuilds from the log ...
+    with capture_logs() as again:
+        assert log_new_anomalies(logger, restarted, restarted.seq) == 0  # ... and re-logs nothing
+        restarted.apply(restarted.seq + 1, NodeLost(event_id="x2", ts=T0, actor="controller:t", node_id="nowhere"))
+        assert log_new_anomalies(logger, restarted, restarted.seq - 1) == 1
+    assert [(e["event"], e["event_type"]) for e in again] == [("projection_anomaly", "NodeLost")]
