@@ -36,14 +36,31 @@ from urllib.parse import urlparse
 import msgspec
 
 from schemas.errors import InvalidCommand
+from schemas.events import DISPATCHER_SOURCE
 from schemas.subjects import (
+    COMMAND_EVENTS_ANY,
+    COMMANDS_ANY,
+    DISPATCHER_KILL,
+    DISPATCHER_STATE,
     EVENTS_STREAM,
     HEARTBEATS_BUCKET,
+    MODEL_EVENTS_ANY,
+    NODE_EVENTS_ANY,
+    NODE_EVENTS_PREFIX,
+    REPLICA_CALLS_ALL,
+    REPLICA_DECISIONS_ANY,
     REQUEST_STATUS_BUCKET,
+    REQUESTS_ALL,
     REQUESTS_STREAM,
     RESULTS_BUCKET,
     SNAPSHOTS_BUCKET,
+    STATUS_ALL,
+    command_subject,
+    kill_subject,
     node_token,
+    replica_facts_from,
+    user_requests,
+    user_statuses,
 )
 
 ROLES = ("admin", "controller", "agent", "dispatcher", "client", "dashboard")
@@ -111,43 +128,43 @@ def permissions(role: str, *, name: str = "", node_id: str = "") -> dict[str, An
     if role == "admin":
         return {"publish": {"allow": [">"]}, "subscribe": {"allow": [">"]}}
     if role == "controller":
-        pub = ["ndif.evt.model.*", "ndif.evt.replica.*.*", "ndif.evt.node.*", "ndif.evt.cmd.*", *events,
+        pub = [MODEL_EVENTS_ANY, REPLICA_DECISIONS_ANY, NODE_EVENTS_ANY, COMMAND_EVENTS_ANY, *events,
                *_read_stream(_kv(HEARTBEATS_BUCKET)), *_read_stream(_kv(SNAPSHOTS_BUCKET)),
                f"{_API}.STREAM.INFO.{REQUESTS_STREAM}", f"{_API}.STREAM.INFO.{_kv(REQUEST_STATUS_BUCKET)}",
                f"{_API}.STREAM.INFO.{_obj(RESULTS_BUCKET)}", f"{_API}.STREAM.INFO.{_obj(SNAPSHOTS_BUCKET)}"]
-        sub = ["ndif.cmd.*", inbox]
+        sub = [COMMANDS_ANY, inbox]
     elif role == "agent":
         ntok = node_token(node_id)
-        pub = [f"ndif.evt.node.{ntok}", f"ndif.evt.replica.*.*.{ntok}", f"$KV.{HEARTBEATS_BUCKET}.{ntok}",
+        pub = [f"{NODE_EVENTS_PREFIX}{ntok}", replica_facts_from(ntok), f"$KV.{HEARTBEATS_BUCKET}.{ntok}",
                f"{_API}.STREAM.INFO.{_kv(HEARTBEATS_BUCKET)}", *events,
                # its own node's last heartbeat (a node id held by a live agent is not taken twice)
                f"{_API}.STREAM.MSG.GET.{_kv(HEARTBEATS_BUCKET)}",
                f"{_API}.DIRECT.GET.{_kv(HEARTBEATS_BUCKET)}.$KV.{HEARTBEATS_BUCKET}.{ntok}"]
-        sub = ["ndif.run.>", inbox]
+        sub = [REPLICA_CALLS_ALL, inbox]
     elif role == "dispatcher":
-        pub = ["ndif.evt.replica.*.*.dispatcher", "ndif.cmd.deploy", "ndif.status.>", "ndif.run.>",
+        pub = [replica_facts_from(DISPATCHER_SOURCE), command_subject("deploy"), STATUS_ALL, REPLICA_CALLS_ALL,
                f"$KV.{REQUEST_STATUS_BUCKET}.>", f"$O.{RESULTS_BUCKET}.>", *events,
                *_read_stream(_kv(REQUEST_STATUS_BUCKET)), *_read_stream(_obj(RESULTS_BUCKET)),
                *_read_stream(REQUESTS_STREAM), f"{_API}.CONSUMER.DURABLE.CREATE.{REQUESTS_STREAM}.>",
                f"{_API}.CONSUMER.MSG.NEXT.{REQUESTS_STREAM}.>", f"$JS.ACK.{REQUESTS_STREAM}.>",
                # requests for models the log does not know: refused ones deleted, stale consumers swept
                f"{_API}.STREAM.MSG.DELETE.{REQUESTS_STREAM}", f"{_API}.CONSUMER.LIST.{REQUESTS_STREAM}"]
-        sub = ["ndif.req.>", "ndif.dispatcher.state", "ndif.dispatcher.kill", "ndif.dispatcher.kill.*", inbox]
+        sub = [REQUESTS_ALL, DISPATCHER_STATE, DISPATCHER_KILL, kill_subject("*"), inbox]
     elif role == "client":
         me = _check_name(name, "client name")
         st = _kv(REQUEST_STATUS_BUCKET)
         res = _obj(RESULTS_BUCKET)
-        pub = [f"ndif.req.*.{me}", f"ndif.dispatcher.kill.{me}",
+        pub = [user_requests(me), kill_subject(me),
                f"{_API}.STREAM.INFO.{st}", f"{_API}.DIRECT.GET.{st}.$KV.{REQUEST_STATUS_BUCKET}.{me}.>",
                # Large results: an object read by name (a meta get, then an ordered consumer on its chunks).
                f"{_API}.STREAM.INFO.{res}", f"{_API}.DIRECT.GET.{res}.$O.{RESULTS_BUCKET}.M.*",
                f"{_API}.STREAM.MSG.GET.{res}", f"{_API}.CONSUMER.CREATE.{res}",
                f"{_API}.CONSUMER.CREATE.{res}.*.$O.{RESULTS_BUCKET}.C.*", f"{_API}.CONSUMER.DELETE.{res}.>",
                f"$JS.FC.{res}.>"]
-        sub = [f"ndif.status.{me}.>", inbox]
+        sub = [user_statuses(me), inbox]
     elif role == "dashboard":
         pub = [*events, f"{_API}.STREAM.INFO.*", f"{_API}.STREAM.NAMES", f"{_API}.STREAM.LIST",
-               f"{_API}.INFO", "ndif.dispatcher.state",
+               f"{_API}.INFO", DISPATCHER_STATE,
                # the queue view: each model's work-queue consumer (pending counts), listed a page at a time
                f"{_API}.CONSUMER.LIST.{REQUESTS_STREAM}", f"{_API}.CONSUMER.INFO.{REQUESTS_STREAM}.*"]
         sub = [inbox]

@@ -24,9 +24,23 @@ EVENTS_ALL = "ndif.evt.>"
 NODE_EVENTS_PREFIX = "ndif.evt.node."  # + <ntok>
 MODEL_EVENTS_PREFIX = "ndif.evt.model."  # + <mtok>
 REPLICA_EVENTS_PREFIX = "ndif.evt.replica."  # + <mtok>.<replica_id>[.<source>]
+COMMAND_EVENTS_PREFIX = "ndif.evt.cmd."  # + <ctok>
+REQUESTS_PREFIX = "ndif.req"
 REQUESTS_ALL = "ndif.req.>"
 COMMANDS_PREFIX = "ndif.cmd"
 STATUS_PREFIX = "ndif.status"
+REPLICA_CALLS_PREFIX = "ndif.run"
+DISPATCHER_STATE = "ndif.dispatcher.state"  # request/reply: the dispatcher's queue view
+DISPATCHER_KILL = "ndif.dispatcher.kill"  # an admin's kill of a request; `.<user>`: a user's own
+
+# Wildcard filters (subscriptions and the server's permissions, controlplane/auth.py).
+NODE_EVENTS_ANY = f"{NODE_EVENTS_PREFIX}*"
+MODEL_EVENTS_ANY = f"{MODEL_EVENTS_PREFIX}*"
+REPLICA_DECISIONS_ANY = f"{REPLICA_EVENTS_PREFIX}*.*"  # decisions about a replica (no source token)
+COMMAND_EVENTS_ANY = f"{COMMAND_EVENTS_PREFIX}*"
+COMMANDS_ANY = f"{COMMANDS_PREFIX}.*"
+STATUS_ALL = f"{STATUS_PREFIX}.>"
+REPLICA_CALLS_ALL = f"{REPLICA_CALLS_PREFIX}.>"
 
 # Headers on every event message.
 HDR_MSG_ID = "Nats-Msg-Id"
@@ -62,6 +76,11 @@ def node_subject(node_id: str) -> str:
     return f"{NODE_EVENTS_PREFIX}{node_token(node_id)}"
 
 
+def replica_facts_from(source_token: str) -> str:
+    """`ndif.evt.replica.*.*.<source>`: observed replica facts of one source (a node's token, or `dispatcher`)."""
+    return f"{REPLICA_EVENTS_PREFIX}*.*.{source_token}"
+
+
 def model_subject(model_key: str) -> str:
     return f"{MODEL_EVENTS_PREFIX}{model_token(model_key)}"
 
@@ -72,12 +91,12 @@ def replica_subject(model_key: str, replica_id: int) -> str:
 
 def command_event_subject(command_id: str) -> str:
     """`ndif.evt.cmd.<ctok>`: a `CommandDecided` of a command about no single model (`evict --all`)."""
-    return f"ndif.evt.cmd.{_token(command_id, command_id)}"
+    return f"{COMMAND_EVENTS_PREFIX}{_token(command_id, command_id)}"
 
 
 def replica_call_subject(model_key: str, replica_id: int) -> str:
     """`ndif.run.<mtok>.<replica_id>` (core request/reply): the replica's endpoint for the request path."""
-    return f"ndif.run.{model_token(model_key)}.{int(replica_id)}"
+    return f"{REPLICA_CALLS_PREFIX}.{model_token(model_key)}.{int(replica_id)}"
 
 
 def model_events_filter(model_key: str) -> list[str]:
@@ -93,7 +112,27 @@ def request_subject(model_key: str, user: str = "") -> str:
     under: the dispatcher takes a request's owner from this subject, never from the body.
     """
     tok = model_token(model_key)
-    return f"ndif.req.{tok}.{user}" if user else f"ndif.req.{tok}"
+    return f"{REQUESTS_PREFIX}.{tok}.{user}" if user else f"{REQUESTS_PREFIX}.{tok}"
+
+
+def request_filters(model_tok: str) -> list[str]:
+    """The subjects of one model's requests, by its token: userless (an open server), then every user's."""
+    return [f"{REQUESTS_PREFIX}.{model_tok}", f"{REQUESTS_PREFIX}.{model_tok}.*"]
+
+
+def user_requests(user: str) -> str:
+    """`ndif.req.*.<user>`: every request a user may publish."""
+    return f"{REQUESTS_PREFIX}.*.{user}"
+
+
+def user_statuses(user: str) -> str:
+    """`ndif.status.<user>.>`: every status of one user's requests."""
+    return f"{STATUS_PREFIX}.{user}.>"
+
+
+def kill_subject(user: str = "") -> str:
+    """`ndif.dispatcher.kill.<user>` (a user's kill of their own request), `ndif.dispatcher.kill` (an admin's)."""
+    return f"{DISPATCHER_KILL}.{user}" if user else DISPATCHER_KILL
 
 
 def request_subject_parts(subject: str) -> tuple[str, str]:

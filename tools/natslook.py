@@ -31,7 +31,7 @@ import nats
 from nats.js import api
 
 from controlplane.auth import load_creds, resolve
-from schemas.subjects import EVENTS_STREAM
+from schemas.subjects import EVENTS_ALL, EVENTS_STREAM
 
 
 def show(seq: int | None, subject: str, headers: dict[str, str] | None, data: bytes) -> None:
@@ -107,11 +107,11 @@ async def main() -> None:
     ap.add_argument("--password", default=None, help="NATS password")
     sub = ap.add_subparsers(dest="what", required=True)
     p = sub.add_parser("view", help="stored events by sequence")
-    p.add_argument("--subject", default="ndif.evt.>", help="subject filter")
+    p.add_argument("--subject", default=EVENTS_ALL, help="subject filter")
     p.add_argument("--count", type=int, default=10, help="messages to print")
     p.add_argument("--start-seq", type=int, default=1, help="first sequence")
     p = sub.add_parser("subjects", help="stored subjects and their message counts")
-    p.add_argument("--filter", default="ndif.evt.>", help="subject filter")
+    p.add_argument("--filter", default=EVENTS_ALL, help="subject filter")
     for name in ("sub", "kv-watch"):
         p = sub.add_parser(name, help="live messages" if name == "sub" else "a bucket's values and updates")
         p.add_argument("target", help="subject filter" if name == "sub" else "bucket")
