@@ -13,7 +13,7 @@ from typing import Final, Union
 
 import msgspec
 
-from schemas.errors import InvalidCommand
+from schemas.errors import InvalidCommand, decode_bounded
 from schemas.status import Level
 
 MAX_HEADROOM: Final = 4.0  # charging more than 5x a model's size is a typo, not a setting
@@ -223,12 +223,7 @@ def decode_command(data: bytes, limits: Limits | None = None, *, verb: str | Non
     the same (an evict sent on `ndif.cmd.scale` is refused, not run as an evict), so a server
     permission on a verb's subject means what it says.
     """
-    if len(data) > MAX_COMMAND_BYTES:
-        raise InvalidCommand(f"command body of {len(data)} bytes is above {MAX_COMMAND_BYTES}")
-    try:
-        cmd = _command_decoder.decode(data)
-    except msgspec.DecodeError as exc:
-        raise InvalidCommand(f"malformed command: {exc}") from None
+    cmd = decode_bounded(_command_decoder, data, limit=MAX_COMMAND_BYTES, what="command")
     if verb is not None and cmd.__struct_config__.tag != verb:
         raise InvalidCommand(f"command {cmd.command_id!r} is a {cmd.__struct_config__.tag!r} sent on the subject of "
                              f"{verb[:40]!r}: send it on ndif.cmd.{cmd.__struct_config__.tag}")

@@ -6,6 +6,12 @@ succeed later unchanged.
 
 from __future__ import annotations
 
+from typing import TypeVar
+
+import msgspec
+
+T = TypeVar("T")
+
 
 class NdifError(Exception):
     """Base of every ndif error. `str()` is one line a person can act on."""
@@ -110,6 +116,16 @@ class ReplayAnomalyError(NdifError):
     @property
     def anomalies(self) -> tuple[object, ...]:
         return self._anomalies  # type: ignore[attr-defined,no-any-return]
+
+
+def decode_bounded(decoder: msgspec.json.Decoder[T], data: bytes, *, limit: int, what: str) -> T:
+    """Decode an untrusted body of at most `limit` bytes: too large or malformed is InvalidCommand, never a crash."""
+    if len(data) > limit:
+        raise InvalidCommand(f"{what} of {len(data)} bytes is over the {limit} byte limit")
+    try:
+        return decoder.decode(data)
+    except msgspec.DecodeError as exc:
+        raise InvalidCommand(f"malformed {what}: {exc}") from None
 
 
 def _rebuild(cls: type[NdifError], args: tuple[object, ...], attrs: dict[str, object]) -> NdifError:

@@ -16,7 +16,7 @@ from typing import Any
 
 import msgspec
 
-from schemas.errors import InvalidCommand
+from schemas.errors import InvalidCommand, decode_bounded
 from schemas.status import RequestStatus
 
 MAX_REQUEST_BYTES = 1 << 20  # larger payloads are refused (ERROR), not queued
@@ -67,11 +67,6 @@ def check_request_id(request_id: str) -> str:
 
 def decode_request(data: bytes) -> Request:
     """Decode and check a request body; malformed input is InvalidCommand, never a crash."""
-    if len(data) > MAX_REQUEST_BYTES:
-        raise InvalidCommand(f"request of {len(data)} bytes is over the {MAX_REQUEST_BYTES} byte limit")
-    try:
-        req = _request_decoder.decode(data)
-    except msgspec.DecodeError as exc:
-        raise InvalidCommand(f"malformed request: {exc}") from None
+    req = decode_bounded(_request_decoder, data, limit=MAX_REQUEST_BYTES, what="request")
     check_request_id(req.request_id)
     return req
