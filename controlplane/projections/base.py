@@ -56,8 +56,7 @@ class Projection(abc.ABC):
         self.seq = seq
         if item.__class__ is Skipped:
             self.skipped += 1
-            _keep(self.unreadable, Anomaly(seq=seq, event_type=item.type or "",  # type: ignore[union-attr]
-                                           message=item.reason))  # type: ignore[union-attr]
+            _keep(self.unreadable, Anomaly(seq=seq, event_type=item.type or "", message=item.reason))
             return self
         ids = self.event_ids
         eid = item.event_id  # type: ignore[union-attr]

@@ -222,7 +222,7 @@ class Recorder:
     async def observe(self, cls: type[E.Event], actor: str, **fields: object) -> None:
         self.n_obs += 1
         self.tick(0.5)
-        ev = cls(event_id=f"obs-{self.n_obs:05d}", ts=self.now, actor=actor, **fields)
+        ev = cls(event_id=f"obs-{self.n_obs:05d}", ts=self.now, actor=actor, **fields)  # type: ignore[arg-type]
         await self.log.append([ev], None)
         await self.catch_up()
 

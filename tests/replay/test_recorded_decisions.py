@@ -27,7 +27,7 @@ def _load(name: str) -> tuple[list[bytes], list[Decision]]:
     return lines, decisions_decoder.decode((HERE / f"{name}.decisions.json").read_bytes())
 
 
-def test_recorded_histories_are_long_and_cover_every_policy():
+def test_recorded_histories_are_long_and_cover_every_policy() -> None:
     for name in RECORDED:
         lines, decisions = _load(name)
         assert len(lines) >= 250 and len(decisions) >= 50, name
@@ -37,7 +37,7 @@ def test_recorded_histories_are_long_and_cover_every_policy():
 
 
 @pytest.mark.parametrize("name", RECORDED)
-def test_every_recorded_decision_redecides_byte_identical(name: str):
+def test_every_recorded_decision_redecides_byte_identical(name: str) -> None:
     lines, decisions = _load(name)
     state = ClusterState()
     checked = 0
@@ -62,7 +62,7 @@ def test_every_recorded_decision_redecides_byte_identical(name: str):
 
 
 @pytest.mark.parametrize("name", RECORDED)
-def test_every_event_is_a_recorded_decision_or_an_observed_fact(name: str):
+def test_every_event_is_a_recorded_decision_or_an_observed_fact(name: str) -> None:
     """No event of the history escapes the replay: what no decision wrote is a node's or the
     dispatcher's observed fact."""
     lines, decisions = _load(name)
@@ -78,7 +78,7 @@ def test_every_event_is_a_recorded_decision_or_an_observed_fact(name: str):
 
 
 @pytest.mark.parametrize("name", RECORDED)
-def test_recording_is_deterministic(name: str):
+def test_recording_is_deterministic(name: str) -> None:
     """Two recordings of a scenario write the same bytes: nothing on the path reads a clock, an id
     source or an unordered container (what would make a recorded history irreproducible)."""
     (a, da, _), (b, db, _) = (asyncio.run(record(name)) for _ in range(2))
