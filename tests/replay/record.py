@@ -399,14 +399,19 @@ async def record(name: str) -> tuple[list[bytes], list[Decision], ClusterState]:
     return lines, rec.decisions, rec.state
 
 
+def write_history(name: str, lines: list[bytes], decisions: list[Decision], state: ClusterState) -> None:
+    """`<name>.jsonl` (one stored body a line), `.decisions.json` and `.expected.json` (the fold's snapshot)."""
+    (HERE / f"{name}.jsonl").write_bytes(b"".join(line + b"\n" for line in lines))
+    (HERE / f"{name}.decisions.json").write_bytes(
+        b"[\n" + b",\n".join(_decisions_encoder.encode(d) for d in decisions) + b"\n]\n")
+    snap = msgspec.json.format(msgspec.json.encode(state.to_snapshot()), indent=1)
+    (HERE / f"{name}.expected.json").write_bytes(snap + b"\n")
+
+
 def main() -> None:
     for name in SCENARIOS:
         lines, decisions, state = asyncio.run(record(name))
-        (HERE / f"{name}.jsonl").write_bytes(b"".join(line + b"\n" for line in lines))
-        (HERE / f"{name}.decisions.json").write_bytes(
-            b"[\n" + b",\n".join(_decisions_encoder.encode(d) for d in decisions) + b"\n]\n")
-        snap = msgspec.json.format(msgspec.json.encode(state.to_snapshot()), indent=1)
-        (HERE / f"{name}.expected.json").write_bytes(snap + b"\n")
+        write_history(name, lines, decisions, state)
         print(f"{name}: {len(lines)} events, {len(decisions)} decisions, {state.anomaly_count} anomalies")
 
 

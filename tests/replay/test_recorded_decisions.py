@@ -19,7 +19,9 @@ from schemas import errors
 from schemas.events import AGENT_FACTS, ReplicaDrained, decode_or_skip, encode_event
 from tests.replay.record import HERE, SCENARIOS, Decision, decisions_decoder, record, run
 
-RECORDED = sorted(SCENARIOS)
+# Every history recorded with its decisions: the scripted scenarios (record.py) and the live run of
+# the real Controller over nats-server (record_live.py).
+RECORDED = sorted(p.name.removesuffix(".decisions.json") for p in HERE.glob("*.decisions.json"))
 
 
 def _load(name: str) -> tuple[list[bytes], list[Decision]]:
@@ -28,6 +30,7 @@ def _load(name: str) -> tuple[list[bytes], list[Decision]]:
 
 
 def test_recorded_histories_are_long_and_cover_every_policy() -> None:
+    assert set(SCENARIOS) | {"v1_live_lifecycle"} <= set(RECORDED)
     for name in RECORDED:
         lines, decisions = _load(name)
         assert len(lines) >= 250 and len(decisions) >= 50, name
@@ -77,7 +80,7 @@ def test_every_event_is_a_recorded_decision_or_an_observed_fact(name: str) -> No
             assert type(ev) in AGENT_FACTS or type(ev) is ReplicaDrained, f"seq {seq}: {line[:120]!r}"
 
 
-@pytest.mark.parametrize("name", RECORDED)
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
 def test_recording_is_deterministic(name: str) -> None:
     """Two recordings of a scenario write the same bytes: nothing on the path reads a clock, an id
     source or an unordered container (what would make a recorded history irreproducible)."""
