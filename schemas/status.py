@@ -72,7 +72,8 @@ class RequestStatus(enum.StrEnum):
 
 class EvictionReason(enum.StrEnum):
     """Why a replica was asked off its GPUs. Stored events keep the reason they were written with
-    (failure replacements written before `FAILURE` existed say `admin`)."""
+    (failure replacements written before `FAILURE` existed say `admin`). A new value is unreadable
+    to older readers (msgspec refuses an unknown enum value): they skip such an event."""
 
     ADMIN = "admin"  # `ndif evict`
     PRESSURE = "pressure"  # room for another model's placement
