@@ -78,8 +78,8 @@ EVENT_MAX_MSG_BYTES = 64 * 1024
 REQUEST_MAX_MSG_BYTES = (1 << 20) + 64 * 1024
 STATUS_MAX_VALUE_BYTES = 512 * 1024
 _PENDING_MSGS = 1_000_000
-CLOSE_TIMEOUT_S = 10.0  # drain (5 s, connect()'s drain_timeout) plus its final flush and socket close
 _PENDING_BYTES = 1 << 30
+CLOSE_TIMEOUT_S = 10.0  # drain (5 s, connect()'s drain_timeout) plus its final flush and socket close
 
 
 class _ApiErr(msgspec.Struct):
@@ -261,8 +261,8 @@ class JetStreamEventLog:
         if not done:
             step.cancel()  # not awaited: nats-py's drain swallows cancellation
             log.warning("nats_close_timed_out", seconds=CLOSE_TIMEOUT_S)
-        elif step.exception() is not None:
-            log.warning("nats_drain_failed", error=str(step.exception()) or type(step.exception()).__name__)
+        elif not step.cancelled() and (err := step.exception()) is not None:
+            log.warning("nats_drain_failed", error=str(err) or type(err).__name__)
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self.nc.close(), CLOSE_TIMEOUT_S)
 
