@@ -10,7 +10,6 @@ from the new state. A batch never exceeds MAX_BATCH events.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import random
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Generic, TypeVar
@@ -20,10 +19,13 @@ import structlog
 
 from controlplane.ports import EventLog, Stored
 from controlplane.projections.base import Projection
-from schemas.errors import ConflictError, NdifError
+from controlplane.tasks import cancel_and_wait
+from schemas.errors import ConflictError, InfrastructureError, NdifError
 from schemas.events import MAX_BATCH, AnyEvent, Event, Skipped
 
 logger = structlog.get_logger("ndif.committer")  # `log` is the event log
+
+CATCH_UP_RETRY_S = 0.5  # pause before the next turn when folding the tail failed
 
 P = TypeVar("P", bound=Projection)
 Decide = Callable[[P], Sequence[Event]]
@@ -90,9 +92,7 @@ class GroupCommitter(Generic[P]):
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_and_wait([self._task], owner="group-committer")  # bounded, names where it is stuck
             self._task = None
         for p in self._pending:
             if not p.future.done():
@@ -132,7 +132,11 @@ class GroupCommitter(Generic[P]):
             await self._wake.wait()
             self._wake.clear()
             while self._pending:
-                await self._turn()
+                try:
+                    await self._turn()
+                except Exception:  # a bug, not the network (its failures are answered in _turn): keep serving
+                    log.exception("committer_turn_failed")
+                    await asyncio.sleep(CATCH_UP_RETRY_S)
 
     async def _turn(self) -> None:
         self.turns += 1
@@ -194,7 +198,16 @@ class GroupCommitter(Generic[P]):
                     retry.append(item)
             self._pending[:0] = retry
             self._streak += 1
-            await self.catch_up(exc.actual_last_seq)
+            try:
+                await self.catch_up(exc.actual_last_seq)
+            except Exception as err:  # noqa: BLE001 - the loop must outlive a server loss
+                # Folding the tail needs the log (a server lost, a leader being elected). The
+                # decisions stay queued and are taken again next turn (each turn is an attempt, so
+                # bounded by max_attempts); an exception here used to end the loop, after which
+                # every submit() waited forever.
+                log.warning("catch_up_failed", error=str(err) or type(err).__name__, pending=len(self._pending))
+                await asyncio.sleep(CATCH_UP_RETRY_S)
+                return
             # Another writer is mid-burst: back off a jittered, growing moment so that it drains
             # instead of both folding and losing in lockstep (bounded: ~50 ms).
             await asyncio.sleep(self._jitter.uniform(0, min(0.001 * 2 ** self._streak, 0.05)))
@@ -203,16 +216,26 @@ class GroupCommitter(Generic[P]):
             for item, _, _ in taken:
                 item.future.set_exception(exc)
             return
+        except Exception as exc:  # noqa: BLE001 - e.g. a NATS error the adapter does not translate
+            # Answered as what it is (the append may or may not have landed: the caller resends with
+            # the same ids), never left unanswered by a dead loop.
+            log.warning("append_failed", error=str(exc) or type(exc).__name__, decisions=len(taken))
+            for item, _, _ in taken:
+                item.future.set_exception(InfrastructureError(
+                    f"append failed ({type(exc).__name__}: {exc}); retry with the same command id"))
+            return
         self._streak = 0
         if working is None:
             # Our events are base+1..base+n (the expectation held); the follower may have applied
             # some already, and the projection skips any sequence it has passed.
             for i, ev in enumerate(events, start=1):
                 self.state.apply(base + i, ev)
-        else:
-            old, self.state = self.state, working
-            if old.seq > working.seq:  # a follower applied later events to the old state meanwhile
-                await self.catch_up()
+        elif self.state.seq < working.seq:
+            self.state = working
+        # else: the follower applied base+1.. to the state meanwhile, in log order: it got past our
+        # events, so it holds them and what followed; it is kept. (Swapping in `working` there and
+        # catching up from the log let the follower's next event land on it with a gap, and needed
+        # the network where nothing else did.)
         for item, offset, evs in taken:
             if item.future.done():
                 continue

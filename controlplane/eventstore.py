@@ -79,6 +79,7 @@ REQUEST_MAX_MSG_BYTES = (1 << 20) + 64 * 1024
 STATUS_MAX_VALUE_BYTES = 512 * 1024
 _PENDING_MSGS = 1_000_000
 _PENDING_BYTES = 1 << 30
+CLOSE_TIMEOUT_S = 10.0  # drain (5 s, connect()'s drain_timeout) plus its final flush and socket close
 
 
 class _ApiErr(msgspec.Struct):
@@ -248,8 +249,22 @@ class JetStreamEventLog:
         return self
 
     async def close(self) -> None:
-        if self._owns_nc and not self.nc.is_closed:
-            await self.nc.drain()
+        """Drain and close an owned connection, within CLOSE_TIMEOUT_S whatever the server does.
+
+        nats-py's drain raises while reconnecting and its close can wait on a socket that never
+        flushes; either way the connection is closed (or abandoned, with a warning) and close returns.
+        """
+        if not self._owns_nc or self.nc.is_closed:
+            return
+        step = asyncio.ensure_future(self.nc.drain() if not self.nc.is_reconnecting else self.nc.close())
+        done, _ = await asyncio.wait([step], timeout=CLOSE_TIMEOUT_S)
+        if not done:
+            step.cancel()  # not awaited: nats-py's drain swallows cancellation
+            log.warning("nats_close_timed_out", seconds=CLOSE_TIMEOUT_S)
+        elif not step.cancelled() and (err := step.exception()) is not None:
+            log.warning("nats_drain_failed", error=str(err) or type(err).__name__)
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.nc.close(), CLOSE_TIMEOUT_S)
 
     async def __aenter__(self) -> JetStreamEventLog:
         return self

@@ -17,6 +17,7 @@ import pytest_asyncio
 
 from controlplane.eventstore import JetStreamEventLog
 from controlplane.nats_server import EmbeddedNats
+from controlplane.tasks import awaiting
 from schemas.subjects import EVENTS_STREAM, REQUESTS_STREAM
 
 # Credentials `ndif up` may have left in a developer's $NDIF_HOME must not reach the tests' servers
@@ -60,14 +61,21 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 
 async def bounded(aw: Any, what: str, timeout: float = 30.0) -> None:
-    """Await a teardown step; if it hangs, show every asyncio task's stack and fail (never hang)."""
-    try:
-        await asyncio.wait_for(aw, timeout)
-    except TimeoutError:
-        for t in asyncio.all_tasks():
-            sys.stderr.write(f"--- task {t.get_name()}\n")
-            t.print_stack(limit=6, file=sys.stderr)
-        raise AssertionError(f"teardown step {what!r} did not finish within {timeout}s (task stacks above)") from None
+    """Await a teardown step; if it hangs, show where every asyncio task waits and fail (never hang)."""
+    step = asyncio.ensure_future(aw)
+    await asyncio.wait([step], timeout=timeout)
+    if not step.done():
+        dump_tasks(f"teardown step {what!r}")
+        step.cancel()
+        raise AssertionError(f"teardown step {what!r} did not finish within {timeout}s (tasks above)")
+    step.result()
+
+
+def dump_tasks(why: str) -> None:
+    """Where every asyncio task waits (the chain of awaits, not just each task's own frame), on stderr."""
+    sys.stderr.write(f"--- asyncio tasks ({why}):\n")
+    for t in asyncio.all_tasks():
+        sys.stderr.write(f"  {t.get_name()}: {awaiting(t)}\n")
 
 
 @pytest.fixture(scope="module")

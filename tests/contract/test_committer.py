@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import pytest
 
 from controlplane.committer import GroupCommitter, afold
 from controlplane.context import DecisionContext
+from controlplane.memlog import MemoryEventLog
 from controlplane.projections import ClusterState
 from schemas import events as E
-from schemas.errors import InvalidCommand
+from schemas.errors import InfrastructureTimeout, InvalidCommand
 from schemas.status import DeploymentOp
 from tests.contract.test_eventlog_contract import log  # noqa: F401 - the parametrised fixture
 from tests.strategies import T0, _env
@@ -79,3 +82,88 @@ async def test_observe_keeps_the_state_current(log, n):  # noqa: F811
     async for seq, item in log.read():
         gc.observe(seq, item)
     assert gc.state.models["x"].target_hot == n and gc.state.seq == 1
+
+
+class _Interrupted:
+    """A memory log with JetStream's failure modes the committer meets in a cluster: reads that fail
+    (a server lost while the tail is folded), and a follower that runs while the committer awaits."""
+
+    def __init__(self) -> None:
+        self.inner = MemoryEventLog()
+        self.failing_reads = 0
+        self.during_append: Callable[[], Awaitable[None]] | None = None
+        self.during_read: Callable[[], Awaitable[None]] | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    async def append(self, events: Any, expected_last_seq: int | None) -> Any:
+        res = await self.inner.append(events, expected_last_seq)
+        if self.during_append is not None:
+            hook, self.during_append = self.during_append, None
+            await hook()
+        return res
+
+    async def read_batches(self, start_seq: int = 1, **kw: Any) -> AsyncIterator[list[Any]]:
+        if self.failing_reads > 0:
+            self.failing_reads -= 1
+            raise InfrastructureTimeout("subscribing to NDIF_EVENTS failed: TimeoutError; retrying")
+        if self.during_read is not None:
+            hook, self.during_read = self.during_read, None
+            await hook()
+        async for batch in self.inner.read_batches(start_seq, **kw):
+            yield batch
+
+
+def _other_writer() -> E.DeploymentRequested:
+    return E.DeploymentRequested(**_env(), model_key="m", op=DeploymentOp.SCALE, replicas=5, target_hot=5)
+
+
+async def test_a_failed_catch_up_after_a_conflict_keeps_the_committer_serving() -> None:
+    # A conflict, then the tail cannot be read (a cluster electing a leader): the decision is taken
+    # again on the next turn. Before the fix the exception ended the loop and the submit (and every
+    # later one) waited forever.
+    lg = _Interrupted()
+    async with GroupCommitter(lg, ClusterState()) as gc:
+        await gc.submit(bump("m", "a"))
+        await lg.inner.append([_other_writer()], 1)
+        lg.failing_reads = 1
+        r = await asyncio.wait_for(gc.submit(bump("m", "b")), 10)
+        assert r.attempts == 3 and gc.conflicts == 2
+        assert gc.state.models["m"].target_hot == 6
+        assert (await asyncio.wait_for(gc.submit(bump("m", "c")), 10)).last_seq == 4  # still serving
+    assert gc.state == await afold(lg.inner.read(), ClusterState())
+
+
+async def test_a_grouped_turn_keeps_the_followers_fold_whole() -> None:
+    # Two decisions in one turn (a working copy), while the follower applies our events and another
+    # writer's to the state, and goes on applying during any read the committer makes: the state
+    # after the turn equals a fresh fold, with no sequence skipped.
+    lg = _Interrupted()
+    gc = GroupCommitter(lg, ClusterState())
+    await gc.start()
+    try:
+        fed = [0]
+
+        async def follower() -> None:  # what the follow loop does: observe() in log order
+            async for seq, item in lg.inner.read(fed[0] + 1):
+                gc.observe(seq, item)
+                fed[0] = seq
+
+        async def follower_with_more() -> None:
+            await follower()
+            await lg.inner.append([_other_writer()], None)
+            await follower()
+            lg.during_read = more
+
+        async def more() -> None:
+            await lg.inner.append([_other_writer()], None)
+            await follower()
+
+        lg.during_append = follower_with_more
+        await asyncio.gather(gc.submit(bump("m", "a")), gc.submit(bump("m", "b")))
+        assert gc.turns == 1
+        fresh = await afold(lg.inner.read(), ClusterState())
+        assert gc.state.seq == fresh.seq and gc.state == fresh
+    finally:
+        await gc.stop()

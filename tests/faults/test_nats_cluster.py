@@ -38,7 +38,7 @@ from schemas.commands import CommandResult, Scale, ScaleDown
 from schemas.events import Event
 from schemas.subjects import EVENTS_STREAM, REQUEST_STATUS_BUCKET, REQUESTS_STREAM
 from tests.agent_sim import GB, ScriptedAgent
-from tests.conftest import bounded
+from tests.conftest import bounded, dump_tasks
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.long]
 COMMANDS = 2000
@@ -186,7 +186,15 @@ async def test_r3_cluster_loses_nothing_when_two_servers_are_killed(cluster: Nat
     t0 = time.monotonic()
     try:
         async with Client(url) as c:
-            await asyncio.wait_for(asyncio.gather(commands(), requests(c), faults()), 300)
+            work = asyncio.gather(commands(), requests(c), faults())
+            await asyncio.wait([work], timeout=300)
+            if not work.done():
+                dump_tasks(f"the run did not finish within 300 s: {done}/{COMMANDS} commands, "
+                           f"{len(terminal_seen)}/{REQUESTS} requests ended")
+                work.cancel()
+                raise AssertionError(f"the run did not finish within 300 s ({done}/{COMMANDS} commands, "
+                                     f"{len(terminal_seen)}/{REQUESTS} requests ended; tasks above)")
+            work.result()
         took = time.monotonic() - t0
         stop.set()
         await watch
