@@ -724,7 +724,7 @@ class Dispatcher:
             try:
                 store = await self.log_.js.object_store(bucket)
             except nats.js.errors.NotFoundError:
-                store = await self.log_.js.create_object_store(config=api.ObjectStoreConfig(
+                store = await self.log_.js.create_object_store(bucket, config=api.ObjectStoreConfig(
                     bucket=bucket, replicas=self.log_.replicas, storage=api.StorageType.FILE))
             self._user_results[user] = store
         return store
