@@ -385,27 +385,32 @@ async def test_the_dashboard_cannot_point_a_consumer_at_another_subject(streams:
     """A push consumer's deliver subject is in the request body, where permissions cannot look: the
     dashboard may create no consumer at all and reads the log by direct gets (its follower too)."""
     victim = await Probe.open(streams, auth.role("client:bob"))
+    ctl = await Probe.open(streams, auth.role("controller"))
     dash = await Probe.open(streams, auth.role("dashboard"))
     try:
         got: list[bytes] = []
 
-        async def on_status(m: Any) -> None:
+        async def on_msg(m: Any) -> None:
             got.append(m.data)
 
-        await victim.nc.subscribe("ndif.status.bob.>", cb=on_status)
+        await victim.nc.subscribe("ndif.status.bob.>", cb=on_msg)
+        await ctl.nc.subscribe("ndif.cmd.*", cb=on_msg)  # what a controller listens on
         await victim.nc.flush()
-        cfg = msgspec.json.encode({"stream_name": EVENTS_STREAM, "config": {
-            "deliver_subject": "ndif.status.bob.hijack", "deliver_policy": "all", "ack_policy": "none"}})
-        for subject in (f"$JS.API.CONSUMER.CREATE.{EVENTS_STREAM}", f"$JS.API.CONSUMER.CREATE.{EVENTS_STREAM}.x",
-                        f"$JS.API.CONSUMER.CREATE.{EVENTS_STREAM}.x.ndif.evt.>",
-                        f"$JS.API.CONSUMER.DURABLE.CREATE.{EVENTS_STREAM}.x",
-                        f"$JS.API.CONSUMER.CREATE.{REQUESTS_STREAM}", f"$JS.API.CONSUMER.CREATE.KV_{HEARTBEATS_BUCKET}"):
-            assert not await dash.can_publish(subject, cfg), subject
+        await ctl.nc.flush()
+        for deliver in ("ndif.status.bob.hijack", "ndif.cmd.deploy"):
+            cfg = msgspec.json.encode({"stream_name": EVENTS_STREAM, "config": {
+                "deliver_subject": deliver, "deliver_policy": "all", "ack_policy": "none"}})
+            for subject in (f"$JS.API.CONSUMER.CREATE.{EVENTS_STREAM}", f"$JS.API.CONSUMER.CREATE.{EVENTS_STREAM}.x",
+                            f"$JS.API.CONSUMER.CREATE.{EVENTS_STREAM}.x.ndif.evt.>",
+                            f"$JS.API.CONSUMER.DURABLE.CREATE.{EVENTS_STREAM}.x",
+                            f"$JS.API.CONSUMER.CREATE.{REQUESTS_STREAM}",
+                            f"$JS.API.CONSUMER.CREATE.KV_{HEARTBEATS_BUCKET}"):
+                assert not await dash.can_publish(subject, cfg), (subject, deliver)
         await asyncio.sleep(0.3)
-        assert got == []  # nothing delivered onto the victim's status subject
+        assert got == []  # nothing delivered onto the victims' subjects
     finally:
-        await dash.close()
-        await victim.close()
+        for p in (dash, ctl, victim):
+            await p.close()
 
     # Its job: the whole log, then new events as they come, without a consumer.
     admin = await JetStreamEventLog.open(streams, creds=auth.role("admin"), ensure=False)
