@@ -9,7 +9,7 @@ read another's replies:
   reads events and heartbeats, answers `ndif.cmd.*`;
 - agent (one user per node): appends observed facts of its own node only
   (`ndif.evt.node.<ntok>`, `ndif.evt.replica.*.*.<ntok>`), its own heartbeat key, serves its own
-  node's replica endpoints only (`ndif.run.<ntok>.>`);
+  node's replica endpoints only (`ndif.run.<ntok>.>`), reads events by direct gets (no consumer);
 - dispatcher: requests, the status bucket and subjects, every user's results bucket
   (`ndif_results_<user>`, which it creates), `ndif.run.>`, `ndif.cmd.deploy` (provisioning) and
   its drain reports (`ndif.evt.replica.*.*.dispatcher`);
@@ -19,9 +19,9 @@ read another's replies:
 - dashboard: reads events (direct gets, no consumer), stream info and the dispatcher's state;
   writes nothing.
 
-No read-only role may create a consumer: a consumer's deliver subject is in the request body,
-beyond what subject permissions see, so whoever creates one can make the server publish a
-stream's messages on any subject. Those roles read by direct gets (controlplane/direct.py).
+Neither a read-only role nor an agent may create a consumer: a consumer's deliver subject is in
+the request body, beyond what subject permissions see, so whoever creates one can make the server
+publish a stream's messages on any subject. Those roles read by direct gets (controlplane/direct.py).
 
 `ndif up` generates a password per user on first start (`ensure_local`), keeps the credentials
 under `$NDIF_HOME/auth/` (0600) and writes the server's config from them; every local command
@@ -160,12 +160,15 @@ def permissions(role: str, *, name: str = "", node_id: str = "", clients: tuple[
         sub = ["ndif.cmd.*", inbox]
     elif role == "agent":
         ntok = node_token(node_id)
+        # Events by direct gets only (no consumer: its deliver subject could be anyone's); the event
+        # subjects themselves are its follower's wake-up.
         pub = [f"ndif.evt.node.{ntok}", f"ndif.evt.replica.*.*.{ntok}", f"$KV.{HEARTBEATS_BUCKET}.{ntok}",
-               f"{_API}.STREAM.INFO.{_kv(HEARTBEATS_BUCKET)}", *events,
+               f"{_API}.STREAM.INFO.{_kv(HEARTBEATS_BUCKET)}", *_direct_read(EVENTS_STREAM),
+               f"{_API}.STREAM.MSG.GET.{EVENTS_STREAM}",
                # its own node's last heartbeat (a node id held by a live agent is not taken twice)
                f"{_API}.STREAM.MSG.GET.{_kv(HEARTBEATS_BUCKET)}",
                f"{_API}.DIRECT.GET.{_kv(HEARTBEATS_BUCKET)}.$KV.{HEARTBEATS_BUCKET}.{ntok}"]
-        sub = [node_run_subjects(node_id), inbox]
+        sub = [node_run_subjects(node_id), "ndif.evt.>", inbox]
     elif role == "dispatcher":
         pub = ["ndif.evt.replica.*.*.dispatcher", "ndif.cmd.deploy", "ndif.status.>", "ndif.run.>",
                f"$KV.{REQUEST_STATUS_BUCKET}.>", f"$O.{RESULTS_BUCKET}.>", *events,

@@ -210,6 +210,10 @@ async def connect(url: str, *, name: str = "ndif", timeout: float = 5.0, creds: 
         ) from None
 
 
+# Roles whose users may create no consumer (controlplane/auth.py): they read the log by direct gets.
+DIRECT_READ_ROLES = frozenset({"dashboard", "agent"})
+
+
 class JetStreamEventLog:
     """`EventLog` and `SnapshotStore` on JetStream. One object per connection.
 
@@ -232,7 +236,7 @@ class JetStreamEventLog:
         self.stall_check_s = 1.0  # a follower idle this long checks the stream for a stall
         self.may_create = True
         # Read with batched direct gets instead of an ordered consumer (controlplane/direct.py):
-        # for roles that may create no consumer (the dashboard), since a consumer's deliver
+        # for roles that may create no consumer (DIRECT_READ_ROLES), since a consumer's deliver
         # subject is beyond what subject permissions can restrict.
         self.direct_reads = False
         self.direct_poll_s = 0.5  # a direct-read follower asks again this often without a wake-up
@@ -249,7 +253,7 @@ class JetStreamEventLog:
         # Only an admin (or anyone on an open server) may create or reconfigure streams; the
         # others check that they exist.
         self.may_create = creds is None or creds.role == "admin"
-        self.direct_reads = creds is not None and creds.role == "dashboard"
+        self.direct_reads = creds is not None and creds.role in DIRECT_READ_ROLES
         if ensure:
             await self.ensure()
         return self
@@ -533,6 +537,7 @@ class JetStreamEventLog:
         `ndif.evt.>` (a core subscription, only a wake-up) or after `direct_poll_s` without one."""
         expected = max(start_seq, 1)
         wake = asyncio.Event()
+        woke = False
         sub = None
         if stop_seq is None:
             async def on_event(_: Msg) -> None:
@@ -559,8 +564,12 @@ class JetStreamEventLog:
                     continue
                 if stop_seq is not None:
                     return  # nothing left up to stop_seq
+                # Woken but nothing stored yet (the core message can come before the stream has
+                # it): look again shortly rather than at the next poll.
+                wait, woke = (0.02 if woke else self.direct_poll_s), False
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(wake.wait(), self.direct_poll_s)
+                    await asyncio.wait_for(wake.wait(), wait)
+                    woke = True
         finally:
             if sub is not None:
                 with contextlib.suppress(Exception):

@@ -383,7 +383,8 @@ async def test_an_agent_serves_only_its_own_nodes_replicas(streams: str, auth: L
 
 async def test_the_dashboard_cannot_point_a_consumer_at_another_subject(streams: str, auth: LocalAuth) -> None:
     """A push consumer's deliver subject is in the request body, where permissions cannot look: the
-    dashboard may create no consumer at all and reads the log by direct gets (its follower too)."""
+    dashboard (and a node's agent) may create no consumer at all and reads the log by direct gets
+    (its follower too)."""
     victim = await Probe.open(streams, auth.role("client:bob"))
     ctl = await Probe.open(streams, auth.role("controller"))
     dash = await Probe.open(streams, auth.role("dashboard"))
@@ -412,22 +413,34 @@ async def test_the_dashboard_cannot_point_a_consumer_at_another_subject(streams:
         for p in (dash, ctl, victim):
             await p.close()
 
+    agent = await Probe.open(streams, auth.role(f"agent:{NODE_B}"))  # a node's agent neither
+    try:
+        cfg = msgspec.json.encode({"stream_name": EVENTS_STREAM, "config": {"deliver_subject": "ndif.cmd.deploy"}})
+        for subject in (f"$JS.API.CONSUMER.CREATE.{EVENTS_STREAM}", f"$JS.API.CONSUMER.CREATE.{EVENTS_STREAM}.x.>",
+                        f"$JS.API.CONSUMER.CREATE.KV_{HEARTBEATS_BUCKET}"):
+            assert not await agent.can_publish(subject, cfg), subject
+    finally:
+        await agent.close()
+
     # Its job: the whole log, then new events as they come, without a consumer.
     admin = await JetStreamEventLog.open(streams, creds=auth.role("admin"), ensure=False)
-    lg = await JetStreamEventLog.open(streams, creds=auth.role("dashboard"), ensure=False)
     try:
-        assert lg.direct_reads
-        want = [seq async for seq, _ in admin.read()]
-        assert [seq async for seq, _ in lg.read()] == want
-        follow = lg.follow_batches(len(want) + 1)
-        nxt = asyncio.ensure_future(follow.__anext__())
-        ev = NodeLost(**_env("controller:test"), node_id="dashboard-test-node")
-        res = await admin.append([ev], None)
-        batch = await asyncio.wait_for(nxt, 5)
-        assert [seq for seq, _ in batch] == [res.first_seq]
-        await follow.aclose()  # type: ignore[attr-defined]
+        for who in ("dashboard", f"agent:{NODE_A}"):
+            lg = await JetStreamEventLog.open(streams, creds=auth.role(who), ensure=False)
+            try:
+                assert lg.direct_reads
+                want = [seq async for seq, _ in admin.read()]
+                assert [seq async for seq, _ in lg.read()] == want
+                follow = lg.follow_batches(len(want) + 1)
+                nxt = asyncio.ensure_future(follow.__anext__())
+                ev = NodeLost(**_env("controller:test"), node_id=f"direct-read-test-{who}")
+                res = await admin.append([ev], None)
+                batch = await asyncio.wait_for(nxt, 5)
+                assert [seq for seq, _ in batch] == [res.first_seq]
+                await follow.aclose()  # type: ignore[attr-defined]
+            finally:
+                await lg.close()
     finally:
-        await lg.close()
         await admin.close()
 
 
@@ -462,6 +475,9 @@ TABLE: list[tuple[str, str, str, bool]] = [
     (f"agent:{NODE_A}", "sub", f"ndif.run.{B}.>", False),
     (f"agent:{NODE_A}", "sub", f"ndif.run.{M}.0", False),
     (f"agent:{NODE_A}", "sub", "ndif.run.>", False),
+    (f"agent:{NODE_A}", "pub", f"$JS.API.DIRECT.GET.{EVENTS_STREAM}", True),
+    (f"agent:{NODE_A}", "pub", f"$JS.API.CONSUMER.CREATE.{EVENTS_STREAM}", False),
+    (f"agent:{NODE_A}", "pub", f"$JS.API.CONSUMER.CREATE.KV_{HEARTBEATS_BUCKET}", False),
     (f"agent:{NODE_A}", "pub", f"ndif.evt.node.{B}", False),
     (f"agent:{NODE_A}", "pub", f"ndif.evt.replica.{M}.0.{B}", False),
     (f"agent:{NODE_A}", "pub", f"ndif.evt.replica.{M}.0", False),
