@@ -703,8 +703,19 @@ class Dispatcher:
             body = msgspec.json.encode(kw["result"])
             if len(body) > INLINE_RESULT_BYTES:
                 name = f"{status_key(p.req.request_id, p.req.user)}.json"
-                await (await self._results_store(p.req.user)).put(name, body)
-                kw = {**kw, "result": None, "result_ref": name}
+                try:
+                    store = await self._results_store(p.req.user)
+                except nats.errors.Error as exc:
+                    # No bucket for this user and no right to make one (a client user added to
+                    # the server without the config's dispatcher grant): say so, never drop it.
+                    log.error("results_bucket_unavailable", request_id=p.req.request_id, user=p.req.user,
+                              error=str(exc) or type(exc).__name__)
+                    status, kw = R.ERROR, {k: v for k, v in kw.items() if k != "result"}
+                    kw.update(error="ResultNotStored", message=f"the result ({len(body)} bytes) could not be "
+                              f"stored: no results bucket for user {p.req.user!r} ({type(exc).__name__})")
+                else:
+                    await store.put(name, body)
+                    kw = {**kw, "result": None, "result_ref": name}
         u = self._update(p, status, **kw)
         wrote = await self._kv_put(u, encoder.encode(u), terminal=True)
         if p.msg is not None:
