@@ -25,6 +25,7 @@ import nats.errors
 from schemas.errors import InfrastructureError, InfrastructureTimeout, NotFound
 
 MAX_BATCH = 1000  # messages asked for in one request
+MAX_BATCH_BYTES = 4 * 2**20  # and bytes: the server stops a batch there (at least one message comes)
 
 
 class DirectMsg(msgspec.Struct, frozen=True):
@@ -36,7 +37,8 @@ class DirectMsg(msgspec.Struct, frozen=True):
 async def direct_batch(nc: Any, stream: str, seq: int, batch: int = MAX_BATCH, *, next_by_subj: str | None = None,
                        timeout: float = 5.0) -> list[DirectMsg]:
     """Up to `batch` messages of `stream` from `seq` on (of `next_by_subj` only, if given); [] when none."""
-    req: dict[str, Any] = {"seq": max(int(seq), 1), "batch": max(1, min(int(batch), MAX_BATCH))}
+    req: dict[str, Any] = {"seq": max(int(seq), 1), "batch": max(1, min(int(batch), MAX_BATCH)),
+                           "max_bytes": MAX_BATCH_BYTES}
     if next_by_subj:
         req["next_by_subj"] = next_by_subj
     out: list[DirectMsg] = []

@@ -543,7 +543,7 @@ class JetStreamEventLog:
             async def on_event(_: Msg) -> None:
                 wake.set()
 
-            with contextlib.suppress(Exception):  # no permission: polling alone
+            with contextlib.suppress(Exception):  # without it (or refused by the server) polling alone
                 sub = await self.nc.subscribe(EVENTS_ALL, cb=on_event)
         try:
             while stop_seq is None or expected <= stop_seq:
