@@ -8,13 +8,20 @@ read another's replies:
 - controller: appends decisions (`ndif.evt.model.*`, `ndif.evt.replica.<m>.<r>`, `ndif.evt.node.*`),
   reads events and heartbeats, answers `ndif.cmd.*`;
 - agent (one user per node): appends observed facts of its own node only
-  (`ndif.evt.node.<ntok>`, `ndif.evt.replica.*.*.<ntok>`), its own heartbeat key, serves `ndif.run.>`;
-- dispatcher: requests, the status bucket and subjects, results, `ndif.run.>`, `ndif.cmd.deploy`
-  (provisioning) and its drain reports (`ndif.evt.replica.*.*.dispatcher`);
+  (`ndif.evt.node.<ntok>`, `ndif.evt.replica.*.*.<ntok>`), its own heartbeat key, serves its own
+  node's replica endpoints only (`ndif.run.<ntok>.>`), reads events by direct gets (no consumer);
+- dispatcher: requests, the status bucket and subjects, every user's results bucket
+  (`ndif_results_<user>`, which it creates), `ndif.run.>`, `ndif.cmd.deploy` (provisioning) and
+  its drain reports (`ndif.evt.replica.*.*.dispatcher`);
 - client (one user per person): publishes requests on `ndif.req.*.<user>`, reads only
-  `ndif.status.<user>.>` and its own keys of the status bucket, kills only through
-  `ndif.dispatcher.kill.<user>`;
-- dashboard: reads events, stream info and the dispatcher's state; writes nothing.
+  `ndif.status.<user>.>`, its own keys of the status bucket and its own results bucket (by direct
+  gets), kills only through `ndif.dispatcher.kill.<user>`;
+- dashboard: reads events (direct gets, no consumer), stream info and the dispatcher's state;
+  writes nothing.
+
+Neither a read-only role nor an agent may create a consumer: a consumer's deliver subject is in
+the request body, beyond what subject permissions see, so whoever creates one can make the server
+publish a stream's messages on any subject. Those roles read by direct gets (controlplane/direct.py).
 
 `ndif up` generates a password per user on first start (`ensure_local`), keeps the credentials
 under `$NDIF_HOME/auth/` (0600) and writes the server's config from them; every local command
@@ -24,6 +31,8 @@ file, no operator/account keys to manage, and a reload (`nats-server --signal re
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import os
 import re
@@ -42,6 +51,7 @@ from schemas.subjects import (
     COMMANDS_ANY,
     DISPATCHER_KILL,
     DISPATCHER_STATE,
+    EVENTS_ALL,
     EVENTS_STREAM,
     HEARTBEATS_BUCKET,
     MODEL_EVENTS_ANY,
@@ -57,8 +67,10 @@ from schemas.subjects import (
     STATUS_ALL,
     command_subject,
     kill_subject,
+    node_run_subjects,
     node_token,
     replica_facts_from,
+    results_bucket,
     user_requests,
     user_statuses,
 )
@@ -98,6 +110,22 @@ def user_name(role: str, *, name: str = "", node_id: str = "") -> str:
     return role
 
 
+def request_msg_id(request_id: str, creds: Creds | None) -> str:
+    """The `Nats-Msg-Id` a client stores its request under: `<user>.<mac>.<request id>`, where
+    `mac` is keyed by the client's own password, so no other user can compute it.
+
+    The request stream deduplicates by this id across all users, and no permission can check a
+    header: with a guessable id (`<user>.<request id>`) anyone could publish first under another
+    user's future id and have the victim's request dropped as a duplicate. A resend of the same
+    request by its owner still gets the same id (stored once). Without a client's credentials (an
+    open server) it is the request id alone. The last token is the request id, as readers expect.
+    """
+    if creds is None or creds.role != "client":
+        return request_id
+    mac = hmac.new(creds.password.encode(), f"{creds.user}.{request_id}".encode(), hashlib.sha256).hexdigest()[:32]
+    return f"{creds.name}.{mac}.{request_id}"
+
+
 # ---- permissions -------------------------------------------------------------------------------
 
 _API = "$JS.API"
@@ -119,8 +147,23 @@ def _obj(bucket: str) -> str:
     return f"OBJ_{bucket}"
 
 
-def permissions(role: str, *, name: str = "", node_id: str = "") -> dict[str, Any]:
-    """The server-side permissions of one user (nats-server `permissions` block)."""
+def _direct_read(stream: str) -> list[str]:
+    """Reading a stream by direct gets only (its info, gets by sequence, batch or last by subject)."""
+    return [f"{_API}.STREAM.INFO.{stream}", f"{_API}.DIRECT.GET.{stream}", f"{_API}.DIRECT.GET.{stream}.>"]
+
+
+def _results_writer(user: str) -> list[str]:
+    """What the dispatcher needs on one user's results bucket: create it, put objects (nats-py's put
+    reads an object's last meta and purges a replaced object's chunks)."""
+    b = results_bucket(user)
+    return [f"{_API}.STREAM.CREATE.{_obj(b)}", f"{_API}.STREAM.INFO.{_obj(b)}", f"{_API}.STREAM.MSG.GET.{_obj(b)}",
+            f"{_API}.DIRECT.GET.{_obj(b)}.>", f"{_API}.STREAM.PURGE.{_obj(b)}", f"$O.{b}.>"]
+
+
+def permissions(role: str, *, name: str = "", node_id: str = "", clients: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The server-side permissions of one user (nats-server `permissions` block).
+
+    `clients`: every client user's name (the dispatcher gets the results bucket of each)."""
     inbox = f"_INBOX_{user_name(role, name=name, node_id=node_id)}.>"
     pub: list[str]
     sub: list[str]
@@ -135,12 +178,15 @@ def permissions(role: str, *, name: str = "", node_id: str = "") -> dict[str, An
         sub = [COMMANDS_ANY, inbox]
     elif role == "agent":
         ntok = node_token(node_id)
+        # Events by direct gets only (no consumer: its deliver subject could be anyone's); the event
+        # subjects themselves are its follower's wake-up.
         pub = [f"{NODE_EVENTS_PREFIX}{ntok}", replica_facts_from(ntok), f"$KV.{HEARTBEATS_BUCKET}.{ntok}",
-               f"{_API}.STREAM.INFO.{_kv(HEARTBEATS_BUCKET)}", *events,
+               f"{_API}.STREAM.INFO.{_kv(HEARTBEATS_BUCKET)}", *_direct_read(EVENTS_STREAM),
+               f"{_API}.STREAM.MSG.GET.{EVENTS_STREAM}",
                # its own node's last heartbeat (a node id held by a live agent is not taken twice)
                f"{_API}.STREAM.MSG.GET.{_kv(HEARTBEATS_BUCKET)}",
                f"{_API}.DIRECT.GET.{_kv(HEARTBEATS_BUCKET)}.$KV.{HEARTBEATS_BUCKET}.{ntok}"]
-        sub = [REPLICA_CALLS_ALL, inbox]
+        sub = [node_run_subjects(node_id), EVENTS_ALL, inbox]
     elif role == "dispatcher":
         pub = [replica_facts_from(DISPATCHER_SOURCE), command_subject("deploy"), STATUS_ALL, REPLICA_CALLS_ALL,
                f"$KV.{REQUEST_STATUS_BUCKET}.>", f"$O.{RESULTS_BUCKET}.>", *events,
@@ -148,26 +194,26 @@ def permissions(role: str, *, name: str = "", node_id: str = "") -> dict[str, An
                *_read_stream(REQUESTS_STREAM), f"{_API}.CONSUMER.DURABLE.CREATE.{REQUESTS_STREAM}.>",
                f"{_API}.CONSUMER.MSG.NEXT.{REQUESTS_STREAM}.>", f"$JS.ACK.{REQUESTS_STREAM}.>",
                # requests for models the log does not know: refused ones deleted, stale consumers swept
-               f"{_API}.STREAM.MSG.DELETE.{REQUESTS_STREAM}", f"{_API}.CONSUMER.LIST.{REQUESTS_STREAM}"]
+               f"{_API}.STREAM.MSG.DELETE.{REQUESTS_STREAM}", f"{_API}.CONSUMER.LIST.{REQUESTS_STREAM}",
+               *(x for c in clients for x in _results_writer(_check_name(c, "client name")))]
         sub = [REQUESTS_ALL, DISPATCHER_STATE, DISPATCHER_KILL, kill_subject("*"), inbox]
     elif role == "client":
         me = _check_name(name, "client name")
         st = _kv(REQUEST_STATUS_BUCKET)
-        res = _obj(RESULTS_BUCKET)
         pub = [user_requests(me), kill_subject(me),
                f"{_API}.STREAM.INFO.{st}", f"{_API}.DIRECT.GET.{st}.$KV.{REQUEST_STATUS_BUCKET}.{me}.>",
-               # Large results: an object read by name (a meta get, then an ordered consumer on its chunks).
-               f"{_API}.STREAM.INFO.{res}", f"{_API}.DIRECT.GET.{res}.$O.{RESULTS_BUCKET}.M.*",
-               f"{_API}.STREAM.MSG.GET.{res}", f"{_API}.CONSUMER.CREATE.{res}",
-               f"{_API}.CONSUMER.CREATE.{res}.*.$O.{RESULTS_BUCKET}.C.*", f"{_API}.CONSUMER.DELETE.{res}.>",
-               f"$JS.FC.{res}.>"]
+               # Large results: its own bucket only, read by direct gets (a meta get, then its chunks).
+               *_direct_read(_obj(results_bucket(me)))]
         sub = [user_statuses(me), inbox]
     elif role == "dashboard":
-        pub = [*events, f"{_API}.STREAM.INFO.*", f"{_API}.STREAM.NAMES", f"{_API}.STREAM.LIST",
+        # Events by direct gets (no consumer: its deliver subject could be anyone's), a lookup by
+        # time (a stored get), and the event subjects themselves as a follower's wake-up.
+        pub = [*_direct_read(EVENTS_STREAM), f"{_API}.STREAM.MSG.GET.{EVENTS_STREAM}",
+               f"{_API}.STREAM.INFO.*", f"{_API}.STREAM.NAMES", f"{_API}.STREAM.LIST",
                f"{_API}.INFO", DISPATCHER_STATE,
                # the queue view: each model's work-queue consumer (pending counts), listed a page at a time
                f"{_API}.CONSUMER.LIST.{REQUESTS_STREAM}", f"{_API}.CONSUMER.INFO.{REQUESTS_STREAM}.*"]
-        sub = [inbox]
+        sub = [EVENTS_ALL, inbox]
     else:
         raise InvalidCommand(f"unknown role {role!r}: one of {', '.join(ROLES)}")
     return {"publish": {"allow": pub}, "subscribe": {"allow": sub}, "allow_responses": role != "dashboard"}
@@ -179,8 +225,9 @@ def server_config(users: list[Creds]) -> str:
     Values are JSON (which nats-server's config format reads), so subjects such as `$JS.API.>` are
     quoted strings, never variables. Usable as the whole config (`-c`) or `include`d by another.
     """
+    clients = tuple(sorted({c.name for c in users if c.role == "client"}))
     entries = [{"user": c.user, "password": c.password,
-                "permissions": permissions(c.role, name=c.name, node_id=c.node_id)} for c in users]
+                "permissions": permissions(c.role, name=c.name, node_id=c.node_id, clients=clients)} for c in users]
     return (f"# Generated by ndif (controlplane/auth.py): one user per role. Keep it private (0600).\n"
             f"authorization: {json.dumps({'users': entries}, indent=2)}\n")
 

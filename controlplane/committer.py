@@ -135,7 +135,7 @@ class GroupCommitter(Generic[P]):
                 try:
                     await self._turn()
                 except Exception:  # a bug, not the network (its failures are answered in _turn): keep serving
-                    log.exception("committer_turn_failed")
+                    logger.exception("committer_turn_failed")
                     await asyncio.sleep(CATCH_UP_RETRY_S)
 
     async def _turn(self) -> None:
@@ -205,7 +205,7 @@ class GroupCommitter(Generic[P]):
                 # decisions stay queued and are taken again next turn (each turn is an attempt, so
                 # bounded by max_attempts); an exception here used to end the loop, after which
                 # every submit() waited forever.
-                log.warning("catch_up_failed", error=str(err) or type(err).__name__, pending=len(self._pending))
+                logger.warning("catch_up_failed", error=str(err) or type(err).__name__, pending=len(self._pending))
                 await asyncio.sleep(CATCH_UP_RETRY_S)
                 return
             # Another writer is mid-burst: back off a jittered, growing moment so that it drains
@@ -219,7 +219,7 @@ class GroupCommitter(Generic[P]):
         except Exception as exc:  # noqa: BLE001 - e.g. a NATS error the adapter does not translate
             # Answered as what it is (the append may or may not have landed: the caller resends with
             # the same ids), never left unanswered by a dead loop.
-            log.warning("append_failed", error=str(exc) or type(exc).__name__, decisions=len(taken))
+            logger.warning("append_failed", error=str(exc) or type(exc).__name__, decisions=len(taken))
             for item, _, _ in taken:
                 item.future.set_exception(InfrastructureError(
                     f"append failed ({type(exc).__name__}: {exc}); retry with the same command id"))

@@ -34,6 +34,7 @@ from nats.aio.msg import Msg
 from nats.js import api
 
 from controlplane.auth import Creds, resolve
+from controlplane.direct import MAX_BATCH, direct_batch
 from controlplane.ports import AppendResult, Stored
 from schemas.errors import ConflictError, InfrastructureError, InfrastructureTimeout, InvalidCommand
 from schemas.events import (
@@ -210,6 +211,10 @@ async def connect(url: str, *, name: str = "ndif", timeout: float = 5.0, creds: 
         ) from None
 
 
+# Roles whose users may create no consumer (controlplane/auth.py): they read the log by direct gets.
+DIRECT_READ_ROLES = frozenset({"dashboard", "agent"})
+
+
 class JetStreamEventLog:
     """`EventLog` and `SnapshotStore` on JetStream. One object per connection.
 
@@ -231,6 +236,11 @@ class JetStreamEventLog:
         self.pending_bytes_limit = _PENDING_BYTES
         self.stall_check_s = 1.0  # a follower idle this long checks the stream for a stall
         self.may_create = True
+        # Read with batched direct gets instead of an ordered consumer (controlplane/direct.py):
+        # for roles that may create no consumer (DIRECT_READ_ROLES), since a consumer's deliver
+        # subject is beyond what subject permissions can restrict.
+        self.direct_reads = False
+        self.direct_poll_s = 0.5  # a direct-read follower asks again this often without a wake-up
 
     @classmethod
     async def open(cls, url: str, *, timeout: float = 5.0, replicas: int | None = None, ensure: bool = True,
@@ -244,6 +254,7 @@ class JetStreamEventLog:
         # Only an admin (or anyone on an open server) may create or reconfigure streams; the
         # others check that they exist.
         self.may_create = creds is None or creds.role == "admin"
+        self.direct_reads = creds is not None and creds.role in DIRECT_READ_ROLES
         if ensure:
             await self.ensure()
         return self
@@ -531,6 +542,55 @@ class JetStreamEventLog:
         return int(body["message"]["seq"])
 
     async def _feed(self, start_seq: int, stop_seq: int | None) -> AsyncIterator[list[Stored]]:
+        """Batches of events from `start_seq` to `stop_seq` (or forever): by direct gets or a consumer."""
+        feed = self._feed_direct if self.direct_reads else self._feed_consumer
+        async for batch in feed(start_seq, stop_seq):
+            yield batch
+
+    async def _feed_direct(self, start_seq: int, stop_seq: int | None) -> AsyncIterator[list[Stored]]:
+        """Batched direct gets (no consumer). Following, it asks again when an event is published on
+        `ndif.evt.>` (a core subscription, only a wake-up) or after `direct_poll_s` without one."""
+        expected = max(start_seq, 1)
+        wake = asyncio.Event()
+        woke = False
+        sub = None
+        if stop_seq is None:
+            async def on_event(_: Msg) -> None:
+                wake.set()
+
+            with contextlib.suppress(Exception):  # without it (or refused by the server) polling alone
+                sub = await self.nc.subscribe(EVENTS_ALL, cb=on_event)
+        try:
+            while stop_seq is None or expected <= stop_seq:
+                want = MAX_BATCH if stop_seq is None else min(MAX_BATCH, stop_seq - expected + 1)
+                wake.clear()
+                batch: list[Stored] = []
+                for m in await direct_batch(self.nc, EVENTS_STREAM, expected, want, timeout=self.timeout):
+                    if stop_seq is not None and m.seq > stop_seq:
+                        break
+                    item = decode_or_skip(m.data)
+                    problem = subject_problem(m.subject, item)
+                    if problem is not None:
+                        item = Skipped(reason=problem, type=event_tag(item))  # type: ignore[arg-type]
+                    batch.append((m.seq, item))
+                if batch:
+                    expected = batch[-1][0] + 1
+                    yield batch
+                    continue
+                if stop_seq is not None:
+                    return  # nothing left up to stop_seq
+                # Woken but nothing stored yet (the core message can come before the stream has
+                # it): look again shortly rather than at the next poll.
+                wait, woke = (0.02 if woke else self.direct_poll_s), False
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(wake.wait(), wait)
+                    woke = True
+        finally:
+            if sub is not None:
+                with contextlib.suppress(Exception):
+                    await sub.unsubscribe()
+
+    async def _feed_consumer(self, start_seq: int, stop_seq: int | None) -> AsyncIterator[list[Stored]]:
         """Ordered consumer over the whole stream, from `start_seq` to `stop_seq` (or forever).
 
         Sequences must be contiguous: on a gap (a client-side drop) or a stall the feed

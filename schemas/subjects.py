@@ -94,9 +94,19 @@ def command_event_subject(command_id: str) -> str:
     return f"{COMMAND_EVENTS_PREFIX}{_token(command_id, command_id)}"
 
 
-def replica_call_subject(model_key: str, replica_id: int) -> str:
-    """`ndif.run.<mtok>.<replica_id>` (core request/reply): the replica's endpoint for the request path."""
+def replica_call_subject(model_key: str, replica_id: int, node_id: str = "") -> str:
+    """`ndif.run.<ntok>.<mtok>.<replica_id>` (core request/reply): the endpoint of a replica on node
+    `node_id` for the request path. The node token comes first so that a node's agent (and its
+    replicas) may serve its own node's replicas only (`ndif.run.<ntok>.>`, controlplane/auth.py).
+    Without a node id: `ndif.run.<mtok>.<replica_id>` (an open server's tests)."""
+    if node_id:
+        return f"{REPLICA_CALLS_PREFIX}.{node_token(node_id)}.{model_token(model_key)}.{int(replica_id)}"
     return f"{REPLICA_CALLS_PREFIX}.{model_token(model_key)}.{int(replica_id)}"
+
+
+def node_run_subjects(node_id: str) -> str:
+    """The replica endpoints of one node: what its agent's user may subscribe to."""
+    return f"{REPLICA_CALLS_PREFIX}.{node_token(node_id)}.>"
 
 
 def model_events_filter(model_key: str) -> list[str]:
@@ -144,6 +154,13 @@ def request_subject_parts(subject: str) -> tuple[str, str]:
 def status_key(request_id: str, user: str = "") -> str:
     """A request's key in KV `ndif_request_status`: `<user>.<request_id>` (or the id alone, without a user)."""
     return f"{user}.{request_id}" if user else request_id
+
+
+def results_bucket(user: str = "") -> str:
+    """The Object Store bucket of one user's large results: `ndif_results_<user>` (`ndif_results`
+    without a user). One bucket (one stream, `OBJ_ndif_results_<user>`) per user, so the server's
+    permissions give each client read access to its own results only (controlplane/auth.py)."""
+    return f"{RESULTS_BUCKET}_{user}" if user else RESULTS_BUCKET
 
 
 def command_subject(verb: str) -> str:

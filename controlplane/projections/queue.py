@@ -25,6 +25,7 @@ class ModelQueueView(msgspec.Struct, frozen=True, kw_only=True):
     starting: tuple[int, ...]  # scheduled, loading or restarting
     failed: tuple[int, ...]  # desired HOT but failed to load or died
     rejected: bool = False  # the last placement for it could not be satisfied
+    nodes: tuple[tuple[int, str], ...] = ()  # (replica id, node id) of each placed replica: its endpoint's node
 
 
 def queue_view(state: ClusterState, model_key: str) -> ModelQueueView:
@@ -39,6 +40,7 @@ def queue_view(state: ClusterState, model_key: str) -> ModelQueueView:
         starting=tuple(r.replica_id for r in hot if r.state in (S.LOAD_REQUESTED, S.LOADING, S.RESTARTING)),
         failed=tuple(r.replica_id for r in hot if r.state in (S.FAILED, S.LOAD_FAILED)),
         rejected=m is not None and m.last_rejection is not None and m.last_rejection.seq >= m.since_seq,
+        nodes=tuple((r.replica_id, r.node_id) for r in rs if r.node_id),
     )
 
 

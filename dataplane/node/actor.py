@@ -14,7 +14,8 @@ processes than its CPUs and memory allow (2 CPUs: 20 replicas), and Ray leaves a
 run pending, which the agent reports as a failed load (`replica_resources`).
 
 Given the NATS URL (the agent passes its own), the actor also answers `run_batch` on its endpoint
-`ndif.run.<mtok>.<replica_id>` (dataplane/serving/replica_link.py): the dispatcher's fast path to it.
+`ndif.run.<ntok>.<mtok>.<replica_id>` (dataplane/serving/replica_link.py): the dispatcher's fast path
+to it (the node token first: an agent's user may serve its own node's endpoints only).
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ class ModelActor:
                                     execution_timeout_s=execution_timeout_s)
         # The request path's endpoint (dataplane/serving/replica_link.py): `run_batch` over NATS as well.
         self.endpoint = None if not nats_url else ReplicaEndpoint(
-            nats_url, replica_call_subject(model_key, replica_id), self.run_batch, creds=nats_creds,
+            nats_url, replica_call_subject(model_key, replica_id, node_id), self.run_batch, creds=nats_creds,
             name=f"replica:{model_key}:{replica_id}", model_key=model_key, replica_id=replica_id).start()
 
     def load(self, devices: list[int], bytes_per_gpu: int = 0) -> float:

@@ -36,13 +36,14 @@ import nats.errors
 import nats.js.errors
 import structlog
 
-from controlplane.auth import Creds, resolve
+from controlplane.auth import Creds, request_msg_id, resolve
+from controlplane.direct import read_object
 from controlplane.eventstore import JetStreamEventLog
 from schemas import errors as errs
 from schemas.keys import canonical_model_key
 from schemas.requests import MAX_REQUEST_BYTES, Request, StatusUpdate, check_request_id, encoder, status_decoder
 from schemas.status import RequestStatus
-from schemas.subjects import REQUEST_STATUS_BUCKET, RESULTS_BUCKET, request_subject, status_key, status_subject
+from schemas.subjects import REQUEST_STATUS_BUCKET, request_subject, results_bucket, status_key, status_subject
 
 DEFAULT_URL = "nats://127.0.0.1:4222"
 
@@ -187,8 +188,10 @@ class Job:
         if final.status is RequestStatus.ERROR:
             raise RequestFailed(f"{final.error or 'error'}: {final.message}", error=final.error, status=final)
         if final.result_ref:
-            obj = await self.client.results.get(final.result_ref)
-            return msgspec.json.decode(obj.data)
+            # This user's own bucket, by direct gets (controlplane/direct.py): a client may create no consumer.
+            data = await read_object(self.client.log.nc, results_bucket(self.client.user), final.result_ref,
+                                     timeout=self.client.timeout)
+            return msgspec.json.decode(data)
         return final.result
 
     async def close(self) -> None:
@@ -214,13 +217,11 @@ class Client:
         self.user = self.creds.name if self.creds is not None and self.creds.role == "client" else ""
         self.log: JetStreamEventLog = None  # type: ignore[assignment]
         self.kv: Any = None
-        self.results: Any = None
 
     async def __aenter__(self) -> Client:
         self.log = await JetStreamEventLog.open(self.url, ensure=False, name=self.name, timeout=self.timeout,
                                                 creds=self.creds, role="client")
         self.kv = await self.log.js.key_value(REQUEST_STATUS_BUCKET)
-        self.results = await self.log.js.object_store(RESULTS_BUCKET)
         return self
 
     async def __aexit__(self, t: type[BaseException] | None, e: BaseException | None,
@@ -240,7 +241,7 @@ class Client:
         job._live_from_start = True
         try:
             await self.log.js.publish(request_subject(mk, self.user), body,
-                                      headers={"Nats-Msg-Id": status_key(rid, self.user)}, timeout=self.timeout)
+                                      headers={"Nats-Msg-Id": request_msg_id(rid, self.creds)}, timeout=self.timeout)
         except nats.errors.NoRespondersError:
             await job.close()
             raise errs.InfrastructureError("no NDIF_REQUESTS stream: start the service (`ndif up`)") from None

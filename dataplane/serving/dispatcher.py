@@ -68,6 +68,7 @@ from schemas.subjects import (
     RESULTS_BUCKET,
     model_token,
     request_subject_parts,
+    results_bucket,
     status_key,
     status_subject,
 )
@@ -139,7 +140,8 @@ class Dispatcher:
         self.log_: JetStreamEventLog | None = None
         self.admin: AdminClient | None = None
         self.kv: Any = None
-        self.results: Any = None
+        self.results: Any = None  # the open server's shared bucket; users have their own (`_results_store`)
+        self._user_results: dict[str, Any] = {}  # user -> its results bucket, opened or created
         self._tasks: list[asyncio.Task[None]] = []
         self._bg: set[asyncio.Task[Any]] = set()
         self._drained: set[tuple[str, int, int]] = set()
@@ -701,14 +703,42 @@ class Dispatcher:
             body = msgspec.json.encode(kw["result"])
             if len(body) > INLINE_RESULT_BYTES:
                 name = f"{status_key(p.req.request_id, p.req.user)}.json"
-                await self.results.put(name, body)
-                kw = {**kw, "result": None, "result_ref": name}
+                try:
+                    store = await self._results_store(p.req.user)
+                except nats.errors.Error as exc:
+                    # No bucket for this user and no right to make one (a client user added to
+                    # the server without the config's dispatcher grant): say so, never drop it.
+                    log.error("results_bucket_unavailable", request_id=p.req.request_id, user=p.req.user,
+                              error=str(exc) or type(exc).__name__)
+                    status, kw = R.ERROR, {k: v for k, v in kw.items() if k != "result"}
+                    kw.update(error="ResultNotStored", message=f"the result ({len(body)} bytes) could not be "
+                              f"stored: no results bucket for user {p.req.user!r} ({type(exc).__name__})")
+                else:
+                    await store.put(name, body)
+                    kw = {**kw, "result": None, "result_ref": name}
         u = self._update(p, status, **kw)
         wrote = await self._kv_put(u, encoder.encode(u), terminal=True)
         if p.msg is not None:
             with contextlib.suppress(Exception):
                 await p.msg.ack()
         return wrote
+
+    async def _results_store(self, user: str) -> Any:
+        """The Object Store bucket of `user`'s large results (`ndif_results_<user>`: only that client
+        may read it), created on its first large result; the shared bucket without a user."""
+        if not user:
+            return self.results
+        store = self._user_results.get(user)
+        if store is None:
+            assert self.log_ is not None
+            bucket = results_bucket(user)
+            try:
+                store = await self.log_.js.object_store(bucket)
+            except nats.js.errors.NotFoundError:
+                store = await self.log_.js.create_object_store(bucket, config=api.ObjectStoreConfig(
+                    bucket=bucket, replicas=self.log_.replicas, storage=api.StorageType.FILE))
+            self._user_results[user] = store
+        return store
 
     def finish_soon(self, p: Pending, status: RequestStatus, **kw: Any) -> None:
         """`finish` for a lane that goes on at once: the write starts now, the ack follows it from

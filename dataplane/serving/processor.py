@@ -26,7 +26,7 @@ from dataplane.node.model import ReplicaNotHot, error_text
 from dataplane.serving.replica_link import NoEndpoint, ReplyLost, encode_call
 from schemas.requests import Request
 from schemas.status import ProcessorStatus, RequestStatus
-from schemas.subjects import replica_call_subject
+from schemas.subjects import replica_call_subject, status_key
 
 if TYPE_CHECKING:
     from dataplane.serving.dispatcher import Dispatcher
@@ -64,9 +64,11 @@ class Processor:
         self.queue: collections.deque[Pending] = collections.deque()
         self.view: ModelQueueView | None = None
         self.workers: dict[int, list[asyncio.Task[None]]] = {}  # replica id -> its lanes
-        self.in_flight: dict[int, dict[str, Pending]] = {}  # replica id -> request id -> request
+        # replica id -> `<user>.<request id>` (status_key: ids are each user's own) -> request
+        self.in_flight: dict[int, dict[str, Pending]] = {}
         self.lanes = dispatcher.replica_lanes
         self.ready: set[int] = set()
+        self.nodes: dict[int, str] = {}  # replica id -> its node (its endpoint is `ndif.run.<ntok>.<mtok>.<rid>`)
         self.draining: set[int] = set()
         self.provisioning = False
         self.provision_not_before = 0.0  # monotonic time before which no new deploy is sent
@@ -90,6 +92,7 @@ class Processor:
         self.draining = set(view.draining)
         gone = self.ready - ready
         self.ready = ready
+        self.nodes = dict(view.nodes)
         for rid in ready - set(self.workers):
             self.workers[rid] = [asyncio.create_task(self._worker(rid), name=f"worker-{self.token}-{rid}-{lane}")
                                  for lane in range(self.lanes)]
@@ -146,10 +149,10 @@ class Processor:
                 self.queue.remove(p)
                 return p
         for running in self.in_flight.values():
-            p = running.get(request_id)
-            if p is not None and (user is None or p.req.user == user):
-                p.cancelled = True
-                return p
+            for p in running.values():
+                if p.req.request_id == request_id and (user is None or p.req.user == user):
+                    p.cancelled = True
+                    return p
         return None
 
     def fail_all(self, error: str, message: str) -> None:
@@ -227,7 +230,7 @@ class Processor:
         assert self.model_key is not None
         running = self.in_flight.setdefault(rid, {})
         for p in batch:
-            running[p.req.request_id] = p
+            running[status_key(p.req.request_id, p.req.user)] = p
         actor = self._actors.get(rid) or get_actor(self.model_key, rid)
         if actor is None:
             self._release(rid, batch)
@@ -256,13 +259,14 @@ class Processor:
             body = encode_call(payloads)
             if link.usable(key, len(body)):
                 self.link_calls += 1
-                return link.call(key, replica_call_subject(self.model_key, rid), actor, body)
+                subject = replica_call_subject(self.model_key, rid, self.nodes.get(rid, ""))
+                return link.call(key, subject, actor, body)
         return actor.run_batch.remote(payloads)
 
     def _release(self, rid: int, batch: list[Pending]) -> None:
         running = self.in_flight.get(rid, {})
         for p in batch:
-            running.pop(p.req.request_id, None)
+            running.pop(status_key(p.req.request_id, p.req.user), None)
         if not running and rid in self.in_flight:
             del self.in_flight[rid]
         if rid in self.draining and not self.in_flight.get(rid):

@@ -2,7 +2,7 @@
 
 A Ray actor call costs 1.0-1.6 ms round trip on the reference VM; a NATS request/reply to the same
 actor process 0.3 ms (measured side by side, docs/benchmarks.md). So every replica actor also
-answers its `run_batch` on the core subject `ndif.run.<mtok>.<replica_id>` (its endpoint, served by
+answers its `run_batch` on the core subject `ndif.run.<ntok>.<mtok>.<replica_id>` (its endpoint, served by
 a thread of its own with its own connection), and the dispatcher's lanes call it there. Ray stays
 in charge of the actor's life (create, load, cache, kill) and is the fallback:
 
@@ -76,7 +76,7 @@ class ReplicaEndpoint:
                  name: str = "ndif-replica", threads: int = 4, max_answer_bytes: int | None = None,
                  creds: Creds | None = None, **log_fields: Any) -> None:
         self.url = url
-        self.creds = creds  # the node agent's user: it may serve `ndif.run.>`
+        self.creds = creds  # the node agent's user: it may serve its own node's `ndif.run.<ntok>.>`
         self.log = log.bind(subject=subject, **log_fields)
         self.subject = subject
         self.name = name

@@ -102,6 +102,12 @@ async def test_the_whole_stack_runs_with_auth_on(models: dict[str, str], stack: 
         assert alice.user == "alice"
         res = await alice.run(model, {"op": "forward", "input_ids": [[1, 2, 3]]}, timeout=120)
         assert res["next_token_ids"]
+        # A result over the inline limit: the dispatcher puts it in alice's own bucket (ndif_results_alice),
+        # and the SDK reads it with her rights (direct gets; a client may create no consumer).
+        job = await alice.submit(model, {"op": "generate", "input_ids": [[1] * 64] * 1024, "max_new_tokens": 64})
+        out = await job.result(timeout=120)
+        assert job.last is not None and job.last.result_ref and job.last.result is None
+        assert len(out["output_ids"]) == 1024 and len(out["output_ids"][0]) == 128
     rc, out, err = await ndif_as(home, url, "submit", model, "--input-ids", "1,2", "--max-new-tokens", "2")
     assert rc == 0, (out, err)
     rc, out, err = await ndif_as(home, url, "queue", "--json")

@@ -19,13 +19,15 @@ import pytest
 import pytest_asyncio
 
 from controlplane.admin import AdminClient
-from controlplane.auth import Creds, LocalAuth, ensure_local, permissions, resolve
+from controlplane.auth import Creds, LocalAuth, ensure_local, permissions, request_msg_id, resolve
 from controlplane.controller import Controller
+from controlplane.direct import read_object
 from controlplane.eventstore import JetStreamEventLog, connect
 from controlplane.nats_server import EmbeddedNats
 from dataplane.node.tiny_models import make_tiny_gpt2
 from schemas import errors as errs
 from schemas.events import GpuInfo, NodeJoined, NodeLost, ReplicaFailed, encode_event, event_headers, event_subject
+from schemas.keys import canonical_model_key
 from schemas.requests import Request, StatusUpdate, encoder
 from schemas.status import RequestStatus
 from schemas.subjects import (
@@ -33,8 +35,11 @@ from schemas.subjects import (
     HEARTBEATS_BUCKET,
     REQUEST_STATUS_BUCKET,
     REQUESTS_STREAM,
+    RESULTS_BUCKET,
     node_token,
+    replica_call_subject,
     request_subject,
+    results_bucket,
     status_key,
     status_subject,
 )
@@ -262,6 +267,183 @@ async def test_a_deleted_event_stream_is_never_silently_recreated(tmp_path: Path
         await lg.close()
 
 
+# ---- gaps closed after review: large results, request ids, replica endpoints, consumers ---------
+
+
+async def test_a_clients_large_results_are_its_own(streams: str, auth: LocalAuth) -> None:
+    """Results over the inline limit go to the owner's own bucket (`ndif_results_<user>`), which the
+    dispatcher creates and only that client may read (by direct gets; no client may create a consumer,
+    whose deliver subject permissions cannot see)."""
+    import base64
+
+    from dataplane.serving.dispatcher import Dispatcher
+
+    body = msgspec.json.encode({"output_ids": [[123456] * 512] * 160})  # ~570 KiB: the dispatcher's large path
+    assert len(body) > 256 * 1024
+    name = f"{status_key('bobs-big', 'bob')}.json"
+    disp = Dispatcher(streams, creds=auth.role("dispatcher"))
+    disp.log_ = await JetStreamEventLog.open(streams, ensure=False, creds=auth.role("dispatcher"), role="dispatcher")
+    bob = await Probe.open(streams, auth.role("client:bob"))
+    mallory = await Probe.open(streams, auth.role("client:alice"))
+    try:
+        store = await disp._results_store("bob")  # what `finish` puts a large result into
+        await store.put(name, body)
+        assert await read_object(bob.nc, results_bucket("bob"), name) == body  # the SDK's read (Job.result)
+
+        b = results_bucket("bob")
+        meta = f"$O.{b}.M.{base64.urlsafe_b64encode(name.encode()).decode()}"
+        tried = [f"$JS.API.DIRECT.GET.OBJ_{b}.{meta}", f"$JS.API.DIRECT.GET.OBJ_{b}", f"$JS.API.STREAM.MSG.GET.OBJ_{b}",
+                 f"$JS.API.CONSUMER.CREATE.OBJ_{b}", f"$JS.API.CONSUMER.CREATE.OBJ_{b}.spy.$O.{b}.C.>",
+                 f"$JS.API.CONSUMER.DURABLE.CREATE.OBJ_{b}.spy", f"$JS.API.STREAM.INFO.OBJ_{b}",
+                 # her own bucket: no consumer either (it could deliver anywhere)
+                 f"$JS.API.CONSUMER.CREATE.OBJ_{results_bucket('alice')}",
+                 # the shared bucket of an open server
+                 f"$JS.API.DIRECT.GET.OBJ_{RESULTS_BUCKET}", f"$JS.API.CONSUMER.CREATE.OBJ_{RESULTS_BUCKET}"]
+        for subject in tried:
+            assert not await mallory.can_publish(subject, b'{"seq": 1, "batch": 10}'), subject
+        assert not await mallory.can_subscribe(f"$O.{b}.>")
+        assert not await mallory.can_publish(f"$O.{b}.M.x", b"{}")  # nor write into it
+        with pytest.raises(errs.InfrastructureTimeout):  # the SDK's own read, as her: nothing answers
+            await read_object(mallory.nc, b, name, timeout=1.0)
+        assert await read_object(bob.nc, b, name) == body  # still there, unchanged
+    finally:
+        await mallory.close()
+        await bob.close()
+        await disp.log_.close()
+
+
+async def test_no_client_can_take_anothers_request_id_first(streams: str, auth: LocalAuth) -> None:
+    """The request stream deduplicates by `Nats-Msg-Id` across users and permissions cannot check a
+    header; the SDK's id is keyed by the owner's password, so one published first under any id an
+    attacker can compute leaves the owner's request stored."""
+    from dataplane.client import Client
+
+    model = canonical_model_key("openai-community/gpt2-medium")  # this test's own subjects
+    rid = "bobs-next-request"
+    mallory = await Probe.open(streams, auth.role("client:alice"))
+    admin = await connect(streams, creds=auth.role("admin"))
+    try:
+        js = mallory.nc.jetstream()
+        squat = encoder.encode(Request(request_id=rid, model_key=model, payload={}, submitted_at=datetime.now(UTC)))
+        for msg_id in (status_key(rid, "bob"), rid, f"bob.{'0' * 32}.{rid}", request_msg_id(rid, auth.role("client:alice"))):
+            ack = await js.publish(request_subject(model, "alice"), squat, headers={"Nats-Msg-Id": msg_id})
+            assert ack.seq > 0 and not ack.duplicate  # stored as hers: the server does not police headers
+        assert not await mallory.can_publish(request_subject(model, "bob"), squat)  # nor under bob's name
+
+        async def stored(user: str) -> int:
+            info = await admin.jetstream().stream_info(REQUESTS_STREAM, subjects_filter=request_subject(model, user))
+            return int((info.state.subjects or {}).get(request_subject(model, user), 0))
+
+        async with Client(streams, creds=auth.role("client:bob")) as bob:
+            job = await bob.submit(model, {"op": "forward", "input_ids": [[1]]}, request_id=rid)
+            await job.close()
+            assert await stored("bob") == 1  # bob's request is in the stream, not dropped as a duplicate
+            job = await bob.submit(model, {"op": "forward", "input_ids": [[1]]}, request_id=rid)  # his own resend
+            await job.close()
+            assert await stored("bob") == 1  # ... is still stored once
+        raw = await admin.jetstream().get_last_msg(REQUESTS_STREAM, request_subject(model, "bob"))
+        assert msgspec.json.decode(raw.data)["request_id"] == rid
+    finally:
+        await mallory.close()
+        await admin.close()
+
+
+async def test_an_agent_serves_only_its_own_nodes_replicas(streams: str, auth: LocalAuth) -> None:
+    """Replica endpoints are `ndif.run.<ntok>.<mtok>.<rid>`; node B's agent (and its actors, which
+    connect as it) can neither listen on nor answer node A's replica calls."""
+    a_subject = replica_call_subject(MODEL, 0, NODE_A)
+    agent_a = await Probe.open(streams, auth.role(f"agent:{NODE_A}"))
+    agent_b = await Probe.open(streams, auth.role(f"agent:{NODE_B}"))
+    disp = await Probe.open(streams, auth.role("dispatcher"))
+    try:
+        intercepted: list[bytes] = []
+
+        async def answer_a(m: Any) -> None:
+            await m.respond(b"from node A")
+
+        async def steal(m: Any) -> None:
+            intercepted.append(m.data)
+            await m.respond(b"forged by node B")
+
+        sub_a = await agent_a.nc.subscribe(a_subject, cb=answer_a)
+        await agent_a.nc.flush()
+        for subject in (a_subject, f"ndif.run.{node_token(NODE_A)}.>", "ndif.run.>", "ndif.run.*.*.*",
+                        f"ndif.run.{node_token(MODEL)}.0"):
+            sub = await agent_b.nc.subscribe(subject, cb=steal)
+            assert await agent_b._refused(f"Subscription to \"{subject}\""), subject
+            await sub.unsubscribe()
+        assert not await agent_b.can_publish(a_subject, b"[]")  # nor call another node's replicas
+        answers = [(await disp.nc.request(a_subject, b"[]", timeout=2)).data for _ in range(5)]
+        assert answers == [b"from node A"] * 5 and intercepted == []
+        await sub_a.unsubscribe()
+    finally:
+        for p in (agent_a, agent_b, disp):
+            await p.close()
+
+
+async def test_the_dashboard_cannot_point_a_consumer_at_another_subject(streams: str, auth: LocalAuth) -> None:
+    """A push consumer's deliver subject is in the request body, where permissions cannot look: the
+    dashboard (and a node's agent) may create no consumer at all and reads the log by direct gets
+    (its follower too)."""
+    victim = await Probe.open(streams, auth.role("client:bob"))
+    ctl = await Probe.open(streams, auth.role("controller"))
+    dash = await Probe.open(streams, auth.role("dashboard"))
+    try:
+        got: list[bytes] = []
+
+        async def on_msg(m: Any) -> None:
+            got.append(m.data)
+
+        await victim.nc.subscribe("ndif.status.bob.>", cb=on_msg)
+        await ctl.nc.subscribe("ndif.cmd.*", cb=on_msg)  # what a controller listens on
+        await victim.nc.flush()
+        await ctl.nc.flush()
+        for deliver in ("ndif.status.bob.hijack", "ndif.cmd.deploy"):
+            cfg = msgspec.json.encode({"stream_name": EVENTS_STREAM, "config": {
+                "deliver_subject": deliver, "deliver_policy": "all", "ack_policy": "none"}})
+            for subject in (f"$JS.API.CONSUMER.CREATE.{EVENTS_STREAM}", f"$JS.API.CONSUMER.CREATE.{EVENTS_STREAM}.x",
+                            f"$JS.API.CONSUMER.CREATE.{EVENTS_STREAM}.x.ndif.evt.>",
+                            f"$JS.API.CONSUMER.DURABLE.CREATE.{EVENTS_STREAM}.x",
+                            f"$JS.API.CONSUMER.CREATE.{REQUESTS_STREAM}",
+                            f"$JS.API.CONSUMER.CREATE.KV_{HEARTBEATS_BUCKET}"):
+                assert not await dash.can_publish(subject, cfg), (subject, deliver)
+        await asyncio.sleep(0.3)
+        assert got == []  # nothing delivered onto the victims' subjects
+    finally:
+        for p in (dash, ctl, victim):
+            await p.close()
+
+    agent = await Probe.open(streams, auth.role(f"agent:{NODE_B}"))  # a node's agent neither
+    try:
+        cfg = msgspec.json.encode({"stream_name": EVENTS_STREAM, "config": {"deliver_subject": "ndif.cmd.deploy"}})
+        for subject in (f"$JS.API.CONSUMER.CREATE.{EVENTS_STREAM}", f"$JS.API.CONSUMER.CREATE.{EVENTS_STREAM}.x.>",
+                        f"$JS.API.CONSUMER.CREATE.KV_{HEARTBEATS_BUCKET}"):
+            assert not await agent.can_publish(subject, cfg), subject
+    finally:
+        await agent.close()
+
+    # Its job: the whole log, then new events as they come, without a consumer.
+    admin = await JetStreamEventLog.open(streams, creds=auth.role("admin"), ensure=False)
+    try:
+        for who in ("dashboard", f"agent:{NODE_A}"):
+            lg = await JetStreamEventLog.open(streams, creds=auth.role(who), ensure=False)
+            try:
+                assert lg.direct_reads
+                want = [seq async for seq, _ in admin.read()]
+                assert [seq async for seq, _ in lg.read()] == want
+                follow = lg.follow_batches(len(want) + 1)
+                nxt = asyncio.ensure_future(follow.__anext__())
+                ev = NodeLost(**_env("controller:test"), node_id=f"direct-read-test-{who}")
+                res = await admin.append([ev], None)
+                batch = await asyncio.wait_for(nxt, 5)
+                assert [seq for seq, _ in batch] == [res.first_seq]
+                await follow.aclose()  # type: ignore[attr-defined]
+            finally:
+                await lg.close()
+    finally:
+        await admin.close()
+
+
 # ---- each role can do its job and nothing else ----------------------------------------------------
 
 A, B = node_token(NODE_A), node_token(NODE_B)
@@ -287,7 +469,15 @@ TABLE: list[tuple[str, str, str, bool]] = [
     (f"agent:{NODE_A}", "pub", f"ndif.evt.node.{A}", True),
     (f"agent:{NODE_A}", "pub", f"ndif.evt.replica.{M}.0.{A}", True),
     (f"agent:{NODE_A}", "pub", f"$KV.{HEARTBEATS_BUCKET}.{A}", True),
-    (f"agent:{NODE_A}", "sub", f"ndif.run.{M}.0", True),
+    (f"agent:{NODE_A}", "sub", replica_call_subject(MODEL, 0, NODE_A), True),
+    (f"agent:{NODE_A}", "sub", f"ndif.run.{A}.>", True),
+    (f"agent:{NODE_A}", "sub", replica_call_subject(MODEL, 0, NODE_B), False),
+    (f"agent:{NODE_A}", "sub", f"ndif.run.{B}.>", False),
+    (f"agent:{NODE_A}", "sub", f"ndif.run.{M}.0", False),
+    (f"agent:{NODE_A}", "sub", "ndif.run.>", False),
+    (f"agent:{NODE_A}", "pub", f"$JS.API.DIRECT.GET.{EVENTS_STREAM}", True),
+    (f"agent:{NODE_A}", "pub", f"$JS.API.CONSUMER.CREATE.{EVENTS_STREAM}", False),
+    (f"agent:{NODE_A}", "pub", f"$JS.API.CONSUMER.CREATE.KV_{HEARTBEATS_BUCKET}", False),
     (f"agent:{NODE_A}", "pub", f"ndif.evt.node.{B}", False),
     (f"agent:{NODE_A}", "pub", f"ndif.evt.replica.{M}.0.{B}", False),
     (f"agent:{NODE_A}", "pub", f"ndif.evt.replica.{M}.0", False),
@@ -301,6 +491,10 @@ TABLE: list[tuple[str, str, str, bool]] = [
     ("dispatcher", "pub", "ndif.cmd.deploy", True),
     ("dispatcher", "pub", f"ndif.evt.replica.{M}.0.dispatcher", True),
     ("dispatcher", "pub", f"ndif.run.{M}.0", True),
+    ("dispatcher", "pub", replica_call_subject(MODEL, 0, NODE_A), True),
+    ("dispatcher", "pub", f"$O.{results_bucket('alice')}.C.x", True),
+    ("dispatcher", "pub", f"$JS.API.STREAM.CREATE.OBJ_{results_bucket('alice')}", True),
+    ("dispatcher", "pub", f"$JS.API.STREAM.CREATE.OBJ_{results_bucket('mallory')}", False),
     ("dispatcher", "pub", f"$JS.API.CONSUMER.DURABLE.CREATE.{REQUESTS_STREAM}.proc-x", True),
     ("dispatcher", "sub", "ndif.req.>", True),
     ("dispatcher", "pub", "ndif.cmd.evict", False),
@@ -321,8 +515,18 @@ TABLE: list[tuple[str, str, str, bool]] = [
     ("client:alice", "pub", "ndif.run.x.0", False),
     ("client:alice", "sub", "ndif.status.bob.r", False),
     ("client:alice", "sub", "ndif.run.>", False),
+    ("client:alice", "pub", f"$JS.API.DIRECT.GET.OBJ_{results_bucket('alice')}", True),
+    ("client:alice", "pub", f"$JS.API.DIRECT.GET.OBJ_{results_bucket('bob')}", False),
+    ("client:alice", "pub", f"$JS.API.DIRECT.GET.OBJ_{RESULTS_BUCKET}", False),
+    ("client:alice", "pub", f"$JS.API.CONSUMER.CREATE.OBJ_{results_bucket('alice')}", False),
+    ("client:alice", "pub", f"$JS.API.STREAM.MSG.GET.OBJ_{results_bucket('bob')}", False),
+    ("client:alice", "pub", f"$O.{results_bucket('alice')}.C.x", False),
     ("dashboard", "pub", f"$JS.API.STREAM.INFO.{EVENTS_STREAM}", True),
-    ("dashboard", "pub", f"$JS.API.CONSUMER.CREATE.{EVENTS_STREAM}", True),
+    ("dashboard", "pub", f"$JS.API.DIRECT.GET.{EVENTS_STREAM}", True),
+    ("dashboard", "sub", "ndif.evt.>", True),
+    ("dashboard", "pub", f"$JS.API.CONSUMER.CREATE.{EVENTS_STREAM}", False),
+    ("dashboard", "pub", f"$JS.API.CONSUMER.CREATE.{EVENTS_STREAM}.d.ndif.evt.>", False),
+    ("dashboard", "pub", f"$JS.API.CONSUMER.DURABLE.CREATE.{EVENTS_STREAM}.d", False),
     ("dashboard", "pub", "ndif.dispatcher.state", True),
     ("dashboard", "pub", f"ndif.evt.model.{M}", False),
     ("dashboard", "pub", "ndif.cmd.deploy", False),

@@ -1,0 +1,109 @@
+"""Reading a stream by batched direct gets: no consumer, so nothing the server would deliver elsewhere.
+
+A consumer's config names its deliver subject in the request body, which subject permissions
+cannot see: whoever may create a push consumer can make the server publish a stream's messages on
+any subject (another user's status subject, a service's command subject). Read-only roles
+(the dashboard, a client reading its own large results) therefore read with direct gets only
+(`$JS.API.DIRECT.GET.<stream>`, the stream needs `allow_direct`): the answer always goes to the
+asker's own reply inbox.
+
+One request `{"seq": s, "batch": n}` (optionally `"next_by_subj"`) is answered with up to `n`
+messages, each with `Nats-Sequence` / `Nats-Subject` headers, then an end-of-batch message
+(status 204 `EOB`), or a single status 404 when nothing is at or after `s`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+from typing import Any
+
+import msgspec
+import nats.errors
+
+from schemas.errors import InfrastructureError, InfrastructureTimeout, NotFound
+
+MAX_BATCH = 1000  # messages asked for in one request
+MAX_BATCH_BYTES = 4 * 2**20  # and bytes: the server stops a batch there (at least one message comes)
+
+
+class DirectMsg(msgspec.Struct, frozen=True):
+    seq: int
+    subject: str
+    data: bytes
+
+
+async def direct_batch(nc: Any, stream: str, seq: int, batch: int = MAX_BATCH, *, next_by_subj: str | None = None,
+                       timeout: float = 5.0) -> list[DirectMsg]:
+    """Up to `batch` messages of `stream` from `seq` on (of `next_by_subj` only, if given); [] when none."""
+    req: dict[str, Any] = {"seq": max(int(seq), 1), "batch": max(1, min(int(batch), MAX_BATCH)),
+                           "max_bytes": MAX_BATCH_BYTES}
+    if next_by_subj:
+        req["next_by_subj"] = next_by_subj
+    out: list[DirectMsg] = []
+    done: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+
+    async def on_msg(m: Any) -> None:
+        h = m.headers or {}
+        status = h.get("Status")
+        if status:
+            if not done.done():
+                done.set_result(str(status))
+            return
+        out.append(DirectMsg(seq=int(h.get("Nats-Sequence", "0")), subject=h.get("Nats-Subject", ""), data=m.data))
+
+    inbox = nc.new_inbox()
+    sub = await nc.subscribe(inbox, cb=on_msg)
+    try:
+        await nc.publish(f"$JS.API.DIRECT.GET.{stream}", msgspec.json.encode(req), reply=inbox)
+        try:
+            status = await asyncio.wait_for(done, timeout)
+        except TimeoutError:
+            raise InfrastructureTimeout(f"direct get of {stream} from seq {seq} timed out "
+                                        f"({len(out)} messages received)") from None
+    finally:
+        await sub.unsubscribe()
+    if status == "503":
+        raise InfrastructureError(f"no stream {stream} answers direct gets (missing, or allow_direct off)")
+    if status not in ("204", "404"):
+        raise InfrastructureError(f"direct get of {stream} from seq {seq}: status {status}")
+    return out
+
+
+async def read_object(nc: Any, bucket: str, name: str, *, timeout: float = 5.0) -> bytes:
+    """An Object Store object (nats-py's layout) by direct gets: its meta (the last message on
+    `$O.<bucket>.M.<base64url(name)>`), then its chunks (`$O.<bucket>.C.<nuid>`), digest checked."""
+    stream = f"OBJ_{bucket}"
+    meta_subject = f"$O.{bucket}.M.{base64.urlsafe_b64encode(name.encode()).decode()}"
+    try:
+        msg = await nc.request(f"$JS.API.DIRECT.GET.{stream}.{meta_subject}", b"", timeout=timeout)
+    except nats.errors.NoRespondersError:
+        raise InfrastructureError(f"no bucket {bucket} answers direct gets") from None
+    except nats.errors.TimeoutError:
+        raise InfrastructureTimeout(f"reading object {name} of {bucket} timed out") from None
+    status = (msg.headers or {}).get("Status")
+    if status:
+        raise NotFound(f"no object {name} in bucket {bucket} (status {status})")
+    info = msgspec.json.decode(msg.data)
+    if info.get("deleted"):
+        raise NotFound(f"object {name} in bucket {bucket} was deleted")
+    chunks, size, nuid = int(info.get("chunks") or 0), int(info.get("size") or 0), str(info.get("nuid") or "")
+    chunk_subject = f"$O.{bucket}.C.{nuid}"
+    parts: list[bytes] = []
+    seq = 1
+    while len(parts) < chunks:
+        got = await direct_batch(nc, stream, seq, chunks - len(parts), next_by_subj=chunk_subject, timeout=timeout)
+        if not got:
+            break
+        parts.extend(m.data for m in got)
+        seq = got[-1].seq + 1
+    data = b"".join(parts)
+    if len(parts) != chunks or len(data) != size:
+        raise InfrastructureError(f"object {name} of {bucket}: {len(parts)}/{chunks} chunks, {len(data)}/{size} bytes")
+    digest = str(info.get("digest") or "")
+    if digest[:8].upper() == "SHA-256=":
+        digest = digest[8:]
+    if digest and digest != base64.urlsafe_b64encode(hashlib.sha256(data).digest()).decode():
+        raise InfrastructureError(f"object {name} of {bucket}: digest mismatch")
+    return data

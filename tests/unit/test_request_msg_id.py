@@ -1,0 +1,35 @@
+"""The request dedup id (`auth.request_msg_id`): the owner's resend keeps it, no one else can form it,
+and the dispatcher still reads the request id from its last token."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from controlplane.auth import make_creds, request_msg_id
+from schemas.requests import check_request_id
+
+ids = st.from_regex(r"[A-Za-z0-9_-]{1,128}", fullmatch=True)
+alice = make_creds("client", name="alice")
+bob = make_creds("client", name="bob")
+
+
+@given(ids)
+def test_the_owner_gets_the_same_id_and_the_request_id_is_its_last_token(rid: str) -> None:
+    check_request_id(rid)
+    mid = request_msg_id(rid, bob)
+    assert mid == request_msg_id(rid, bob)  # a resend is deduplicated
+    assert mid.startswith("bob.") and mid.rsplit(".", 1)[-1] == rid  # what the dispatcher's triage reads
+
+
+@given(ids)
+def test_no_other_user_forms_it(rid: str) -> None:
+    mid = request_msg_id(rid, bob)
+    assert mid not in {request_msg_id(rid, alice), f"bob.{rid}", rid}
+    # The same name with another password (credentials made again) is another id too.
+    assert mid != request_msg_id(rid, make_creds("client", name="bob"))
+
+
+def test_an_open_server_keeps_the_plain_id() -> None:
+    assert request_msg_id("r1", None) == "r1"
+    assert request_msg_id("r1", make_creds("admin")) == "r1"
