@@ -403,8 +403,8 @@ def _skeleton(checkpoint: str, kwargs: dict[str, Any]) -> Any:
 
     config = AutoConfig.from_pretrained(checkpoint, **{k: v for k, v in kwargs.items() if k != "dtype"})
     with init_empty_weights():
-        return AutoModelForCausalLM.from_config(config, **({"torch_dtype": kwargs["dtype"]} if "dtype" in kwargs
-                                                           else {}))
+        return AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]
+            config, **({"torch_dtype": kwargs["dtype"]} if "dtype" in kwargs else {}))
 
 
 def _materialize(model: Any) -> None:

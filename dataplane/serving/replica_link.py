@@ -32,13 +32,13 @@ from collections.abc import Callable
 from typing import Any
 
 import msgspec
-import ray
 import structlog
 from nats.aio.msg import Msg
 from nats.js import api
 
 from controlplane.auth import Creds
 from controlplane.eventstore import connect
+from dataplane.runtime.ports import ReplicaCaller
 
 log = structlog.get_logger("ndif.replica_link")
 
@@ -198,8 +198,13 @@ class ReplicaLink:
     never waits on the connection.
     """
 
-    def __init__(self, nc: Any, send: Callable[[str, bytes, str], None]) -> None:
+    def __init__(self, nc: Any, send: Callable[[str, bytes, str], None], caller: ReplicaCaller | None = None) -> None:
         self.nc = nc
+        if caller is None:
+            from dataplane.runtime.ray_adapter import RayCaller
+
+            caller = RayCaller()
+        self.caller = caller  # the fallback: parked answers, and whether calls are still known
         self._send = send
         self._prefix = ""
         self._n = 0
@@ -266,7 +271,7 @@ class ReplicaLink:
 
     async def _take(self, c: _Call) -> None:
         try:
-            answers = await c.actor.take_answer.remote(c.reply)
+            answers = await self.caller.take_answer(c.actor, c.reply)
         except Exception as exc:  # noqa: BLE001 - the actor died meanwhile: handled like a Ray call's error
             if not c.fut.done():
                 c.fut.set_exception(exc)
@@ -293,15 +298,17 @@ class ReplicaLink:
                 by_replica.setdefault(c.key, []).append(c)
         for key, calls in by_replica.items():
             try:
-                known = await asyncio.wait_for(calls[0].actor.calls_active.remote([c.reply for c in calls]), 10)
-            except (ray.exceptions.RayActorError, ray.exceptions.ActorDiedError) as exc:
+                known = await asyncio.wait_for(self.caller.calls_active(calls[0].actor, [c.reply for c in calls]), 10)
+            except TimeoutError:
+                continue  # busy or unreachable: asked again next round
+            except Exception as exc:
+                if not self.caller.gone(exc):
+                    raise
                 log.warning("replica_gone_under_calls", model_key=key[0], replica_id=key[1], calls=len(calls))
                 for c in calls:
                     if not c.fut.done():
                         c.fut.set_exception(exc)
                 continue
-            except TimeoutError:
-                continue  # busy or unreachable: asked again next round
             for c, k in zip(calls, known, strict=True):
                 c.unknown = 0 if k else c.unknown + 1
                 if c.unknown >= 2 and not c.fut.done():
