@@ -134,8 +134,8 @@ async def main(a: argparse.Namespace) -> dict[str, float]:
     srv = EmbeddedNats(tmp / "nats")
     await srv.astart()
     url = srv.url
-    lg = await JetStreamEventLog.open(url)
-    await lg.close()
+    log = await JetStreamEventLog.open(url)
+    await log.close()
     ray_adapter.start_local(2, num_cpus=4)
     ckpt = str(make_tiny_gpt2(tmp / "tiny"))
     mk = canonical_model_key(ckpt)
