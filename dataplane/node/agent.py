@@ -512,7 +512,7 @@ class NodeAgent:
                 await self.log.append([ev], None)
                 return
             except InfrastructureError as exc:
-                self.logger.warning("append_retry", event=type(ev).__name__, attempt=attempt, error=str(exc))
+                self.logger.warning("append_retry", event_type=type(ev).__name__, attempt=attempt, error=str(exc))
                 await asyncio.sleep(min(0.1 * 2**attempt, 5))
         raise InfrastructureError(f"could not append {type(ev).__name__} after 20 tries; is NATS up?")
 

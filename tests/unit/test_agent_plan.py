@@ -11,6 +11,7 @@ import nats.js.errors
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from structlog.testing import capture_logs
 
 from controlplane.memlog import MemoryEventLog
 from controlplane.projections import ClusterState, fold
@@ -18,6 +19,7 @@ from dataplane.node.agent import NodeAgent
 from dataplane.node.plan import LIVE, Do, plan_actions, plan_adoption
 from dataplane.runtime.ports import ReplicaSpec
 from schemas import events as E
+from schemas.errors import InfrastructureError
 from schemas.status import EvictionReason, Level, ReplicaState
 from tests.fake_runtime import FakeRuntime
 from tests.strategies import MODELS, NODES, _env, histories, node_joined, numbered
@@ -235,3 +237,34 @@ async def test_the_agent_loads_and_after_a_restart_adopts_without_a_second_proce
         assert len(ours) == 2  # the two first loads' ReplicaLoading; no failure, no second load
     finally:
         await agent.stop()
+
+
+class _FlakyLog(MemoryEventLog):
+    """The in-memory log whose next `fail` appends raise InfrastructureError (a leader election)."""
+
+    def __init__(self, fail: int) -> None:
+        super().__init__()
+        self.fail = fail
+
+    async def append(self, events: Any, expected_last_seq: int | None) -> Any:
+        if self.fail > 0 and expected_last_seq is None:
+            self.fail -= 1
+            raise InfrastructureError("no stream answers on ndif.evt.>")
+        return await super().append(events, expected_last_seq)
+
+
+@pytest.mark.timeout(30)
+async def test_an_append_the_log_refuses_for_a_while_is_retried() -> None:
+    """Regression: the retry's log line named a field `event` (structlog's own argument), so the
+    first refused append raised TypeError and the action was dropped (seen in the R3 fault test)."""
+    log = _FlakyLog(fail=0)
+    await log.append(start() + [scheduled(0, (0,))], None)
+    log.fail = 2  # the agent's NodeJoined and next appends are refused twice, then stored
+    with capture_logs() as logs:
+        agent = await _agent(log, FakeRuntime("sim:a")).start()
+        try:
+            await _until(lambda: agent.state.replicas[(M, 0)].state is S.AVAILABLE)
+        finally:
+            await agent.stop()
+    retries = [e for e in logs if e["event"] == "append_retry"]
+    assert len(retries) == 2 and retries[0]["event_type"] == "NodeJoined", retries
