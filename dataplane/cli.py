@@ -15,9 +15,7 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
-import signal
 import sys
 import time
 from pathlib import Path
@@ -104,22 +102,12 @@ def _agent_kwargs(a: argparse.Namespace) -> dict[str, Any]:
     return kw
 
 
-async def _until_signal() -> None:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-
-
 def _join_ray(address: str) -> None:
     """Join the Ray cluster at `address` (agent, dispatcher); a clear error when there is none."""
-    import ray
-
-    from dataplane.node.actor import NAMESPACE
+    from dataplane.runtime import ray_adapter
 
     try:
-        ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
+        ray_adapter.join(address)
     except ConnectionError as exc:
         raise errs.InfrastructureError(
             f"cannot join a Ray cluster at {address!r} ({str(exc).splitlines()[0]}): start one with "
@@ -128,11 +116,13 @@ def _join_ray(address: str) -> None:
 
 
 async def _agent(a: argparse.Namespace) -> int:
+    from dataplane.local import until_signal
     from dataplane.node.agent import NodeAgent
 
     _join_ray(a.ray_address)
-    async with NodeAgent(a.nats, **_agent_kwargs(a)):
-        await _until_signal()
+    kw = _agent_kwargs(a)
+    async with await NodeAgent.open(a.nats, kw.pop("node_id"), **kw):
+        await until_signal()
     return 0
 
 
@@ -146,22 +136,15 @@ async def _up(a: argparse.Namespace) -> int:
                               stay=a.stay, dashboard_port=a.dashboard_port)
     import socket
 
-    import ray
-
     from controlplane.auth import LocalAuth, ensure_local, ndif_home
-    from controlplane.controller import Controller
-    from controlplane.dashboard.server import open_dashboard
-    from controlplane.eventstore import JetStreamEventLog
-    from controlplane.nats_server import EmbeddedNats
-    from dataplane.node.actor import NAMESPACE
-    from dataplane.node.agent import NodeAgent, detect_gpus
-    from dataplane.serving.dispatcher import Dispatcher
+    from dataplane.local import LocalCluster, until_signal
+    from dataplane.node.agent import detect_gpus
 
     home = ndif_home()  # the demo's and README's paths too
     store = a.store or home / "nats"
     port = a.port or 4222
     kw = _agent_kwargs(a)
-    node_id = kw.get("node_id") or socket.gethostname()
+    node_id = kw.pop("node_id") or socket.gethostname()
     auth: LocalAuth | None = None
     if a.open:
         if a.host not in ("127.0.0.1", "localhost", "::1"):
@@ -175,37 +158,22 @@ async def _up(a: argparse.Namespace) -> int:
     from dataplane.node import watchdog
 
     watchdog.start()
-    srv = EmbeddedNats(store, port=port, host=a.host, config_file=auth.config_path if auth else None,
-                       die_with_parent=True)
+    gpus = kw.pop("gpus", None) or detect_gpus()
+    cluster = LocalCluster(store=store, port=port, host=a.host, auth=auth, new_history=a.new_history, gpus=gpus,
+                           node_id=node_id, agent=kw, dashboard_port=a.dashboard_port, die_with_parent=True)
+    url = cluster.start_nats()  # from the main thread: the parent-death signal follows the thread that forked it
     try:
-        srv.start()  # from the main thread: the parent-death signal follows the thread that forked it
-    except Exception as exc:  # noqa: BLE001 - port taken, binary missing: one clear line
-        raise errs.InfrastructureError(f"cannot start nats-server on port {port} "
-                                       f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__}); "
-                                       "is another `ndif up` running? try --port") from None
-    url = srv.url
-    try:
-        log = await JetStreamEventLog.open(url, ensure=False, creds=auth.role("admin") if auth else None)
-        try:
-            await log.ensure(start_new_history=a.new_history)
-        finally:
-            await log.close()
-        gpus = kw.get("gpus") or detect_gpus()
+        await cluster.ensure_log()
         if not gpus:
             print("ndif up: warning: no GPU found, so no model can be placed on this node; on a CPU-only "
                   "machine declare GPUs with --gpus N [--gpu-memory-gb G] (e.g. `ndif up --gpus 2`)",
                   file=sys.stderr, flush=True)
         mode = f"users per role, credentials in {auth.config_path.parent}" if auth else "OPEN: no users"
         print(f"ndif up: NATS {url} (store {store}; {mode}); starting Ray with {len(gpus)} GPU(s)...", flush=True)
-        ray.init(num_gpus=len(gpus), namespace=NAMESPACE, include_dashboard=False, log_to_driver=False)
-        role = (lambda r: auth.users[r]) if auth else (lambda r: None)
-        agent_creds = auth.users[f"agent:{node_id}"] if auth else None
-        async with Controller(url, creds=role("controller")), \
-                NodeAgent(url, **{**kw, "node_id": node_id, "gpus": gpus, "creds": agent_creds}) as agent, \
-                Dispatcher(url, creds=role("dispatcher")), \
-                await open_dashboard(url, a.dashboard_port, creds=role("dashboard")) as dash:
-            print(f"ndif up: dashboard {dash.url} (read-only, this machine only)", flush=True)
-            print(f"ndif up: controller, agent {agent.node_id} and dispatcher running. In another shell:\n"
+        async with cluster:
+            assert cluster.agent is not None and cluster.dashboard is not None
+            print(f"ndif up: dashboard {cluster.dashboard.url} (read-only, this machine only)", flush=True)
+            print(f"ndif up: controller, agent {cluster.agent.node_id} and dispatcher running. In another shell:\n"
                   f"  export NDIF_NATS_URL={url}"
                   + (f" NDIF_HOME={home}  # its commands find their credentials there\n" if auth else "\n") +
                   f"  python -m dataplane.node.tiny_models {home / 'models'}   # once; `ndif up --demo` makes them too\n"
@@ -213,21 +181,20 @@ async def _up(a: argparse.Namespace) -> int:
                   "  ndif status\n"
                   f"  ndif submit {home / 'models' / 'tiny-gpt2'} --prompt 'Hello'\n"
                   "Ctrl-C stops everything.", flush=True)
-            await _until_signal()
+            await until_signal()
         print("ndif up: stopping", flush=True)
     finally:
-        if ray.is_initialized():
-            ray.shutdown()
-        srv.stop()
+        await cluster.stop()
     return 0
 
 
 async def _dispatcher(a: argparse.Namespace) -> int:
+    from dataplane.local import until_signal
     from dataplane.serving.dispatcher import Dispatcher
 
     _join_ray(a.ray_address)
     async with Dispatcher(a.nats):
-        await _until_signal()
+        await until_signal()
     return 0
 
 

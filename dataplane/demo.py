@@ -128,21 +128,14 @@ def _report(r: dict[str, Any]) -> None:
           f"{r['distinct_outputs']} distinct output(s) for the same greedy input", flush=True)
 
 
-async def run_demo(*, port: int | None, store: Path | None, gpus: list[Any] | None, requests: int,
+async def run_demo(*, port: int | None, store: Path | None, gpus: tuple[Any, ...] | None, requests: int,
                    stay: bool, dashboard_port: int = 8470) -> int:
-    import ray
-
     from controlplane.admin import AdminClient
-    from controlplane.controller import Controller
-    from controlplane.dashboard.server import open_dashboard
-    from controlplane.eventstore import JetStreamEventLog
     from controlplane.logs import configure
-    from controlplane.nats_server import EmbeddedNats
-    from dataplane.node.actor import NAMESPACE
-    from dataplane.node.agent import NodeAgent, declared_gpus, detect_gpus
+    from dataplane.local import LocalCluster, until_signal
+    from dataplane.node.agent import declared_gpus, detect_gpus
     from dataplane.node.tiny_models import make_tiny_gpt2, make_tiny_llama
     from dataplane.serving.client import Client
-    from dataplane.serving.dispatcher import Dispatcher
     from schemas.keys import canonical_model_key
 
     configure(os.environ.get("NDIF_LOG_LEVEL", "WARNING"))
@@ -153,29 +146,25 @@ async def run_demo(*, port: int | None, store: Path | None, gpus: list[Any] | No
     real = bool(detect_gpus())
 
     say("Starting nats-server (JetStream), a local Ray, the controller, a node agent and the dispatcher")
-    srv = EmbeddedNats(store, port=port)
-    await srv.astart()
-    url = srv.url
-    lg = await JetStreamEventLog.open(url)
-    await lg.close()
-    ray.init(num_gpus=len(gpus), namespace=NAMESPACE, include_dashboard=False, log_to_driver=False)
-    print(f"  NATS {url} (store {store}); Ray with {len(gpus)} {'real' if real else 'declared'} GPU(s)", flush=True)
-
-    say(f"Tiny real checkpoints (random weights, save_pretrained) in {home / 'models'}")
-    t0 = time.perf_counter()
-    gpt2 = str(make_tiny_gpt2(home / "models" / "tiny-gpt2"))
-    make_tiny_llama(home / "models" / "tiny-llama")
-    print(f"  {gpt2} ({time.perf_counter() - t0:.1f}s)", flush=True)
-    mk = canonical_model_key(gpt2)
-    outcome: dict[str, Any] = {}
+    cluster = LocalCluster(store=store, port=port, gpus=tuple(gpus), node_id="demo-node",
+                           controller={"policy_interval_s": 0.2}, dashboard_port=dashboard_port,
+                           agent={"cpu_cache_bytes": 20 * GB, "drain_timeout_s": 30, "heartbeat_s": 1.0,
+                                  "health_interval_s": 0.5})
+    url = cluster.start_nats()
     try:
-        async with Controller(url, policy_interval_s=0.2), \
-                NodeAgent(url, "demo-node", gpus=gpus, cpu_cache_bytes=20 * GB, drain_timeout_s=30,
-                          heartbeat_s=1.0, health_interval_s=0.5), \
-                Dispatcher(url), \
-                await open_dashboard(url, dashboard_port) as dash, \
-                await AdminClient.open(url) as admin, \
-                Client(url) as client:
+        await cluster.ensure_log()
+        print(f"  NATS {url} (store {store}); Ray with {len(gpus)} {'real' if real else 'declared'} GPU(s)", flush=True)
+
+        say(f"Tiny real checkpoints (random weights, save_pretrained) in {home / 'models'}")
+        t0 = time.perf_counter()
+        gpt2 = str(make_tiny_gpt2(home / "models" / "tiny-gpt2"))
+        make_tiny_llama(home / "models" / "tiny-llama")
+        print(f"  {gpt2} ({time.perf_counter() - t0:.1f}s)", flush=True)
+        mk = canonical_model_key(gpt2)
+        outcome: dict[str, Any] = {}
+        async with cluster, await AdminClient.open(url) as admin, Client(url) as client:
+            assert cluster.dashboard is not None
+            dash = cluster.dashboard
             print(f"  dashboard {dash.url} (read-only; watch the replicas move while the demo runs)", flush=True)
             say("Deploy 2 replicas (the controller registers the model: its size measured on the meta device)")
             await run_cli(url, "deploy", gpt2, "--replicas", "2", "--wait")
@@ -223,11 +212,8 @@ async def run_demo(*, port: int | None, store: Path | None, gpus: list[Any] | No
                   "    ndif queue                          # the dispatcher's processors\n"
                   f"    {dash.url}   # the dashboard (with --stay)", flush=True)
             if stay:
-                from dataplane.cli import _until_signal
-
                 print(f"\n  The cluster stays up at {url}; Ctrl-C stops it.", flush=True)
-                await _until_signal()
+                await until_signal()
             return 0 if done == total else 1
     finally:
-        ray.shutdown()
-        srv.stop()
+        await cluster.stop()

@@ -25,16 +25,13 @@ from controlplane.logs import configure  # noqa: E402
 
 configure("WARNING")
 
-import ray  # noqa: E402
-
 from controlplane.admin import AdminClient  # noqa: E402
-from controlplane.controller import Controller  # noqa: E402
-from controlplane.eventstore import JetStreamEventLog  # noqa: E402
-from controlplane.nats_server import EmbeddedNats  # noqa: E402
 from dataplane.demo import run_cli, say  # noqa: E402
-from dataplane.node.actor import NAMESPACE, get_actor, list_replica_actors  # noqa: E402
-from dataplane.node.agent import NodeAgent, declared_gpus  # noqa: E402
+from dataplane.local import LocalCluster  # noqa: E402
+from dataplane.node.actor import NAMESPACE  # noqa: E402
+from dataplane.node.agent import declared_gpus  # noqa: E402
 from dataplane.node.tiny_models import make_tiny_gpt2, make_tiny_llama  # noqa: E402
+from dataplane.runtime.ray_adapter import get_actor, kill_actor, list_replica_actors  # noqa: E402
 from schemas.keys import canonical_model_key  # noqa: E402
 
 GB = 10**9
@@ -51,12 +48,12 @@ async def main() -> None:
     t_start = time.perf_counter()
     tmp = Path(tempfile.mkdtemp(prefix="ndif-demo-"))
     say("Starting nats-server (JetStream, temp store) and a local Ray with 2 declared GPUs")
-    srv = EmbeddedNats(tmp / "nats")
-    await srv.astart()
-    url = srv.url
-    lg = await JetStreamEventLog.open(url)  # creates the streams and buckets
-    await lg.close()
-    ray.init(num_gpus=2, namespace=NAMESPACE, include_dashboard=False, log_to_driver=False)
+    cluster = LocalCluster(store=tmp / "nats", gpus=declared_gpus(2, 80 * GB), node_id="node-1", dispatcher=False,
+                           controller={"policy_interval_s": 0.2},
+                           agent={"cpu_cache_bytes": 20 * GB, "drain_timeout_s": 0.5, "heartbeat_s": 1.0,
+                                  "health_interval_s": 0.5})
+    url = cluster.start_nats()
+    await cluster.ensure_log()  # creates the streams and buckets
     print(f"  NATS {url}; Ray namespace '{NAMESPACE}'", flush=True)
 
     say("Making two tiny real checkpoints (random weights, save_pretrained)")
@@ -66,10 +63,7 @@ async def main() -> None:
     mk = canonical_model_key(gpt2)
 
     try:
-        async with Controller(url, policy_interval_s=0.2), \
-                NodeAgent(url, "node-1", gpus=declared_gpus(2, 80 * GB), cpu_cache_bytes=20 * GB,
-                          drain_timeout_s=0.5, heartbeat_s=1.0, health_interval_s=0.5), \
-                await AdminClient.open(url) as admin:
+        async with cluster, await AdminClient.open(url) as admin:
             say("Deploy 2 replicas of tiny-gpt2 (the controller registers it: size measured on the meta device)")
             await run_cli(url, "deploy", gpt2, "--replicas", "2", "--wait")
             await run_cli(url, "deploy", llama, "--replicas", "1", "--wait")
@@ -91,7 +85,7 @@ async def main() -> None:
             await run_cli(url, "scale", gpt2, "--replicas", "2", "--wait")
 
             say("Kill replica 0's actor behind the agent's back: ReplicaFailed, then the controller restarts it")
-            ray.kill(get_actor(mk, 0), no_restart=True)
+            kill_actor(get_actor(mk, 0))
             async with asyncio.timeout(120):
                 while (r := (await admin.state()).replicas[(mk, 0)]).restarts < 1 or str(r.state) != "Available":
                     await asyncio.sleep(0.2)
@@ -109,8 +103,7 @@ async def main() -> None:
             print(f"  actors left: {len(list_replica_actors())}", flush=True)
             await run_cli(url, "events", "--since", "1")
     finally:
-        ray.shutdown()
-        srv.close()
+        await cluster.stop()
     say(f"Done in {time.perf_counter() - t_start:.0f}s. To keep a cluster running: `ndif up`, then in another "
         "shell `ndif deploy DIR --replicas 2 --wait`, `ndif status --watch`, `ndif history DIR`, "
         "`ndif replay --until SEQ`, `nats stream view NDIF_EVENTS` (docs/cli.md).")

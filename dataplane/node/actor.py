@@ -24,9 +24,6 @@ import os
 import time
 from typing import Any
 
-import ray
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
 from dataplane.node.model import LoadError, ModelReplica, ReplicaNotHot, error_text
 from dataplane.serving.replica_link import ReplicaEndpoint
 from schemas.subjects import replica_call_subject
@@ -54,7 +51,8 @@ def parse_actor_name(name: str) -> tuple[str, int] | None:
 
 
 class ModelActor:
-    """Ray wraps this class; every method is a thin call into `ModelReplica`."""
+    """A plain class; the runtime adapter makes it an actor (dataplane/runtime/ray_adapter.py).
+    Every method is a thin call into `ModelReplica`."""
 
     def __init__(self, model_key: str, replica_id: int, checkpoint: str, *, revision: str | None = None,
                  dtype: str = "float32", node_id: str = "", execution_timeout_s: float = 60.0,
@@ -94,13 +92,11 @@ class ModelActor:
         self.replica.unload()
 
     def info(self) -> dict[str, Any]:
-        return {**self.replica.info(), "node_id": self.node_id,
-                "ray_node_id": ray.get_runtime_context().get_node_id()}
+        return {**self.replica.info(), "node_id": self.node_id}
 
     def ping(self) -> bool:
         return True
 
-    @ray.method(enable_task_events=False)  # type: ignore[misc]
     def calls_active(self, replies: list[str]) -> list[bool]:
         """Which of these endpoint calls this replica still works on (the dispatcher's check)."""
         return self.endpoint.calls_active(replies) if self.endpoint else [False] * len(replies)
@@ -112,9 +108,6 @@ class ModelActor:
     def __call__(self, request: dict[str, Any]) -> dict[str, Any]:
         return self.replica(request)
 
-    # Ray's own per-task events are off for the request path: every request already has its
-    # statuses (NATS) and the dispatcher's logs, and task events cost ~0.2 ms a call here.
-    @ray.method(enable_task_events=False)  # type: ignore[misc]
     def run_batch(self, requests: list[dict[str, Any]]) -> list[tuple[Any, ...]]:
         """Requests in one call, run one after the other, each answered on its own (the dispatcher's path).
 
@@ -135,9 +128,6 @@ class ModelActor:
         return out
 
 
-RemoteModelActor = ray.remote(ModelActor)
-
-
 def replica_resources() -> tuple[float, int]:
     """(num_cpus, memory bytes) a replica actor asks Ray for: `NDIF_REPLICA_CPUS`, `NDIF_REPLICA_MEMORY_MB`."""
     try:
@@ -149,42 +139,3 @@ def replica_resources() -> tuple[float, int]:
         raise ValueError(f"NDIF_REPLICA_CPUS must be in (0, 1024] and NDIF_REPLICA_MEMORY_MB > 0 "
                          f"(got {cpus}, {mem_mb})")
     return cpus, int(mem_mb * 2**20)
-
-
-def create_actor(model_key: str, replica_id: int, checkpoint: str, *, ray_node_id: str, node_id: str,
-                 revision: str | None = None, dtype: str = "float32", execution_timeout_s: float = 60.0,
-                 max_concurrency: int = 4, nats_url: str | None = None, nats_creds: Any = None) -> Any:
-    """Start the detached actor for a replica on `ray_node_id` (it loads nothing until `load`)."""
-    env = {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}
-    for var in ("HF_HOME", "HF_HUB_CACHE", "HF_HUB_OFFLINE", "NDIF_LOG_LEVEL"):
-        if var in os.environ:
-            env[var] = os.environ[var]
-    cpus, memory = replica_resources()
-    return RemoteModelActor.options(  # type: ignore[attr-defined]
-        name=actor_name(model_key, replica_id), namespace=NAMESPACE, lifetime="detached",
-        num_cpus=cpus, memory=memory, num_gpus=0, max_concurrency=max_concurrency, max_restarts=0,
-        scheduling_strategy=NodeAffinitySchedulingStrategy(ray_node_id, soft=False),
-        runtime_env={"env_vars": env},
-    ).remote(model_key, replica_id, checkpoint, revision=revision, dtype=dtype, node_id=node_id,
-             execution_timeout_s=execution_timeout_s, nats_url=nats_url, nats_creds=nats_creds)
-
-
-def get_actor(model_key: str, replica_id: int) -> Any | None:
-    """The live actor of a replica, or None."""
-    try:
-        return ray.get_actor(actor_name(model_key, replica_id), namespace=NAMESPACE)
-    except ValueError:
-        return None
-
-
-def list_replica_actors() -> list[tuple[str, int, str]]:
-    """(model_key, replica_id, name) of every live contract-named actor in the namespace."""
-    out = []
-    for entry in ray.util.list_named_actors(all_namespaces=True):
-        name, ns = (entry["name"], entry["namespace"]) if isinstance(entry, dict) else (entry, NAMESPACE)
-        if ns != NAMESPACE:
-            continue
-        parsed = parse_actor_name(name)
-        if parsed is not None:
-            out.append((*parsed, name))
-    return out

@@ -12,6 +12,11 @@ folded state, not on single events, so a restart simply re-folds and finishes wh
     Restarting              -> kill, re-create with the same id and cards, load, `ReplicaRestarted`
     an actor that died      -> `ReplicaFailed` (the controller's policy restarts or replaces it)
 
+What to do is decided by a pure function over the fold (`plan_actions`, dataplane/node/plan.py);
+this module only runs its actions, through the node's `ReplicaRuntime` (dataplane/runtime/ports.py;
+Ray's is dataplane/runtime/ray_adapter.py, tests use an in-memory one). The agent is given its
+parts (the event log, the JetStream context for heartbeats, the runtime); `NodeAgent.open(url)`
+makes them for `ndif agent` and `ndif up`.
 A load onto cards that a leaving replica still occupies waits until that replica is off them.
 On start it adopts the live detached actors of its node (contract names) and reconciles them with
 the fold: an actor the log does not want is killed; a HOT replica whose actor is gone is reported
@@ -28,7 +33,6 @@ import time
 from collections.abc import Coroutine
 from typing import Any
 
-import ray
 import structlog
 
 from controlplane.auth import Creds, resolve
@@ -36,11 +40,13 @@ from controlplane.context import observed
 from controlplane.eventstore import JetStreamEventLog
 from controlplane.follow import follow_log
 from controlplane.heartbeats import STALE_S, last_heartbeat
-from controlplane.ports import Stored
+from controlplane.ports import EventLog, Stored
 from controlplane.projections import ClusterState
 from controlplane.projections.replica import ReplicaView
 from controlplane.tasks import cancel_and_wait
-from dataplane.node.actor import NAMESPACE, create_actor, get_actor, list_replica_actors, replica_resources
+from dataplane.node.actor import NAMESPACE, replica_resources
+from dataplane.node.plan import Action, Do, Mark, plan_actions, plan_adoption
+from dataplane.runtime.ports import Liveness, ReplicaHandle, ReplicaRuntime, ReplicaSpec
 from schemas.errors import InfrastructureError
 from schemas.events import (
     Event,
@@ -58,7 +64,7 @@ from schemas.events import (
 from schemas.status import Level, ReplicaState
 from schemas.subjects import HEARTBEATS_BUCKET, node_token
 
-log = structlog.get_logger("ndif.agent")
+logger = structlog.get_logger("ndif.agent")
 SCHEDULE_TIMEOUT_S = 60.0  # a replica actor Ray has not started by then is a failed load
 
 
@@ -72,8 +78,6 @@ class NodeIdHeld(InfrastructureError):
 
 S = ReplicaState
 RKey = tuple[str, int]
-# States in which the replica's actor should exist on this node.
-_LIVE = {S.LOAD_REQUESTED, S.LOADING, S.AVAILABLE, S.DRAINING, S.UNLOAD_REQUESTED, S.CACHED, S.RESTARTING, S.FAILED}
 
 
 def detect_gpus() -> tuple[GpuInfo, ...]:
@@ -100,13 +104,19 @@ def default_cpu_cache_bytes() -> int:
 
 
 class NodeAgent:
-    def __init__(self, url: str, node_id: str | None = None, *, gpus: tuple[GpuInfo, ...] | None = None,
-                 cpu_cache_bytes: int | None = None, heartbeat_s: float = 2.0, drain_timeout_s: float = 30.0,
-                 health_interval_s: float = 1.0, execution_timeout_s: float = 60.0,
-                 creds: Creds | None = None) -> None:
-        self.url = url
-        self.creds = creds  # this node's agent user (controlplane/auth.py); None: found locally
+    """One node's agent over its parts: `log` (the event log), `js` (the JetStream context its
+    heartbeats go to) and `runtime` (where its replicas run). `owns_log`: `stop()` closes the log."""
+
+    def __init__(self, log: EventLog, js: Any, runtime: ReplicaRuntime, node_id: str | None = None, *,
+                 gpus: tuple[GpuInfo, ...] | None = None, cpu_cache_bytes: int | None = None,
+                 heartbeat_s: float = 2.0, drain_timeout_s: float = 30.0, health_interval_s: float = 1.0,
+                 execution_timeout_s: float = 60.0, hostname: str | None = None, owns_log: bool = False) -> None:
+        self.log = log
+        self.js = js
+        self.runtime = runtime
+        self.owns_log = owns_log
         self.node_id = node_id or socket.gethostname()
+        self.hostname = hostname or socket.gethostname()
         self.gpus = gpus
         self.cpu_cache_bytes = default_cpu_cache_bytes() if cpu_cache_bytes is None else cpu_cache_bytes
         self.heartbeat_s = heartbeat_s
@@ -114,40 +124,54 @@ class NodeAgent:
         self.health_interval_s = health_interval_s
         self.execution_timeout_s = execution_timeout_s
         self.schedule_timeout_s = float(os.environ.get("NDIF_REPLICA_SCHEDULE_TIMEOUT_S", SCHEDULE_TIMEOUT_S))
-        self.actor = f"agent:{self.node_id}"
+        self.actor = f"agent:{self.node_id}"  # the author of this agent's events
         self.state = ClusterState()
-        self.log_: JetStreamEventLog | None = None
-        self.ray_node_id = ""
-        self.actors: dict[RKey, Any] = {}  # replica -> live actor handle on this node
+        self.location = runtime.location  # Ray: the node id its replicas are pinned to
+        self.actors: dict[RKey, ReplicaHandle] = {}  # replica -> its live process on this node
         self._busy: dict[RKey, asyncio.Task[None]] = {}  # one action per replica at a time
         self._drain_timers: dict[RKey, asyncio.Task[None]] = {}  # not actions: the drain report ends them early
-        self._done: set[tuple[object, ...]] = set()  # actions taken, by (replica, what, state stamp)
+        self._done: set[Mark] = set()  # actions taken, by (replica, what, state stamp)
         self._tasks: list[asyncio.Task[None]] = []
         self._kick = asyncio.Event()
         self._rejoined_after = -1  # seq of the NodeLost this agent last answered with a NodeJoined
         self.rejoins = 0
-        self.log = log.bind(node_id=self.node_id)
+        self.logger = logger.bind(node_id=self.node_id)
+
+    @classmethod
+    async def open(cls, url: str, node_id: str | None = None, *, creds: Creds | None = None,
+                   runtime: ReplicaRuntime | None = None, **kw: Any) -> NodeAgent:
+        """An agent over NATS at `url` (not started): its event log and, by default, a Ray runtime
+        whose replicas serve their NATS endpoints with this agent's credentials. Ray must be
+        initialised in this process (`ndif up` and `ndif agent` do it)."""
+        node_id = node_id or socket.gethostname()
+        if runtime is None:
+            from dataplane.runtime import ray_adapter
+
+            if not ray_adapter.is_initialized():
+                raise InfrastructureError("Ray is not initialised in this process: ray.init(namespace='ndif') "
+                                          "first (`ndif up` does it)")
+        if creds is None:
+            creds = resolve("agent", url=url, node_id=node_id)
+        if runtime is None:
+            from dataplane.runtime.ray_adapter import RayRuntime
+
+            runtime = RayRuntime(nats_url=url, nats_creds=creds)
+        log = await JetStreamEventLog.open(url, ensure=False, name=f"agent:{node_id}", creds=creds, role="agent",
+                                           node_id=node_id)
+        return cls(log, log.js, runtime, node_id, owns_log=True, **kw)
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
     async def start(self) -> NodeAgent:
-        if not ray.is_initialized():
-            raise InfrastructureError("Ray is not initialised in this process: ray.init(namespace='ndif') first "
-                                      "(`ndif up` does it)")
-        self.ray_node_id = ray.get_runtime_context().get_node_id()
         if self.gpus is None:
             self.gpus = detect_gpus()
-        if self.creds is None:
-            self.creds = resolve("agent", url=self.url, node_id=self.node_id)
-        self.log_ = await JetStreamEventLog.open(self.url, ensure=False, name=self.actor, creds=self.creds,
-                                                 role="agent", node_id=self.node_id)
-        async for batch in self.log_.read_batches():
+        async for batch in self.log.read_batches():
             for seq, item in batch:
                 self.state.apply(seq, item)
         try:
             await self._refuse_if_held()  # before adopting: adoption would kill the live agent's actors
         except NodeIdHeld:
-            await self.log_.close()
+            await self._close_log()
             raise
         await self._adopt()
         await self.heartbeat_once()
@@ -156,25 +180,34 @@ class NodeAgent:
                         asyncio.create_task(self._follow(), name="agent-follow"),
                         asyncio.create_task(self._reconcile_loop(), name="agent-reconcile"),
                         asyncio.create_task(self._health(), name="agent-health")]
-        self.log.info("agent_started", ray_node_id=self.ray_node_id, gpus=len(self.gpus), adopted=len(self.actors),
-                      seq=self.state.seq)
+        self.logger.info("agent_started", ray_node_id=self.location, gpus=len(self.gpus), adopted=len(self.actors),
+                         seq=self.state.seq)
         return self
 
     async def stop(self) -> None:
         """Stop acting; the detached actors stay (a restarted agent adopts them)."""
         started = bool(self._tasks)
-        await cancel_and_wait([*self._tasks, *self._busy.values(), *self._drain_timers.values()], owner=self.actor)
-        if started and self.log_ is not None:
+        await self.halt()
+        if started:
             # Goodbye: an empty heartbeat lets an agent started next under this node id take over
             # at once (a live one is refused). Best effort: a dead NATS must not hold up the stop.
             with contextlib.suppress(Exception):
-                kv = await asyncio.wait_for(self.log_.js.key_value(HEARTBEATS_BUCKET), 2)
+                kv = await asyncio.wait_for(self.js.key_value(HEARTBEATS_BUCKET), 2)
                 await asyncio.wait_for(kv.put(node_token(self.node_id), b""), 2)
+        await self._close_log()
+
+    async def halt(self) -> None:
+        """Stop every loop and action at once, with no goodbye (what a dead node leaves behind)."""
+        await cancel_and_wait([*self._tasks, *self._busy.values(), *self._drain_timers.values()], owner=self.actor)
         self._tasks.clear()
         self._busy.clear()
         self._drain_timers.clear()
-        if self.log_ is not None:
-            await self.log_.close()
+
+    async def _close_log(self) -> None:
+        if self.owns_log:
+            close = getattr(self.log, "close", None)
+            if close is not None:
+                await close()
 
     async def __aenter__(self) -> NodeAgent:
         return await self.start()
@@ -188,12 +221,10 @@ class NodeAgent:
         A heartbeat younger than `max(3 * heartbeat_s, STALE_S)` is watched until it is that old: a
         new beat means a live agent (refused at once); none means its agent died (taken over).
         """
-        assert self.log_ is not None
-        js = self.log_.js
         try:
-            first = await last_heartbeat(js, self.node_id)
+            first = await last_heartbeat(self.js, self.node_id)
         except Exception as exc:  # noqa: BLE001 - e.g. not allowed to read the bucket: say so, go on
-            self.log.warning("node_id_check_skipped", error=str(exc) or type(exc).__name__)
+            self.logger.warning("node_id_check_skipped", error=str(exc) or type(exc).__name__)
             return
         if first is None or first.stopped:
             return
@@ -202,50 +233,50 @@ class NodeAgent:
         deadline = time.monotonic() + max(0.0, window - age0)
         while time.monotonic() < deadline:
             await asyncio.sleep(0.2)
-            now = await last_heartbeat(js, self.node_id)
+            now = await last_heartbeat(self.js, self.node_id)
             if now is not None and now.seq != first.seq:
                 raise NodeIdHeld(
                     f"node id {self.node_id!r} is held by a live agent (it beat {now.age_s():.1f}s ago): "
                     "stop that agent first, or give this one another --node-id")
         if age0 < window:
-            self.log.warning("node_id_taken_over", heartbeat_age_s=round(age0, 1), waited_s=round(window - age0, 1))
+            self.logger.warning("node_id_taken_over", heartbeat_age_s=round(age0, 1), waited_s=round(window - age0, 1))
 
     # ---- adoption ----------------------------------------------------------------------------
 
     async def _adopt(self) -> None:
         """Take over the live actors of this node: keep the ones the log wants, kill the others."""
-        for model_key, rid, name in await asyncio.to_thread(list_replica_actors):
-            handle = await _get(model_key, rid)
+        here: dict[RKey, tuple[ReplicaHandle, dict[str, Any]]] = {}
+        for found in await self.runtime.list():
+            handle = await self.runtime.get(found.model_key, found.replica_id)
             if handle is None:
                 continue
             try:
-                info = await asyncio.wait_for(_aw(handle.info.remote()), 30)
+                info = await asyncio.wait_for(self.runtime.info(handle), 30)
             except Exception as exc:  # noqa: BLE001 - dead or wedged: not ours to keep
-                self.log.warning("adopt_unreachable", actor=name, error=str(exc))
+                self.logger.warning("adopt_unreachable", actor=found.name, error=str(exc))
                 continue
-            if info.get("ray_node_id") != self.ray_node_id:
+            if info.get("location") != self.location:
                 continue  # another node's agent owns it
-            r = self.state.replicas.get((model_key, rid))
-            if r is None or r.node_id != self.node_id or r.state not in _LIVE:
-                self.log.warning("orphan_killed", model_key=model_key, replica_id=rid,
-                                 state=str(r.state) if r else None)
-                await self._kill(handle)
-                continue
-            self.actors[(model_key, rid)] = handle
-            self.log.info("actor_adopted", model_key=model_key, replica_id=rid, level=info.get("level"))
+            here[(found.model_key, found.replica_id)] = (handle, info)
+        keep, kill = plan_adoption(self.state, self.node_id, here)
+        for key in kill:
+            r = self.state.replicas.get(key)
+            self.logger.warning("orphan_killed", model_key=key[0], replica_id=key[1], state=str(r.state) if r else None)
+            await self.runtime.kill(here[key][0])
+        for key in keep:
+            self.actors[key] = here[key][0]
+            self.logger.info("actor_adopted", model_key=key[0], replica_id=key[1], level=here[key][1].get("level"))
 
     # ---- the loops ---------------------------------------------------------------------------
 
     async def heartbeat_once(self) -> None:
-        assert self.log_ is not None
-        kv = await self.log_.js.key_value(HEARTBEATS_BUCKET)
+        kv = await self.js.key_value(HEARTBEATS_BUCKET)
         await kv.put(node_token(self.node_id), self.node_id.encode())
 
     def _joined(self) -> NodeJoined:
         assert self.gpus is not None
         return observed(NodeJoined, actor=self.actor, node_id=self.node_id, gpus=self.gpus,
-                        cpu_cache_bytes=self.cpu_cache_bytes, hostname=socket.gethostname(),
-                        ray_node_id=self.ray_node_id)
+                        cpu_cache_bytes=self.cpu_cache_bytes, hostname=self.hostname, ray_node_id=self.location)
 
     def _check_lost(self) -> None:
         """Declared lost while we run (a pause past the heartbeat grace, a network blip): rejoin.
@@ -259,7 +290,7 @@ class NodeAgent:
         self._tasks.append(asyncio.create_task(self._rejoin(node.since_seq), name="agent-rejoin"))
 
     async def _rejoin(self, lost_seq: int) -> None:
-        self.log.warning("node_declared_lost_rejoining", lost_seq=lost_seq)
+        self.logger.warning("node_declared_lost_rejoining", lost_seq=lost_seq)
         with contextlib.suppress(Exception):
             await self.heartbeat_once()
         await self._append(self._joined())
@@ -271,12 +302,11 @@ class NodeAgent:
             try:
                 await self.heartbeat_once()
             except Exception as exc:  # noqa: BLE001 - NATS away: keep trying, the controller will judge
-                self.log.warning("heartbeat_failed", error=str(exc) or type(exc).__name__)
+                self.logger.warning("heartbeat_failed", error=str(exc) or type(exc).__name__)
 
     async def _follow(self) -> None:
-        assert self.log_ is not None
         self._kick.set()
-        await follow_log(self.log_, lambda: self.state.seq + 1, self._on_batch, logger=self.log)
+        await follow_log(self.log, lambda: self.state.seq + 1, self._on_batch, logger=self.logger)
 
     def _on_batch(self, batch: list[Stored]) -> None:
         for seq, item in batch:
@@ -291,7 +321,7 @@ class NodeAgent:
             try:
                 self.reconcile()
             except Exception:
-                self.log.exception("reconcile_failed")
+                self.logger.exception("reconcile_failed")
 
     async def _health(self) -> None:
         """An actor that died while serving is a `ReplicaFailed` (Ray does not restart it: max_restarts=0)."""
@@ -305,66 +335,50 @@ class NodeAgent:
                 if handle is None:
                     error = "actor not found on this node"
                 else:
-                    try:
-                        await asyncio.wait_for(_aw(handle.ping.remote()), 10)
-                    except (ray.exceptions.RayActorError, ray.exceptions.ActorDiedError) as exc:
-                        error = f"actor died: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
-                    except (TimeoutError, ray.exceptions.GetTimeoutError):
+                    alive, why = await self.runtime.ping(handle, 10)
+                    if alive is Liveness.BUSY:
                         continue  # busy is not dead
+                    if alive is Liveness.DEAD:
+                        error = why
                 if error is not None and (key, "failed", r.since_seq) not in self._done:
                     self._done.add((key, "failed", r.since_seq))
                     self.actors.pop(key, None)
-                    self.log.warning("replica_failed", model_key=key[0], replica_id=key[1], error=error)
+                    self.logger.warning("replica_failed", model_key=key[0], replica_id=key[1], error=error)
                     await self._append(observed(ReplicaFailed, actor=self.actor, model_key=key[0], replica_id=key[1],
                                                 node_id=self.node_id, error=error))
 
-    # ---- reconcile ---------------------------------------------------------------------------
+    # ---- reconcile: the plan (dataplane/node/plan.py), run -----------------------------------
 
     def reconcile(self) -> None:
         """Start what the folded state asks of this node (each replica one action at a time)."""
-        mine = [r for r in self.state.replicas.values() if r.node_id == self.node_id]
-        leaving = [r for r in mine if r.on_gpu and r.desired is not Level.HOT]
         for key, timer in list(self._drain_timers.items()):
             now = self.state.replicas.get(key)
             if timer.done() or now is None or now.state is not S.DRAINING:
                 timer.cancel()  # drained (or moved on): the unload must not wait for the timeout
                 del self._drain_timers[key]
-        for r in sorted(mine, key=lambda r: (r.since_seq, r.model_key, r.replica_id)):
-            key = r.key
-            if key in self._busy:
-                continue
-            match r.state:
-                case S.LOAD_REQUESTED | S.LOADING:
-                    mark = (key, "load", r.scheduled_at)
-                    if mark in self._done:
-                        continue
-                    cards = set(r.gpu_indices)
-                    if any(o.key != key and cards & set(o.gpu_indices) for o in leaving):
-                        continue  # the leaving replica's unload comes first; its event kicks us again
-                    self._start(key, mark, self._load(r))
-                case S.DRAINING:
-                    mark = (key, "drain", r.since_seq)
-                    if mark not in self._done:
-                        self._done.add(mark)
-                        self._drain_timers[key] = asyncio.create_task(self._drain_timer(r))
-                case S.UNLOAD_REQUESTED:
-                    mark = (key, "unload", r.since_seq)
-                    if mark not in self._done:
-                        self._start(key, mark, self._unload(r))
-                case S.RESTARTING:
-                    mark = (key, "restart", r.since_seq)
-                    if mark not in self._done:
-                        self._start(key, mark, self._restart(r))
-                case S.CACHED:
-                    mark = (key, "check-warm", r.since_seq)
-                    if mark not in self._done and key not in self.actors:
-                        # WARM in the log but no actor holds the weights (e.g. it died while we were away).
-                        self._start(key, mark, self._lost_cache(r))
-                case S.UNLOADED | S.LOAD_FAILED | S.LOST:
-                    if key in self.actors:  # a leftover actor (e.g. after a failed load): not wanted
-                        self._start(key, (key, "reap", r.since_seq), self._reap(key))
+        for action in plan_actions(self.state, self.node_id, self.actors.keys(), self._busy.keys(), self._done):
+            if action.do is Do.DRAIN_TIMER:
+                self._done.add(action.mark)
+                self._drain_timers[action.key] = asyncio.create_task(self._drain_timer(action.replica))
+            else:
+                self._start(action.key, action.mark, self._run(action))
 
-    def _start(self, key: RKey, mark: tuple[object, ...], coro: Coroutine[Any, Any, None]) -> None:
+    def _run(self, action: Action) -> Coroutine[Any, Any, None]:
+        r = action.replica
+        match action.do:
+            case Do.LOAD:
+                return self._load(r)
+            case Do.UNLOAD:
+                return self._unload(r)
+            case Do.RESTART:
+                return self._restart(r)
+            case Do.CHECK_WARM:
+                return self._lost_cache(r)
+            case Do.REAP:
+                return self._reap(r.key)
+        raise AssertionError(f"no executor for {action.do}")
+
+    def _start(self, key: RKey, mark: Mark, coro: Coroutine[Any, Any, None]) -> None:
         self._done.add(mark)
         task = asyncio.create_task(self._guard(key, coro))
         self._busy[key] = task
@@ -375,7 +389,7 @@ class NodeAgent:
         except asyncio.CancelledError:
             raise
         except Exception:
-            self.log.exception("action_failed", model_key=key[0], replica_id=key[1])
+            self.logger.exception("action_failed", model_key=key[0], replica_id=key[1])
         finally:
             self._busy.pop(key, None)
             self._kick.set()  # the state may have moved on while this replica was busy
@@ -388,7 +402,7 @@ class NodeAgent:
     async def _load(self, r: ReplicaView) -> None:
         key = r.key
         kw = self._kw(r)
-        bound = self.log.bind(model_key=r.model_key, replica_id=r.replica_id)
+        bound = self.logger.bind(model_key=r.model_key, replica_id=r.replica_id)
         if r.state is S.LOAD_REQUESTED:
             await self._append(observed(ReplicaLoading, **kw))
         t0 = time.perf_counter()
@@ -396,18 +410,18 @@ class NodeAgent:
         handle = self.actors.get(key)
         try:
             if handle is not None:
-                info = await _aw(handle.info.remote())
+                info = await self.runtime.info(handle)
                 # Each card's share is what placement charged it (the device map's budget).
                 if info["level"] == "WARM":
-                    await _aw(handle.from_cache.remote(devices, r.bytes_per_gpu))
+                    await self.runtime.from_cache(handle, devices, r.bytes_per_gpu)
                 elif info["level"] == "COLD":
-                    await _aw(handle.load.remote(devices, r.bytes_per_gpu))
+                    await self.runtime.load(handle, devices, r.bytes_per_gpu)
             else:
                 # A leftover from before (same id) is reused, never duplicated.
-                handle = await _get(*key) or await self._create(r)
+                handle = await self.runtime.get(*key) or await self._create(r)
                 self.actors[key] = handle
                 await self._scheduled(handle)
-                await _aw(handle.load.remote(devices, r.bytes_per_gpu))
+                await self.runtime.load(handle, devices, r.bytes_per_gpu)
         except Exception as exc:  # noqa: BLE001 - whatever the load raised is the replica's error
             error = _error_text(exc)
             bound.warning("replica_load_failed", error=error)
@@ -418,49 +432,47 @@ class NodeAgent:
         bound.info("replica_loaded", seconds=round(took, 3), devices=devices)
         await self._append(observed(ReplicaLoaded, load_seconds=round(took, 4), **kw))
 
-    async def _scheduled(self, handle: Any) -> None:
+    async def _scheduled(self, handle: ReplicaHandle) -> None:
         """Wait until Ray has started the actor; one it cannot place (no CPU or memory left for its
         request on this node) stays pending, which is a failed load after `schedule_timeout_s`."""
-        try:
-            await asyncio.wait_for(_aw(handle.info.remote()), self.schedule_timeout_s)
-        except TimeoutError:
+        if not await self.runtime.started(handle, self.schedule_timeout_s):
             cpus, memory = replica_resources()
             raise ReplicaNotScheduled(
                 f"Ray did not start the replica's actor within {self.schedule_timeout_s:g}s: node {self.node_id} "
                 f"has no room for its request of {cpus:g} CPU and {memory / 2**20:.0f} MiB "
-                "(NDIF_REPLICA_CPUS, NDIF_REPLICA_MEMORY_MB; NDIF_REPLICA_SCHEDULE_TIMEOUT_S)") from None
+                "(NDIF_REPLICA_CPUS, NDIF_REPLICA_MEMORY_MB; NDIF_REPLICA_SCHEDULE_TIMEOUT_S)")
 
-    async def _create(self, r: ReplicaView) -> Any:
+    async def _create(self, r: ReplicaView) -> ReplicaHandle:
         """A new actor for the replica, from its model's registration in the log (nothing loaded yet)."""
         reg = self.state.models[r.model_key].registration if r.model_key in self.state.models else None
         if reg is None:
             raise InfrastructureError(f"{r.model_key} has no registration in the log")
-        return await asyncio.to_thread(
-            create_actor, r.model_key, r.replica_id, reg.checkpoint, revision=reg.revision, dtype=reg.dtype,
-            ray_node_id=self.ray_node_id, node_id=self.node_id, execution_timeout_s=self.execution_timeout_s,
-            nats_url=self.url, nats_creds=self.creds)
+        return await self.runtime.create(ReplicaSpec(
+            model_key=r.model_key, replica_id=r.replica_id, checkpoint=reg.checkpoint, revision=reg.revision,
+            dtype=reg.dtype, size_bytes=reg.size_bytes, node_id=self.node_id,
+            execution_timeout_s=self.execution_timeout_s))
 
     async def _drain_timer(self, r: ReplicaView) -> None:
         """The dispatcher reports the drain; if it has not within the timeout, the agent does."""
         await asyncio.sleep(self.drain_timeout_s)
         now = self.state.replicas.get(r.key)
         if now is not None and now.state is S.DRAINING and now.since_seq == r.since_seq:
-            self.log.info("drain_timeout", model_key=r.model_key, replica_id=r.replica_id,
-                          seconds=self.drain_timeout_s)
+            self.logger.info("drain_timeout", model_key=r.model_key, replica_id=r.replica_id,
+                             seconds=self.drain_timeout_s)
             await self._append(observed(ReplicaDrained, **self._kw(r)))
 
     async def _unload(self, r: ReplicaView) -> None:
         key = r.key
         kw = self._kw(r)
-        handle = self.actors.get(key) or await _get(*key)
+        handle = self.actors.get(key) or await self.runtime.get(*key)
         if r.desired is Level.WARM and handle is not None:
             try:
-                cpu = await _aw(handle.to_cache.remote())
+                cpu = await self.runtime.to_cache(handle)
                 self.actors[key] = handle
                 await self._append(observed(ReplicaCached, cpu_bytes=int(cpu), **kw))
                 return
             except Exception as exc:  # noqa: BLE001 - cannot cache: go all the way down
-                self.log.warning("cache_failed", model_key=key[0], replica_id=key[1], error=_error_text(exc))
+                self.logger.warning("cache_failed", model_key=key[0], replica_id=key[1], error=_error_text(exc))
         await self._reap(key)
         await self._append(observed(ReplicaUnloaded, **kw))
 
@@ -470,7 +482,7 @@ class NodeAgent:
         await self._reap(key)
         try:
             handle = self.actors[key] = await self._create(r)
-            await _aw(handle.load.remote(list(r.gpu_indices)))
+            await self.runtime.load(handle, list(r.gpu_indices), 0)
         except Exception as exc:  # noqa: BLE001
             await self._reap(key)
             await self._append(observed(ReplicaLoadFailed, error=_error_text(exc), **kw))
@@ -478,7 +490,7 @@ class NodeAgent:
         await self._append(observed(ReplicaRestarted, **kw))
 
     async def _lost_cache(self, r: ReplicaView) -> None:
-        handle = await _get(*r.key)
+        handle = await self.runtime.get(*r.key)
         if handle is not None:
             self.actors[r.key] = handle
             return
@@ -486,40 +498,23 @@ class NodeAgent:
 
     async def _reap(self, key: RKey) -> None:
         """Kill the replica's actor if there is one (and wait until its name is free)."""
-        handle = self.actors.pop(key, None) or await _get(*key)
+        handle = self.actors.pop(key, None) or await self.runtime.get(*key)
         if handle is not None:
-            await self._kill(handle)
+            await self.runtime.kill(handle)
             for _ in range(100):  # the name is released asynchronously
-                if await _get(*key) is None:
+                if await self.runtime.get(*key) is None:
                     break
                 await asyncio.sleep(0.05)
 
-    async def _kill(self, handle: Any) -> None:
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(_aw(handle.unload.remote()), 10)
-        with contextlib.suppress(Exception):
-            await asyncio.to_thread(ray.kill, handle, no_restart=True)
-
     async def _append(self, ev: Event) -> None:
-        assert self.log_ is not None
         for attempt in range(20):
             try:
-                await self.log_.append([ev], None)
+                await self.log.append([ev], None)
                 return
             except InfrastructureError as exc:
-                self.log.warning("append_retry", event=type(ev).__name__, attempt=attempt, error=str(exc))
+                self.logger.warning("append_retry", event_type=type(ev).__name__, attempt=attempt, error=str(exc))
                 await asyncio.sleep(min(0.1 * 2**attempt, 5))
         raise InfrastructureError(f"could not append {type(ev).__name__} after 20 tries; is NATS up?")
-
-
-async def _get(model_key: str, replica_id: int) -> Any:
-    """`get_actor` is a blocking GCS call: keep it off the event loop (heartbeats must not stall)."""
-    return await asyncio.to_thread(get_actor, model_key, replica_id)
-
-
-def _aw(ref: Any) -> Any:
-    """An ObjectRef as an awaitable (Ray refs are awaitable in asyncio)."""
-    return ref
 
 
 def _error_text(exc: BaseException) -> str:
@@ -532,7 +527,7 @@ def _error_text(exc: BaseException) -> str:
 
 async def run_agent(url: str, **kw: Any) -> None:
     """Run an agent until cancelled (`ndif agent`); Ray must be initialised in namespace `ndif`."""
-    async with NodeAgent(url, **kw):
+    async with await NodeAgent.open(url, **kw):
         await asyncio.Event().wait()
 
 

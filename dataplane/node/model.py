@@ -32,7 +32,7 @@ import structlog
 
 from schemas.errors import NdifError
 
-log = structlog.get_logger("ndif.model")
+logger = structlog.get_logger("ndif.model")
 
 MAX_BATCH_TOKENS = 1 << 16  # a request's input_ids may hold at most this many tokens
 MAX_NEW_TOKENS = 1024
@@ -84,7 +84,7 @@ class ModelReplica:
         self.level = "COLD"
         self._lock = threading.Lock()  # one move (load/cache/unload) at a time; requests check the level
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="replica-exec")
-        self.log = log.bind(model_key=model_key, replica_id=replica_id)
+        self.logger = logger.bind(model_key=model_key, replica_id=replica_id)
 
     # ---- where the weights are -----------------------------------------------------------------
 
@@ -111,7 +111,7 @@ class ModelReplica:
             except LoadError as exc:
                 if strict:
                     raise
-                self.log.warning("device_map_unfit", error=str(exc), devices=list(devices))
+                self.logger.warning("device_map_unfit", error=str(exc), devices=list(devices))
                 return None
             self.layout, self.layout_share = dmap, bytes_per_gpu
         return {name: devices[i] for name, i in self.layout.items()}
@@ -158,7 +158,7 @@ class ModelReplica:
             self.devices = tuple(devices)
             self.level = "HOT"
             took = time.perf_counter() - t0
-            self.log.info("replica_loaded", seconds=round(took, 3), devices=list(devices), cuda=cuda)
+            self.logger.info("replica_loaded", seconds=round(took, 3), devices=list(devices), cuda=cuda)
             return took
 
     def to_cache(self) -> int:
@@ -403,8 +403,8 @@ def _skeleton(checkpoint: str, kwargs: dict[str, Any]) -> Any:
 
     config = AutoConfig.from_pretrained(checkpoint, **{k: v for k, v in kwargs.items() if k != "dtype"})
     with init_empty_weights():
-        return AutoModelForCausalLM.from_config(config, **({"torch_dtype": kwargs["dtype"]} if "dtype" in kwargs
-                                                           else {}))
+        return AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]
+            config, **({"torch_dtype": kwargs["dtype"]} if "dtype" in kwargs else {}))
 
 
 def _materialize(model: Any) -> None:
@@ -434,5 +434,5 @@ def _maybe_tokenizer(checkpoint: str) -> Any:
 
         return AutoTokenizer.from_pretrained(checkpoint, local_files_only=True)
     except Exception as exc:  # noqa: BLE001 - a model without a usable tokenizer still serves input_ids
-        log.warning("tokenizer_unusable", checkpoint=checkpoint, error=str(exc))
+        logger.warning("tokenizer_unusable", checkpoint=checkpoint, error=str(exc))
         return None

@@ -28,7 +28,7 @@ def save_byte_tokenizer(path: Path) -> None:
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>",
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>",  # type: ignore[no-untyped-call]
                             bos_token="<|endoftext|>").save_pretrained(path)
 
 

@@ -16,13 +16,13 @@ import collections
 import time
 from typing import TYPE_CHECKING, Any
 
-import ray
 import structlog
 from nats.aio.msg import Msg
 
 from controlplane.projections.queue import ModelQueueView, processor_status
-from dataplane.node.actor import NOT_RUN, OK, get_actor
+from dataplane.node.actor import NOT_RUN, OK
 from dataplane.node.model import ReplicaNotHot, error_text
+from dataplane.runtime.ports import ReplicaCaller
 from dataplane.serving.replica_link import NoEndpoint, ReplyLost, encode_call
 from schemas.requests import Request
 from schemas.status import ProcessorStatus, RequestStatus
@@ -49,15 +49,20 @@ class Pending:
 _Call = tuple[int, list[Pending], Any, Any]  # replica id, its requests, its actor, the call (or why it could not start)
 
 
-def _replica_gone(exc: BaseException) -> bool:
+def _replica_gone(exc: BaseException, caller: ReplicaCaller) -> bool:
     """Did the call fail because the replica left (WARM, COLD, dead), not because of the request?"""
-    if isinstance(exc, (ray.exceptions.RayActorError, ray.exceptions.ActorDiedError, ReplicaNotHot)):
+    if isinstance(exc, ReplicaNotHot) or caller.gone(exc):
         return True
     return isinstance(getattr(exc, "cause", None), ReplicaNotHot)
 
 
 class Processor:
-    def __init__(self, token: str, dispatcher: Dispatcher) -> None:
+    def __init__(self, token: str, dispatcher: Dispatcher, caller: ReplicaCaller | None = None) -> None:
+        if caller is None:
+            from dataplane.runtime.ray_adapter import RayCaller
+
+            caller = RayCaller()
+        self.caller = caller  # calls into replicas through the runtime (the NATS link's fallback)
         self.token = token
         self.model_key: str | None = None
         self.d = dispatcher
@@ -149,10 +154,10 @@ class Processor:
                 self.queue.remove(p)
                 return p
         for running in self.in_flight.values():
-            for p in running.values():
-                if p.req.request_id == request_id and (user is None or p.req.user == user):
-                    p.cancelled = True
-                    return p
+            for r in running.values():
+                if r.req.request_id == request_id and (user is None or r.req.user == user):
+                    r.cancelled = True
+                    return r
         return None
 
     def fail_all(self, error: str, message: str) -> None:
@@ -231,7 +236,7 @@ class Processor:
         running = self.in_flight.setdefault(rid, {})
         for p in batch:
             running[status_key(p.req.request_id, p.req.user)] = p
-        actor = self._actors.get(rid) or get_actor(self.model_key, rid)
+        actor = self._actors.get(rid) or self.caller.lookup(self.model_key, rid)
         if actor is None:
             self._release(rid, batch)
             self._requeue(rid, batch, "RayActorError")
@@ -261,7 +266,7 @@ class Processor:
                 self.link_calls += 1
                 subject = replica_call_subject(self.model_key, rid, self.nodes.get(rid, ""))
                 return link.call(key, subject, actor, body)
-        return actor.run_batch.remote(payloads)
+        return self.caller.run_batch(actor, payloads)
 
     def _release(self, rid: int, batch: list[Pending]) -> None:
         running = self.in_flight.get(rid, {})
@@ -307,7 +312,7 @@ class Processor:
                 if isinstance(exc, ReplyLost):
                     self._requeue(rid, batch, "ReplyLost", replica_left=False)
                     return
-                if _replica_gone(exc):
+                if _replica_gone(exc, self.caller):
                     self._requeue(rid, batch, type(exc).__name__)
                     return
                 cause = getattr(exc, "cause", None) or exc

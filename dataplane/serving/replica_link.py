@@ -32,15 +32,15 @@ from collections.abc import Callable
 from typing import Any
 
 import msgspec
-import ray
 import structlog
 from nats.aio.msg import Msg
 from nats.js import api
 
 from controlplane.auth import Creds
 from controlplane.eventstore import connect
+from dataplane.runtime.ports import ReplicaCaller
 
-log = structlog.get_logger("ndif.replica_link")
+logger = structlog.get_logger("ndif.replica_link")
 
 ANSWERS, PARKED = 0, 1
 NO_RESPONDERS = "503"  # the status the server answers a request nobody is subscribed to
@@ -77,7 +77,7 @@ class ReplicaEndpoint:
                  creds: Creds | None = None, **log_fields: Any) -> None:
         self.url = url
         self.creds = creds  # the node agent's user: it may serve its own node's `ndif.run.<ntok>.>`
-        self.log = log.bind(subject=subject, **log_fields)
+        self.logger = logger.bind(subject=subject, **log_fields)
         self.subject = subject
         self.name = name
         self.max_answer_bytes = max_answer_bytes
@@ -105,10 +105,10 @@ class ReplicaEndpoint:
                 await self.nc.subscribe(self.subject, cb=self._on_call)
                 await self.nc.flush()
                 self._subscribed.set()
-                self.log.info("replica_endpoint_ready")
+                self.logger.info("replica_endpoint_ready")
                 return
             except Exception as exc:  # noqa: BLE001 - NATS not reachable yet: Ray serves meanwhile
-                self.log.warning("replica_endpoint_unavailable", error=str(exc), retry_s=RETRY_S)
+                self.logger.warning("replica_endpoint_unavailable", error=str(exc), retry_s=RETRY_S)
                 if self.nc is not None:
                     with contextlib.suppress(Exception):
                         await self.nc.close()
@@ -150,7 +150,7 @@ class ReplicaEndpoint:
                 body = _enc.encode((PARKED, None))
             await self.nc.publish(msg.reply, body)
         except Exception as exc:  # noqa: BLE001 - unanswered: the dispatcher's check finds it lost
-            self.log.error("replica_endpoint_call_failed", error=str(exc))
+            self.logger.error("replica_endpoint_call_failed", error=str(exc))
         finally:
             self._active.discard(msg.reply)
 
@@ -198,8 +198,13 @@ class ReplicaLink:
     never waits on the connection.
     """
 
-    def __init__(self, nc: Any, send: Callable[[str, bytes, str], None]) -> None:
+    def __init__(self, nc: Any, send: Callable[[str, bytes, str], None], caller: ReplicaCaller | None = None) -> None:
         self.nc = nc
+        if caller is None:
+            from dataplane.runtime.ray_adapter import RayCaller
+
+            caller = RayCaller()
+        self.caller = caller  # the fallback: parked answers, and whether calls are still known
         self._send = send
         self._prefix = ""
         self._n = 0
@@ -233,7 +238,7 @@ class ReplicaLink:
 
     def endpoint_absent(self, key: tuple[str, int]) -> None:
         if self._off.get(key, 0.0) <= time.monotonic():
-            log.info("replica_endpoint_absent", model_key=key[0], replica_id=key[1], retry_s=RETRY_S)
+            logger.info("replica_endpoint_absent", model_key=key[0], replica_id=key[1], retry_s=RETRY_S)
         self._off[key] = time.monotonic() + RETRY_S
 
     def call(self, key: tuple[str, int], subject: str, actor: Any, body: bytes) -> asyncio.Future[list[Any]]:
@@ -266,7 +271,7 @@ class ReplicaLink:
 
     async def _take(self, c: _Call) -> None:
         try:
-            answers = await c.actor.take_answer.remote(c.reply)
+            answers = await self.caller.take_answer(c.actor, c.reply)
         except Exception as exc:  # noqa: BLE001 - the actor died meanwhile: handled like a Ray call's error
             if not c.fut.done():
                 c.fut.set_exception(exc)
@@ -283,7 +288,7 @@ class ReplicaLink:
             try:
                 await self._check()
             except Exception as exc:  # noqa: BLE001 - a check that fails is tried again next round
-                log.warning("replica_link_check_failed", error=str(exc))
+                logger.warning("replica_link_check_failed", error=str(exc))
 
     async def _check(self) -> None:
         old = time.monotonic() - CHECK_S
@@ -293,19 +298,21 @@ class ReplicaLink:
                 by_replica.setdefault(c.key, []).append(c)
         for key, calls in by_replica.items():
             try:
-                known = await asyncio.wait_for(calls[0].actor.calls_active.remote([c.reply for c in calls]), 10)
-            except (ray.exceptions.RayActorError, ray.exceptions.ActorDiedError) as exc:
-                log.warning("replica_gone_under_calls", model_key=key[0], replica_id=key[1], calls=len(calls))
+                known = await asyncio.wait_for(self.caller.calls_active(calls[0].actor, [c.reply for c in calls]), 10)
+            except TimeoutError:
+                continue  # busy or unreachable: asked again next round
+            except Exception as exc:
+                if not self.caller.gone(exc):
+                    raise
+                logger.warning("replica_gone_under_calls", model_key=key[0], replica_id=key[1], calls=len(calls))
                 for c in calls:
                     if not c.fut.done():
                         c.fut.set_exception(exc)
                 continue
-            except TimeoutError:
-                continue  # busy or unreachable: asked again next round
             for c, k in zip(calls, known, strict=True):
                 c.unknown = 0 if k else c.unknown + 1
                 if c.unknown >= 2 and not c.fut.done():
-                    log.warning("replica_answer_lost", model_key=key[0], replica_id=key[1])
+                    logger.warning("replica_answer_lost", model_key=key[0], replica_id=key[1])
                     c.fut.set_exception(ReplyLost(f"the answer of replica {key[1]} of {key[0]} was lost"))
 
 

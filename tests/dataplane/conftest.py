@@ -9,14 +9,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import ray
 
 from controlplane.admin import AdminClient
 from controlplane.controller import Controller
 from controlplane.eventstore import JetStreamEventLog
-from dataplane.node.actor import NAMESPACE, get_actor, list_replica_actors
 from dataplane.node.agent import NodeAgent, declared_gpus
 from dataplane.node.tiny_models import make_tiny_gpt2, make_tiny_llama
+from dataplane.runtime import ray_adapter
+from dataplane.runtime.ray_adapter import get_actor, list_replica_actors
 from dataplane.serving.dispatcher import Dispatcher
 from tests.conftest import bounded, fresh_event_log
 
@@ -25,18 +25,18 @@ GB = 10**9
 
 @pytest.fixture(scope="module")
 def local_ray() -> Iterator[str]:
-    ray.init(num_gpus=2, num_cpus=2, namespace=NAMESPACE, include_dashboard=False, log_to_driver=False)
+    gcs = ray_adapter.start_local(2, num_cpus=2)
     try:
-        yield ray.get_runtime_context().gcs_address
+        yield gcs
     finally:
-        ray.shutdown()
+        ray_adapter.shutdown()
 
 
 def kill_all_actors() -> None:
     for mk, rid, _ in list_replica_actors():
         h = get_actor(mk, rid)
         if h is not None:
-            ray.kill(h, no_restart=True)
+            ray_adapter.kill_actor(h)
 
 
 @pytest.fixture(scope="module")
@@ -51,8 +51,8 @@ async def running_service(url: str, gcs: str, *, drain_timeout_s: float) -> Asyn
     kill_all_actors()
     lg: JetStreamEventLog = await fresh_event_log(url)
     ctl = await Controller(url, policy_interval_s=0.2).start()
-    agent = await NodeAgent(url, "node-a", gpus=declared_gpus(2, 80 * GB), cpu_cache_bytes=10 * GB,
-                            heartbeat_s=0.5, drain_timeout_s=drain_timeout_s, health_interval_s=0.5).start()
+    agent = await (await NodeAgent.open(url, "node-a", gpus=declared_gpus(2, 80 * GB), cpu_cache_bytes=10 * GB,
+                            heartbeat_s=0.5, drain_timeout_s=drain_timeout_s, health_interval_s=0.5)).start()
     disp = await Dispatcher(url).start()
     admin = await AdminClient.open(url, timeout=30)
     try:

@@ -19,15 +19,15 @@ from typing import Any
 
 import pytest
 import pytest_asyncio
-import ray
 
 from controlplane.admin import AdminClient
 from controlplane.controller import Controller
 from controlplane.eventstore import JetStreamEventLog
 from controlplane.nats_server import EmbeddedNats
-from dataplane.node.actor import actor_name, get_actor, list_replica_actors, parse_actor_name
+from dataplane.node.actor import actor_name, parse_actor_name
 from dataplane.node.agent import NodeAgent, declared_gpus
 from dataplane.node.tiny_models import make_tiny_gpt2
+from dataplane.runtime.ray_adapter import get_actor, kill_actor, list_replica_actors
 from schemas.keys import canonical_model_key
 from tests.conftest import fresh_event_log
 from tests.dataplane.conftest import kill_all_actors
@@ -58,9 +58,9 @@ async def admin(nats_server: EmbeddedNats, log: JetStreamEventLog) -> AsyncItera
         yield a
 
 
-def agent(url: str, **kw: Any) -> NodeAgent:
-    return NodeAgent(url, "node-a", gpus=declared_gpus(2, 80 * GB), cpu_cache_bytes=10 * GB, heartbeat_s=0.2,
-                     drain_timeout_s=0.2, health_interval_s=0.2, **kw)
+async def agent(url: str, **kw: Any) -> NodeAgent:
+    return await NodeAgent.open(url, "node-a", gpus=declared_gpus(2, 80 * GB), cpu_cache_bytes=10 * GB,
+                                heartbeat_s=0.2, drain_timeout_s=0.2, health_interval_s=0.2, **kw)
 
 
 async def info(mk: str, rid: int) -> dict[str, Any] | None:
@@ -103,7 +103,7 @@ async def test_lifecycle_with_real_actors(nats_server: EmbeddedNats, admin: Admi
         if step == "restart":
             assert (await info(mk, 0))["pid"] != pids[0]  # a new process under the same name and id
 
-    async with Controller(url, policy_interval_s=0.2), agent(url):
+    async with Controller(url, policy_interval_s=0.2), await agent(url):
         await lifecycle_scenario(url, admin, tiny, node="node-a", drainer="agent:node-a", on_step=actors_match,
                                  settle_timeout=90)
     assert not list_replica_actors()  # evict --all --cold: no actor left
@@ -113,12 +113,12 @@ async def test_killed_actor_fails_and_the_policy_restarts_it(nats_server: Embedd
                                                             tiny: Path) -> None:
     url = nats_server.url
     mk = canonical_model_key(str(tiny))
-    async with Controller(url, policy_interval_s=0.1), agent(url):
+    async with Controller(url, policy_interval_s=0.1), await agent(url):
         res = await admin.deploy(str(tiny), 1)
         await admin.wait(res, timeout=90)
         before = await info(mk, 0)
         killed_at = datetime.now(UTC)
-        ray.kill(get_actor(mk, 0), no_restart=True)
+        kill_actor(get_actor(mk, 0))
         st = await until(admin, lambda s: s.replicas[(mk, 0)].restarts == 1
                          and s.replicas[(mk, 0)].state == "Available", timeout=90)
         events = [e async for _, e in admin.events(model=str(tiny))]
@@ -177,7 +177,7 @@ async def test_corrupt_checkpoint_load_fails_and_frees_its_cards(nats_server: Em
         (bad / f.name).write_bytes(f.read_bytes())
     (bad / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_embd": "sixty-four"}))
     mk_bad, mk_ok = canonical_model_key(str(bad)), canonical_model_key(str(tiny))
-    async with Controller(url, policy_interval_s=0.1), agent(url):
+    async with Controller(url, policy_interval_s=0.1), await agent(url):
         ok = await admin.deploy(str(tiny), 1)
         await admin.wait(ok, timeout=90)
         res = await admin.deploy(str(bad), 1, size_bytes=10 * GB)

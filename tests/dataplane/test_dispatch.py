@@ -19,12 +19,11 @@ from typing import Any
 
 import pytest
 import pytest_asyncio
-import ray
 
 from controlplane.nats_server import EmbeddedNats
 from dataplane.client import Client, RequestFailed
-from dataplane.node.actor import get_actor
 from dataplane.node.model import ModelReplica
+from dataplane.runtime.ray_adapter import get_actor, kill_actor
 from dataplane.serving.dispatcher import Dispatcher
 from schemas import errors as errs
 from schemas.keys import canonical_model_key
@@ -141,7 +140,7 @@ async def test_a_replica_killed_under_its_calls_loses_no_request(service: dict[s
         async with asyncio.timeout(60):
             while not (procs := [p for p in proc_of.values() if p.model_key == mk]) or not procs[0].in_flight.get(0):
                 await asyncio.sleep(0.01)
-        ray.kill(get_actor(mk, 0), no_restart=True)
+        kill_actor(get_actor(mk, 0))
         finals = await asyncio.gather(*(_final(j) for j in jobs))
         results = [await j.result() for j in jobs]
     assert all(f.status == "COMPLETED" for f in finals), finals

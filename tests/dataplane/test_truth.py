@@ -148,14 +148,14 @@ async def test_a_node_id_held_by_a_live_agent_refuses_a_second_agent(service: di
     assert len(state.nodes["node-a"].gpus) == 2  # the live agent's NodeJoined still stands
 
     # A node id whose agent stopped (its goodbye heartbeat) is taken over at once.
-    z = await NodeAgent(url, "node-z", gpus=declared_gpus(1, GB), heartbeat_s=0.2).start()
+    z = await (await NodeAgent.open(url, "node-z", gpus=declared_gpus(1, GB), heartbeat_s=0.2)).start()
     await z.stop()
     t0 = asyncio.get_running_loop().time()
-    z2 = await NodeAgent(url, "node-z", gpus=declared_gpus(1, GB), heartbeat_s=0.2).start()
+    z2 = await (await NodeAgent.open(url, "node-z", gpus=declared_gpus(1, GB), heartbeat_s=0.2)).start()
     assert asyncio.get_running_loop().time() - t0 < 5
     # ... and one still beating is refused in-process too.
     with pytest.raises(NodeIdHeld):
-        await NodeAgent(url, "node-z", gpus=declared_gpus(1, GB), heartbeat_s=0.2).start()
+        await (await NodeAgent.open(url, "node-z", gpus=declared_gpus(1, GB), heartbeat_s=0.2)).start()
     await z2.stop()
 
 

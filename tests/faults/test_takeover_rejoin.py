@@ -81,8 +81,8 @@ def _end(proc: subprocess.Popen[bytes]) -> None:
 async def test_a_sigkilled_dispatchers_requests_end_within_10s(base: dict[str, Any], tiny: Path) -> None:
     url, admin, lg = base["url"], base["admin"], base["log"]
     assert ACK_WAIT_S <= 4.0
-    agent = await NodeAgent(url, "node-a", gpus=declared_gpus(2, 80 * GB), cpu_cache_bytes=10 * GB,
-                            heartbeat_s=0.5, health_interval_s=0.5).start()
+    agent = await (await NodeAgent.open(url, "node-a", gpus=declared_gpus(2, 80 * GB), cpu_cache_bytes=10 * GB,
+                            heartbeat_s=0.5, health_interval_s=0.5)).start()
     res = await admin.deploy(str(tiny), 2)
     await admin.wait(res, timeout=120)
     kept: Counter[str] = Counter()

@@ -53,7 +53,7 @@ async def test_lifecycle_through_the_cli(nats_server: EmbeddedNats, admin: Admin
     parts = await start_all(url, Controller(url, policy_interval_s=0.2),
                             ScriptedAgent(url, "node-a", gpus=2, cpu_cache_bytes=10 * GB))
     try:
-        await lifecycle_scenario(url, admin, tiny, node="node-a", drainer="dispatcher:sim")
+        await lifecycle_scenario(url, admin, tiny, node="node-a", drainer="agent:node-a")
     finally:
         await stop_all(parts)
 

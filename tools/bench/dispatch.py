@@ -40,16 +40,15 @@ from controlplane.logs import configure
 configure("ERROR")
 logging.getLogger("ray").setLevel(logging.ERROR)
 
-import ray  # noqa: E402
-
 from controlplane.admin import AdminClient  # noqa: E402
 from controlplane.controller import Controller  # noqa: E402
 from controlplane.eventstore import JetStreamEventLog  # noqa: E402
 from controlplane.nats_server import EmbeddedNats  # noqa: E402
 from dataplane.client import Client  # noqa: E402
-from dataplane.node.actor import NAMESPACE, get_actor  # noqa: E402
 from dataplane.node.agent import NodeAgent, declared_gpus  # noqa: E402
 from dataplane.node.tiny_models import make_tiny_gpt2  # noqa: E402
+from dataplane.runtime import ray_adapter  # noqa: E402
+from dataplane.runtime.ray_adapter import get_actor  # noqa: E402
 from dataplane.serving.dispatcher import Dispatcher  # noqa: E402
 from schemas.keys import canonical_model_key  # noqa: E402
 
@@ -100,14 +99,11 @@ class ServeNoop:
     """Ray Serve: a 2-replica no-op deployment, called through its handle (16 in flight)."""
 
     def start(self) -> ServeNoop:
-        from ray import serve
-
-        @serve.deployment(num_replicas=2, ray_actor_options={"num_cpus": 0})
         class Noop:
             async def __call__(self, req: dict[str, Any]) -> dict[str, Any]:
                 return {"echo": req.get("data")}
 
-        self.handle = serve.run(Noop.bind(), name="bench-noop", route_prefix=None)
+        self.handle = ray_adapter.serve_run(Noop, name="bench-noop", num_replicas=2)
         self.rps(50)  # warm
         return self
 
@@ -116,9 +112,7 @@ class ServeNoop:
                                                 _serve_loop()).result()
 
     def stop(self) -> None:
-        from ray import serve
-
-        serve.shutdown()
+        ray_adapter.serve_shutdown()
 
 
 _loop: asyncio.AbstractEventLoop | None = None
@@ -140,15 +134,15 @@ async def main(a: argparse.Namespace) -> dict[str, float]:
     srv = EmbeddedNats(tmp / "nats")
     await srv.astart()
     url = srv.url
-    lg = await JetStreamEventLog.open(url)
-    await lg.close()
-    ray.init(num_gpus=2, num_cpus=4, namespace=NAMESPACE, include_dashboard=False, log_to_driver=False)
+    log = await JetStreamEventLog.open(url)
+    await log.close()
+    ray_adapter.start_local(2, num_cpus=4)
     ckpt = str(make_tiny_gpt2(tmp / "tiny"))
     mk = canonical_model_key(ckpt)
     out: dict[str, float] = {}
     try:
         async with Controller(url, policy_interval_s=0.5), \
-                NodeAgent(url, "bench-node", gpus=declared_gpus(2, 80 * 10**9), cpu_cache_bytes=10**10,
+                await NodeAgent.open(url, "bench-node", gpus=declared_gpus(2, 80 * 10**9), cpu_cache_bytes=10**10,
                           drain_timeout_s=0.05, heartbeat_s=1.0) as _agent, \
                 await AdminClient.open(url) as admin, Client(url) as c:
             res = await admin.deploy(ckpt, 2)
@@ -158,7 +152,7 @@ async def main(a: argparse.Namespace) -> dict[str, float]:
             def dispatcher_process(link: str) -> subprocess.Popen[bytes]:
                 return subprocess.Popen(
                     [sys.executable, "-m", "dataplane.cli", "dispatcher", "--nats", url, "--ray-address",
-                     ray.get_runtime_context().gcs_address],
+                     ray_adapter.gcs_address()],
                     env={**os.environ, "NDIF_LOG_LEVEL": "WARNING", "NDIF_REPLICA_LINK": link})
 
             async def warm() -> None:
@@ -252,7 +246,7 @@ async def main(a: argparse.Namespace) -> dict[str, float]:
             print(f"(c) ReplicaLoaded -> worker: p50 {out['event_to_worker_p50_ms']:.2f} ms, p99 "
                   f"{out['event_to_worker_p99_ms']:.2f} ms ({a.cycles} cycles)", flush=True)
     finally:
-        ray.shutdown()
+        ray_adapter.shutdown()
         srv.close()
     return out
 

@@ -51,27 +51,25 @@ def bench_plain(ckpt: str, reps: int, devices: tuple[int, ...]) -> dict[str, flo
 
 
 def bench_ray(ckpt: str, reps: int, devices: tuple[int, ...]) -> dict[str, float]:
-    import ray
+    from dataplane.runtime import ray_adapter as rt
 
-    from dataplane.node.actor import NAMESPACE, create_actor
-
-    ray.init(num_gpus=max(1, len(devices)), namespace=NAMESPACE, include_dashboard=False, log_to_driver=False)
-    node = ray.get_runtime_context().get_node_id()
+    rt.start_local(max(1, len(devices)))
+    node = rt.current_location()
     cold, warm = [], []
     try:
         for i in range(reps):
             t0 = time.perf_counter()
-            a = create_actor("bench", i, ckpt, ray_node_id=node, node_id="bench")
-            ray.get(a.load.remote(list(devices)))
+            a = rt.create_actor("bench", i, ckpt, ray_node_id=node, node_id="bench")
+            rt.get(a.load.remote(list(devices)))
             cold.append(time.perf_counter() - t0)
-            ray.get(a.to_cache.remote())
+            rt.get(a.to_cache.remote())
             t0 = time.perf_counter()
-            ray.get(a.from_cache.remote(list(devices)))
+            rt.get(a.from_cache.remote(list(devices)))
             warm.append(time.perf_counter() - t0)
-            ray.kill(a, no_restart=True)
+            rt.kill_actor(a)
             print(f"  (b) rep {i + 1}: actor create + COLD->HOT {cold[-1]:.3f}s, WARM->HOT {warm[-1]:.3f}s", flush=True)
     finally:
-        ray.shutdown()
+        rt.shutdown()
     return {"ray_cold_to_hot_s": statistics.median(cold), "ray_warm_to_hot_s": statistics.median(warm)}
 
 

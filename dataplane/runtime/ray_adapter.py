@@ -1,0 +1,251 @@
+"""The Ray implementation of the runtime ports: the one module of ours that imports `ray`.
+
+Everything Ray does for us goes through here (Ray Serve's rule: "all Ray API calls are made
+here"): starting or joining the local Ray, the replica actor (`ModelActor` made remote, created
+detached and pinned to the agent's node), finding, killing and pinging actors (`RayRuntime`, the
+node agent's `ReplicaRuntime`), and the request path's calls (`RayCaller`, a `ReplicaCaller`).
+A test (tests/unit/test_ray_boundary.py) fails if any other module imports `ray`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from typing import Any
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from dataplane.node.actor import NAMESPACE, ModelActor, actor_name, parse_actor_name, replica_resources
+from dataplane.runtime.ports import Answer, Found, Liveness, ReplicaHandle, ReplicaSpec
+
+# ---- the local Ray ---------------------------------------------------------------------------
+
+
+def start_local(num_gpus: int, *, num_cpus: int | None = None) -> str:
+    """Start a Ray for this process (`ndif up`, the demos, tests), in namespace `ndif`; its GCS address.
+
+    The GPUs are declared, not Ray's to allocate (dataplane/node/actor.py): `num_gpus` only says
+    how many this node has."""
+    ray.init(num_gpus=num_gpus, num_cpus=num_cpus, namespace=NAMESPACE, include_dashboard=False,
+             log_to_driver=False)
+    return str(ray.get_runtime_context().gcs_address)
+
+
+def join(address: str) -> None:
+    """Join the Ray cluster at `address` (`ndif agent`, `ndif dispatcher`). ConnectionError when there is none."""
+    ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
+
+
+def is_initialized() -> bool:
+    return bool(ray.is_initialized())
+
+
+def shutdown() -> None:
+    """Leave (or stop, when it was started here) this process's Ray; nothing when none."""
+    if ray.is_initialized():
+        ray.shutdown()
+
+
+def gcs_address() -> str:
+    return str(ray.get_runtime_context().gcs_address)
+
+
+def current_location() -> str:
+    """This process's Ray node id (where `RayRuntime` makes its replicas)."""
+    return str(ray.get_runtime_context().get_node_id())
+
+
+# ---- the replica actor -----------------------------------------------------------------------
+
+
+class _RayModelActor(ModelActor):
+    """`ModelActor` as Ray runs it: `info` says the Ray node, and the request path's methods have
+    Ray's per-task events off (every request already has its statuses and the dispatcher's logs,
+    and task events cost ~0.2 ms a call here)."""
+
+    def info(self) -> dict[str, Any]:
+        here = current_location()
+        return {**super().info(), "ray_node_id": here, "location": here}
+
+    @ray.method(enable_task_events=False)
+    def calls_active(self, replies: list[str]) -> list[bool]:  # type: ignore[override]
+        return super().calls_active(replies)
+
+    @ray.method(enable_task_events=False)
+    def run_batch(self, requests: list[dict[str, Any]]) -> list[tuple[Any, ...]]:  # type: ignore[override]
+        return super().run_batch(requests)
+
+
+RemoteModelActor = ray.remote(_RayModelActor)
+
+
+def create_actor(model_key: str, replica_id: int, checkpoint: str, *, ray_node_id: str, node_id: str,
+                 revision: str | None = None, dtype: str = "float32", execution_timeout_s: float = 60.0,
+                 max_concurrency: int = 4, nats_url: str | None = None, nats_creds: Any = None) -> Any:
+    """Start the detached actor for a replica on `ray_node_id` (it loads nothing until `load`)."""
+    env = {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}
+    for var in ("HF_HOME", "HF_HUB_CACHE", "HF_HUB_OFFLINE", "NDIF_LOG_LEVEL"):
+        if var in os.environ:
+            env[var] = os.environ[var]
+    cpus, memory = replica_resources()
+    return RemoteModelActor.options(
+        name=actor_name(model_key, replica_id), namespace=NAMESPACE, lifetime="detached",
+        num_cpus=cpus, memory=memory, num_gpus=0, max_concurrency=max_concurrency, max_restarts=0,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(ray_node_id, soft=False),
+        runtime_env={"env_vars": env},
+    ).remote(model_key, replica_id, checkpoint, revision=revision, dtype=dtype, node_id=node_id,
+             execution_timeout_s=execution_timeout_s, nats_url=nats_url, nats_creds=nats_creds)
+
+
+def get_actor(model_key: str, replica_id: int) -> Any | None:
+    """The live actor of a replica, or None (a blocking GCS call)."""
+    try:
+        return ray.get_actor(actor_name(model_key, replica_id), namespace=NAMESPACE)
+    except ValueError:
+        return None
+
+
+def list_replica_actors() -> list[tuple[str, int, str]]:
+    """(model_key, replica_id, name) of every live contract-named actor in the namespace."""
+    out = []
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        name, ns = (entry["name"], entry["namespace"]) if isinstance(entry, dict) else (entry, NAMESPACE)
+        if ns != NAMESPACE:
+            continue
+        parsed = parse_actor_name(name)
+        if parsed is not None:
+            out.append((*parsed, name))
+    return out
+
+
+def kill_actor(handle: Any) -> None:
+    """End an actor at once, no restart (tests and demos kill replicas behind the agent's back)."""
+    ray.kill(handle, no_restart=True)
+
+
+def actor_gone(exc: BaseException) -> bool:
+    """Is this the error of a call whose actor died (or was killed)?"""
+    return isinstance(exc, (ray.exceptions.RayActorError, ray.exceptions.ActorDiedError))
+
+
+def get(ref: Any, timeout_s: float | None = None) -> Any:
+    """The value of an object ref, blocking (tools and tests outside an event loop)."""
+    return ray.get(ref, timeout=timeout_s)
+
+
+# ---- the node agent's runtime ----------------------------------------------------------------
+
+
+class RayRuntime:
+    """`ReplicaRuntime` on Ray: detached contract-named actors pinned to this process's Ray node.
+
+    Given the NATS URL (and the agent's credentials), each actor also serves its NATS endpoint
+    (dataplane/serving/replica_link.py)."""
+
+    def __init__(self, *, nats_url: str | None = None, nats_creds: Any = None, location: str | None = None) -> None:
+        self.nats_url = nats_url
+        self.nats_creds = nats_creds
+        self._location = location or current_location()
+
+    @property
+    def location(self) -> str:
+        return self._location
+
+    async def create(self, spec: ReplicaSpec) -> ReplicaHandle:
+        return await asyncio.to_thread(
+            create_actor, spec.model_key, spec.replica_id, spec.checkpoint, revision=spec.revision, dtype=spec.dtype,
+            ray_node_id=self._location, node_id=spec.node_id, execution_timeout_s=spec.execution_timeout_s,
+            nats_url=self.nats_url, nats_creds=self.nats_creds)
+
+    async def started(self, handle: ReplicaHandle, timeout_s: float) -> bool:
+        try:
+            await asyncio.wait_for(handle.info.remote(), timeout_s)
+        except TimeoutError:
+            return False
+        return True
+
+    async def get(self, model_key: str, replica_id: int) -> ReplicaHandle | None:
+        # A blocking GCS call: kept off the event loop (heartbeats must not stall).
+        return await asyncio.to_thread(get_actor, model_key, replica_id)
+
+    async def info(self, handle: ReplicaHandle) -> dict[str, Any]:
+        info: dict[str, Any] = await handle.info.remote()
+        info.setdefault("location", info.get("ray_node_id"))  # an actor made before `location` was said
+        return info
+
+    async def load(self, handle: ReplicaHandle, devices: list[int], bytes_per_gpu: int) -> None:
+        await handle.load.remote(devices, bytes_per_gpu)
+
+    async def to_cache(self, handle: ReplicaHandle) -> int:
+        return int(await handle.to_cache.remote())
+
+    async def from_cache(self, handle: ReplicaHandle, devices: list[int], bytes_per_gpu: int) -> None:
+        await handle.from_cache.remote(devices, bytes_per_gpu)
+
+    async def unload(self, handle: ReplicaHandle) -> None:
+        await handle.unload.remote()
+
+    async def kill(self, handle: ReplicaHandle) -> None:
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(handle.unload.remote(), 10)
+        with contextlib.suppress(Exception):
+            await asyncio.to_thread(kill_actor, handle)
+
+    async def ping(self, handle: ReplicaHandle, timeout_s: float) -> tuple[Liveness, str]:
+        try:
+            await asyncio.wait_for(handle.ping.remote(), timeout_s)
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorDiedError) as exc:
+            return Liveness.DEAD, f"actor died: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+        except (TimeoutError, ray.exceptions.GetTimeoutError):
+            return Liveness.BUSY, ""
+        return Liveness.ALIVE, ""
+
+    async def list(self) -> list[Found]:
+        found = await asyncio.to_thread(list_replica_actors)
+        return [Found(model_key=mk, replica_id=rid, name=name) for mk, rid, name in found]
+
+
+# ---- the request path's calls ----------------------------------------------------------------
+
+
+class RayCaller:
+    """`ReplicaCaller` on Ray: actor method calls, awaited as Ray object refs."""
+
+    def lookup(self, model_key: str, replica_id: int) -> ReplicaHandle | None:
+        return get_actor(model_key, replica_id)
+
+    def run_batch(self, handle: ReplicaHandle, payloads: list[Any]) -> Any:
+        return handle.run_batch.remote(payloads)
+
+    def take_answer(self, handle: ReplicaHandle, reply: str) -> Any:
+        return handle.take_answer.remote(reply)
+
+    def calls_active(self, handle: ReplicaHandle, replies: list[str]) -> Any:
+        return handle.calls_active.remote(replies)
+
+    def gone(self, exc: BaseException) -> bool:
+        return actor_gone(exc)
+
+
+__all__ = ["Answer", "RayCaller", "RayRuntime", "RemoteModelActor", "actor_gone", "create_actor", "current_location",
+           "gcs_address", "get", "get_actor", "is_initialized", "join", "kill_actor", "list_replica_actors",
+           "shutdown", "start_local"]
+
+
+# ---- Ray Serve, the baseline tools/bench/dispatch.py measures us against -----------------------
+
+
+def serve_run(cls: type, *, name: str, num_replicas: int) -> Any:
+    """Deploy `cls` with Ray Serve (`num_replicas`, no CPU reserved); its deployment handle."""
+    from ray import serve
+
+    deployment = serve.deployment(num_replicas=num_replicas, ray_actor_options={"num_cpus": 0})(cls)
+    return serve.run(deployment.bind(), name=name, route_prefix=None)
+
+
+def serve_shutdown() -> None:
+    from ray import serve
+
+    serve.shutdown()  # type: ignore[no-untyped-call]

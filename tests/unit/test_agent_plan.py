@@ -1,0 +1,270 @@
+"""The node agent's pure decision (dataplane/node/plan.py): unit cases and Hypothesis properties over
+random folds, without Ray, NATS or a clock; then the real `NodeAgent` over the in-memory log and the
+in-memory runtime (tests/fake_runtime.py): it loads what is scheduled and adopts after a restart."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import nats.js.errors
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from structlog.testing import capture_logs
+
+from controlplane.memlog import MemoryEventLog
+from controlplane.projections import ClusterState, fold
+from dataplane.node.agent import NodeAgent
+from dataplane.node.plan import LIVE, Do, plan_actions, plan_adoption
+from dataplane.runtime.ports import ReplicaSpec
+from schemas import events as E
+from schemas.errors import InfrastructureError
+from schemas.status import EvictionReason, Level, ReplicaState
+from tests.fake_runtime import FakeRuntime
+from tests.strategies import MODELS, NODES, _env, histories, node_joined, numbered
+
+S = ReplicaState
+SETTINGS = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+NODE = NODES[0]
+M = MODELS[0]
+
+
+def state_of(events: list[E.Event]) -> ClusterState:
+    return fold(numbered(events), ClusterState())
+
+
+def rep(rid: int, node: str = NODE) -> dict[str, Any]:
+    return {"model_key": M, "replica_id": rid, "node_id": node}
+
+
+def start(*, gpus: tuple[int, ...] = (0,)) -> list[E.Event]:
+    return [node_joined(NODE), E.ModelRegistered(**_env("controller"), model_key=M, checkpoint="/ckpt", size_bytes=2**30)]
+
+
+def scheduled(rid: int, gpus: tuple[int, ...], source: Level = Level.COLD) -> E.ReplicaScheduled:
+    return E.ReplicaScheduled(**_env("controller"), **rep(rid), gpu_indices=gpus, bytes_per_gpu=2**30, source=source)
+
+
+def hot(rid: int, gpus: tuple[int, ...]) -> list[E.Event]:
+    return [scheduled(rid, gpus), E.ReplicaLoading(**_env("agent"), **rep(rid)),
+            E.ReplicaLoaded(**_env("agent"), **rep(rid), load_seconds=1.0)]
+
+
+def evict(rid: int, target: Level = Level.WARM, drain: bool = False) -> E.ReplicaEvictionRequested:
+    return E.ReplicaEvictionRequested(**_env("controller"), **rep(rid), reason=EvictionReason.ADMIN, target=target,
+                                      drain=drain)
+
+
+def kinds(actions: list[Any]) -> list[tuple[int, Do]]:
+    return [(a.replica.replica_id, a.do) for a in actions]
+
+
+# ---- unit cases ------------------------------------------------------------------------------
+
+
+def test_each_state_asks_its_action() -> None:
+    events = start() + [scheduled(0, (0,))] + hot(1, (1,)) + [evict(1, drain=True)]
+    st_ = state_of(events)
+    assert st_.replicas[(M, 1)].state is S.DRAINING
+    assert kinds(plan_actions(st_, NODE, set(), set())) == [(0, Do.LOAD), (1, Do.DRAIN_TIMER)]
+    st_ = state_of(events + [E.ReplicaDrained(**_env("dispatcher"), **rep(1))])
+    assert kinds(plan_actions(st_, NODE, {(M, 1)}, set())) == [(0, Do.LOAD), (1, Do.UNLOAD)]
+    assert plan_actions(st_, NODES[1], set(), set()) == []  # another node's replicas are not ours
+
+
+def test_a_load_waits_for_the_leaving_replica_on_its_card() -> None:
+    events = start() + hot(0, (0,)) + [evict(0, Level.WARM), scheduled(1, (0,)), scheduled(2, (1,))]
+    st_ = state_of(events)
+    assert st_.replicas[(M, 0)].state is S.UNLOAD_REQUESTED
+    # Replica 1 shares card 0 with the leaving replica 0: not yet; replica 2 on card 1 goes.
+    assert kinds(plan_actions(st_, NODE, {(M, 0)}, set())) == [(0, Do.UNLOAD), (2, Do.LOAD)]
+    assert kinds(plan_actions(st_, NODE, {(M, 0)}, {(M, 0)})) == [(2, Do.LOAD)]  # in flight: still waits
+    st_ = state_of(events + [E.ReplicaCached(**_env("agent"), **rep(0), cpu_bytes=2**30)])
+    assert kinds(plan_actions(st_, NODE, {(M, 0)}, set())) == [(1, Do.LOAD), (2, Do.LOAD)]
+
+
+def test_a_load_is_taken_once_per_scheduling() -> None:
+    events = start() + [scheduled(0, (0,))]
+    first = plan_actions(state_of(events), NODE, set(), set())
+    assert kinds(first) == [(0, Do.LOAD)]
+    done = {a.mark for a in first}
+    # Its own ReplicaLoading does not ask for a second load...
+    assert plan_actions(state_of(events + [E.ReplicaLoading(**_env("agent"), **rep(0))]), NODE, set(), set(), done) == []
+    # ...a new scheduling (after a failed load) does.
+    again = events + [E.ReplicaLoadFailed(**_env("agent"), **rep(0), error="x"), scheduled(0, (0,))]
+    assert kinds(plan_actions(state_of(again), NODE, set(), set(), done)) == [(0, Do.LOAD)]
+
+
+def test_warm_without_a_process_is_checked_and_leftovers_are_reaped() -> None:
+    events = start() + hot(0, (0,)) + [evict(0, Level.WARM), E.ReplicaCached(**_env("agent"), **rep(0), cpu_bytes=1)]
+    events += hot(1, (1,)) + [evict(1, Level.COLD), E.ReplicaUnloaded(**_env("agent"), **rep(1))]
+    st_ = state_of(events)
+    assert kinds(plan_actions(st_, NODE, set(), set())) == [(0, Do.CHECK_WARM)]
+    assert kinds(plan_actions(st_, NODE, {(M, 0), (M, 1)}, set())) == [(1, Do.REAP)]
+
+
+def test_adoption_keeps_what_the_log_wants_here_and_kills_the_rest() -> None:
+    events = start() + hot(0, (0,)) + hot(1, (1,)) + [evict(1, Level.COLD), E.ReplicaUnloaded(**_env("agent"), **rep(1))]
+    keep, kill = plan_adoption(state_of(events), NODE, [(M, 0), (M, 1), (M, 7)])
+    assert keep == [(M, 0)] and kill == [(M, 1), (M, 7)]
+
+
+# ---- properties over random folds -------------------------------------------------------------
+
+
+@st.composite
+def situations(draw: st.DrawFn) -> tuple[ClusterState, str, set[tuple[str, int]], set[tuple[str, int]]]:
+    """A fold of a random history prefix (so replicas are caught mid-transition), a node, and which
+    replicas have a live process there and which are being acted on."""
+    events = draw(histories())
+    st_ = state_of(events[: draw(st.integers(0, len(events)))])
+    keys = sorted(st_.replicas)
+    actors = set(draw(st.lists(st.sampled_from(keys), unique=True))) if keys else set()
+    busy = set(draw(st.lists(st.sampled_from(keys), unique=True, max_size=2))) if keys else set()
+    return st_, draw(st.sampled_from(NODES)), actors, busy
+
+
+@SETTINGS
+@given(situations())
+def test_never_two_actions_for_one_replica_nor_one_for_a_busy_replica(sit: Any) -> None:
+    st_, node, actors, busy = sit
+    actions = plan_actions(st_, node, actors, busy)
+    keys = [a.key for a in actions]
+    assert len(keys) == len(set(keys))
+    assert not set(keys) & busy
+    assert all(st_.replicas[k].node_id == node for k in keys)
+    # What was started is not started again: the same fold with those actions taken (or running) plans nothing.
+    assert plan_actions(st_, node, actors, busy | set(keys)) == []
+    assert [a for a in plan_actions(st_, node, actors, busy, {a.mark for a in actions}) if a.do is not Do.REAP] == []
+
+
+@SETTINGS
+@given(situations())
+def test_never_a_load_onto_cards_a_leaving_replica_holds(sit: Any) -> None:
+    st_, node, actors, busy = sit
+    leaving = [r for r in st_.replicas.values() if r.node_id == node and r.on_gpu and r.desired is not Level.HOT]
+    for a in plan_actions(st_, node, actors, busy):
+        if a.do is Do.LOAD:
+            for other in leaving:
+                assert other.key == a.key or not set(other.gpu_indices) & set(a.replica.gpu_indices), (a, other)
+
+
+@SETTINGS
+@given(situations())
+def test_the_plan_is_a_function_of_its_inputs(sit: Any) -> None:
+    st_, node, actors, busy = sit
+    before = state_of([])  # a plan never changes the fold it reads
+    first = plan_actions(st_, node, actors, busy)
+    assert plan_actions(st_, node, set(actors), set(busy)) == first
+    assert before == state_of([])
+
+
+@SETTINGS
+@given(situations())
+def test_after_a_restart_running_processes_are_adopted_not_duplicated(sit: Any) -> None:
+    """An agent restarted with no memory (`done` empty) adopts the live processes the log wants on its
+    node; it plans no load for a replica already serving, and reaps only processes the log does not want."""
+    st_, node, found, _ = sit
+    keep, kill = plan_adoption(st_, node, sorted(found))
+    assert sorted(keep + kill) == sorted(found)
+    for k in keep:
+        assert st_.replicas[k].node_id == node and st_.replicas[k].state in LIVE
+    for k in kill:
+        r = st_.replicas.get(k)
+        assert r is None or r.node_id != node or r.state not in LIVE
+    for a in plan_actions(st_, node, set(keep), set()):
+        assert a.do is not Do.REAP  # an adopted process is wanted
+        assert a.replica.state is not S.AVAILABLE  # a serving replica is left alone
+
+
+# ---- the real agent over the in-memory log and runtime --------------------------------------
+
+
+class _Kv:
+    def __init__(self) -> None:
+        self.data: dict[str, bytes] = {}
+
+    async def put(self, key: str, value: bytes) -> int:
+        self.data[key] = value
+        return len(self.data)
+
+
+class MemoryHeartbeats:
+    """The slice of a JetStream context the agent's heartbeats use (a KV bucket), in memory."""
+
+    def __init__(self) -> None:
+        self.kv = _Kv()
+
+    async def key_value(self, bucket: str) -> _Kv:
+        return self.kv
+
+    async def get_msg(self, stream: str, subject: str) -> Any:
+        raise nats.js.errors.NotFoundError  # no earlier heartbeat of this node
+
+
+async def _until(pred: Any, timeout: float = 5.0) -> None:
+    async with asyncio.timeout(timeout):
+        while not pred():
+            await asyncio.sleep(0.01)
+
+
+def _agent(log: MemoryEventLog, runtime: FakeRuntime) -> NodeAgent:
+    return NodeAgent(log, MemoryHeartbeats(), runtime, NODE, gpus=node_joined(NODE).gpus, cpu_cache_bytes=2**34,
+                     heartbeat_s=0.05, drain_timeout_s=0.0, health_interval_s=0.05)
+
+
+@pytest.mark.timeout(30)
+async def test_the_agent_loads_and_after_a_restart_adopts_without_a_second_process() -> None:
+    log = MemoryEventLog()
+    runtime = FakeRuntime("sim:a")
+    await log.append(start() + [scheduled(0, (0,)), scheduled(1, (1,))], None)
+    agent = await _agent(log, runtime).start()
+    try:
+        await _until(lambda: all(agent.state.replicas[(M, r)].state is S.AVAILABLE for r in (0, 1)))
+    finally:
+        await agent.stop()
+    assert runtime.created == 2 and {p.level for p in runtime.processes.values()} == {"HOT"}
+    # While it was away: replica 1 was evicted COLD in the log, and a stray process appeared.
+    await log.append([evict(1, Level.COLD), E.ReplicaUnloaded(**_env("agent"), **rep(1))], None)
+    await runtime.create(ReplicaSpec(model_key=M, replica_id=9, checkpoint="/ckpt"))
+    agent = await _agent(log, runtime).start()
+    try:
+        assert set(agent.actors) == {(M, 0)}  # adopted; replica 1's leftover and the stray are killed
+        assert set(runtime.processes) == {(M, 0)} and runtime.created == 3
+        await asyncio.sleep(0.3)  # health checks run: the adopted replica is alive, nothing is reported
+        ours = [e for e in log.events() if isinstance(e, E.ReplicaFailed | E.ReplicaLoading)]
+        assert len(ours) == 2  # the two first loads' ReplicaLoading; no failure, no second load
+    finally:
+        await agent.stop()
+
+
+class _FlakyLog(MemoryEventLog):
+    """The in-memory log whose next `fail` appends raise InfrastructureError (a leader election)."""
+
+    def __init__(self, fail: int) -> None:
+        super().__init__()
+        self.fail = fail
+
+    async def append(self, events: Any, expected_last_seq: int | None) -> Any:
+        if self.fail > 0 and expected_last_seq is None:
+            self.fail -= 1
+            raise InfrastructureError("no stream answers on ndif.evt.>")
+        return await super().append(events, expected_last_seq)
+
+
+@pytest.mark.timeout(30)
+async def test_an_append_the_log_refuses_for_a_while_is_retried() -> None:
+    """Regression: the retry's log line named a field `event` (structlog's own argument), so the
+    first refused append raised TypeError and the action was dropped (seen in the R3 fault test)."""
+    log = _FlakyLog(fail=0)
+    await log.append(start() + [scheduled(0, (0,))], None)
+    log.fail = 2  # the agent's NodeJoined and next appends are refused twice, then stored
+    with capture_logs() as logs:
+        agent = await _agent(log, FakeRuntime("sim:a")).start()
+        try:
+            await _until(lambda: agent.state.replicas[(M, 0)].state is S.AVAILABLE)
+        finally:
+            await agent.stop()
+    retries = [e for e in logs if e["event"] == "append_retry"]
+    assert len(retries) == 2 and retries[0]["event_type"] == "NodeJoined", retries
