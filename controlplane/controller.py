@@ -232,7 +232,8 @@ class Controller:
 
     async def _follow(self) -> None:
         assert self.log is not None
-        await follow_log(self.log, lambda: self.state.seq + 1, self._on_batch, logger=log)
+        await follow_log(self.log, lambda: self.state.seq + 1, self._on_batch, logger=log,
+                         fold=lambda: self.state)
 
     def _on_batch(self, batch: list[Stored]) -> None:
         assert self.committer is not None

@@ -306,7 +306,8 @@ class NodeAgent:
 
     async def _follow(self) -> None:
         self._kick.set()
-        await follow_log(self.log, lambda: self.state.seq + 1, self._on_batch, logger=self.logger)
+        await follow_log(self.log, lambda: self.state.seq + 1, self._on_batch, logger=self.logger,
+                         fold=lambda: self.state)
 
     def _on_batch(self, batch: list[Stored]) -> None:
         for seq, item in batch:

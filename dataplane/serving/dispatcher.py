@@ -226,7 +226,8 @@ class Dispatcher:
 
     async def _follow(self) -> None:
         assert self.log_ is not None
-        await follow_log(self.log_, lambda: self.state.seq + 1, self._on_batch, logger=log)
+        await follow_log(self.log_, lambda: self.state.seq + 1, self._on_batch, logger=log,
+                         fold=lambda: self.state)
 
     def _on_batch(self, batch: list[Stored]) -> None:
         undeployed: set[str] = set()

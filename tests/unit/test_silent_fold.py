@@ -8,6 +8,7 @@ from datetime import UTC, datetime
 
 from structlog.testing import capture_logs
 
+from controlplane.ports import Stored
 from controlplane.projections import ClusterState, fold
 from schemas.events import NodeLost, Skipped, decode_or_skip
 
@@ -76,3 +77,46 @@ def test_a_live_service_logs_each_anomaly_once_and_a_restart_logs_none_of_the_hi
         restarted.apply(restarted.seq + 1, NodeLost(event_id="x2", ts=T0, actor="controller:t", node_id="nowhere"))
         assert log_new_anomalies(logger, restarted, restarted.seq - 1) == 1
     assert [(e["event"], e["event_type"]) for e in again] == [("projection_anomaly", "NodeLost")]
+
+
+async def test_follow_log_logs_each_new_anomaly_once_and_not_the_rebuilt_history():
+    """The one follow loop (controller, agent, dispatcher) logs what each batch's fold found; a
+    service that rebuilt from the log first and follows from there logs none of the history."""
+    import asyncio
+
+    from controlplane.follow import follow_log
+    from controlplane.memlog import MemoryEventLog
+
+    log = MemoryEventLog()
+    ghost = NodeLost(event_id="g0", ts=T0, actor="controller:t", node_id="ghost")  # an unknown node: an anomaly
+    await log.append([ghost], None)
+    state = ClusterState()
+    async for seq, item in log.read():  # the rebuild: the history's anomaly is in the fold, not logged
+        state.apply(seq, item)
+    assert state.anomaly_count == 1
+
+    seen: list[tuple[str, dict[str, object]]] = []
+
+    class Recorder:
+        def warning(self, what: str, **kw: object) -> None:
+            seen.append((what, kw))
+
+        exception = warning
+
+    def on_batch(batch: list[Stored]) -> None:
+        for seq, item in batch:
+            state.apply(seq, item)
+
+    task = asyncio.create_task(follow_log(log, lambda: state.seq + 1, on_batch, logger=Recorder(),
+                                          fold=lambda: state))
+    try:
+        await log.append([NodeLost(event_id="g1", ts=T0, actor="controller:t", node_id="ghost2")], None)
+        for _ in range(200):
+            if state.seq == 2:
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    assert [(w, kw["seq"]) for w, kw in seen] == [("projection_anomaly", 2)]
