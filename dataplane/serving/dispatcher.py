@@ -342,9 +342,10 @@ class Dispatcher:
             p.provision_backoff_s = 0.0
             self._rejected.pop(p.token, None)
             log.info("provisioned", model_key=p.model_key, replicas=self.default_replicas)
+        except errs.AlreadyDeployed:
+            pass  # another dispatcher (or an operator) was first: fine
         except errs.InvalidCommand as exc:
-            if "already has" not in str(exc):  # another dispatcher (or an operator) was first: fine
-                p.fail_all(type(exc).__name__, f"cannot deploy {p.model_key}: {exc}")
+            p.fail_all(type(exc).__name__, f"cannot deploy {p.model_key}: {exc}")
         except errs.NotFound as exc:
             p.fail_all(type(exc).__name__, str(exc))
         except errs.NdifError as exc:
@@ -470,13 +471,14 @@ class Dispatcher:
                 async with self._triage_deploys:
                     await self.admin.deploy(mk, self.default_replicas)
                 log.info("provisioned", model_key=mk, replicas=self.default_replicas, by="first request")
+            except errs.AlreadyDeployed:
+                pass  # someone deployed it first: its consumer takes the requests
             except (errs.InvalidCommand, errs.NotFound) as exc:
-                if "already has" not in str(exc):
-                    msg = f"cannot deploy {display_name(mk)}: {exc}"
-                    now = time.monotonic()
-                    _memo_put(self._refused, mk, (now + REFUSED_MODEL_MEMO_S, type(exc).__name__, msg), now)
-                    await self._refuse_stored(seq, data, raw.headers, type(exc).__name__, msg, user)
-                    continue
+                msg = f"cannot deploy {display_name(mk)}: {exc}"
+                now = time.monotonic()
+                _memo_put(self._refused, mk, (now + REFUSED_MODEL_MEMO_S, type(exc).__name__, msg), now)
+                await self._refuse_stored(seq, data, raw.headers, type(exc).__name__, msg, user)
+                continue
             except errs.NdifError as exc:  # no controller: the request stays; try again shortly
                 log.warning("provision_failed", model_key=mk, error=str(exc))
                 seq -= 1
