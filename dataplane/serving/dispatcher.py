@@ -44,8 +44,8 @@ from controlplane.ports import Stored
 from controlplane.projections import ClusterState
 from controlplane.projections.queue import queue_view
 from controlplane.tasks import cancel_and_wait
-from dataplane.serving.provisioning import capacity_mark, never_fits
 from dataplane.serving.processor import Pending, Processor
+from dataplane.serving.provisioning import capacity_mark, never_fits
 from dataplane.serving.pull import PullConsumer
 from dataplane.serving.replica_link import ReplicaLink
 from schemas import errors as errs
