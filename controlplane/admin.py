@@ -32,8 +32,8 @@ from schemas.subjects import command_subject
 _result_decoder = msgspec.json.Decoder(CommandResult)
 _encoder = msgspec.json.Encoder()
 _ERRORS: dict[str, type[errs.NdifError]] = {
-    c.__name__: c for c in (errs.InvalidCommand, errs.CommandIdConflict, errs.NotFound, errs.UnknownModel,
-                            errs.ConflictError, errs.PlacementError, errs.InfrastructureError)
+    c.__name__: c for c in (errs.InvalidCommand, errs.CommandIdConflict, errs.AlreadyDeployed, errs.NotFound,
+                            errs.UnknownModel, errs.ConflictError, errs.PlacementError, errs.InfrastructureError)
 }
 
 

@@ -39,7 +39,7 @@ from schemas.commands import (
     Undeploy,
     fingerprint,
 )
-from schemas.errors import CommandIdConflict, InvalidCommand, NotFound, UnknownModel
+from schemas.errors import AlreadyDeployed, CommandIdConflict, InvalidCommand, NotFound, UnknownModel
 from schemas.events import (
     CommandDecided,
     DeploymentRequested,
@@ -90,7 +90,7 @@ def decide(state: ClusterState, cmd: AnyCommand, ctx: DecisionContext, *,
         case Deploy():
             _not_undeploying(state, cmd.model_key)
             if state.replica_count(cmd.model_key):
-                raise InvalidCommand(
+                raise AlreadyDeployed(
                     f"{display_name(cmd.model_key)} already has {state.replica_count(cmd.model_key)} HOT replicas: "
                     f"use `ndif scale {display_name(cmd.model_key)} --replicas N`")
             body = _grow(state, cmd.model_key, cmd.replicas, cmd.replicas, DeploymentOp.DEPLOY, cmd.replicas,

@@ -202,7 +202,7 @@ async def _up(a: argparse.Namespace) -> int:
         agent_creds = auth.users[f"agent:{node_id}"] if auth else None
         async with Controller(url, creds=role("controller")), \
                 NodeAgent(url, **{**kw, "node_id": node_id, "gpus": gpus, "creds": agent_creds}) as agent, \
-                Dispatcher(url, creds=role("dispatcher")), \
+                Dispatcher.from_url(url, creds=role("dispatcher")), \
                 await open_dashboard(url, a.dashboard_port, creds=role("dashboard")) as dash:
             print(f"ndif up: dashboard {dash.url} (read-only, this machine only)", flush=True)
             print(f"ndif up: controller, agent {agent.node_id} and dispatcher running. In another shell:\n"
@@ -226,7 +226,7 @@ async def _dispatcher(a: argparse.Namespace) -> int:
     from dataplane.serving.dispatcher import Dispatcher
 
     _join_ray(a.ray_address)
-    async with Dispatcher(a.nats):
+    async with Dispatcher.from_url(a.nats):
         await _until_signal()
     return 0
 

@@ -172,7 +172,7 @@ async def run_demo(*, port: int | None, store: Path | None, gpus: list[Any] | No
         async with Controller(url, policy_interval_s=0.2), \
                 NodeAgent(url, "demo-node", gpus=gpus, cpu_cache_bytes=20 * GB, drain_timeout_s=30,
                           heartbeat_s=1.0, health_interval_s=0.5), \
-                Dispatcher(url), \
+                Dispatcher.from_url(url), \
                 await open_dashboard(url, dashboard_port) as dash, \
                 await AdminClient.open(url) as admin, \
                 Client(url) as client:

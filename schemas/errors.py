@@ -50,6 +50,14 @@ class CommandIdConflict(InvalidCommand):
     """A command id already used for a different command (same id, different payload); nothing appended."""
 
 
+class AlreadyDeployed(InvalidCommand):
+    """`deploy` of a model that already has HOT replicas (use `scale`); nothing was appended.
+
+    Its own kind so a caller that only wants the model deployed (the dispatcher provisioning for a
+    request) can tell "someone was first" from a refusal without reading the message.
+    """
+
+
 class NotFound(NdifError, LookupError):
     """A model, replica, node or request that does not exist."""
 
