@@ -24,6 +24,7 @@ from typing import Any
 from controlplane.cli import build_parser, json_error
 from controlplane.cli import main as admin_main
 from schemas import errors as errs
+from schemas.subjects import DISPATCHER_STATE, kill_subject
 
 GiB = 2**30
 
@@ -193,7 +194,7 @@ async def _dispatcher(a: argparse.Namespace) -> int:
     from dataplane.serving.dispatcher import Dispatcher
 
     _join_ray(a.ray_address)
-    async with Dispatcher(a.nats):
+    async with Dispatcher.from_url(a.nats):
         await until_signal()
     return 0
 
@@ -256,7 +257,7 @@ async def _queue(a: argparse.Namespace) -> int:
 
     nc = await _admin_nc(a.nats)
     try:
-        msg = await nc.request("ndif.dispatcher.state", b"", timeout=5)
+        msg = await nc.request(DISPATCHER_STATE, b"", timeout=5)
     except nats_mod.errors.NoRespondersError:
         raise errs.InfrastructureError("no dispatcher is answering: start one (`ndif up` or `ndif dispatcher`)") from None
     finally:
@@ -281,7 +282,7 @@ async def _kill(a: argparse.Namespace) -> int:
 
     nc = await _admin_nc(a.nats)
     try:
-        msg = await nc.request("ndif.dispatcher.kill", a.request_id.encode(), timeout=10)
+        msg = await nc.request(kill_subject(), a.request_id.encode(), timeout=10)
     except nats_mod.errors.NoRespondersError:
         raise errs.InfrastructureError("no dispatcher is answering: start one (`ndif up` or `ndif dispatcher`)") from None
     finally:

@@ -102,7 +102,7 @@ class LocalCluster:
             self.agent = await self._stack.enter_async_context(agent)
             if self.with_dispatcher:
                 self.dispatcher = await self._stack.enter_async_context(
-                    Dispatcher(self.url, creds=self.role("dispatcher")))
+                    Dispatcher.from_url(self.url, creds=self.role("dispatcher")))
             if self.dashboard_port is not None:
                 self.dashboard = await self._stack.enter_async_context(
                     await open_dashboard(self.url, self.dashboard_port, creds=self.role("dashboard")))

@@ -38,7 +38,7 @@ from controlplane.dashboard.model import (
 from controlplane.eventstore import JetStreamEventLog
 from controlplane.tasks import cancel_and_wait
 from schemas import errors as errs
-from schemas.subjects import REQUESTS_STREAM, model_token
+from schemas.subjects import DISPATCHER_STATE, REQUESTS_STREAM, model_token
 
 log = structlog.get_logger("ndif.dashboard")
 
@@ -251,7 +251,7 @@ class Dashboard:
         out: dict[str, Any] = {"dispatcher": None, "error": None, "models": {}, "asked_at": time.time()}
         models: dict[str, dict[str, Any]] = out["models"]
         try:
-            msg = await self.log_.nc.request("ndif.dispatcher.state", b"", timeout=1.0)
+            msg = await self.log_.nc.request(DISPATCHER_STATE, b"", timeout=1.0)
             d = msgspec.json.decode(msg.data)
             out["dispatcher"] = d.get("dispatcher")
             for p in d.get("processors", []):

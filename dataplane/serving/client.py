@@ -43,7 +43,14 @@ from schemas import errors as errs
 from schemas.keys import canonical_model_key
 from schemas.requests import MAX_REQUEST_BYTES, Request, StatusUpdate, check_request_id, encoder, status_decoder
 from schemas.status import RequestStatus
-from schemas.subjects import REQUEST_STATUS_BUCKET, request_subject, results_bucket, status_key, status_subject
+from schemas.subjects import (
+    REQUEST_STATUS_BUCKET,
+    kill_subject,
+    request_subject,
+    results_bucket,
+    status_key,
+    status_subject,
+)
 
 DEFAULT_URL = "nats://127.0.0.1:4222"
 
@@ -253,7 +260,7 @@ class Client:
 
     async def kill(self, request_id: str) -> dict[str, Any]:
         """Cancel one of this user's queued or running requests: `{"ok": bool, "message": ...}`."""
-        subject = f"ndif.dispatcher.kill.{self.user}" if self.user else "ndif.dispatcher.kill"
+        subject = kill_subject(self.user)
         try:
             msg = await self.log.nc.request(subject, check_request_id(request_id).encode(), timeout=self.timeout)
         except (nats.errors.NoRespondersError, nats.errors.TimeoutError):

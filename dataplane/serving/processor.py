@@ -14,7 +14,9 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import structlog
 from nats.aio.msg import Msg
@@ -23,15 +25,12 @@ from controlplane.projections.queue import ModelQueueView, processor_status
 from dataplane.node.actor import NOT_RUN, OK
 from dataplane.node.model import ReplicaNotHot, error_text
 from dataplane.runtime.ports import ReplicaCaller
-from dataplane.serving.replica_link import NoEndpoint, ReplyLost, encode_call
+from dataplane.serving.replica_link import NoEndpoint, ReplicaLink, ReplyLost, encode_call
 from schemas.requests import Request
 from schemas.status import ProcessorStatus, RequestStatus
 from schemas.subjects import replica_call_subject, status_key
 
-if TYPE_CHECKING:
-    from dataplane.serving.dispatcher import Dispatcher
-
-log = structlog.get_logger("ndif.processor")
+logger = structlog.get_logger("ndif.processor")
 R = RequestStatus
 
 
@@ -46,6 +45,25 @@ class Pending:
         self.cancelled = False
 
 
+class StatusOut(Protocol):
+    def __call__(self, p: Pending, status: RequestStatus, **kw: Any) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessorHooks:
+    """What a processor is given by its dispatcher (it never reaches back for anything else)."""
+
+    status: StatusOut  # a non-terminal status out (published, kept in KV)
+    finish_soon: StatusOut  # the terminal status, kept exactly once, then the ack
+    provision: Callable[[Processor], None]  # requests wait: ask for replicas if none are asked for
+    drained: Callable[[str, int], None]  # (model key, replica id): a draining replica went idle
+    link: ReplicaLink | None  # replica calls over NATS; None: Ray calls only
+    caller: ReplicaCaller  # calls into replicas through the runtime (the NATS link's fallback)
+    lanes: int  # calls a replica is handed at once
+    batch_max: int  # short requests one call may carry
+    batch_budget_s: float  # ... as many as run in this long, by the model's recent run times
+
+
 _Call = tuple[int, list[Pending], Any, Any]  # replica id, its requests, its actor, the call (or why it could not start)
 
 
@@ -57,21 +75,17 @@ def _replica_gone(exc: BaseException, caller: ReplicaCaller) -> bool:
 
 
 class Processor:
-    def __init__(self, token: str, dispatcher: Dispatcher, caller: ReplicaCaller | None = None) -> None:
-        if caller is None:
-            from dataplane.runtime.ray_adapter import RayCaller
-
-            caller = RayCaller()
-        self.caller = caller  # calls into replicas through the runtime (the NATS link's fallback)
+    def __init__(self, token: str, hooks: ProcessorHooks) -> None:
+        self.caller = hooks.caller
         self.token = token
         self.model_key: str | None = None
-        self.d = dispatcher
+        self.hooks = hooks
         self.queue: collections.deque[Pending] = collections.deque()
         self.view: ModelQueueView | None = None
         self.workers: dict[int, list[asyncio.Task[None]]] = {}  # replica id -> its lanes
         # replica id -> `<user>.<request id>` (status_key: ids are each user's own) -> request
         self.in_flight: dict[int, dict[str, Pending]] = {}
-        self.lanes = dispatcher.replica_lanes
+        self.lanes = hooks.lanes
         self.ready: set[int] = set()
         self.nodes: dict[int, str] = {}  # replica id -> its node (its endpoint is `ndif.run.<ntok>.<mtok>.<rid>`)
         self.draining: set[int] = set()
@@ -86,7 +100,7 @@ class Processor:
         self._idle: collections.deque[tuple[int, asyncio.Future[_Call | None]]] = collections.deque()  # idle lanes
         self._actors: dict[int, Any] = {}
         self.exec_s: float | None = None  # recent run time of one request on a replica (moving average)
-        self.log = log.bind(model_key=None, token=token)
+        self.logger = logger.bind(model_key=None, token=token)
         self.born = time.monotonic()
 
     # ---- the replica set, from the log -------------------------------------------------------
@@ -101,12 +115,12 @@ class Processor:
         for rid in ready - set(self.workers):
             self.workers[rid] = [asyncio.create_task(self._worker(rid), name=f"worker-{self.token}-{rid}-{lane}")
                                  for lane in range(self.lanes)]
-            self.log.info("worker_added", replica_id=rid, lanes=self.lanes)
+            self.logger.info("worker_added", replica_id=rid, lanes=self.lanes)
         for rid in gone:
             self._actors.pop(rid, None)
         for rid in self.draining:
             if not self.in_flight.get(rid):
-                self.d.report_drained(self.model_key or "", rid)
+                self.hooks.drained(self.model_key or "", rid)
         self._refresh_status()
         self._notify(everyone=True)  # lanes of replicas that left must see it and retire
 
@@ -121,8 +135,8 @@ class Processor:
             if new in (ProcessorStatus.PROVISIONING, ProcessorStatus.DEPLOYING):
                 waiting = R.PROVISIONING if new is ProcessorStatus.PROVISIONING else R.DEPLOYING
                 for p in list(self.queue):
-                    self.d.status(p, waiting, message=f"model is {new.lower()}")
-        self.d.maybe_provision(self)
+                    self.hooks.status(p, waiting, message=f"model is {new.lower()}")
+        self.hooks.provision(self)
 
     # ---- requests ----------------------------------------------------------------------------
 
@@ -143,7 +157,7 @@ class Processor:
             self.queue.appendleft(p)
         else:
             self.queue.append(p)
-        self.d.status(p, R.QUEUED, queue_position=0 if head else len(self.queue) - 1)
+        self.hooks.status(p, R.QUEUED, queue_position=0 if head else len(self.queue) - 1)
         self._refresh_status()
         self._notify()
 
@@ -163,7 +177,7 @@ class Processor:
     def fail_all(self, error: str, message: str) -> None:
         while self.queue:
             p = self.queue.popleft()
-            self.d.finish_soon(p, R.ERROR, error=error, message=message)
+            self.hooks.finish_soon(p, R.ERROR, error=error, message=message)
 
     def held(self) -> list[Pending]:
         return [*self.queue, *(p for running in self.in_flight.values() for p in running.values())]
@@ -195,9 +209,9 @@ class Processor:
                 lanes.remove(me)  # type: ignore[arg-type]
             if not lanes:
                 self.workers.pop(rid, None)
-                self.log.info("worker_retired", replica_id=rid)
+                self.logger.info("worker_retired", replica_id=rid)
             if rid in self.draining and not self.in_flight.get(rid):
-                self.d.report_drained(self.model_key or "", rid)
+                self.hooks.drained(self.model_key or "", rid)
 
     async def _next(self, rid: int) -> _Call | None:
         """The lane's next call, started: from the queue, or handed over by `enqueue`."""
@@ -228,7 +242,7 @@ class Processor:
         how long this model's requests ran lately (1 until one has run, and for slow models)."""
         if self.exec_s is None:
             return 1
-        return max(1, min(self.d.batch_max, int(self.d.batch_budget_s / max(self.exec_s, 1e-6))))
+        return max(1, min(self.hooks.batch_max, int(self.hooks.batch_budget_s / max(self.exec_s, 1e-6))))
 
     def _submit(self, rid: int, batch: list[Pending]) -> _Call | None:
         """Start the call to replica `rid` (None if its actor is gone: the batch went back to the queue)."""
@@ -250,14 +264,14 @@ class Processor:
         # Status writes are not on the request's path: RUNNING goes out while the replica works
         # (the KV compare-and-set keeps it from ever overwriting the terminal status).
         for p in batch:
-            self.d.status(p, R.RUNNING, replica_id=rid)
+            self.hooks.status(p, R.RUNNING, replica_id=rid)
         self._refresh_status()
         return rid, batch, actor, ref
 
     def _call(self, rid: int, actor: Any, payloads: list[Any]) -> Any:
         """Start a replica call: over its NATS endpoint when it has one (dataplane/serving/replica_link.py),
         else a Ray call. Either is awaited for the same answers."""
-        link = self.d.link
+        link = self.hooks.link
         if link is not None:
             assert self.model_key is not None
             key = (self.model_key, rid)
@@ -275,7 +289,7 @@ class Processor:
         if not running and rid in self.in_flight:
             del self.in_flight[rid]
         if rid in self.draining and not self.in_flight.get(rid):
-            self.d.report_drained(self.model_key or "", rid)
+            self.hooks.drained(self.model_key or "", rid)
         self._refresh_status()
 
     def _requeue(self, rid: int, batch: list[Pending], reason: str, *, replica_left: bool = True) -> None:
@@ -287,12 +301,12 @@ class Processor:
         for p in reversed(batch):
             p.attempt += 1
             self.queue.appendleft(p)
-            self.log.info("request_requeued", request_id=p.req.request_id, replica_id=rid, reason=reason)
+            self.logger.info("request_requeued", request_id=p.req.request_id, replica_id=rid, reason=reason)
         self._notify(everyone=True)
 
     def _error(self, p: Pending, rid: int, error: str, message: str) -> None:
         self.errors += 1
-        self.d.finish_soon(p, R.ERROR, replica_id=rid, error=error, message=message)
+        self.hooks.finish_soon(p, R.ERROR, replica_id=rid, error=error, message=message)
 
     async def _answers(self, call: _Call) -> None:
         rid, batch, actor, ref = call
@@ -305,8 +319,8 @@ class Processor:
                 except NoEndpoint:
                     # No endpoint on NATS (made without one, or its connection is down): the same
                     # call through Ray (`_call` skips the endpoint while it is marked absent).
-                    assert self.d.link is not None and self.model_key is not None
-                    self.d.link.endpoint_absent((self.model_key, rid))
+                    assert self.hooks.link is not None and self.model_key is not None
+                    self.hooks.link.endpoint_absent((self.model_key, rid))
                     answers = await self._call(rid, actor, [p.req.payload for p in batch])
             except Exception as exc:  # noqa: BLE001 - sorted below: the replica's fault or the call's
                 if isinstance(exc, ReplyLost):
@@ -333,7 +347,7 @@ class Processor:
                     self.completed += 1
                     # The replica is free once it answered: the terminal status and the ack go out
                     # while this lane takes the next request.
-                    self.d.finish_soon(p, R.COMPLETED, replica_id=rid, result=a[1])
+                    self.hooks.finish_soon(p, R.COMPLETED, replica_id=rid, result=a[1])
                 else:
                     self._error(p, rid, a[1], a[2])
             if not_run:

@@ -53,7 +53,7 @@ async def running_service(url: str, gcs: str, *, drain_timeout_s: float) -> Asyn
     ctl = await Controller(url, policy_interval_s=0.2).start()
     agent = await (await NodeAgent.open(url, "node-a", gpus=declared_gpus(2, 80 * GB), cpu_cache_bytes=10 * GB,
                             heartbeat_s=0.5, drain_timeout_s=drain_timeout_s, health_interval_s=0.5)).start()
-    disp = await Dispatcher(url).start()
+    disp = await Dispatcher.from_url(url).start()
     admin = await AdminClient.open(url, timeout=30)
     try:
         yield {"url": url, "controller": ctl, "agent": agent, "dispatcher": disp, "admin": admin, "log": lg,

@@ -70,7 +70,7 @@ async def stack(secured: EmbeddedNats, auth: LocalAuth, home: Path, local_ray: s
     ctl = await Controller(url, policy_interval_s=0.2, creds=auth.role("controller")).start()
     agent = await (await NodeAgent.open(url, NODE, gpus=declared_gpus(2, 80 * GB), cpu_cache_bytes=10 * GB, heartbeat_s=0.5,
                             health_interval_s=0.5, creds=auth.role(f"agent:{NODE}"))).start()
-    disp = await Dispatcher(url, creds=auth.role("dispatcher")).start()
+    disp = await Dispatcher.from_url(url, creds=auth.role("dispatcher")).start()
     monkeypatch.setenv("NDIF_HOME", str(home))  # the SDK's default credentials: this machine's client
     monkeypatch.setenv("NDIF_CLIENT_NAME", "alice")
     monkeypatch.delenv("NDIF_CREDS", raising=False)

@@ -86,7 +86,7 @@ async def test_short_requests_share_replica_calls(service: dict[str, Any], model
     async with Client(url) as c:
         payloads = [{"op": "echo", "data": i} if i % 10 else {"op": "nope"} for i in range(150)]
         jobs = [await c.submit(str(models["gpt2"]), pl) for pl in payloads]
-        disp = await Dispatcher(url).start()
+        disp = await Dispatcher.from_url(url).start()
         try:
             finals = await asyncio.gather(*(_final(j) for j in jobs))
         finally:
@@ -362,6 +362,6 @@ async def test_dispatcher_sigkilled_mid_burst_every_request_ends_once(service: d
 def test_an_unknown_replica_link_setting_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("NDIF_REPLICA_LINK", "grpc")
     with pytest.raises(errs.InvalidCommand, match="NDIF_REPLICA_LINK is 'grpc': use 'nats'"):
-        Dispatcher("nats://127.0.0.1:1")
+        Dispatcher.from_url("nats://127.0.0.1:1")
     monkeypatch.setenv("NDIF_REPLICA_LINK", "RAY")
-    assert not Dispatcher("nats://127.0.0.1:1").use_link
+    assert not Dispatcher.from_url("nats://127.0.0.1:1").use_link

@@ -104,7 +104,7 @@ async def test_no_room_now_waits_quietly_and_is_served_once_room_is_made(service
 async def test_a_request_waits_in_the_queue_at_most_its_lifetime(service: dict[str, Any],
                                                                  models: dict[str, Path]) -> None:
     await _fill_both_cards(service["admin"], models)
-    service["dispatcher"].queue_lifetime_s = 3.0
+    service["dispatcher"].intake.queue_lifetime_s = 3.0  # the part that expires queued requests
     async with Client(service["url"]) as c:
         job = await c.submit(str(models["llama"]), {"op": "forward", "input_ids": [[1]]})
         with pytest.raises(RequestFailed) as exc:

@@ -104,7 +104,7 @@ async def test_r3_cluster_loses_nothing_when_two_servers_are_killed(cluster: Nat
     ctls = [await Controller(url, name=f"controller:{i}", stream_replicas=3, policy_interval_s=0.5,
                              heartbeat_grace_s=30).start() for i in range(2)]
     agents = [await ScriptedAgent(url, f"sim-{i}", gpus=4, gpu_bytes=80 * GB).start() for i in range(2)]
-    disp = await Dispatcher(url, name="dispatcher:r3").start()
+    disp = await Dispatcher.from_url(url, name="dispatcher:r3").start()
     admin = await AdminClient.open(url, timeout=30)
     model = _config(tmp_path)
     res = await admin.deploy(model, 1, size_bytes=2 * GB)

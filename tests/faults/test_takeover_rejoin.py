@@ -111,7 +111,7 @@ async def test_a_sigkilled_dispatchers_requests_end_within_10s(base: dict[str, A
                 while sum(kept.values()) < 10:
                     await asyncio.sleep(0.01)
             print(f"10 ended {time.monotonic() - started:.2f}s after the first submit")
-            other = await Dispatcher(url, name="dispatcher:survivor").start()
+            other = await Dispatcher.from_url(url, name="dispatcher:survivor").start()
             victim.send_signal(signal.SIGKILL)  # mid-burst: what it holds is unacked
             killed = time.monotonic()
             victim.wait(10)
@@ -145,7 +145,7 @@ async def test_an_agent_paused_past_the_grace_rejoins_and_serves_again(base: dic
     mk = canonical_model_key(str(tiny))
     agent = _process("agent", "--node-id", "node-p", "--gpus", "2", "--gpu-memory-gb", "80", "--cpu-cache-gb", "10",
                      "--heartbeat", "0.5", url=url, gcs=base["gcs"])
-    disp = await Dispatcher(url, name="dispatcher:rejoin").start()
+    disp = await Dispatcher.from_url(url, name="dispatcher:rejoin").start()
     payload = {"op": "generate", "input_ids": [[2, 7, 1, 8]], "max_new_tokens": 4}
     try:
         async with asyncio.timeout(60):

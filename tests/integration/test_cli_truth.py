@@ -245,7 +245,7 @@ async def test_undeploy_ends_waiting_requests_and_drops_the_processor(nats_serve
         # impossible: that would end the request at once), so its request waits in the processor.
         assert (await ndif(url, "deploy", str(tiny), "--size-bytes", str(60 * GB))).rc == 0
         assert (await ndif(url, "deploy", big, "--size-bytes", str(60 * GB))).rc == 7
-        d = await Dispatcher(url, name="dispatcher:test").start()
+        d = await Dispatcher.from_url(url, name="dispatcher:test").start()
         try:
             async with Client(url) as c:
                 job = await c.submit(big, {"op": "generate", "prompt": "hi", "max_new_tokens": 1})
@@ -261,9 +261,9 @@ async def test_undeploy_ends_waiting_requests_and_drops_the_processor(nats_serve
                 while any(p.model_key == mk for p in d.processors.values()):
                     await asyncio.sleep(0.05)
             durable = f"proc-{model_token(mk)}"
-            assert d.log_ is not None
+            assert d.nc is not None
             async with asyncio.timeout(10):
-                while durable in [ci.name for ci in await d.log_.js.consumers_info("NDIF_REQUESTS")]:
+                while durable in [ci.name for ci in await d.nc.jetstream().consumers_info("NDIF_REQUESTS")]:
                     await asyncio.sleep(0.05)
         finally:
             await d.stop()

@@ -88,7 +88,7 @@ class Rig:
                                         checkpoint="/nonexistent", size_bytes=10**6) for m in (KNOWN, BYSTANDER)],
                               None)
         self.controller = await Controller(self.url, name="controller:fuzz").start()
-        self.dispatcher = await Dispatcher(self.url, name="dispatcher:fuzz").start()
+        self.dispatcher = await Dispatcher.from_url(self.url, name="dispatcher:fuzz").start()
         self.admin = await AdminClient.open(self.url, timeout=10)
         self.kv = await self.log.js.key_value(REQUEST_STATUS_BUCKET)
         self.slowest = 0.0

@@ -6,7 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from controlplane.placement import PlacementRequest, padded, plan
-from dataplane.serving.provisioning import capacity_mark, never_fits
+from dataplane.serving.dispatcher.capacity import capacity_mark, never_fits
 from tests.cluster_builder import GB, T0, Builder
 
 

@@ -161,7 +161,7 @@ async def main(a: argparse.Namespace) -> dict[str, float]:
                     await actors[0].__call__.remote(NOOP)
 
             disp_proc = None if a.in_process else dispatcher_process("nats")
-            inproc = await Dispatcher(url).start() if a.in_process else None
+            inproc = await Dispatcher.from_url(url).start() if a.in_process else None
             try:
                 await warm()
                 raw, ours = await single(c, ckpt, actors, a.single)
@@ -224,7 +224,7 @@ async def main(a: argparse.Namespace) -> dict[str, float]:
                       f"{pct(ours, 50):.2f} ms; added p50 {out['ray_link_p50_overhead_ms']:.2f} ms", flush=True)
 
             # (c) event -> worker, seen inside a dispatcher: evict replica 1 to WARM and scale back.
-            async with Dispatcher(url) as disp:
+            async with Dispatcher.from_url(url) as disp:
                 await c.run(ckpt, NOOP, timeout=60)  # the processor exists once a request came
                 proc = next(p for p in disp.processors.values() if p.model_key == mk)
                 lags = []

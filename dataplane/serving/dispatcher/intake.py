@@ -1,0 +1,385 @@
+"""Intake: requests in, from the work-queue stream to each model's processor, and their time there.
+
+Each model the log knows gets a processor and a durable pull consumer (`proc-<mtok>`); a subject
+of a model the log does not know is triaged without one (its first valid request asks for a
+deployment). Held requests are kept alive with in-progress acks, end in ERROR past the queue
+lifetime, and can be killed by their user or an admin. Depends on the status writer and
+provisioning.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+
+import msgspec
+import nats.errors
+import nats.js.errors
+import structlog
+from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
+from nats.js import api
+from nats.js.client import JetStreamContext
+
+from controlplane.projections import ClusterState
+from controlplane.projections.queue import queue_view
+from dataplane.serving.dispatcher.background import Background
+from dataplane.serving.dispatcher.provisioning import Provisioner
+from dataplane.serving.dispatcher.statuses import StatusWriter
+from dataplane.serving.processor import Pending, Processor
+from dataplane.serving.pull import PullConsumer
+from schemas import errors as errs
+from schemas.keys import canonical_model_key, display_name
+from schemas.requests import Request, check_request_id, decode_request, encoder
+from schemas.status import RequestStatus
+from schemas.subjects import (
+    REQUESTS_ALL,
+    REQUESTS_STREAM,
+    model_token,
+    request_filters,
+    request_subject_parts,
+    status_key,
+    status_subject,
+)
+
+logger = structlog.get_logger("ndif.dispatcher")
+R = RequestStatus
+UNKNOWN_CONSUMER_SWEEP_S = 10.0  # consumers of models the log does not know are deleted this often
+KNOWN_GRACE_S = 10.0  # a processor made as its model was deployed waits this long for the fold to show it
+MAX_HELD = 10_000  # queued requests a processor holds; the rest wait in the stream (for other dispatchers)
+
+
+class Intake:
+    def __init__(self, *, state: ClusterState, processors: dict[str, Processor], nc: NatsClient,
+                 js: JetStreamContext, statuses: StatusWriter, provisioner: Provisioner, bg: Background,
+                 make_processor: Callable[[str], Processor], ack_wait_s: float, fetch_batch: int,
+                 queue_lifetime_s: float) -> None:
+        self.state = state  # the dispatcher's fold (read only here)
+        self.processors = processors  # model token -> processor (shared with the log follower)
+        self.nc = nc
+        self.js = js
+        self.statuses = statuses
+        self.provisioner = provisioner
+        self.bg = bg
+        self.make_processor = make_processor
+        self.ack_wait_s = ack_wait_s
+        self.fetch_batch = fetch_batch
+        self.queue_lifetime_s = queue_lifetime_s
+        self.consumers: dict[str, asyncio.Task[None]] = {}  # model token -> its consume task
+        self._triaging: set[str] = set()  # unknown model tokens whose requests are being looked at
+        self._unknown_seen: set[str] = set()  # consumer names found unknown at the last sweep
+
+    # ---- routing -----------------------------------------------------------------------------
+
+    def processor(self, token: str) -> Processor | None:
+        p = self.processors.get(token)
+        if p is None and not self.bg.stopped:
+            p = self.processors[token] = self.make_processor(token)
+            self.consumers[token] = asyncio.create_task(self._consume(p), name=f"consume-{token}")
+        return p
+
+    def known_tokens(self) -> set[str]:
+        return {model_token(mk) for mk in self.state.models}
+
+    def route(self, token: str) -> None:
+        """Requests on `ndif.req.<token>`: a model the log knows gets its processor and durable consumer;
+        any other subject is triaged without one (a consumer per junk subject would never go away)."""
+        if token in self.processors or self.bg.stopped:
+            return
+        if token in self.known_tokens():
+            self.processor(token)
+        elif token not in self._triaging:
+            self._triaging.add(token)
+            self.bg.spawn(self._triage(token))
+
+    async def on_publish(self, msg: Msg) -> None:
+        token, _ = request_subject_parts(msg.subject)
+        if token:
+            self.route(token)
+
+    async def route_stored(self) -> None:
+        """Route every model subject that holds stored requests (no stream yet: nothing to route)."""
+        with contextlib.suppress(nats.js.errors.NotFoundError):
+            info = await self.js.stream_info(REQUESTS_STREAM, subjects_filter=REQUESTS_ALL)
+            for subject in (info.state.subjects or {}):
+                token, _ = request_subject_parts(subject)
+                if token:
+                    self.route(token)
+
+    # ---- triage of models the log does not know ----------------------------------------------
+
+    async def _triage(self, token: str) -> None:
+        """Requests for a model the log does not know, read by subject (no consumer). The first valid
+        one asks for a deployment: once the model is in the log, its processor takes over (with its
+        durable consumer, from the stream's start). A request that is malformed, on another model's
+        subject, or for a model the controller refuses ends ERROR and is deleted from the stream."""
+        try:
+            # userless subjects (an open server), then every user's (`ndif.req.<mtok>.<user>`)
+            for subject in request_filters(token):
+                await self._triage_subject(token, subject)
+        finally:
+            self._triaging.discard(token)
+
+    async def _triage_subject(self, token: str, subject: str) -> None:
+        seq = 0
+        misses = 0
+        while not self.bg.stopped:
+            if token in self.processors or token in self.known_tokens():
+                self.processor(token)
+                return
+            try:
+                raw = await self.js.get_msg(REQUESTS_STREAM, seq=seq + 1, subject=subject, next=True)
+            except nats.js.errors.NotFoundError:
+                # Nothing (more) on the subject. The publish that woke us may reach us before the
+                # stream has stored it: look twice more; the sweep finds any later straggler.
+                misses += 1
+                if misses > 2:
+                    return  # this subject: done
+                await asyncio.sleep(0.2 * misses)
+                continue
+            misses = 0
+            seq = int(raw.seq or seq + 1)
+            data = raw.data or b""
+            _, user = request_subject_parts(raw.subject or subject)
+            try:
+                req = decode_request(data)
+                if req.user != user:
+                    req = msgspec.structs.replace(req, user=user)  # the owner is the subject's
+                mk = canonical_model_key(req.model_key, relative=False)  # the SDK sends it absolute
+                if model_token(mk) != token:
+                    raise errs.InvalidCommand(f"request for {req.model_key[:200]!r} arrived on another model's "
+                                              "subject")
+            except errs.NdifError as exc:
+                await self._refuse_stored(seq, data, raw.headers, type(exc).__name__, str(exc), user)
+                continue
+            refused = self.provisioner.refusal(mk)
+            if refused is not None:
+                await self._refuse_stored(seq, data, raw.headers, *refused, user)
+                continue
+            # Tell the user while the model is resolved and placed (its processor takes over after).
+            self.statuses.status(Pending(msgspec.structs.replace(req, model_key=mk), None), R.PROVISIONING,
+                                 message=f"model {display_name(mk)} is being deployed")
+            try:
+                refused = await self.provisioner.deploy_first(mk)
+            except errs.NdifError as exc:  # no controller: the request stays; try again shortly
+                logger.warning("provision_failed", model_key=mk, error=str(exc))
+                seq -= 1
+                await asyncio.sleep(2.0)
+                continue
+            if refused is not None:
+                await self._refuse_stored(seq, data, raw.headers, *refused, user)
+                continue
+            self.processor(token)  # deployed (by us or someone first): its consumer takes the requests
+            return
+
+    async def _refuse_stored(self, seq: int, data: bytes, headers: dict[str, str] | None, error: str,
+                             message: str, user: str = "") -> None:
+        """End a stored request that will never run: ERROR under its id (if it has a valid one), then
+        delete it from the work queue (nothing else would ever take it)."""
+        rid = _request_id_of(data) or _valid_id((headers or {}).get("Nats-Msg-Id", "").rsplit(".", 1)[-1])
+        logger.warning("request_refused", request_id=rid, error=error, message=message[:300])
+        if rid:
+            bogus = Request(request_id=rid, model_key="", payload={}, submitted_at=datetime.now(UTC), user=user)
+            with contextlib.suppress(Exception):
+                await self.statuses.finish(Pending(bogus, None), R.ERROR, error=error, message=message)
+        with contextlib.suppress(nats.js.errors.NotFoundError):
+            await self.js.delete_msg(REQUESTS_STREAM, seq)
+
+    # ---- consumers ---------------------------------------------------------------------------
+
+    async def remove_model(self, token_or_key: str, *, reason: str) -> bool:
+        """Stop serving a model here: its waiting requests end ERROR (`reason`), its processor stops and
+        its durable consumer `proc-<mtok>` is deleted. The undeploy path calls this (with the model key
+        or its token); the dispatcher itself does for a model the log no longer knows. Returns whether
+        a consumer was deleted."""
+        token = model_token(token_or_key) if "{" in token_or_key else token_or_key  # keys hold JSON, tokens never
+        p = self.processors.pop(token, None)
+        task = self.consumers.pop(token, None)
+        if task is not None:
+            task.cancel()
+        if p is not None:
+            p.fail_all("ModelRemoved", reason)
+            lanes = [t for ts in p.workers.values() for t in ts]
+            for t in lanes:
+                t.cancel()
+            for running in p.in_flight.values():
+                for held in running.values():
+                    self.statuses.finish_soon(held, R.ERROR, error="ModelRemoved", message=reason)
+        deleted = False
+        with contextlib.suppress(nats.js.errors.NotFoundError):
+            deleted = bool(await self.js.delete_consumer(REQUESTS_STREAM, f"proc-{token}"))
+        logger.info("model_removed", token=token, reason=reason, consumer_deleted=deleted)
+        return deleted
+
+    async def sweep_consumers(self) -> list[str]:
+        """Delete the durable consumers `proc-<mtok>` of models the log does not know, once seen unknown
+        at two sweeps in a row (a model deployed a moment ago may not be in this fold yet)."""
+        known = self.known_tokens()
+        unknown: set[str] = set()
+        for info in await self.js.consumers_info(REQUESTS_STREAM):
+            name = info.name or ""
+            if name.startswith("proc-") and name[5:] not in known:
+                unknown.add(name)
+        gone = sorted(unknown & self._unknown_seen)
+        self._unknown_seen = unknown - set(gone)
+        for name in gone:
+            await self.remove_model(name[5:], reason="the model is not in the log")
+        return gone
+
+    async def sweep_loop(self) -> None:
+        while True:
+            try:
+                await self.sweep_consumers()
+                # Level-triggered: any subject still holding requests gets its processor or a triage.
+                await self.route_stored()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - NATS away: next time
+                logger.warning("consumer_sweep_failed", error=str(exc) or type(exc).__name__)
+            await asyncio.sleep(UNKNOWN_CONSUMER_SWEEP_S)
+
+    async def _consume(self, p: Processor) -> None:
+        """Take the model's requests as they are stored (a continuous pull on its durable consumer)."""
+        js = self.js
+        durable = f"proc-{p.token}"
+        # A user's requests (`ndif.req.<mtok>.<user>`) and userless ones (an open server).
+        filters = request_filters(p.token)
+        cfg = api.ConsumerConfig(durable_name=durable, filter_subjects=filters,
+                                 ack_policy=api.AckPolicy.EXPLICIT, ack_wait=self.ack_wait_s, max_deliver=-1,
+                                 max_ack_pending=100_000, deliver_policy=api.DeliverPolicy.ALL)
+
+        async def on_msg(m: Msg) -> None:
+            await self._accept(p, m)
+
+        while True:
+            try:
+                if p.token not in self.known_tokens():
+                    if time.monotonic() - p.born < KNOWN_GRACE_S:
+                        await asyncio.sleep(0.1)  # deployed a moment ago: our fold has not seen it yet
+                        continue
+                    # Removed (undeployed): never make a consumer for a model the log does not know.
+                    self.bg.spawn(self.remove_model(p.token, reason="the model is no longer deployed"))
+                    return
+                try:
+                    have = await js.consumer_info(REQUESTS_STREAM, durable)
+                    if (sorted(have.config.filter_subjects or [have.config.filter_subject or ""]) != filters
+                            or (have.config.ack_wait is not None and abs(have.config.ack_wait - self.ack_wait_s) > 0.01)):
+                        await js.add_consumer(REQUESTS_STREAM, cfg)  # made by an older version or another ack wait
+                except nats.js.errors.NotFoundError:
+                    with contextlib.suppress(nats.js.errors.BadRequestError):  # made by a peer meanwhile
+                        await js.add_consumer(REQUESTS_STREAM, cfg)
+                pull = PullConsumer(self.nc, REQUESTS_STREAM, durable, on_msg, batch=self.fetch_batch,
+                                    hold=lambda: len(p.queue) >= MAX_HELD)  # re-checked every heartbeat
+                await pull.run()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - NATS away or consumer gone: make it again
+                logger.warning("consumer_restarting", token=p.token, error=str(exc) or type(exc).__name__)
+                await asyncio.sleep(1.0)
+
+    async def _accept(self, p: Processor, m: Msg) -> None:
+        _, user = request_subject_parts(m.subject)
+        try:
+            req = decode_request(m.data)
+            if req.user != user:
+                req = msgspec.structs.replace(req, user=user)  # the owner is the subject's, never the body's
+            mk = canonical_model_key(req.model_key, relative=False)  # the SDK sends it absolute
+            if model_token(mk) != p.token:
+                raise errs.InvalidCommand(f"request for {req.model_key!r} arrived on another model's subject")
+        except errs.NdifError as exc:
+            rid = _request_id_of(m.data) or _valid_id((m.headers or {}).get("Nats-Msg-Id", "").rsplit(".", 1)[-1])
+            logger.warning("request_refused", request_id=rid, error=str(exc)[:300])
+            if rid:
+                bogus = Request(request_id=rid, model_key="", payload={}, submitted_at=datetime.now(UTC), user=user)
+                try:
+                    await self.statuses.finish(Pending(bogus, m), R.ERROR, error=type(exc).__name__, message=str(exc))
+                    return
+                except Exception as werr:  # noqa: BLE001 - its status could not be kept: end it anyway
+                    logger.warning("request_refused_unrecorded", request_id=rid, error=str(werr))
+            # No id a status could be kept under: nobody can be told, so it is terminated (never redelivered).
+            with contextlib.suppress(Exception):
+                await m.term()
+            return
+        if req.model_key != mk:
+            req = msgspec.structs.replace(req, model_key=mk)
+        attempt = int(m.metadata.num_delivered) if m.metadata else 1
+        # Only a redelivery can find its terminal status already kept (a first delivery that does,
+        # a request id re-sent past the dedup window, runs again and its compare-and-set loses).
+        done = await self.statuses.terminal(status_key(req.request_id, user)) if attempt > 1 else None
+        if done is not None:
+            # Finished by an earlier delivery whose dispatcher died before acking: never run twice.
+            # It may also have died before publishing, so the kept terminal status is published again
+            # (same bytes; clients stop at the first terminal status they see).
+            await self.nc.publish(status_subject(req.request_id, user), encoder.encode(done))
+            await m.ack()
+            return
+        if p.model_key is None:
+            p.model_key = mk
+            p.logger = p.logger.bind(model_key=mk)
+            p.sync(queue_view(self.state, mk))
+        p.enqueue(Pending(req, m, attempt=attempt))
+
+    # ---- held requests: kept alive, expired, killed ------------------------------------------
+
+    async def keepalive(self) -> None:
+        """In-progress acks for every held request, well inside the ack wait."""
+        while True:
+            await asyncio.sleep(self.ack_wait_s / 3)
+            for p in list(self.processors.values()):
+                for held in p.held():
+                    if held.msg is not None:
+                        with contextlib.suppress(Exception):
+                            await held.msg.in_progress()
+
+    async def expire(self) -> None:
+        """End requests that waited in a queue longer than their lifetime (clear error, acked)."""
+        while True:
+            await asyncio.sleep(min(2.0, self.queue_lifetime_s / 4))
+            now = time.monotonic()
+            for p in list(self.processors.values()):
+                old = [w for w in p.queue if now - w.received >= self.queue_lifetime_s]
+                for w in old:
+                    p.queue.remove(w)
+                    why = p.status if p.model_key is not None else "waiting"
+                    self.statuses.finish_soon(w, R.ERROR, error="QueueTimeout",
+                                              message=f"waited {now - w.received:.0f}s in the queue of {p.model_key} "
+                                                      f"({str(why).lower()}), over the {self.queue_lifetime_s:g}s "
+                                                      "limit (NDIF_REQUEST_QUEUE_LIFETIME_S); submit it again later")
+                if old:
+                    logger.warning("requests_expired", model_key=p.model_key, count=len(old))
+
+    async def on_kill(self, msg: Msg) -> None:
+        request_id = msg.data.decode(errors="replace").strip()
+        parts = msg.subject.split(".")
+        user = parts[3] if len(parts) > 3 else None  # None: an admin's kill (`ndif.dispatcher.kill`)
+        for p in self.processors.values():
+            pend = p.cancel(request_id, user)
+            if pend is not None:
+                await self.statuses.finish(pend, R.ERROR, error="Cancelled", message="cancelled by `ndif kill`")
+                if msg.reply:
+                    await msg.respond(b'{"ok": true}')
+                return
+        if msg.reply:
+            await msg.respond(msgspec.json.encode({"ok": False, "message": f"{request_id} is not queued or running "
+                                                                          "here (finished, or never submitted)"}))
+
+
+def _valid_id(rid: str) -> str | None:
+    try:
+        return check_request_id(rid)
+    except errs.InvalidCommand:
+        return None
+
+
+def _request_id_of(data: bytes) -> str | None:
+    try:
+        rid = msgspec.json.decode(data).get("request_id")
+    except Exception:  # noqa: BLE001 - malformed bodies have no id
+        return None
+    try:
+        return check_request_id(rid)
+    except errs.InvalidCommand:
+        return None

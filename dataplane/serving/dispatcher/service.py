@@ -1,0 +1,228 @@
+"""The dispatcher: durable requests in, one Processor per model, statuses out (docs/architecture.md §1, §4).
+
+- It folds the event stream with the same reducer as every component and hands each processor its
+  queue view on every event: the processor's replica set is the log's, with no second control
+  plane to lag behind.
+- Requests live in the work-queue stream `NDIF_REQUESTS` (`ndif.req.<mtok>.<user>`; `ndif.req.<mtok>`
+  on an open server). Each model
+  gets its own durable pull consumer (`proc-<mtok>`): a model waiting for provisioning holds its own
+  requests only and never stalls another model's. A request is acked only at COMPLETED or ERROR;
+  while held (queued or running) it is kept alive with in-progress acks. Execution is
+  at-least-once (a dispatcher that dies loses its acks, so the requests are redelivered); the
+  terminal status is written exactly once (KV compare-and-set), and a redelivered request that
+  already has one is acked without running again.
+- The first request for a model with no replicas sends `deploy` with NDIF_MODEL_REPLICAS_DEFAULT
+  replicas; requests are served once NDIF_PROCESSOR_MIN_READY_REPLICAS are ready. If the last
+  replica goes while requests wait, it provisions again and tells the waiting users.
+- A draining replica takes no new request; once idle the dispatcher appends `ReplicaDrained`.
+
+This module holds the settings and wires the parts, each one concern, dependencies one way:
+statuses (status writing) <- provisioning <- intake (consumers, triage, queue lifetime) <- follower
+(the log). Processors get `ProcessorHooks` (callbacks into those parts), never the dispatcher.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+from typing import Any
+
+import msgspec
+import structlog
+from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
+
+from controlplane.admin import AdminClient
+from controlplane.auth import Creds
+from controlplane.eventstore import JetStreamEventLog, stream_replicas_default
+from controlplane.ports import EventLog
+from controlplane.projections import ClusterState
+from controlplane.services import Connect, Parts, connect_url, given
+from controlplane.tasks import cancel_and_wait
+from dataplane.runtime.ports import ReplicaCaller
+from dataplane.serving.dispatcher.background import Background
+from dataplane.serving.dispatcher.follower import LogFollower
+from dataplane.serving.dispatcher.intake import Intake
+from dataplane.serving.dispatcher.provisioning import Provisioner
+from dataplane.serving.dispatcher.statuses import StatusWriter
+from dataplane.serving.processor import Processor, ProcessorHooks
+from dataplane.serving.replica_link import ReplicaLink
+from schemas import errors as errs
+from schemas.commands import CommandResult
+from schemas.subjects import DISPATCHER_STATE, REQUEST_STATUS_BUCKET, REQUESTS_ALL, RESULTS_BUCKET, kill_subject
+
+logger = structlog.get_logger("ndif.dispatcher")
+# A request held by a dispatcher that dies is redelivered this long after its last in-progress ack
+# (sent every third of it while held): a dead dispatcher's requests move on within seconds.
+ACK_WAIT_S = 4.0
+QUEUE_LIFETIME_S = 600.0  # a request still queued this long after a dispatcher took it ends in ERROR
+
+
+def _env_int(name: str, default: int) -> int:
+    try:
+        return max(1, int(os.environ.get(name, default)))
+    except ValueError:
+        return default
+
+
+class Dispatcher:
+    """The serving side's one service: give it its parts (`Parts`, or a `Connect` that opens them on
+    start); `Dispatcher.from_url` opens a JetStream event log on its own connection."""
+
+    def __init__(self, parts: Parts | Connect, *, name: str | None = None, default_replicas: int | None = None,
+                 min_ready: int | None = None, fetch_batch: int = 64, ack_wait_s: float | None = None,
+                 replica_lanes: int | None = None, queue_lifetime_s: float | None = None,
+                 caller: ReplicaCaller | None = None) -> None:
+        self.parts = parts
+        self.caller = caller  # None: Ray calls (the runtime adapter's), made on start
+        self.name = name or f"dispatcher:{socket.gethostname()}"
+        self.default_replicas = default_replicas or _env_int("NDIF_MODEL_REPLICAS_DEFAULT", 1)
+        self.min_ready = min_ready or _env_int("NDIF_PROCESSOR_MIN_READY_REPLICAS", 1)
+        self.fetch_batch = fetch_batch
+        # Calls a replica is handed at once (like Ray Serve's max_ongoing_requests): the next call
+        # is already at the replica when the current one ends, so the dispatch round trip never
+        # leaves it idle. The replica still runs one request at a time, and its execution timeout
+        # counts from the start of the run. Measured in tools/bench/dispatch.py with batching
+        # (below): 1 lane ~980-1,170 req/s, 2 ~970-1,010, 4 ~800; 2 keeps a slow model's replica busy.
+        self.replica_lanes = replica_lanes or _env_int("NDIF_REPLICA_LANES", 2)
+        # Short requests waiting behind each other go to a replica in one call, as many as run in
+        # NDIF_BATCH_BUDGET_MS by the model's recent run times (at most NDIF_BATCH_MAX): a replica call
+        # costs more CPU than a no-op request itself (measured over the NATS link: NDIF_BATCH_MAX=1
+        # 1,498 req/s, 8: 2,691, docs/benchmarks.md). Slow models go one by one.
+        self.batch_max = _env_int("NDIF_BATCH_MAX", 8)
+        self.batch_budget_s = float(os.environ.get("NDIF_BATCH_BUDGET_MS", 2.0)) / 1000
+        # How long a request held by a dead dispatcher waits before redelivery (kept alive meanwhile).
+        self.ack_wait_s = ack_wait_s or float(os.environ.get("NDIF_REQUEST_ACK_WAIT_S", ACK_WAIT_S))
+        # How long a request may wait in a processor's queue (never placed, no room, no replica ready).
+        try:
+            self.queue_lifetime_s = queue_lifetime_s or float(os.environ.get("NDIF_REQUEST_QUEUE_LIFETIME_S",
+                                                                             QUEUE_LIFETIME_S))
+        except ValueError:
+            raise errs.InvalidCommand("NDIF_REQUEST_QUEUE_LIFETIME_S takes seconds, e.g. 600") from None
+        if not self.queue_lifetime_s > 0:
+            raise errs.InvalidCommand(f"NDIF_REQUEST_QUEUE_LIFETIME_S must be > 0 (got {self.queue_lifetime_s})")
+        self.state = ClusterState()
+        self.processors: dict[str, Processor] = {}  # model token -> processor
+        self.log: EventLog | None = None
+        self.nc: NatsClient | None = None
+        self._close: Any = None
+        self.bg = Background()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._subs: list[Any] = []
+        # Replica calls over NATS (dataplane/serving/replica_link.py); NDIF_REPLICA_LINK=ray makes them Ray calls.
+        self.link: ReplicaLink | None = None
+        link = os.environ.get("NDIF_REPLICA_LINK", "nats").strip().lower() or "nats"
+        if link not in ("nats", "ray"):
+            raise errs.InvalidCommand(f"NDIF_REPLICA_LINK is {link!r}: use 'nats' (the default) or 'ray'")
+        self.use_link = link == "nats"
+        self.statuses: StatusWriter | None = None
+        self.provisioner: Provisioner | None = None
+        self.intake: Intake | None = None
+        self.follower: LogFollower | None = None
+
+    @classmethod
+    def from_url(cls, url: str, *, creds: Creds | None = None, name: str | None = None, **kw: Any) -> Dispatcher:
+        """A dispatcher on its own connection to `url`, as `creds` (None: the dispatcher role's local user)."""
+        name = name or f"dispatcher:{socket.gethostname()}"
+        return cls(connect_url(url, name=name, creds=creds, role="dispatcher"), name=name, **kw)
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self) -> Dispatcher:
+        log, nc, self._close = await given(self.parts)
+        if nc is None:
+            raise errs.InvalidCommand("the dispatcher needs a NATS connection (its requests and statuses live there)")
+        self.log, self.nc = log, nc
+        if self.caller is None:
+            from dataplane.runtime.ray_adapter import RayCaller  # the one module that imports ray
+
+            self.caller = RayCaller()
+        js = nc.jetstream()
+        admin = AdminClient(JetStreamEventLog(nc), actor=self.name)  # commands only: a request on `nc`
+
+        async def deploy(model_key: str, replicas: int) -> CommandResult:
+            return await admin.deploy(model_key, replicas)
+
+        replicas = log.replicas if isinstance(log, JetStreamEventLog) else stream_replicas_default()
+        self.statuses = StatusWriter(nc, await js.key_value(REQUEST_STATUS_BUCKET),
+                                     await js.object_store(RESULTS_BUCKET), self.bg, js=js, replicas=replicas)
+        self.provisioner = Provisioner(state=self.state, deploy=deploy, statuses=self.statuses, bg=self.bg,
+                                       default_replicas=self.default_replicas)
+        self.intake = Intake(state=self.state, processors=self.processors, nc=nc, js=js, statuses=self.statuses,
+                             provisioner=self.provisioner, bg=self.bg, make_processor=self._make_processor,
+                             ack_wait_s=self.ack_wait_s, fetch_batch=self.fetch_batch,
+                             queue_lifetime_s=self.queue_lifetime_s)
+        self.follower = LogFollower(log=log, state=self.state, processors=self.processors, intake=self.intake,
+                                    bg=self.bg, name=self.name)
+        await self.follower.catch_up()
+        if self.use_link:
+            self.link = await ReplicaLink(nc, self.statuses.send).start()
+        # New model subjects are discovered from the publishes themselves; existing ones from the stream.
+        self._subs.append(await nc.subscribe(REQUESTS_ALL, cb=self.intake.on_publish))
+        self._subs.append(await nc.subscribe(DISPATCHER_STATE, cb=self._on_state))
+        self._subs.append(await nc.subscribe(kill_subject(), cb=self.intake.on_kill))
+        # A user's kill (`ndif.dispatcher.kill.<user>`, which only that user may publish): theirs only.
+        self._subs.append(await nc.subscribe(kill_subject("*"), cb=self.intake.on_kill))
+        await self.intake.route_stored()
+        self._tasks += [asyncio.create_task(self.follower.run(), name="dispatcher-follow"),
+                        asyncio.create_task(self.intake.keepalive(), name="dispatcher-keepalive"),
+                        asyncio.create_task(self.intake.expire(), name="dispatcher-expire"),
+                        asyncio.create_task(self.intake.sweep_loop(), name="dispatcher-sweep")]
+        logger.info("dispatcher_started", name=self.name, seq=self.state.seq, processors=len(self.processors))
+        return self
+
+    def _make_processor(self, token: str) -> Processor:
+        assert self.statuses is not None and self.provisioner is not None and self.follower is not None
+        assert self.caller is not None
+        return Processor(token, ProcessorHooks(
+            status=self.statuses.status, finish_soon=self.statuses.finish_soon,
+            provision=self.provisioner.maybe_provision, drained=self.follower.report_drained, link=self.link, caller=self.caller,
+            lanes=self.replica_lanes, batch_max=self.batch_max, batch_budget_s=self.batch_budget_s))
+
+    async def stop(self) -> None:
+        if self.statuses is not None:
+            self.statuses.cancel_timers()
+        for s in self._subs:
+            with contextlib.suppress(Exception):
+                await s.unsubscribe()
+        self.bg.stopped = True
+        tasks = [*self._tasks, *self.bg.tasks, *(self.intake.consumers.values() if self.intake else ())]
+        for p in self.processors.values():
+            tasks += [t for lanes in p.workers.values() for t in lanes]
+        await cancel_and_wait(tasks, owner=self.name)
+        if self.link is not None:
+            await self.link.stop()
+        if self._close is not None:
+            await self._close()
+
+    async def __aenter__(self) -> Dispatcher:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    # ---- what operators and tests ask of it --------------------------------------------------
+
+    async def remove_model(self, token_or_key: str, *, reason: str) -> bool:
+        """Stop serving a model here (intake's `remove_model`)."""
+        assert self.intake is not None
+        return await self.intake.remove_model(token_or_key, reason=reason)
+
+    async def sweep_consumers(self) -> list[str]:
+        """Delete durable consumers of models the log does not know (intake's `sweep_consumers`)."""
+        assert self.intake is not None
+        return await self.intake.sweep_consumers()
+
+    def get_state(self) -> list[dict[str, Any]]:
+        return [p.state() for p in self.processors.values() if p.model_key is not None]
+
+    async def _on_state(self, msg: Msg) -> None:
+        if msg.reply:
+            await msg.respond(msgspec.json.encode({"dispatcher": self.name, "processors": self.get_state()}))
+
+
+async def run_dispatcher(url: str, **kw: Any) -> None:
+    async with Dispatcher.from_url(url, **kw):
+        await asyncio.Event().wait()

@@ -1,0 +1,267 @@
+"""Statuses out: request statuses published and kept in KV, terminal ones exactly once, results stored.
+
+A non-terminal status is published at once and reaches KV within STATUS_KV_DELAY_S (a newer one
+supersedes it); the terminal status is kept by compare-and-set on the key's revision, so a
+redelivered request can never overwrite it, then the request is acked. Large results go to the
+Object Store. Publishes go out in order from one outbox task per loop turn. This part depends on
+no other part of the dispatcher.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from datetime import UTC, datetime
+from typing import Any
+
+import msgspec
+import nats.errors
+import nats.js.errors
+import structlog
+from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext, api
+from nats.js.kv import KeyValue
+from nats.js.object_store import ObjectStore
+
+from dataplane.serving.dispatcher.background import Background
+from dataplane.serving.processor import Pending
+from schemas.requests import INLINE_RESULT_BYTES, StatusUpdate, encoder, status_decoder
+from schemas.status import RequestStatus
+from schemas.subjects import results_bucket, status_key, status_subject
+
+logger = structlog.get_logger("ndif.dispatcher")
+R = RequestStatus
+KV_STATUSES = {R.RECEIVED, R.QUEUED, R.RUNNING, R.PROVISIONING, R.DEPLOYING}
+STATUS_KV_DELAY_S = 0.02  # a non-terminal status reaches KV this late at most (it is published at once)
+
+
+class StatusWriter:
+    """Writes every status of the dispatcher's requests (publish, KV, results bucket)."""
+
+    def __init__(self, nc: NatsClient, kv: KeyValue, results: ObjectStore, bg: Background, *,
+                 js: JetStreamContext, replicas: int) -> None:
+        self.nc = nc
+        self.kv = kv
+        self.results = results  # the open server's shared bucket; users have their own (`results_store`)
+        self.bg = bg
+        self.js = js
+        self.replicas = replicas  # copies of a user's results bucket made here
+        self._user_results: dict[str, ObjectStore] = {}  # user -> its results bucket, opened or created
+        self._rev: dict[str, int] = {}  # request id -> KV revision of our last (non-terminal) status write
+        self._writes: dict[str, _Writes] = {}  # request id -> its status writes
+        self._outbox: list[tuple[str, bytes, str]] = []
+        self._outbox_task: asyncio.Task[None] | None = None
+
+    def cancel_timers(self) -> None:
+        """Stopping: delayed KV writes of non-terminal statuses are not started."""
+        for w in self._writes.values():
+            if w.timer is not None:
+                w.timer.cancel()
+
+    async def kept(self, request_id: str) -> tuple[StatusUpdate | None, int | None]:
+        """The status kept in KV and its revision (None, None when there is none)."""
+        try:
+            e = await self.kv.get(request_id)
+        except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
+            return None, None
+        return (status_decoder.decode(e.value) if e.value else None), e.revision
+
+    async def terminal(self, request_id: str) -> StatusUpdate | None:
+        cur, _ = await self.kept(request_id)
+        return cur if cur is not None and cur.terminal else None
+
+    def _update(self, p: Pending, status: RequestStatus, **kw: Any) -> StatusUpdate:
+        return StatusUpdate(request_id=p.req.request_id, status=status, ts=datetime.now(UTC),
+                            model_key=p.req.model_key, attempt=p.attempt, user=p.req.user, **kw)
+
+    def status(self, p: Pending, status: RequestStatus, **kw: Any) -> None:
+        """A non-terminal status: published always, kept in KV for the ones a reconnecting client needs.
+
+        It never holds up the caller: publishes go out in order from one outbox task per loop turn.
+        """
+        if self.bg.stopped:
+            return
+        u = self._update(p, status, **kw)
+        data = encoder.encode(u)
+        self.send(status_subject(u.request_id, u.user), data)
+        if status in KV_STATUSES:
+            self._kv_put(u, data, terminal=False).add_done_callback(_retrieve)
+
+    def send(self, subject: str, data: bytes, reply: str = "") -> None:
+        """Publish without holding up the caller: in order, from one outbox task per loop turn."""
+        self._outbox.append((subject, data, reply))
+        if self._outbox_task is None:
+            self._outbox_task = asyncio.create_task(self._flush_outbox())
+            self.bg.track(self._outbox_task)
+
+    async def _flush_outbox(self) -> None:
+        try:
+            while self._outbox:
+                batch, self._outbox = self._outbox, []
+                for subject, data, reply in batch:
+                    await self.nc.publish(subject, data, reply=reply)
+        finally:
+            self._outbox_task = None
+
+    async def finish(self, p: Pending, status: RequestStatus, **kw: Any) -> bool:
+        """The terminal status, written exactly once (CAS); then the request is acked.
+
+        Kept by compare-and-set; the server republishes it on `ndif.status.[<user>.]<id>` as it is stored.
+        """
+        if status is R.COMPLETED and "result" in kw:
+            body = msgspec.json.encode(kw["result"])
+            if len(body) > INLINE_RESULT_BYTES:
+                name = f"{status_key(p.req.request_id, p.req.user)}.json"
+                try:
+                    store = await self.results_store(p.req.user)
+                except nats.errors.Error as exc:
+                    # No bucket for this user and no right to make one (a client user added to
+                    # the server without the config's dispatcher grant): say so, never drop it.
+                    logger.error("results_bucket_unavailable", request_id=p.req.request_id, user=p.req.user,
+                                 error=str(exc) or type(exc).__name__)
+                    status, kw = R.ERROR, {k: v for k, v in kw.items() if k != "result"}
+                    kw.update(error="ResultNotStored", message=f"the result ({len(body)} bytes) could not be "
+                              f"stored: no results bucket for user {p.req.user!r} ({type(exc).__name__})")
+                else:
+                    await store.put(name, body)
+                    kw = {**kw, "result": None, "result_ref": name}
+        u = self._update(p, status, **kw)
+        wrote = await self._kv_put(u, encoder.encode(u), terminal=True)
+        if p.msg is not None:
+            with contextlib.suppress(Exception):
+                await p.msg.ack()
+        return wrote
+
+    async def results_store(self, user: str) -> ObjectStore:
+        """The Object Store bucket of `user`'s large results (`ndif_results_<user>`: only that client
+        may read it), created on its first large result; the shared bucket without a user."""
+        if not user:
+            return self.results
+        store = self._user_results.get(user)
+        if store is None:
+            bucket = results_bucket(user)
+            try:
+                store = await self.js.object_store(bucket)
+            except nats.js.errors.NotFoundError:
+                store = await self.js.create_object_store(bucket, config=api.ObjectStoreConfig(
+                    bucket=bucket, replicas=self.replicas, storage=api.StorageType.FILE))
+            self._user_results[user] = store
+        return store
+
+    def finish_soon(self, p: Pending, status: RequestStatus, **kw: Any) -> None:
+        """`finish` for a lane that goes on at once: the write starts now, the ack follows it from
+        the outbox (no task of its own, unless the result is large and goes to the Object Store)."""
+        if self.bg.stopped:
+            return  # not acked: redelivered to the next dispatcher
+        u = self._update(p, status, **kw)
+        data = encoder.encode(u)
+        if len(data) > INLINE_RESULT_BYTES and u.result is not None:
+            self.bg.spawn(self.finish(p, status, **kw))
+            return
+        fut = self._kv_put(u, data, terminal=True)
+        msg = p.msg
+        if msg is not None and msg.reply:
+            fut.add_done_callback(lambda f: self._ack_after(f, msg))
+
+    def _ack_after(self, fut: asyncio.Future[bool], msg: Msg) -> None:
+        if fut.cancelled():
+            return  # stopping: redelivered
+        if fut.exception() is not None:
+            logger.warning("terminal_status_not_kept", error=str(fut.exception()))  # not acked: redelivered
+            return
+        self.send(msg.reply, b"")  # the ack (what Msg.ack() sends), in order after the statuses
+
+    def _kv_put(self, u: StatusUpdate, data: bytes, *, terminal: bool) -> asyncio.Future[bool]:
+        """Keep a status in KV: per request one write in flight, a newer status replaces a waiting one.
+
+        KV keeps only the latest status, so a QUEUED still waiting when RUNNING comes is never sent
+        (and two writes of one request never race each other's revision). A waiting terminal status
+        is never replaced: whatever comes after it resolves False, as the compare-and-set would.
+        """
+        fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        key = status_key(u.request_id, u.user)
+        w = self._writes.get(key)
+        if w is None:
+            w = self._writes[key] = _Writes()
+        if w.waiting is not None:
+            if w.waiting[2]:
+                fut.set_result(False)
+                return fut
+            _resolve(w.waiting[3], True)  # superseded: the newer status is what KV will keep
+        w.waiting = (u, data, terminal, fut)
+        if w.task is None:
+            if terminal:
+                if w.timer is not None:
+                    w.timer.cancel()
+                self._start_writes(key, w)
+            elif w.timer is None:
+                # A status superseded within the delay is never written: a request that runs at
+                # once costs one KV write (its terminal status), not three.
+                w.timer = asyncio.get_running_loop().call_later(STATUS_KV_DELAY_S, self._start_writes, key, w)
+        return fut
+
+    def _start_writes(self, key: str, w: _Writes) -> None:
+        w.timer = None
+        if w.task is None and w.waiting is not None:
+            w.task = asyncio.create_task(self._write_loop(key, w))
+            self.bg.track(w.task)
+
+    async def _write_loop(self, key: str, w: _Writes) -> None:
+        try:
+            while w.waiting is not None:
+                u, data, terminal, fut = w.waiting
+                w.waiting = None
+                try:
+                    _resolve(fut, await self._kv_write(u, data, terminal=terminal))
+                except Exception as exc:  # noqa: BLE001 - handed to whoever awaits this write
+                    if not fut.done():
+                        fut.set_exception(exc)
+        finally:
+            if self._writes.get(key) is w:
+                del self._writes[key]
+            if w.waiting is not None:  # cancelled (stopping) with one waiting
+                w.waiting[3].cancel()
+
+    async def _kv_write(self, u: StatusUpdate, data: bytes, *, terminal: bool) -> bool:
+        """Write unless a terminal status is already there (compare-and-set on the key's revision).
+
+        The revision of our own last write is remembered, so the usual write is one round trip
+        (create, or update expecting that revision); only a lost race reads the key first.
+        """
+        key = status_key(u.request_id, u.user)
+        rev = self._rev.pop(key, None)
+        for _ in range(20):
+            try:
+                new_rev = await (self.kv.create(key, data) if rev is None else self.kv.update(key, data, last=rev))
+            except nats.js.errors.KeyWrongLastSequenceError:
+                cur, rev = await self.kept(key)
+                if cur is not None and cur.terminal:
+                    return False
+                continue
+            if not terminal:
+                self._rev[key] = new_rev
+            return True
+        if terminal:
+            logger.error("terminal_status_not_written", request_id=key)
+        return False
+
+
+class _Writes:
+    __slots__ = ("task", "timer", "waiting")
+
+    def __init__(self) -> None:
+        self.task: asyncio.Task[None] | None = None
+        self.timer: asyncio.TimerHandle | None = None
+        self.waiting: tuple[StatusUpdate, bytes, bool, asyncio.Future[bool]] | None = None
+
+
+def _retrieve(fut: asyncio.Future[bool]) -> None:
+    """Nobody waits for a non-terminal status write: look at its outcome so a failure is logged once."""
+    if not fut.cancelled() and fut.exception() is not None:
+        logger.warning("status_not_kept", error=str(fut.exception()))
+
+
+def _resolve(fut: asyncio.Future[bool], value: bool) -> None:
+    if not fut.done():
+        fut.set_result(value)
