@@ -101,7 +101,6 @@ class JetStreamEventLog:
                         tb: TracebackType | None) -> None:
         await self.close()
 
-
     # ---- setup (topology.py) -----------------------------------------------------------------
 
     async def ensure(self, *, start_new_history: bool = False) -> None:

@@ -1,4 +1,5 @@
-"""Streams and buckets of docs/architecture.md §2: create or update them (`ensure`), check they exist.
+"""Streams and buckets of docs/architecture.md §2: create or update them (`ensure`), check they exist,
+read the event stream's last sequence (`last_seq`).
 
 Functions of a JetStream context; the log (log.py) passes its own.
 """
@@ -155,6 +156,7 @@ async def _ensure_bucket(js: JetStreamContext, create: Any, bind: Any, bucket: s
 
 
 async def last_seq(js: JetStreamContext, timeout: float) -> int:
+    """Sequence of the last stored event (0 when empty). `timeout`: the wait `js` was made with, for the error."""
     try:
         info = await js.stream_info(EVENTS_STREAM)
     except nats.errors.TimeoutError:
