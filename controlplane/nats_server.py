@@ -32,7 +32,7 @@ log = structlog.get_logger("ndif.nats_server")
 
 # The largest message a client may publish (server `max_payload`; the default is 1 MiB). A request body
 # is at most 1 MiB (`schemas.requests.MAX_REQUEST_BYTES`) plus headers, so 2 MiB; stream limits
-# (`max_msg_size`, controlplane/eventstore.py) are tighter per stream. deploy/nats/*.conf say the same.
+# (`max_msg_size`, controlplane/eventstore/connection.py) are tighter per stream. deploy/nats/*.conf say the same.
 MAX_PAYLOAD = 2 * 1024 * 1024
 
 

@@ -1,6 +1,6 @@
 """Ports: what the control plane needs from the outside world, as Protocols.
 
-Only adapter modules (`eventstore.py` for JetStream, `memlog.py` in memory) implement them; the
+Only adapter modules (`eventstore/` for JetStream, `memlog.py` in memory) implement them; the
 contract suite in tests/contract/ runs the same cases against every implementation.
 """
 
