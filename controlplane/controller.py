@@ -12,13 +12,14 @@ import asyncio
 import contextlib
 import hashlib
 import socket
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from datetime import datetime
 from typing import Any
 
 import msgspec
 import nats.errors
 import structlog
+from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
@@ -35,11 +36,11 @@ from controlplane.decide import (
     decide_unplaced,
     summarize,
 )
-from controlplane.eventstore import JetStreamEventLog
 from controlplane.follow import follow_log
 from controlplane.placement import MIN_DEPLOY_S, PADDING
-from controlplane.ports import Stored
+from controlplane.ports import EventLog, Stored
 from controlplane.projections import ClusterState
+from controlplane.services import Connect, Parts, connect_url, given
 from controlplane.tasks import cancel_and_wait
 from schemas.commands import AnyCommand, CommandResult, Limits, decode_command
 from schemas.errors import NdifError
@@ -56,7 +57,7 @@ from schemas.keys import canonical_model_key
 from schemas.status import Level, ReplicaState
 from schemas.subjects import COMMANDS_PREFIX, HEARTBEATS_BUCKET, model_token, node_token
 
-log = structlog.get_logger("ndif.controller")
+logger = structlog.get_logger("ndif.controller")
 
 QUEUE_GROUP = "ndif-controller"
 _result_encoder = msgspec.json.Encoder()
@@ -68,18 +69,23 @@ def seed_of(command_id: str) -> int:
 
 
 class Controller:
-    def __init__(self, url: str, *, name: str | None = None, min_deploy_s: float = MIN_DEPLOY_S,
+    """Decides commands and policies over an event log. Give it its parts (`Parts`, or a `Connect`
+    that opens them on start); `Controller.from_url` opens a JetStream log on its own connection.
+    Without a NATS connection (`Parts(MemoryEventLog(), None)`) it still folds, decides `handle()`d
+    commands and runs the failure and unplaced-replica policies, but serves no subject and watches
+    no heartbeats (so declares no node lost)."""
+
+    def __init__(self, parts: Parts | Connect, *, name: str | None = None, min_deploy_s: float = MIN_DEPLOY_S,
                  max_restarts: int = MAX_RESTARTS, heartbeat_grace_s: float = 20.0,
-                 policy_interval_s: float = 2.0, max_inflight: int = 512, stream_replicas: int | None = None,
+                 policy_interval_s: float = 2.0, max_inflight: int = 512,
                  headroom: float = PADDING, max_replicas_per_model: int | None = None,
-                 max_replicas_per_command: int | None = None,
-                 creds: Creds | None = None) -> None:
-        self.url = url
+                 max_replicas_per_command: int | None = None) -> None:
+        self.parts = parts
         # Replica bounds, checked when a command is decoded (and the per-model one when decided):
         # a count past them is refused before placement runs. Defaults, then env, then arguments.
         self.limits = Limits.from_env(max_replicas_per_model=max_replicas_per_model,
                                       max_replicas_per_command=max_replicas_per_command)
-        self.name = name or f"controller:{socket.gethostname()}"
+        self.name = name or default_name()
         # Settings that change decisions: every path that decides (commands, failure replacement,
         # node loss) gets them, and the events record what was used, so replay needs no flags.
         self.min_deploy_s = min_deploy_s
@@ -87,9 +93,9 @@ class Controller:
         self.max_restarts = max_restarts
         self.heartbeat_grace_s = heartbeat_grace_s
         self.policy_interval_s = policy_interval_s
-        self.stream_replicas = stream_replicas  # R3 on a NATS cluster (deploy/nats/); None: NDIF_STREAM_REPLICAS, else 1
-        self.creds = creds  # the controller role's user (controlplane/auth.py); None: found locally
-        self.log: JetStreamEventLog | None = None
+        self.log: EventLog | None = None
+        self.nc: NatsClient | None = None
+        self._close: Callable[[], Awaitable[None]] | None = None
         self.committer: GroupCommitter[ClusterState] | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._sub: Subscription | None = None
@@ -102,6 +108,15 @@ class Controller:
         self._place_again = False
         self.unplaced_placed = 0  # replicas placed by the level-triggered rule (tests, logs)
 
+    @classmethod
+    def from_url(cls, url: str, *, name: str | None = None, creds: Creds | None = None,
+                 stream_replicas: int | None = None, **settings: Any) -> Controller:
+        """A controller on its own connection to `url`, as `creds` (None: the controller role's local
+        user). `stream_replicas`: R3 on a NATS cluster (deploy/nats/); None: NDIF_STREAM_REPLICAS, else 1."""
+        name = name or default_name()
+        return cls(connect_url(url, name=name, creds=creds, role="controller", replicas=stream_replicas),
+                   name=name, **settings)
+
     def _background(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.create_task(coro)
         self._bg.add(task)
@@ -113,14 +128,15 @@ class Controller:
         return self.committer.state
 
     async def start(self) -> Controller:
-        self.log = await JetStreamEventLog.open(self.url, name=self.name, replicas=self.stream_replicas,
-                                                creds=self.creds, role="controller")
+        self.log, self.nc, self._close = await given(self.parts)
         self.committer = await GroupCommitter(self.log, ClusterState()).start()
         self._tasks.append(asyncio.create_task(self._follow(), name="controller-follow"))
-        self._tasks.append(asyncio.create_task(self._watch_heartbeats(), name="controller-heartbeats"))
+        if self.nc is not None:
+            self._tasks.append(asyncio.create_task(self._watch_heartbeats(self.nc), name="controller-heartbeats"))
         self._tasks.append(asyncio.create_task(self._policies(), name="controller-policies"))
-        self._sub = await self.log.nc.subscribe(f"{COMMANDS_PREFIX}.*", queue=QUEUE_GROUP, cb=self._on_command)
-        log.info("controller_started", name=self.name, seq=self.state.seq)
+        if self.nc is not None:
+            self._sub = await self.nc.subscribe(f"{COMMANDS_PREFIX}.*", queue=QUEUE_GROUP, cb=self._on_command)
+        logger.info("controller_started", name=self.name, seq=self.state.seq, serving=self.nc is not None)
         return self
 
     async def stop(self) -> None:
@@ -131,8 +147,8 @@ class Controller:
         self._tasks.clear()
         if self.committer is not None:
             await self.committer.stop()
-        if self.log is not None:
-            await self.log.close()
+        if self._close is not None:
+            await self._close()
 
     async def __aenter__(self) -> Controller:
         return await self.start()
@@ -159,7 +175,7 @@ class Controller:
         try:
             result = await self.handle(msg.data, verb=msg.subject.rsplit(".", 1)[-1])
         except Exception as exc:
-            log.exception("command_crashed")
+            logger.exception("command_crashed")
             result = CommandResult(command_id="", ok=False, error=type(exc).__name__,
                                    message=f"controller error: {exc}")
         if msg.reply:
@@ -178,7 +194,7 @@ class Controller:
             with structlog.contextvars.bound_contextvars(command_id=cid, model_key=getattr(cmd, "model_key", None)):
                 return await self._decide(cmd)
         except NdifError as exc:
-            log.info("command_refused", command_id=cid, error=type(exc).__name__, message=str(exc))
+            logger.info("command_refused", command_id=cid, error=type(exc).__name__, message=str(exc))
             return CommandResult(command_id=cid, ok=False, error=type(exc).__name__, message=str(exc))
 
     def _canonical(self, cmd: AnyCommand) -> AnyCommand:
@@ -204,7 +220,7 @@ class Controller:
         res = await self.committer.submit(run)
         if not res.events and already_decided(self.state, cmd):
             return await self._recorded(cmd.command_id)  # a twin of this command won the same turn
-        log.info("command_decided", verb=cmd.__struct_config__.tag, first_seq=res.first_seq, last_seq=res.last_seq,
+        logger.info("command_decided", verb=cmd.__struct_config__.tag, first_seq=res.first_seq, last_seq=res.last_seq,
                  events=len(res.events), attempts=res.attempts)
         return summarize(cmd.command_id, res.events, res.first_seq)
 
@@ -232,7 +248,7 @@ class Controller:
 
     async def _follow(self) -> None:
         assert self.log is not None
-        await follow_log(self.log, lambda: self.state.seq + 1, self._on_batch, logger=log,
+        await follow_log(self.log, lambda: self.state.seq + 1, self._on_batch, logger=logger,
                          fold=lambda: self.state)
 
     def _on_batch(self, batch: list[Stored]) -> None:
@@ -259,7 +275,7 @@ class Controller:
         with contextlib.suppress(NdifError):
             res = await self.committer.submit(run)
             if res.events:
-                log.info("replica_failure_handled", model_key=model_key, replica_id=replica_id,
+                logger.info("replica_failure_handled", model_key=model_key, replica_id=replica_id,
                          action=type(res.events[0]).__name__)
 
     def place_unplaced_soon(self) -> None:
@@ -287,15 +303,14 @@ class Controller:
                     n = sum(1 for e in res.events if isinstance(e, ReplicaScheduled))
                     if n:
                         self.unplaced_placed += n
-                        log.info("unplaced_replicas_placed", replicas=n, first_seq=res.first_seq)
+                        logger.info("unplaced_replicas_placed", replicas=n, first_seq=res.first_seq)
             if not self._place_again:
                 return
 
-    async def _watch_heartbeats(self) -> None:
+    async def _watch_heartbeats(self, nc: NatsClient) -> None:
         """Keep `_seen[node token]` = when its KV heartbeat last changed (a watch, not a poll: the
         cost follows the heartbeat rate, not the cluster size times the policy rate)."""
-        assert self.log is not None
-        kv = await self.log.js.key_value(HEARTBEATS_BUCKET)
+        kv = await nc.jetstream().key_value(HEARTBEATS_BUCKET)
         while True:
             try:
                 watcher = await kv.watchall()
@@ -309,7 +324,7 @@ class Controller:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - a broken watch is re-made; nodes are not lost meanwhile
-                log.warning("heartbeat_watch_restarting", error=str(exc) or type(exc).__name__)
+                logger.warning("heartbeat_watch_restarting", error=str(exc) or type(exc).__name__)
                 self._seen = {k: utcnow() for k in self._seen}
                 await asyncio.sleep(0.5)
 
@@ -328,6 +343,8 @@ class Controller:
                     unplaced = True
             if unplaced:
                 self.place_unplaced_soon()  # level-triggered: not only on the event that freed room
+            if self.nc is None:
+                continue  # no heartbeats watched: silence means nothing
             now = utcnow()
             for node_id, node in list(self.state.nodes.items()):
                 if not node.alive:
@@ -350,7 +367,7 @@ class Controller:
         with contextlib.suppress(NdifError):
             res = await self.committer.submit(run)
             if res.events:
-                log.warning("node_lost", node_id=node_id, events=len(res.events))
+                logger.warning("node_lost", node_id=node_id, events=len(res.events))
 
 
 # Events after which a wanted-but-unplaced replica may fit: a node (re)joined, or memory was freed.
@@ -366,9 +383,13 @@ def _command_id_of(body: bytes) -> str:
     return cid[:200] if isinstance(cid, str) else ""
 
 
-async def run_controller(url: str, **kw: object) -> None:
+def default_name() -> str:
+    return f"controller:{socket.gethostname()}"
+
+
+async def run_controller(url: str, **kw: Any) -> None:
     """Run a controller until cancelled (`ndif controller`)."""
-    async with Controller(url, **kw):  # type: ignore[arg-type]
+    async with Controller.from_url(url, **kw):
         await asyncio.Event().wait()
 
 

@@ -28,7 +28,7 @@ import structlog
 
 from schemas.errors import InfrastructureError
 
-log = structlog.get_logger("ndif.nats_server")
+logger = structlog.get_logger("ndif.nats_server")
 
 # The largest message a client may publish (server `max_payload`; the default is 1 MiB). A request body
 # is at most 1 MiB (`schemas.requests.MAX_REQUEST_BYTES`) plus headers, so 2 MiB; stream limits
@@ -139,7 +139,7 @@ class EmbeddedNats:
                                      stderr=subprocess.PIPE, start_new_session=True,
                                      preexec_fn=die_with_parent if self.die_with_parent else None)
         self._wait_ready()
-        log.info("nats_server_started", url=self.url, store_dir=str(self.store_dir), pid=self.proc.pid)
+        logger.info("nats_server_started", url=self.url, store_dir=str(self.store_dir), pid=self.proc.pid)
         return self
 
     def _wait_ready(self) -> None:

@@ -96,7 +96,7 @@ class LocalCluster:
             await self.ensure_log()
             ray_adapter.start_local(len(self.gpus))
             self.controller = await self._stack.enter_async_context(
-                Controller(self.url, creds=self.role("controller"), **self.controller_options))
+                Controller.from_url(self.url, creds=self.role("controller"), **self.controller_options))
             agent = await NodeAgent.open(self.url, self.node_id, gpus=self.gpus, creds=self.role(f"agent:{self.node_id}"),
                                          **self.agent_options)
             self.agent = await self._stack.enter_async_context(agent)

@@ -14,6 +14,7 @@ import bisect
 import contextlib
 import signal
 import time
+from collections.abc import Awaitable, Callable
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ import nats.errors
 import nats.js.errors
 import structlog
 from aiohttp import web
+from nats.aio.client import Client as NatsClient
 
 from controlplane.auth import Creds
 from controlplane.dashboard.model import (
@@ -35,12 +37,14 @@ from controlplane.dashboard.model import (
     state_json,
     touched,
 )
-from controlplane.eventstore import JetStreamEventLog
+from controlplane.follow import follow_log
+from controlplane.ports import EventLog
+from controlplane.services import Connect, Parts, connect_url, given
 from controlplane.tasks import cancel_and_wait
 from schemas import errors as errs
 from schemas.subjects import DISPATCHER_STATE, REQUESTS_STREAM, model_token
 
-log = structlog.get_logger("ndif.dashboard")
+logger = structlog.get_logger("ndif.dashboard")
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8470
@@ -95,17 +99,20 @@ async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
 
 
 class Dashboard:
-    """`async with Dashboard(url, port=...) as d: print(d.url)`: serve until the block ends."""
+    """`async with Dashboard.from_url(url, port=...) as d: print(d.url)`: serve until the block ends.
 
-    def __init__(self, nats_url: str, *, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,
-                 checkpoint_every: int | None = None, queue_poll_s: float = QUEUE_POLL_S,
-                 creds: Creds | None = None) -> None:
-        self.nats_url = nats_url
-        self.creds = creds  # the read-only dashboard role where the server has users
+    Give it its parts (`Parts`, or a `Connect` that opens them on start); without a NATS connection
+    (`Parts(MemoryEventLog(), None)`) it serves the log's projections and says the queues are unknown."""
+
+    def __init__(self, parts: Parts | Connect, *, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,
+                 checkpoint_every: int | None = None, queue_poll_s: float = QUEUE_POLL_S) -> None:
+        self.parts = parts
         self.host, self.port = host, port
         self.model = DashboardModel(**({"checkpoint_every": checkpoint_every} if checkpoint_every else {}))
         self.queue_poll_s = queue_poll_s
-        self.log_: JetStreamEventLog | None = None
+        self.log: EventLog | None = None
+        self.nc: NatsClient | None = None
+        self._close: Callable[[], Awaitable[None]] | None = None
         self.runner: web.AppRunner | None = None
         self.clients: set[asyncio.Queue[bytes | None]] = set()
         self.queues: dict[str, Any] = {"dispatcher": None, "error": "not asked yet", "models": {}}
@@ -115,6 +122,12 @@ class Dashboard:
         self._nodes: set[str] = set()
         self._models: set[str] = set()
         self._flush_at: asyncio.TimerHandle | None = None
+
+    @classmethod
+    def from_url(cls, nats_url: str, *, creds: Creds | None = None, **kw: Any) -> Dashboard:
+        """A dashboard on its own connection to `nats_url`, as `creds` (None: the read-only dashboard
+        role's local user where the server has users); it creates no stream or bucket."""
+        return cls(connect_url(nats_url, name="ndif-dashboard", creds=creds, role="dashboard", ensure=False), **kw)
 
     @property
     def url(self) -> str:
@@ -133,12 +146,11 @@ class Dashboard:
         return app
 
     async def start(self) -> Dashboard:
-        self.log_ = await JetStreamEventLog.open(self.nats_url, name="ndif-dashboard", ensure=False,
-                                               creds=self.creds)
+        self.log, self.nc, self._close = await given(self.parts)
         t0 = time.perf_counter()
-        async for batch in self.log_.read_batches():
+        async for batch in self.log.read_batches():
             self.model.add_all(batch)
-        log.info("dashboard_folded", seq=self.model.seq, seconds=round(time.perf_counter() - t0, 3))
+        logger.info("dashboard_folded", seq=self.model.seq, seconds=round(time.perf_counter() - t0, 3))
         self.runner = web.AppRunner(self.app(), access_log=None, handle_signals=False)
         await self.runner.setup()
         site = web.TCPSite(self.runner, self.host, self.port)
@@ -152,7 +164,7 @@ class Dashboard:
             self.port = int(self.runner.addresses[0][1])
         self._tasks += [asyncio.create_task(self._follow(), name="dashboard-follow"),
                         asyncio.create_task(self._poll_queues(), name="dashboard-queues")]
-        log.info("dashboard_started", url=self.url, seq=self.model.seq)
+        logger.info("dashboard_started", url=self.url, seq=self.model.seq)
         return self
 
     async def stop(self) -> None:
@@ -164,8 +176,8 @@ class Dashboard:
         await cancel_and_wait(self._tasks, owner="dashboard")
         if self.runner is not None:
             await self.runner.cleanup()
-        if self.log_ is not None:
-            await self.log_.close()
+        if self._close is not None:
+            await self._close()
 
     async def __aenter__(self) -> Dashboard:
         return self if self.runner is not None else await self.start()
@@ -176,16 +188,9 @@ class Dashboard:
     # ---- following the log -----------------------------------------------------------------
 
     async def _follow(self) -> None:
-        assert self.log_ is not None
-        while True:
-            try:
-                async for batch in self.log_.follow_batches(self.model.seq + 1):
-                    self._apply(batch)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - NATS away: say so, follow again from where we are
-                log.warning("dashboard_follow_interrupted", error=str(exc) or type(exc).__name__)
-                await asyncio.sleep(1.0)
+        # The page shows the fold's anomalies itself: nothing to log per batch (no `fold=`).
+        assert self.log is not None
+        await follow_log(self.log, lambda: self.model.seq + 1, self._apply, logger=logger, retry_s=1.0)
 
     def _apply(self, batch: list[Any]) -> None:
         """Fold a batch; what it changed goes out with the next flush (at most FLUSH_S later), so a
@@ -247,16 +252,18 @@ class Dashboard:
             await asyncio.sleep(self.queue_poll_s)
 
     async def _ask_queues(self) -> dict[str, Any]:
-        assert self.log_ is not None
         out: dict[str, Any] = {"dispatcher": None, "error": None, "models": {}, "asked_at": time.time()}
         models: dict[str, dict[str, Any]] = out["models"]
+        if self.nc is None:
+            out["error"] = "no NATS connection: queues unknown"
+            return out
         try:
-            msg = await self.log_.nc.request(DISPATCHER_STATE, b"", timeout=1.0)
+            msg = await self.nc.request(DISPATCHER_STATE, b"", timeout=1.0)
             d = msgspec.json.decode(msg.data)
             out["dispatcher"] = d.get("dispatcher")
             for p in d.get("processors", []):
                 models[p["model_key"]] = {k: p.get(k) for k in (
-                    "status", "queued", "in_flight", "completed", "errors", "workers", "oldest_wait_s")}
+                    "status", "queued", "in_flight", "completed", "errors", "serving_replicas", "oldest_wait_s")}
         except (nats.errors.NoRespondersError, nats.errors.TimeoutError) as exc:
             out["error"] = f"no dispatcher answered ({type(exc).__name__})"
         # Every model's work-queue consumer in a few listing requests (256 a page), not one request each.
@@ -264,7 +271,7 @@ class Dashboard:
         listed = 0  # consumers listed so far, ours or not: the next page's offset
         with contextlib.suppress(nats.js.errors.NotFoundError):
             while listed < MAX_QUEUE_CONSUMERS:
-                page = await self.log_.js.consumers_info(REQUESTS_STREAM, offset=listed or None)
+                page = await self.nc.jetstream().consumers_info(REQUESTS_STREAM, offset=listed or None)
                 listed += len(page)
                 for info in page:
                     if info.name and info.name.startswith("proc-"):
@@ -373,12 +380,12 @@ class Dashboard:
 async def open_dashboard(nats_url: str, port: int = DEFAULT_PORT, *, creds: Creds | None = None) -> Dashboard:
     """For `ndif up`: a started dashboard on 127.0.0.1:`port`, or on a free port if that one is taken."""
     try:
-        return await Dashboard(nats_url, port=port, creds=creds).start()
+        return await Dashboard.from_url(nats_url, port=port, creds=creds).start()
     except errs.InfrastructureError as exc:
         if port == 0:
             raise
-        log.warning("dashboard_port_taken", port=port, error=str(exc))
-        return await Dashboard(nats_url, port=0, creds=creds).start()
+        logger.warning("dashboard_port_taken", port=port, error=str(exc))
+        return await Dashboard.from_url(nats_url, port=0, creds=creds).start()
 
 
 async def serve(nats_url: str, *, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,
@@ -388,7 +395,7 @@ async def serve(nats_url: str, *, host: str = DEFAULT_HOST, port: int = DEFAULT_
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    async with Dashboard(nats_url, host=host, port=port, creds=creds) as d:
+    async with Dashboard.from_url(nats_url, host=host, port=port, creds=creds) as d:
         print(f"ndif dashboard: {d.url} (log at seq {d.model.seq}; read-only). Ctrl-C stops it.", flush=True)
         if host not in ("127.0.0.1", "localhost", "::1"):
             print(f"ndif dashboard: listening on {host}: whoever reaches this port sees the whole cluster",

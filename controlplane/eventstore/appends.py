@@ -26,7 +26,7 @@ from schemas.errors import ConflictError, InfrastructureError, InfrastructureTim
 from schemas.events import Event, check_batch, encode_event, event_headers, event_subject
 from schemas.subjects import EVENTS_STREAM, HDR_MSG_ID
 
-log = structlog.get_logger("ndif.eventstore")
+logger = structlog.get_logger("ndif.eventstore")
 
 ERR_WRONG_LAST_SEQ = 10071
 ERR_BATCH_TOO_LARGE = 10199
@@ -138,6 +138,6 @@ async def _read_back(js: JetStreamContext, events: Sequence[Event], expected: in
             return None
         if n == 1:
             break
-    log.info("append_already_stored", first_seq=expected + 1, events=n)
+    logger.info("append_already_stored", first_seq=expected + 1, events=n)
     return AppendResult(first_seq=expected + 1, last_seq=expected + n, already_appended=True)
 

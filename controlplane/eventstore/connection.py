@@ -16,7 +16,7 @@ from nats.aio.msg import Msg
 from controlplane.auth import Creds
 from schemas.errors import InfrastructureError, InvalidCommand
 
-log = structlog.get_logger("ndif.eventstore")
+logger = structlog.get_logger("ndif.eventstore")
 
 # Message size limits per stream (the server's own limit, max_payload, is 2 MiB: nats_server.py).
 # An event is a few hundred bytes (a failure's error text is cut at 500 characters); a request body is
@@ -99,18 +99,18 @@ async def connect(url: str, *, name: str = "ndif", timeout: float = 5.0, creds: 
         if "authorization violation" in str(err).lower():
             refused.append(str(err))
         if connecting:
-            log.debug("nats_connect_attempt_failed", url=url, error=str(err) or type(err).__name__)
+            logger.debug("nats_connect_attempt_failed", url=url, error=str(err) or type(err).__name__)
         elif isinstance(err, nats.errors.SlowConsumerError):
-            log.error("nats_slow_consumer", subject=err.subject, sid=err.sid)
+            logger.error("nats_slow_consumer", subject=err.subject, sid=err.sid)
         else:
-            log.warning("nats_error", connection=name, error=str(err) or type(err).__name__)
+            logger.warning("nats_error", connection=name, error=str(err) or type(err).__name__)
 
     async def disconnected_cb() -> None:
         if not (nc.is_closed or nc.is_draining):
-            log.warning("nats_disconnected", url=url)
+            logger.warning("nats_disconnected", url=url)
 
     async def reconnected_cb() -> None:
-        log.info("nats_reconnected", url=url)
+        logger.info("nats_reconnected", url=url)
 
     nc = FastHeaderClient()
     try:

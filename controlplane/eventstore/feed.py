@@ -30,7 +30,7 @@ from schemas.errors import InfrastructureError, InfrastructureTimeout
 from schemas.events import Skipped, decode_or_skip, event_tag, subject_problem
 from schemas.subjects import EVENTS_ALL, EVENTS_STREAM
 
-log = structlog.get_logger("ndif.eventstore")
+logger = structlog.get_logger("ndif.eventstore")
 
 
 class FeedSource(Protocol):
@@ -167,7 +167,7 @@ async def _feed_consumer(src: FeedSource, start_seq: int, stop_seq: int | None) 
             if seq != want[0]:
                 if seq < want[0]:
                     return  # replay after an ordered-consumer reset
-                log.warning("event_feed_gap", expected=want[0], got=seq)
+                logger.warning("event_feed_gap", expected=want[0], got=seq)
                 want[0] = -1
                 buf.append(None)  # tells the reader to resubscribe
             elif len(buf) >= limit:  # past the limit drop it: the gap check recovers
@@ -194,7 +194,7 @@ async def _feed_consumer(src: FeedSource, start_seq: int, stop_seq: int | None) 
                         if src.nc.is_closed:
                             raise InfrastructureError("NATS connection closed while following events") from None
                         if await last_seq(src.js, src.timeout) >= expected:
-                            log.warning("event_feed_stalled", expected=expected)
+                            logger.warning("event_feed_stalled", expected=expected)
                             break  # resubscribe from `expected`
                     continue
                 batch: list[Stored] = []

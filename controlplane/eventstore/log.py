@@ -21,7 +21,7 @@ from controlplane.eventstore.connection import connect, stream_replicas_default
 from controlplane.ports import AppendResult, Stored
 from schemas.events import Event
 
-log = structlog.get_logger("ndif.eventstore")
+logger = structlog.get_logger("ndif.eventstore")
 
 _PENDING_MSGS = 1_000_000
 _PENDING_BYTES = 1 << 30
@@ -88,9 +88,9 @@ class JetStreamEventLog:
         done, _ = await asyncio.wait([step], timeout=CLOSE_TIMEOUT_S)
         if not done:
             step.cancel()  # not awaited: nats-py's drain swallows cancellation
-            log.warning("nats_close_timed_out", seconds=CLOSE_TIMEOUT_S)
+            logger.warning("nats_close_timed_out", seconds=CLOSE_TIMEOUT_S)
         elif not step.cancelled() and (err := step.exception()) is not None:
-            log.warning("nats_drain_failed", error=str(err) or type(err).__name__)
+            logger.warning("nats_drain_failed", error=str(err) or type(err).__name__)
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self.nc.close(), CLOSE_TIMEOUT_S)
 

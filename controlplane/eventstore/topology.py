@@ -29,7 +29,7 @@ from schemas.subjects import (
     STATUS_PREFIX,
 )
 
-log = structlog.get_logger("ndif.eventstore")
+logger = structlog.get_logger("ndif.eventstore")
 
 HEARTBEAT_TTL_S = 15.0
 REQUEST_STATUS_TTL_S = 24 * 3600.0
@@ -83,7 +83,7 @@ async def ensure(js: JetStreamContext, *, replicas: int, may_create: bool, start
         info.config.republish = status_republish  # a bucket made by an earlier version
         info.config.allow_direct = True
         await js.update_stream(info.config)
-        log.info("stream_updated", stream=f"KV_{REQUEST_STATUS_BUCKET}", republish=status_republish.dest)
+        logger.info("stream_updated", stream=f"KV_{REQUEST_STATUS_BUCKET}", republish=status_republish.dest)
     for bucket in (RESULTS_BUCKET, SNAPSHOTS_BUCKET):
         await _ensure_bucket(js, js.create_object_store, js.object_store, bucket,
                              api.ObjectStoreConfig(bucket=bucket, replicas=replicas,
@@ -118,7 +118,7 @@ async def _refuse_lost_history(js: JetStreamContext) -> None:
             await js.stream_info(name)
             found.append(name)
     if found:
-        log.error("event_stream_missing", existing=found)
+        logger.error("event_stream_missing", existing=found)
         raise InfrastructureError(
             f"stream {EVENTS_STREAM} is missing but {', '.join(found)} exist: the event history was deleted "
             "or this is the wrong store. Not starting an empty history: restore the stream, or, to start "
@@ -131,7 +131,7 @@ async def _ensure_stream(js: JetStreamContext, cfg: api.StreamConfig) -> None:
         info = await js.stream_info(cfg.name)
     except nats.js.errors.NotFoundError:
         await js.add_stream(cfg)
-        log.info("stream_created", stream=cfg.name)
+        logger.info("stream_created", stream=cfg.name)
         return
     except (nats.errors.TimeoutError, nats.errors.NoRespondersError) as exc:
         raise InfrastructureError(f"JetStream is not answering ({type(exc).__name__}): is the server "
@@ -143,7 +143,7 @@ async def _ensure_stream(js: JetStreamContext, cfg: api.StreamConfig) -> None:
             or (cfg.max_msg_size or -1) != (have.max_msg_size or -1)):  # a stream made before the limit
         cfg = dataclasses.replace(cfg, num_replicas=have.num_replicas)  # an update never changes the copies
         await js.update_stream(cfg)
-        log.info("stream_updated", stream=cfg.name)
+        logger.info("stream_updated", stream=cfg.name)
 
 
 async def _ensure_bucket(js: JetStreamContext, create: Any, bind: Any, bucket: str, cfg: Any) -> None:
@@ -152,7 +152,7 @@ async def _ensure_bucket(js: JetStreamContext, create: Any, bind: Any, bucket: s
     except (nats.js.errors.BucketNotFoundError, nats.js.errors.NotFoundError):
         with contextlib.suppress(nats.js.errors.BadRequestError):  # created by a racing peer
             await create(config=cfg) if create == js.create_key_value else await create(bucket, config=cfg)
-            log.info("bucket_created", bucket=bucket)
+            logger.info("bucket_created", bucket=bucket)
 
 
 async def last_seq(js: JetStreamContext, timeout: float) -> int:

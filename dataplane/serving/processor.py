@@ -1,11 +1,13 @@
-"""One model's processor (as in NDIF): one shared queue, one worker per ready replica competing on it.
+"""One model's processor (as in NDIF): one shared queue, and the lanes of every ready replica competing on it.
 
-The replica set is not the processor's own: `sync(view)` is called with the queue view folded from
-the event log every time an event arrives, so `ReplicaLoaded` adds a worker and an eviction, drain
-or failure retires one at once, without touching the other workers. A worker takes a request from
-the head of the queue, calls its replica's actor, and writes the terminal status (exactly once);
+A lane is one call at a time to one replica; each ready replica gets `lanes_per_replica` of them
+(NDIF_REPLICA_LANES). The replica set is not the processor's own: `sync(view)` is called with the
+queue view folded from the event log every time an event arrives, so `ReplicaLoaded` starts a
+replica's lanes and an eviction, drain or failure retires them at once, without touching the
+other replicas' lanes. A lane takes a request from the head of the queue (with what waits behind
+it, when requests are short), calls its replica, and writes the terminal status (exactly once);
 if the replica went away under it (WARM, COLD, dead) the request goes back to the head of the
-queue for another worker. A draining replica takes nothing new and, once idle, is reported
+queue for another lane. A draining replica takes nothing new and, once idle, is reported
 drained (`ReplicaDrained`).
 """
 
@@ -59,7 +61,7 @@ class ProcessorHooks:
     drained: Callable[[str, int], None]  # (model key, replica id): a draining replica went idle
     link: ReplicaLink | None  # replica calls over NATS; None: Ray calls only
     caller: ReplicaCaller  # calls into replicas through the runtime (the NATS link's fallback)
-    lanes: int  # calls a replica is handed at once
+    lanes_per_replica: int  # calls a replica is handed at once (NDIF_REPLICA_LANES)
     batch_max: int  # short requests one call may carry
     batch_budget_s: float  # ... as many as run in this long, by the model's recent run times
 
@@ -82,10 +84,10 @@ class Processor:
         self.hooks = hooks
         self.queue: collections.deque[Pending] = collections.deque()
         self.view: ModelQueueView | None = None
-        self.workers: dict[int, list[asyncio.Task[None]]] = {}  # replica id -> its lanes
+        self.lanes: dict[int, list[asyncio.Task[None]]] = {}  # replica id -> its lane tasks
         # replica id -> `<user>.<request id>` (status_key: ids are each user's own) -> request
         self.in_flight: dict[int, dict[str, Pending]] = {}
-        self.lanes = hooks.lanes
+        self.lanes_per_replica = hooks.lanes_per_replica
         self.ready: set[int] = set()
         self.nodes: dict[int, str] = {}  # replica id -> its node (its endpoint is `ndif.run.<ntok>.<mtok>.<rid>`)
         self.draining: set[int] = set()
@@ -112,10 +114,10 @@ class Processor:
         gone = self.ready - ready
         self.ready = ready
         self.nodes = dict(view.nodes)
-        for rid in ready - set(self.workers):
-            self.workers[rid] = [asyncio.create_task(self._worker(rid), name=f"worker-{self.token}-{rid}-{lane}")
-                                 for lane in range(self.lanes)]
-            self.logger.info("worker_added", replica_id=rid, lanes=self.lanes)
+        for rid in ready - set(self.lanes):
+            self.lanes[rid] = [asyncio.create_task(self._lane(rid), name=f"lane-{self.token}-{rid}-{i}")
+                               for i in range(self.lanes_per_replica)]
+            self.logger.info("lanes_started", replica_id=rid, lanes=self.lanes_per_replica)
         for rid in gone:
             self._actors.pop(rid, None)
         for rid in self.draining:
@@ -193,7 +195,7 @@ class Processor:
             if not fut.done():
                 fut.set_result(None)
 
-    async def _worker(self, rid: int) -> None:
+    async def _lane(self, rid: int) -> None:
         """One lane of replica `rid`: a call with the head of the queue (and what waits behind it,
         when requests are short), its answers, repeat."""
         me = asyncio.current_task()
@@ -204,12 +206,12 @@ class Processor:
                     break
                 await self._answers(call)
         finally:
-            lanes = self.workers.get(rid, [])
-            if me in lanes:
-                lanes.remove(me)  # type: ignore[arg-type]
-            if not lanes:
-                self.workers.pop(rid, None)
-                self.logger.info("worker_retired", replica_id=rid)
+            mine = self.lanes.get(rid, [])
+            if me in mine:
+                mine.remove(me)  # type: ignore[arg-type]
+            if not mine:
+                self.lanes.pop(rid, None)
+                self.logger.info("lanes_retired", replica_id=rid)
             if rid in self.draining and not self.in_flight.get(rid):
                 self.hooks.drained(self.model_key or "", rid)
 
@@ -360,9 +362,9 @@ class Processor:
         v = self.view
         return {
             "model_key": self.model_key, "status": str(self.status), "queued": len(self.queue),
-            "in_flight": self.running(), "lanes_per_replica": self.lanes, "ready_replicas": sorted(self.ready),
+            "in_flight": self.running(), "lanes_per_replica": self.lanes_per_replica, "ready_replicas": sorted(self.ready),
             "draining_replicas": sorted(self.draining), "starting_replicas": list(v.starting) if v else [],
-            "replica_count": v.replica_count if v else 0, "workers": sorted(self.workers),
+            "replica_count": v.replica_count if v else 0, "serving_replicas": sorted(self.lanes),
             "completed": self.completed, "errors": self.errors, "replica_calls": self.calls,
             "endpoint_calls": self.link_calls,
             "run_ms": round(self.exec_s * 1000, 3) if self.exec_s is not None else None, "provisioning": self.provisioning,

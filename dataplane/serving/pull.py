@@ -22,7 +22,7 @@ from typing import Any
 import structlog
 from nats.aio.msg import Msg
 
-log = structlog.get_logger("ndif.pull")
+logger = structlog.get_logger("ndif.pull")
 
 _STATUS = "Status"
 _PENDING_MSGS = "Nats-Pending-Messages"
@@ -102,5 +102,5 @@ class PullConsumer:
         # A pull that ended (expired, or a 409) gives back what it never sent; without a count, all.
         self.pending = max(0, self.pending - int(left)) if left is not None else 0
         if status not in ("408", "404"):
-            log.info("pull_status", status=status, description=desc, pending=self.pending)
+            logger.info("pull_status", status=status, description=desc, pending=self.pending)
         self._wake.set()

@@ -50,7 +50,7 @@ async def running_service(url: str, gcs: str, *, drain_timeout_s: float) -> Asyn
     """Controller + agent (node-a, 2 declared 80 GB GPUs) + dispatcher on fresh streams; yields the parts."""
     kill_all_actors()
     lg: JetStreamEventLog = await fresh_event_log(url)
-    ctl = await Controller(url, policy_interval_s=0.2).start()
+    ctl = await Controller.from_url(url, policy_interval_s=0.2).start()
     agent = await (await NodeAgent.open(url, "node-a", gpus=declared_gpus(2, 80 * GB), cpu_cache_bytes=10 * GB,
                             heartbeat_s=0.5, drain_timeout_s=drain_timeout_s, health_interval_s=0.5)).start()
     disp = await Dispatcher.from_url(url).start()

@@ -103,7 +103,7 @@ async def test_lifecycle_with_real_actors(nats_server: EmbeddedNats, admin: Admi
         if step == "restart":
             assert (await info(mk, 0))["pid"] != pids[0]  # a new process under the same name and id
 
-    async with Controller(url, policy_interval_s=0.2), await agent(url):
+    async with Controller.from_url(url, policy_interval_s=0.2), await agent(url):
         await lifecycle_scenario(url, admin, tiny, node="node-a", drainer="agent:node-a", on_step=actors_match,
                                  settle_timeout=90)
     assert not list_replica_actors()  # evict --all --cold: no actor left
@@ -113,7 +113,7 @@ async def test_killed_actor_fails_and_the_policy_restarts_it(nats_server: Embedd
                                                             tiny: Path) -> None:
     url = nats_server.url
     mk = canonical_model_key(str(tiny))
-    async with Controller(url, policy_interval_s=0.1), await agent(url):
+    async with Controller.from_url(url, policy_interval_s=0.1), await agent(url):
         res = await admin.deploy(str(tiny), 1)
         await admin.wait(res, timeout=90)
         before = await info(mk, 0)
@@ -144,7 +144,7 @@ async def test_agent_sigkilled_mid_load_restarts_without_orphans(nats_server: Em
                                                                  local_ray: str) -> None:
     url = nats_server.url
     mk = canonical_model_key(str(tiny))
-    async with Controller(url, policy_interval_s=0.1):
+    async with Controller.from_url(url, policy_interval_s=0.1):
         proc = run_agent_process(url, local_ray)
         try:
             await until(admin, lambda s: "node-a" in s.nodes, timeout=60)
@@ -177,7 +177,7 @@ async def test_corrupt_checkpoint_load_fails_and_frees_its_cards(nats_server: Em
         (bad / f.name).write_bytes(f.read_bytes())
     (bad / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_embd": "sixty-four"}))
     mk_bad, mk_ok = canonical_model_key(str(bad)), canonical_model_key(str(tiny))
-    async with Controller(url, policy_interval_s=0.1), await agent(url):
+    async with Controller.from_url(url, policy_interval_s=0.1), await agent(url):
         ok = await admin.deploy(str(tiny), 1)
         await admin.wait(ok, timeout=90)
         res = await admin.deploy(str(bad), 1, size_bytes=10 * GB)

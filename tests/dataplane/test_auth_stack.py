@@ -67,7 +67,7 @@ async def stack(secured: EmbeddedNats, auth: LocalAuth, home: Path, local_ray: s
     url = secured.url
     lg = await JetStreamEventLog.open(url, creds=auth.role("admin"))  # what `ndif up` does first, as the admin
     await lg.close()
-    ctl = await Controller(url, policy_interval_s=0.2, creds=auth.role("controller")).start()
+    ctl = await Controller.from_url(url, policy_interval_s=0.2, creds=auth.role("controller")).start()
     agent = await (await NodeAgent.open(url, NODE, gpus=declared_gpus(2, 80 * GB), cpu_cache_bytes=10 * GB, heartbeat_s=0.5,
                             health_interval_s=0.5, creds=auth.role(f"agent:{NODE}"))).start()
     disp = await Dispatcher.from_url(url, creds=auth.role("dispatcher")).start()
@@ -160,7 +160,7 @@ async def test_undeploy_unknown_model_and_dashboard_with_auth_on(models: dict[st
         with pytest.raises(RequestFailed):
             await job.result(timeout=60)
 
-    async with Dashboard(url, port=0, creds=auth.role("dashboard"), queue_poll_s=0.2) as dash:
+    async with Dashboard.from_url(url, port=0, creds=auth.role("dashboard"), queue_poll_s=0.2) as dash:
         async with aiohttp.ClientSession() as http:
             for path in ("api/state", "api/events", "api/queues"):
                 async with http.get(dash.url + path) as r:

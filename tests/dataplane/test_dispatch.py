@@ -1,4 +1,4 @@
-"""Requests end to end: SDK -> NDIF_REQUESTS -> dispatcher -> processor workers -> Ray actors -> statuses.
+"""Requests end to end: SDK -> NDIF_REQUESTS -> dispatcher -> processor lanes -> Ray actors -> statuses.
 
 Real nats-server, real local Ray (declared GPUs), real controller, node agent and tiny models.
 """
@@ -256,7 +256,7 @@ async def test_scale_adds_a_worker_as_soon_as_the_replica_is_loaded(service: dic
     proc = next(p for p in disp.processors.values() if p.model_key == mk)
     res = await admin.scale(str(models["gpt2"]), 2)
     async with asyncio.timeout(120):
-        while 1 not in proc.workers:
+        while 1 not in proc.lanes:
             await asyncio.sleep(0.005)
     seen = datetime.now(UTC)
     loaded = [e async for _, e in admin.events(model=str(models["gpt2"]))

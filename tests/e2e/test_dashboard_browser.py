@@ -67,7 +67,7 @@ async def test_live_timeline_and_history_in_a_browser(nats_server: EmbeddedNats,
     gpt2, llama = checkpoints
     url = nats_server.url
     lg = await fresh_event_log(url)
-    parts = [Controller(url, policy_interval_s=0.2),
+    parts = [Controller.from_url(url, policy_interval_s=0.2),
              ScriptedAgent(url, "node-a", gpus=4, cpu_cache_bytes=200 * GB),
              ScriptedAgent(url, "node-b", gpus=4, cpu_cache_bytes=200 * GB)]
     for part in parts:
@@ -77,7 +77,7 @@ async def test_live_timeline_and_history_in_a_browser(nats_server: EmbeddedNats,
         await settle(admin)
         ran = await ndif(url, "deploy", llama, "--replicas", "3", "--size-bytes", str(50 * GB), "--wait")
         assert ran.rc == 0, ran.err
-        async with Dashboard(url, port=0) as dash:
+        async with Dashboard.from_url(url, port=0) as dash:
             page = await browser.new_page(viewport={"width": 1400, "height": 900})
             await page.goto(dash.url)
             await page.wait_for_function("window.ndif && window.ndif.ready && window.ndif.renderedSeq > 0")

@@ -101,7 +101,7 @@ async def test_r3_cluster_loses_nothing_when_two_servers_are_killed(cluster: Nat
     lg = await _open(url)
     for name in (EVENTS_STREAM, REQUESTS_STREAM, f"KV_{REQUEST_STATUS_BUCKET}", "KV_ndif_heartbeats"):
         assert (await lg.js.stream_info(name)).config.num_replicas == 3, name
-    ctls = [await Controller(url, name=f"controller:{i}", stream_replicas=3, policy_interval_s=0.5,
+    ctls = [await Controller.from_url(url, name=f"controller:{i}", stream_replicas=3, policy_interval_s=0.5,
                              heartbeat_grace_s=30).start() for i in range(2)]
     agents = [await ScriptedAgent(url, f"sim-{i}", gpus=4, gpu_bytes=80 * GB).start() for i in range(2)]
     disp = await Dispatcher.from_url(url, name="dispatcher:r3").start()

@@ -53,7 +53,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 async def base(nats_server: EmbeddedNats, local_ray: str) -> AsyncIterator[dict[str, Any]]:
     kill_all_actors()
     lg: JetStreamEventLog = await fresh_event_log(nats_server.url)
-    ctl = await Controller(nats_server.url, policy_interval_s=0.3, heartbeat_grace_s=3.0).start()
+    ctl = await Controller.from_url(nats_server.url, policy_interval_s=0.3, heartbeat_grace_s=3.0).start()
     admin = await AdminClient.open(nats_server.url, timeout=30)
     try:
         yield {"url": nats_server.url, "gcs": local_ray, "log": lg, "controller": ctl, "admin": admin}

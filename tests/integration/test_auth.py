@@ -142,7 +142,7 @@ async def test_forged_observed_facts_are_refused(streams: str, auth: LocalAuth) 
 
 async def test_an_operators_command_id_cannot_be_taken(streams: str, auth: LocalAuth, tmp_path: Path) -> None:
     model = str(make_tiny_gpt2(tmp_path / "gpt2"))
-    ctl = await Controller(streams, creds=auth.role("controller"), policy_interval_s=0.2).start()
+    ctl = await Controller.from_url(streams, creds=auth.role("controller"), policy_interval_s=0.2).start()
     admin = await AdminClient.open(streams, timeout=10, creds=auth.role("admin"))
     mallory = await Probe.open(streams, auth.role("client:alice"))
     try:

@@ -56,7 +56,7 @@ class Env:
 @pytest_asyncio.fixture
 async def env(nats_server: EmbeddedNats) -> AsyncIterator[Env]:
     lg = await fresh_event_log(nats_server.url)
-    ctl = await Controller(nats_server.url, name="controller:test", policy_interval_s=0.5).start()
+    ctl = await Controller.from_url(nats_server.url, name="controller:test", policy_interval_s=0.5).start()
     disp = await Dispatcher.from_url(nats_server.url, name="dispatcher:test").start()
     admin = await AdminClient.open(nats_server.url, timeout=10)
     try:

@@ -53,7 +53,7 @@ async def test_short_placement_exits_nonzero(nats_server: EmbeddedNats, admin: A
                                              tmp_path: Path) -> None:
     url = nats_server.url
     big, other = config_only(tmp_path, "big", tiny), config_only(tmp_path, "other", tiny)
-    async with Cluster(Controller(url), ScriptedAgent(url, "node-a", gpus=1, gpu_bytes=80 * GB)):
+    async with Cluster(Controller.from_url(url), ScriptedAgent(url, "node-a", gpus=1, gpu_bytes=80 * GB)):
         # Two 50 GB replicas on one 80 GB card: one placed, one not -> partial (8), ok false, counts.
         ran = await ndif(url, "deploy", big, "--replicas", "2", "--size-bytes", str(50 * GB), "--json")
         assert ran.rc == 8, (ran.rc, ran.out, ran.err)
@@ -80,7 +80,7 @@ async def test_command_id_is_never_two_commands(nats_server: EmbeddedNats, admin
                                                 log: JetStreamEventLog, tiny: Path) -> None:
     url = nats_server.url
     mk = canonical_model_key(str(tiny))
-    async with Cluster(Controller(url), ScriptedAgent(url, "node-a", gpus=2)):
+    async with Cluster(Controller.from_url(url), ScriptedAgent(url, "node-a", gpus=2)):
         ran = await ndif(url, "deploy", str(tiny), "--replicas", "1", "--command-id", "id-a", "--wait")
         assert ran.rc == 0, ran.err
         await settle(admin)
@@ -125,7 +125,7 @@ async def test_failed_replicas_restart_and_evict_truthfully(nats_server: Embedde
     mk = canonical_model_key(str(tiny))
     failing = {"on": True}
     agent = ScriptedAgent(url, "node-a", gpus=2, load_delay_s=1.5, fail_loads=lambda m: failing["on"])
-    async with Cluster(Controller(url), agent):
+    async with Cluster(Controller.from_url(url), agent):
         ran = await ndif(url, "deploy", str(tiny), "--replicas", "1", "--wait")
         assert ran.rc == 1 and "LoadFailed" in ran.out, (ran.rc, ran.out, ran.err)
         # The model whose only replica failed is not "hot 1"; the COLD replica shows no node/cards.
@@ -175,7 +175,7 @@ async def test_replay_past_the_end_and_events_by_name(nats_server: EmbeddedNats,
                                                       log: JetStreamEventLog, tiny: Path) -> None:
     url = nats_server.url
     mk = canonical_model_key(str(tiny))
-    async with Cluster(Controller(url), ScriptedAgent(url, "node-a", gpus=1)):
+    async with Cluster(Controller.from_url(url), ScriptedAgent(url, "node-a", gpus=1)):
         assert (await ndif(url, "deploy", str(tiny), "--replicas", "1", "--wait")).rc == 0
         await settle(admin)
         last = await log.last_seq()
@@ -205,7 +205,7 @@ async def test_undeploy_forgets_the_model(nats_server: EmbeddedNats, admin: Admi
                                           tiny: Path) -> None:
     url = nats_server.url
     mk = canonical_model_key(str(tiny))
-    async with Cluster(Controller(url), ScriptedAgent(url, "node-a", gpus=2)):
+    async with Cluster(Controller.from_url(url), ScriptedAgent(url, "node-a", gpus=2)):
         assert (await ndif(url, "deploy", str(tiny), "--replicas", "2", "--wait")).rc == 0
         assert (await ndif(url, "evict", str(tiny), "--replica-id", "1")).rc == 0  # one WARM, one HOT
         await settle(admin)
@@ -240,7 +240,7 @@ async def test_undeploy_ends_waiting_requests_and_drops_the_processor(nats_serve
     url = nats_server.url
     big = config_only(tmp_path, "huge", tiny)
     mk = canonical_model_key(big)
-    async with Cluster(Controller(url), ScriptedAgent(url, "node-a", gpus=1, gpu_bytes=80 * GB)):
+    async with Cluster(Controller.from_url(url), ScriptedAgent(url, "node-a", gpus=1, gpu_bytes=80 * GB)):
         # The only card is taken (60 of 80 GB) and the model needs 60 GB: no room now (not
         # impossible: that would end the request at once), so its request waits in the processor.
         assert (await ndif(url, "deploy", str(tiny), "--size-bytes", str(60 * GB))).rc == 0
@@ -274,7 +274,7 @@ async def test_replica_bounds(nats_server: EmbeddedNats, admin: AdminClient, log
     url = nats_server.url
     # The default bounds (128 per model, 64 per command): through the CLI, and published raw on the
     # command subject (no client-side check), refused in well under a second with nothing appended.
-    async with Cluster(Controller(url), ScriptedAgent(url, "node-a", gpus=8)):
+    async with Cluster(Controller.from_url(url), ScriptedAgent(url, "node-a", gpus=8)):
         assert (await ndif(url, "deploy", str(tiny), "--replicas", "1", "--wait")).rc == 0
         await settle(admin)
         before = await log.last_seq()
@@ -293,7 +293,7 @@ async def test_replica_bounds(nats_server: EmbeddedNats, admin: AdminClient, log
             assert took < 1.0, took  # (the controller spent 30+ s placing 10^9 replicas before)
         assert await log.last_seq() == before
     # Configured bounds: per command and per model.
-    ctl = Controller(url, max_replicas_per_model=3, max_replicas_per_command=2)
+    ctl = Controller.from_url(url, max_replicas_per_model=3, max_replicas_per_command=2)
     async with Cluster(ctl, ScriptedAgent(url, "node-a", gpus=8)):
         ran = await ndif(url, "scale", str(tiny), "--replicas", "3")
         assert ran.rc == 2 and "limit per command (2 replicas)" in ran.err, ran.err

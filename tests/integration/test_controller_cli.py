@@ -50,7 +50,7 @@ async def cli_json(url: str, *args: str) -> Any:
 
 async def test_lifecycle_through_the_cli(nats_server: EmbeddedNats, admin: AdminClient, tiny: Path) -> None:
     url = nats_server.url
-    parts = await start_all(url, Controller(url, policy_interval_s=0.2),
+    parts = await start_all(url, Controller.from_url(url, policy_interval_s=0.2),
                             ScriptedAgent(url, "node-a", gpus=2, cpu_cache_bytes=10 * GB))
     try:
         await lifecycle_scenario(url, admin, tiny, node="node-a", drainer="agent:node-a")
@@ -61,7 +61,7 @@ async def test_lifecycle_through_the_cli(nats_server: EmbeddedNats, admin: Admin
 async def test_bad_input_appends_nothing(nats_server: EmbeddedNats, admin: AdminClient, log: JetStreamEventLog,
                                          tiny: Path) -> None:
     url = nats_server.url
-    parts = await start_all(url, Controller(url), ScriptedAgent(url, "node-a", gpus=1))
+    parts = await start_all(url, Controller.from_url(url), ScriptedAgent(url, "node-a", gpus=1))
     try:
         await settle(admin)
         before = await log.last_seq()
@@ -130,7 +130,7 @@ async def test_two_controllers_200_concurrent_commands(nats_server: EmbeddedNats
     models = [config_only(tmp_path, f"m{i}", tiny) for i in range(10)]
     sizes = {m: rng.choice([8, 20, 35, 60, 110]) * GB for m in models}  # 110 GB spans two cards
     dedicated = set(models[:2])
-    c1, c2 = Controller(url, name="controller:one", min_deploy_s=0.0), Controller(url, name="controller:two",
+    c1, c2 = Controller.from_url(url, name="controller:one", min_deploy_s=0.0), Controller.from_url(url, name="controller:two",
                                                                                   min_deploy_s=0.0)
     agents = [ScriptedAgent(url, f"node-{i}", gpus=8, cpu_cache_bytes=150 * GB) for i in range(3)]
     parts = await start_all(url, c1, c2, *agents)
@@ -190,7 +190,7 @@ async def test_policies_restart_then_replace_then_node_lost(nats_server: Embedde
     m = config_only(tmp_path, "big", tiny)
     mk = canonical_model_key(m)
     a, b = ScriptedAgent(url, "node-a", gpus=1, heartbeat_s=0.1), ScriptedAgent(url, "node-b", gpus=1, heartbeat_s=0.1)
-    ctl = Controller(url, max_restarts=1, heartbeat_grace_s=1.5, policy_interval_s=0.1)
+    ctl = Controller.from_url(url, max_restarts=1, heartbeat_grace_s=1.5, policy_interval_s=0.1)
     parts = await start_all(url, ctl, a, b)
     agents = {"node-a": a, "node-b": b}
 

@@ -39,7 +39,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 async def stack(nats_server: EmbeddedNats) -> AsyncIterator[tuple[str, AdminClient, JetStreamEventLog]]:
     lg = await fresh_event_log(nats_server.url)
     url = nats_server.url
-    ctl = Controller(url, policy_interval_s=0.2)
+    ctl = Controller.from_url(url, policy_interval_s=0.2)
     agent = ScriptedAgent(url, "node-a", gpus=2, cpu_cache_bytes=100 * GB)
     await ctl.start()
     await agent.start()
@@ -62,7 +62,7 @@ async def test_state_events_history_and_the_stream(stack: Any, tiny: Path) -> No
     url, admin, lg = stack
     mk = canonical_model_key(str(tiny))
     await settle(admin)
-    async with Dashboard(url, port=0, queue_poll_s=0.2) as d, aiohttp.ClientSession() as http:
+    async with Dashboard.from_url(url, port=0, queue_poll_s=0.2) as d, aiohttp.ClientSession() as http:
         base = d.url.rstrip("/")
         status, live = await get(http, base, "/api/state")
         assert status == 200 and [n["node_id"] for n in live["nodes"]] == ["node-a"] and live["live"]
@@ -128,7 +128,7 @@ async def test_bad_input_gets_4xx_json_and_the_server_keeps_serving(stack: Any, 
     url, admin, lg = stack
     await settle(admin)
     before = await lg.last_seq()
-    async with Dashboard(url, port=0) as d, aiohttp.ClientSession() as http:
+    async with Dashboard.from_url(url, port=0) as d, aiohttp.ClientSession() as http:
         base = d.url.rstrip("/")
         last = d.model.seq
         cases = {
@@ -208,7 +208,7 @@ async def test_queue_figures_page_past_consumers_that_are_not_a_models(stack: An
         await lg.js.add_consumer(REQUESTS_STREAM, api.ConsumerConfig(
             durable_name=f"other-{i:03d}", filter_subject=f"ndif.req.other-{i:03d}", ack_policy=api.AckPolicy.EXPLICIT))
     try:
-        async with Dashboard(url, port=0, queue_poll_s=0.2) as d, aiohttp.ClientSession() as http:
+        async with Dashboard.from_url(url, port=0, queue_poll_s=0.2) as d, aiohttp.ClientSession() as http:
             async with asyncio.timeout(20):
                 while True:
                     status, q = await get(http, d.url.rstrip("/"), "/api/queues")

@@ -87,7 +87,7 @@ class Rig:
         await self.log.append([observed(ModelRegistered, actor="test", model_key=canonical_model_key(m),
                                         checkpoint="/nonexistent", size_bytes=10**6) for m in (KNOWN, BYSTANDER)],
                               None)
-        self.controller = await Controller(self.url, name="controller:fuzz").start()
+        self.controller = await Controller.from_url(self.url, name="controller:fuzz").start()
         self.dispatcher = await Dispatcher.from_url(self.url, name="dispatcher:fuzz").start()
         self.admin = await AdminClient.open(self.url, timeout=10)
         self.kv = await self.log.js.key_value(REQUEST_STATUS_BUCKET)

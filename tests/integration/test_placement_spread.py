@@ -58,7 +58,7 @@ async def test_four_replicas_spread_over_four_nodes(nats_server: EmbeddedNats, l
     model_dir.mkdir(parents=True)
     (model_dir / "config.json").write_bytes((tiny / "config.json").read_bytes())
     mk = canonical_model_key(str(model_dir))
-    ctl = Controller(url, headroom=0.3)
+    ctl = Controller.from_url(url, headroom=0.3)
     agents = [ScriptedAgent(url, f"node-{i}", gpus=2, cpu_cache_bytes=100 * GB) for i in range(4)]
     for p in (ctl, *agents):
         await p.start()

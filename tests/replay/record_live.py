@@ -73,7 +73,7 @@ async def _until(admin: AdminClient, pred: Any, timeout: float = 20.0) -> Cluste
 async def run_scenario(url: str) -> dict[str, AnyCommand]:
     tiny, big = canonical_model_key(_checkpoint("tiny")), canonical_model_key(_checkpoint("big"))
     sent: dict[str, AnyCommand] = {}
-    ctl = Controller(url, name="controller:rec", max_restarts=SETTINGS.max_restarts, heartbeat_grace_s=1.5,
+    ctl = Controller.from_url(url, name="controller:rec", max_restarts=SETTINGS.max_restarts, heartbeat_grace_s=1.5,
                      policy_interval_s=0.1, min_deploy_s=SETTINGS.min_deploy_s, headroom=SETTINGS.headroom)
     a = ScriptedAgent(url, "node-a", gpus=2, cpu_cache_bytes=10 * GB, heartbeat_s=0.1)
     b = ScriptedAgent(url, "node-b", gpus=2, cpu_cache_bytes=10 * GB, heartbeat_s=0.1)

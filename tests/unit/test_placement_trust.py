@@ -22,9 +22,11 @@ from controlplane.admin import AdminClient
 from controlplane.controller import Controller
 from controlplane.decide import Registration, decide_failure, decide_node_lost
 from controlplane.decide import decide as _decide
+from controlplane.memlog import MemoryEventLog
 from controlplane.placement import Candidate, PlacementRequest, padded, plan
 from controlplane.projections import ClusterState
 from controlplane.render import render_status, status_json
+from controlplane.services import Parts
 from schemas import events as E
 from schemas.commands import Deploy, Evict, Scale
 from schemas.errors import InvalidCommand
@@ -249,12 +251,14 @@ def test_a_decision_replays_from_its_events_alone():
 
 
 def test_the_controller_passes_its_settings_to_every_path():
-    c = Controller("nats://unused", min_deploy_s=12.0, headroom=0.4)
+    """Commands, failure replacement and node loss all decide with the controller's own settings
+    (tests/unit/test_controller_memlog.py runs the controller itself over the memory log)."""
+    c = Controller(Parts(MemoryEventLog(), None), min_deploy_s=12.0, headroom=0.4)
     assert (c.min_deploy_s, c.headroom) == (12.0, 0.4)
     import inspect
 
     src = inspect.getsource(Controller)
-    for fn in ("decide(", "decide_failure(", "decide_node_lost("):
+    for fn in ("decide(", "decide_failure(", "decide_node_lost(", "decide_unplaced("):
         call = src[src.index(f"return {fn}"):]
         call = call[:call.index(")\n")]
         assert "min_deploy_s=self.min_deploy_s" in call and "headroom=self.headroom" in call, fn
@@ -383,7 +387,7 @@ def test_relative_paths_are_canonicalised_by_the_client_and_refused_by_the_contr
     monkeypatch.chdir(tmp_path)
     cmd = AdminClient(log=None)._cmd(Deploy, None, model_key="./tiny")  # type: ignore[arg-type]
     assert model_parts(cmd.model_key)[1] == os.path.join(str(tmp_path), "tiny")
-    ctl = Controller("nats://unused")
+    ctl = Controller(Parts(MemoryEventLog(), None))
     for rel in ("./tiny", "../tiny", "~/tiny", ".", 'X.Y:{"repo_id": "./tiny", "revision": null}'):
         with pytest.raises(InvalidCommand, match="relative"):
             ctl._canonical(Deploy(command_id="c", model_key=rel))

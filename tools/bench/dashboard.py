@@ -176,7 +176,7 @@ async def main() -> None:
         print(f"appended {out['log_events']} events in {out['append_s']} s", flush=True)
 
         t0 = time.perf_counter()
-        async with Dashboard(srv.url, port=0) as dash, aiohttp.ClientSession() as http:
+        async with Dashboard.from_url(srv.url, port=0) as dash, aiohttp.ClientSession() as http:
             out["dashboard_fold_s"] = round(time.perf_counter() - t0, 2)
             live = dash.model.live
             assert len(live.nodes) == NODES and len(live.replicas) == MODELS * PER_MODEL, "bad projection"

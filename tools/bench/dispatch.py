@@ -141,7 +141,7 @@ async def main(a: argparse.Namespace) -> dict[str, float]:
     mk = canonical_model_key(ckpt)
     out: dict[str, float] = {}
     try:
-        async with Controller(url, policy_interval_s=0.5), \
+        async with Controller.from_url(url, policy_interval_s=0.5), \
                 await NodeAgent.open(url, "bench-node", gpus=declared_gpus(2, 80 * 10**9), cpu_cache_bytes=10**10,
                           drain_timeout_s=0.05, heartbeat_s=1.0) as _agent, \
                 await AdminClient.open(url) as admin, Client(url) as c:
@@ -231,12 +231,12 @@ async def main(a: argparse.Namespace) -> dict[str, float]:
                 for _ in range(a.cycles):
                     await admin.evict(ckpt, replica_id=1)
                     async with asyncio.timeout(60):
-                        while 1 in proc.workers or str((await admin.state()).replicas[(mk, 1)].state) != "Cached":
+                        while 1 in proc.lanes or str((await admin.state()).replicas[(mk, 1)].state) != "Cached":
                             await asyncio.sleep(0.01)
                     seq0 = (await admin.state()).seq
                     await admin.scale(ckpt, 2)
                     async with asyncio.timeout(60):
-                        while 1 not in proc.workers:
+                        while 1 not in proc.lanes:
                             await asyncio.sleep(0)
                     seen = time.time()
                     loaded = [e async for _, e in admin.events(start_seq=seq0 + 1)

@@ -57,7 +57,7 @@ function modelRow(m) {
   return `<tr data-model="${esc(m.model_key)}"><td title="${esc(m.model_key)}">${esc(m.name)}</td><td>${esc(m.status)}</td>
     <td>${m.target_hot}</td><td>${states}</td><td>${gib(m.charge_per_replica_bytes)}</td><td>${esc(queued)}</td>
     <td>${q.in_flight ?? "-"}</td><td>${q.completed ?? "-"}</td><td>${q.errors ?? "-"}</td><td>${wait}</td>
-    <td>${q.workers ? esc(q.workers.join(",")) : "-"}</td></tr>`;
+    <td>${q.serving_replicas ? esc(q.serving_replicas.join(",")) : "-"}</td></tr>`;
 }
 
 function eventRow(e) {

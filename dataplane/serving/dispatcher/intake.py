@@ -202,8 +202,8 @@ class Intake:
             task.cancel()
         if p is not None:
             p.fail_all("ModelRemoved", reason)
-            lanes = [t for ts in p.workers.values() for t in ts]
-            for t in lanes:
+            tasks = [t for ts in p.lanes.values() for t in ts]
+            for t in tasks:
                 t.cancel()
             for running in p.in_flight.values():
                 for held in running.values():

@@ -73,7 +73,7 @@ class Dispatcher:
 
     def __init__(self, parts: Parts | Connect, *, name: str | None = None, default_replicas: int | None = None,
                  min_ready: int | None = None, fetch_batch: int = 64, ack_wait_s: float | None = None,
-                 replica_lanes: int | None = None, queue_lifetime_s: float | None = None,
+                 lanes_per_replica: int | None = None, queue_lifetime_s: float | None = None,
                  caller: ReplicaCaller | None = None) -> None:
         self.parts = parts
         self.caller = caller  # None: Ray calls (the runtime adapter's), made on start
@@ -86,7 +86,7 @@ class Dispatcher:
         # leaves it idle. The replica still runs one request at a time, and its execution timeout
         # counts from the start of the run. Measured in tools/bench/dispatch.py with batching
         # (below): 1 lane ~980-1,170 req/s, 2 ~970-1,010, 4 ~800; 2 keeps a slow model's replica busy.
-        self.replica_lanes = replica_lanes or _env_int("NDIF_REPLICA_LANES", 2)
+        self.lanes_per_replica = lanes_per_replica or _env_int("NDIF_REPLICA_LANES", 2)
         # Short requests waiting behind each other go to a replica in one call, as many as run in
         # NDIF_BATCH_BUDGET_MS by the model's recent run times (at most NDIF_BATCH_MAX): a replica call
         # costs more CPU than a no-op request itself (measured over the NATS link: NDIF_BATCH_MAX=1
@@ -179,7 +179,7 @@ class Dispatcher:
         return Processor(token, ProcessorHooks(
             status=self.statuses.status, finish_soon=self.statuses.finish_soon,
             provision=self.provisioner.maybe_provision, drained=self.follower.report_drained, link=self.link, caller=self.caller,
-            lanes=self.replica_lanes, batch_max=self.batch_max, batch_budget_s=self.batch_budget_s))
+            lanes_per_replica=self.lanes_per_replica, batch_max=self.batch_max, batch_budget_s=self.batch_budget_s))
 
     async def stop(self) -> None:
         if self.statuses is not None:
@@ -190,7 +190,7 @@ class Dispatcher:
         self.bg.stopped = True
         tasks = [*self._tasks, *self.bg.tasks, *(self.intake.consumers.values() if self.intake else ())]
         for p in self.processors.values():
-            tasks += [t for lanes in p.workers.values() for t in lanes]
+            tasks += [t for ts in p.lanes.values() for t in ts]
         await cancel_and_wait(tasks, owner=self.name)
         if self.link is not None:
             await self.link.stop()
