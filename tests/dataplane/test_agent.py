@@ -32,6 +32,7 @@ from schemas.keys import canonical_model_key
 from tests.conftest import fresh_event_log
 from tests.dataplane.conftest import kill_all_actors
 from tests.integration.scenario import lifecycle_scenario
+from tests.waiting import until_state
 
 pytestmark = pytest.mark.timeout(300)
 GB = 10**9
@@ -66,15 +67,6 @@ async def agent(url: str, **kw: Any) -> NodeAgent:
 async def info(mk: str, rid: int) -> dict[str, Any] | None:
     h = get_actor(mk, rid)
     return None if h is None else await h.info.remote()
-
-
-async def until(admin: AdminClient, pred: Any, timeout: float = 60.0) -> Any:
-    async with asyncio.timeout(timeout):
-        while True:
-            st = await admin.state()
-            if pred(st):
-                return st
-            await asyncio.sleep(0.1)
 
 
 async def test_lifecycle_with_real_actors(nats_server: EmbeddedNats, admin: AdminClient, tiny: Path) -> None:
@@ -119,7 +111,7 @@ async def test_killed_actor_fails_and_the_policy_restarts_it(nats_server: Embedd
         before = await info(mk, 0)
         killed_at = datetime.now(UTC)
         kill_actor(get_actor(mk, 0))
-        st = await until(admin, lambda s: s.replicas[(mk, 0)].restarts == 1
+        st = await until_state(admin, lambda s: s.replicas[(mk, 0)].restarts == 1
                          and s.replicas[(mk, 0)].state == "Available", timeout=90)
         events = [e async for _, e in admin.events(model=str(tiny))]
         failed = [e for e in events if type(e).__name__ == "ReplicaFailed"]
@@ -147,10 +139,10 @@ async def test_agent_sigkilled_mid_load_restarts_without_orphans(nats_server: Em
     async with Controller.from_url(url, policy_interval_s=0.1):
         proc = run_agent_process(url, local_ray)
         try:
-            await until(admin, lambda s: "node-a" in s.nodes, timeout=60)
+            await until_state(admin, lambda s: "node-a" in s.nodes, timeout=60)
             res = await admin.deploy(str(tiny), 3)
             # SIGKILL the agent while the replicas are loading (Loading appended, not yet Loaded).
-            await until(admin, lambda s: any(r.state == "Loading" for r in s.replicas.values()), timeout=60)
+            await until_state(admin, lambda s: any(r.state == "Loading" for r in s.replicas.values()), timeout=60)
             proc.send_signal(signal.SIGKILL)
             proc.wait(10)
             mid = await admin.state()

@@ -27,6 +27,7 @@ from schemas.status import EvictionReason
 from tests.agent_sim import GB, ScriptedAgent
 from tests.integration.cluster import config_only, ndif, settle
 from tests.integration.scenario import lifecycle_scenario
+from tests.waiting import until_state
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -195,12 +196,7 @@ async def test_policies_restart_then_replace_then_node_lost(nats_server: Embedde
     agents = {"node-a": a, "node-b": b}
 
     async def until(pred: Any, timeout: float = 10.0) -> Any:
-        async with asyncio.timeout(timeout):
-            while True:
-                st = await admin.state()
-                if pred(st):
-                    return st
-                await asyncio.sleep(0.05)
+        return await until_state(admin, pred, timeout, every=0.05)
 
     try:
         res = await admin.deploy(m, 1, size_bytes=50 * GB)

@@ -45,6 +45,7 @@ from tests.replay.record import (
     UnplacedPolicy,
     write_history,
 )
+from tests.waiting import until_state
 
 NAME = "v1_live_lifecycle"
 GB = 10**9
@@ -62,12 +63,9 @@ def _checkpoint(name: str) -> str:
 
 
 async def _until(admin: AdminClient, pred: Any, timeout: float = 20.0) -> ClusterState:
-    async with asyncio.timeout(timeout):
-        while True:
-            st = await admin.state()
-            if pred(st) and not any(r.state in MOVING for r in st.replicas.values()):
-                return st
-            await asyncio.sleep(0.05)
+    """`pred` holds and no replica is on its way between levels."""
+    return await until_state(admin, lambda s: pred(s) and not any(r.state in MOVING for r in s.replicas.values()),
+                             timeout, every=0.05)
 
 
 async def run_scenario(url: str) -> dict[str, AnyCommand]:

@@ -23,6 +23,7 @@ from schemas.errors import InfrastructureError
 from schemas.status import EvictionReason, Level, ReplicaState
 from tests.fake_runtime import FakeRuntime
 from tests.strategies import MODELS, NODES, _env, histories, node_joined, numbered
+from tests.waiting import until
 
 S = ReplicaState
 SETTINGS = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -203,12 +204,6 @@ class MemoryHeartbeats:
         raise nats.js.errors.NotFoundError  # no earlier heartbeat of this node
 
 
-async def _until(pred: Any, timeout: float = 5.0) -> None:
-    async with asyncio.timeout(timeout):
-        while not pred():
-            await asyncio.sleep(0.01)
-
-
 def _agent(log: MemoryEventLog, runtime: FakeRuntime) -> NodeAgent:
     return NodeAgent(log, MemoryHeartbeats(), runtime, NODE, gpus=node_joined(NODE).gpus, cpu_cache_bytes=2**34,
                      heartbeat_s=0.05, drain_timeout_s=0.0, health_interval_s=0.05)
@@ -221,7 +216,7 @@ async def test_the_agent_loads_and_after_a_restart_adopts_without_a_second_proce
     await log.append(start() + [scheduled(0, (0,)), scheduled(1, (1,))], None)
     agent = await _agent(log, runtime).start()
     try:
-        await _until(lambda: all(agent.state.replicas[(M, r)].state is S.AVAILABLE for r in (0, 1)))
+        await until(lambda: all(agent.state.replicas[(M, r)].state is S.AVAILABLE for r in (0, 1)))
     finally:
         await agent.stop()
     assert runtime.created == 2 and {p.level for p in runtime.processes.values()} == {"HOT"}
@@ -263,7 +258,7 @@ async def test_an_append_the_log_refuses_for_a_while_is_retried() -> None:
     with capture_logs() as logs:
         agent = await _agent(log, FakeRuntime("sim:a")).start()
         try:
-            await _until(lambda: agent.state.replicas[(M, 0)].state is S.AVAILABLE)
+            await until(lambda: agent.state.replicas[(M, 0)].state is S.AVAILABLE)
         finally:
             await agent.stop()
     retries = [e for e in logs if e["event"] == "append_retry"]

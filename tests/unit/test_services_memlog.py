@@ -18,6 +18,7 @@ from controlplane.services import Parts
 from schemas import events as E
 from schemas.commands import Deploy
 from schemas.keys import canonical_model_key
+from tests.waiting import until
 
 GB = 10**9
 
@@ -25,14 +26,6 @@ GB = 10**9
 def _joined(node_id: str, gpus: int) -> E.NodeJoined:
     return E.NodeJoined(event_id=f"join-{node_id}", ts=datetime.now(UTC), actor=f"agent:{node_id}", node_id=node_id,
                         cpu_cache_bytes=0, gpus=tuple(E.GpuInfo(index=i, memory_bytes=80 * GB) for i in range(gpus)))
-
-
-async def _until(cond, timeout: float = 5.0) -> None:
-    loop = asyncio.get_running_loop()
-    end = loop.time() + timeout
-    while not cond():
-        assert loop.time() < end, "condition not met in time"
-        await asyncio.sleep(0.01)
 
 
 @pytest.fixture
@@ -76,10 +69,10 @@ async def test_its_failure_policy_follows_the_memory_log(checkpoint):
         await log.append([E.ReplicaLoaded(event_id="l", ts=now, actor="agent:node-a", **rep),
                           E.ReplicaFailed(event_id="f", ts=now, actor="agent:node-a", error="boom", **rep)],
                          expected_last_seq=await log.last_seq())
-        await _until(lambda: any(isinstance(e, E.ReplicaRestartRequested) for e in log.events()))
+        await until(lambda: any(isinstance(e, E.ReplicaRestartRequested) for e in log.events()))
         (restart,) = [e for e in log.events() if isinstance(e, E.ReplicaRestartRequested)]
         assert restart.replica_id == s.replica_id and restart.attempt == 1
-        await _until(lambda: ctl.state.seq == len(log.events()))
+        await until(lambda: ctl.state.seq == len(log.events()))
         # No NATS, so no heartbeats watched: the node is not declared lost for being silent.
         await asyncio.sleep(0.2)
         assert not any(isinstance(e, E.NodeLost) for e in log.events())
@@ -97,8 +90,8 @@ async def test_the_dashboard_serves_the_memory_log_and_says_the_queues_are_unkno
             body = await r.json()
         assert body["last_seq"] == 1 and [n["node_id"] for n in body["nodes"]] == ["node-a"]
         await log.append([_joined("node-b", 1)], expected_last_seq=1)  # followed live
-        await _until(lambda: dash.model.seq == 2)
-        await _until(lambda: dash.queues.get("asked_at") is not None)
+        await until(lambda: dash.model.seq == 2)
+        await until(lambda: dash.queues.get("asked_at") is not None)
         async with http.get(dash.url + "api/queues") as r:
             queues = await r.json()
         assert queues["dispatcher"] is None and "no NATS connection" in queues["error"]

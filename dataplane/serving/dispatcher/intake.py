@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 import msgspec
@@ -52,25 +53,22 @@ KNOWN_GRACE_S = 10.0  # a processor made as its model was deployed waits this lo
 MAX_HELD = 10_000  # queued requests a processor holds; the rest wait in the stream (for other dispatchers)
 
 
+@dataclass(kw_only=True, eq=False)
 class Intake:
-    def __init__(self, *, state: ClusterState, processors: dict[str, Processor], nc: NatsClient,
-                 js: JetStreamContext, statuses: StatusWriter, provisioner: Provisioner, bg: Background,
-                 make_processor: Callable[[str], Processor], ack_wait_s: float, fetch_batch: int,
-                 queue_lifetime_s: float) -> None:
-        self.state = state  # the dispatcher's fold (read only here)
-        self.processors = processors  # model token -> processor (shared with the log follower)
-        self.nc = nc
-        self.js = js
-        self.statuses = statuses
-        self.provisioner = provisioner
-        self.bg = bg
-        self.make_processor = make_processor
-        self.ack_wait_s = ack_wait_s
-        self.fetch_batch = fetch_batch
-        self.queue_lifetime_s = queue_lifetime_s
-        self.consumers: dict[str, asyncio.Task[None]] = {}  # model token -> its consume task
-        self._triaging: set[str] = set()  # unknown model tokens whose requests are being looked at
-        self._unknown_seen: set[str] = set()  # consumer names found unknown at the last sweep
+    state: ClusterState  # the dispatcher's fold (read only here)
+    processors: dict[str, Processor]  # model token -> processor (shared with the log follower)
+    nc: NatsClient
+    js: JetStreamContext
+    statuses: StatusWriter
+    provisioner: Provisioner
+    bg: Background
+    make_processor: Callable[[str], Processor]
+    ack_wait_s: float
+    fetch_batch: int
+    queue_lifetime_s: float
+    consumers: dict[str, asyncio.Task[None]] = field(default_factory=dict)  # model token -> its consume task
+    _triaging: set[str] = field(default_factory=set)  # unknown model tokens whose requests are being looked at
+    _unknown_seen: set[str] = field(default_factory=set)  # consumer names found unknown at the last sweep
 
     # ---- routing -----------------------------------------------------------------------------
 
