@@ -72,6 +72,7 @@ async def main() -> None:
                 "same output")
             for rid in (0, 1):
                 actor = get_actor(mk, rid)
+                assert actor is not None, f"replica {rid} has no actor after deploy --wait"
                 out = await actor.__call__.remote({"op": "generate", "prompt": "hello", "max_new_tokens": 5})
                 print(f"  replica {rid}: {out['output_ids'][0]}", flush=True)
 

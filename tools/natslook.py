@@ -28,7 +28,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import nats
+from nats.aio.client import Client as NatsClient
 from nats.js import api
+from nats.js.kv import KeyValue
 
 from controlplane.auth import load_creds, resolve
 from schemas.subjects import EVENTS_ALL, EVENTS_STREAM
@@ -62,7 +64,7 @@ async def subjects(js: nats.js.JetStreamContext, flt: str) -> None:
         print(f"{n:>6}  {subject}")
 
 
-async def live(nc: nats.NATS, subject: str, count: int, seconds: float) -> None:
+async def live(nc: NatsClient, subject: str, count: int, seconds: float) -> None:
     sub = await nc.subscribe(subject)
     loop = asyncio.get_running_loop()
     end = loop.time() + seconds
@@ -86,7 +88,7 @@ async def kv_watch(js: nats.js.JetStreamContext, bucket: str, key: str, count: i
         n = 0
         while n < count and loop.time() < end:
             try:
-                e = await w.updates(timeout=max(0.01, end - loop.time()))
+                e: KeyValue.Entry | None = await w.updates(timeout=max(0.01, end - loop.time()))
             except nats.errors.TimeoutError:
                 break
             if e is None:  # the end of the initial values

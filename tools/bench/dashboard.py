@@ -30,7 +30,7 @@ import tempfile
 import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -54,6 +54,22 @@ def pct(xs: list[float], p: float) -> float:
     return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
 
 
+class Envelope(TypedDict):
+    """The envelope fields of every event (`E.Event`), passed as `**env`."""
+
+    event_id: str
+    ts: datetime
+    actor: str
+
+
+class ReplicaRef(TypedDict):
+    """The fields naming a replica (`E.ReplicaEvent`), passed as `**rep`."""
+
+    model_key: str
+    replica_id: int
+    node_id: str
+
+
 class History:
     """A valid history (no anomalies): the replicas and their cards are fixed, levels move."""
 
@@ -69,7 +85,7 @@ class History:
         self.hot = set(self.where)
         self.warm: set[tuple[str, int]] = set()
 
-    def env(self, actor: str) -> dict:
+    def env(self, actor: str) -> Envelope:
         self.n += 1
         return {"event_id": f"bench-{self.n}", "ts": T0 + timedelta(milliseconds=self.n), "actor": actor}
 
@@ -86,7 +102,7 @@ class History:
         return out
 
     def load(self, mk: str, r: int, node: str, g: int, source: Level) -> list[E.Event]:
-        rep = {"model_key": mk, "replica_id": r, "node_id": node}
+        rep: ReplicaRef = {"model_key": mk, "replica_id": r, "node_id": node}
         cid = f"cmd-{self.n}"
         return [E.ReplicaScheduled(**self.env("controller"), **rep, command_id=cid, gpu_indices=(g,),
                                    bytes_per_gpu=23 * GB, source=source),
@@ -104,7 +120,7 @@ class History:
         key = self.hot.pop()
         self.warm.add(key)
         node, g = self.where[key]
-        rep = {"model_key": key[0], "replica_id": key[1], "node_id": node}
+        rep: ReplicaRef = {"model_key": key[0], "replica_id": key[1], "node_id": node}
         return [E.ReplicaEvictionRequested(**self.env("cli:bench"), **rep, command_id=f"cmd-{self.n}",
                                            reason=EvictionReason.ADMIN, target=Level.WARM),
                 E.ReplicaCached(**self.env(f"agent:{node}"), **rep, cpu_bytes=20 * GB)]

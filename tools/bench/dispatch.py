@@ -50,6 +50,7 @@ from dataplane.node.tiny_models import make_tiny_gpt2  # noqa: E402
 from dataplane.runtime import ray_adapter  # noqa: E402
 from dataplane.runtime.ray_adapter import get_actor  # noqa: E402
 from dataplane.serving.dispatcher import Dispatcher  # noqa: E402
+from schemas import events as E  # noqa: E402
 from schemas.keys import canonical_model_key  # noqa: E402
 
 NOOP = {"op": "echo", "data": 1}
@@ -147,7 +148,9 @@ async def main(a: argparse.Namespace) -> dict[str, float]:
                 await AdminClient.open(url) as admin, Client(url) as c:
             res = await admin.deploy(ckpt, 2)
             await admin.wait(res, timeout=120)
-            actors = [get_actor(mk, 0), get_actor(mk, 1)]
+            actor0, actor1 = get_actor(mk, 0), get_actor(mk, 1)
+            assert actor0 is not None and actor1 is not None, "both replicas have actors after admin.wait"
+            actors = [actor0, actor1]
             # The dispatcher runs as deployed (`ndif dispatcher`, its own process), unless --in-process.
             def dispatcher_process(link: str) -> subprocess.Popen[bytes]:
                 return subprocess.Popen(
@@ -240,7 +243,7 @@ async def main(a: argparse.Namespace) -> dict[str, float]:
                             await asyncio.sleep(0)
                     seen = time.time()
                     loaded = [e async for _, e in admin.events(start_seq=seq0 + 1)
-                              if type(e).__name__ == "ReplicaLoaded" and e.replica_id == 1]
+                              if isinstance(e, E.ReplicaLoaded) and e.replica_id == 1]
                     lags.append((seen - loaded[0].ts.timestamp()) * 1000)
             out["event_to_worker_p50_ms"], out["event_to_worker_p99_ms"] = pct(lags, 50), pct(lags, 99)
             print(f"(c) ReplicaLoaded -> worker: p50 {out['event_to_worker_p50_ms']:.2f} ms, p99 "

@@ -23,10 +23,12 @@ import tempfile
 import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import TypedDict
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import nats
+from nats.aio.msg import Msg
 from nats.js import api
 
 from controlplane.committer import GroupCommitter, afold_batches
@@ -50,11 +52,27 @@ def pct(xs: list[float], p: float) -> float:
     return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
 
 
+class Envelope(TypedDict):
+    """The envelope fields of every event (`E.Event`), passed as `**env`."""
+
+    event_id: str
+    ts: datetime
+    actor: str
+
+
+class ReplicaRef(TypedDict):
+    """The fields naming a replica (`E.ReplicaEvent`), passed as `**rep`."""
+
+    model_key: str
+    replica_id: int
+    node_id: str
+
+
 class Ids:
     def __init__(self, prefix: str) -> None:
         self.prefix, self.n, self.rid = prefix, 0, 0
 
-    def env(self, actor: str = "bench") -> dict:
+    def env(self, actor: str = "bench") -> Envelope:
         self.n += 1
         return {"event_id": f"{self.prefix}-{self.n}", "ts": T0 + timedelta(microseconds=self.n), "actor": actor}
 
@@ -85,7 +103,7 @@ def lifecycle_events(n: int) -> list[E.Event]:
         m = MODELS[rid % len(MODELS)]
         nd = NODES[rid % len(NODES)]
         g = (rid // len(NODES)) % 8
-        rep = {"model_key": m, "replica_id": rid, "node_id": nd}
+        rep: ReplicaRef = {"model_key": m, "replica_id": rid, "node_id": nd}
         for _ in range(3):  # COLD -> HOT -> WARM -> HOT ... -> COLD
             out += [
                 E.ReplicaScheduled(**ids.env("controller"), **rep, gpu_indices=(g,), bytes_per_gpu=GB // 8),
@@ -102,7 +120,7 @@ def lifecycle_events(n: int) -> list[E.Event]:
     return out[:n]
 
 
-async def bench_single_writer(log: JetStreamEventLog, decisions: int) -> dict:
+async def bench_single_writer(log: JetStreamEventLog, decisions: int) -> dict[str, float]:
     rnd = random.Random(1)
     ids = Ids("sw")
     last = (await log.append(joins(ids), await log.last_seq())).last_seq
@@ -117,7 +135,7 @@ async def bench_single_writer(log: JetStreamEventLog, decisions: int) -> dict:
     return {"decision_p50_ms": pct(lat, 50), "decision_p99_ms": pct(lat, 99), "single_writer_events_per_s": total / wall}
 
 
-async def bench_raw_decisions(url: str, decisions: int) -> dict:
+async def bench_raw_decisions(url: str, decisions: int) -> dict[str, float]:
     """Floor for (a): plain nats-py, the same 1-5 message decisions as guarded atomic batches on a
     file stream of the same settings. R1 file streams fsync every atomic commit (SyncAlways), so
     this is the disk's price, not ours."""
@@ -150,7 +168,8 @@ async def bench_raw_decisions(url: str, decisions: int) -> dict:
     return {"raw_decision_p50_ms": pct(lat, 50), "raw_decision_p99_ms": pct(lat, 99)}
 
 
-async def bench_group_commit(log: JetStreamEventLog, per_client: int, clients: int = 16) -> tuple[dict, list]:
+async def bench_group_commit(log: JetStreamEventLog, per_client: int,
+                             clients: int = 16) -> tuple[dict[str, int | float], list[E.Event]]:
     gc: GroupCommitter[ClusterState] = await GroupCommitter(log, ClusterState()).start()
     payloads: list[E.Event] = []
 
@@ -185,7 +204,7 @@ async def bench_group_commit(log: JetStreamEventLog, per_client: int, clients: i
             "group_commit_decisions": clients * per_client}, payloads
 
 
-async def bench_baseline(log: JetStreamEventLog, payloads: list[E.Event]) -> dict:
+async def bench_baseline(log: JetStreamEventLog, payloads: list[E.Event]) -> dict[str, float]:
     """The same events, each as an awaited guarded single publish (fresh ids, same bodies otherwise)."""
     import msgspec
 
@@ -213,7 +232,7 @@ async def raw_drain(url: str, last: int) -> float:
     done = asyncio.Event()
     n = 0
 
-    async def cb(msg: nats.aio.msg.Msg) -> None:
+    async def cb(msg: Msg) -> None:
         nonlocal n
         n += 1
         if n >= last:
@@ -245,7 +264,7 @@ async def main() -> None:
     ap.add_argument("--decisions", type=int, default=2000, help="decisions for the single-writer run")
     ap.add_argument("--per-client", type=int, default=150, help="decisions per client in the group-commit run")
     args = ap.parse_args()
-    out: dict = {}
+    out: dict[str, int | float] = {}
     with tempfile.TemporaryDirectory(prefix="ndif-bench-") as tmp, EmbeddedNats(Path(tmp) / "a") as srv:
         async with await JetStreamEventLog.open(srv.url) as log:
             print("(a) single writer, decisions of 1-5 events with OCC ...", file=sys.stderr)

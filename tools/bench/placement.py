@@ -26,6 +26,7 @@ import tempfile
 import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import TypedDict
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -50,6 +51,14 @@ def pct(xs: list[float], p: float) -> float:
     return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
 
 
+class Envelope(TypedDict):
+    """The envelope fields of every event (`E.Event`), passed as `**env`."""
+
+    event_id: str
+    ts: datetime
+    actor: str
+
+
 def key(i: int) -> str:
     return canonical_model_key(f"bench-org/model-{i}")
 
@@ -69,7 +78,7 @@ def big_cluster(nodes: int, replicas: int, rng: random.Random,
         if events is not None:
             events.append(ev)
 
-    def env(actor: str) -> dict[str, object]:
+    def env(actor: str) -> Envelope:
         nonlocal n
         n += 1
         return {"event_id": f"setup-{n}", "ts": T0, "actor": actor}
@@ -281,8 +290,8 @@ async def bench_commands(url: str, commands: int, ckpt: str) -> dict[str, float]
                     break
                 except Exception:  # noqa: BLE001 - not subscribed yet
                     await asyncio.sleep(0.1)
-            for m in range(1, 16):
-                await admin.deploy(f"{ckpt}/m{m}", 1, size_bytes=5 * GB)
+            for j in range(1, 16):
+                await admin.deploy(f"{ckpt}/m{j}", 1, size_bytes=5 * GB)
             rtt: list[float] = []
             for i in range(commands):
                 m = f"{ckpt}/m{i % 16}"
