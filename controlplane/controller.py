@@ -129,6 +129,14 @@ class Controller:
 
     async def start(self) -> Controller:
         self.log, self.nc, self._close = await given(self.parts)
+        try:
+            return await self._start()
+        except BaseException:
+            await self.stop()  # a half-started controller closes what it opened
+            raise
+
+    async def _start(self) -> Controller:
+        assert self.log is not None
         self.committer = await GroupCommitter(self.log, ClusterState()).start()
         self._tasks.append(asyncio.create_task(self._follow(), name="controller-follow"))
         if self.nc is not None:

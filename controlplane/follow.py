@@ -1,4 +1,4 @@
-"""The one "follow the log" loop every service runs (controller, node agent, dispatcher).
+"""The one "follow the log" loop every service runs (controller, node agent, dispatcher, dashboard).
 
 Each folds the same events through the same reducers; what differs is what it does after a batch.
 The loop resumes from the service's own fold (`next_seq()`), so an interrupted feed (a server

@@ -28,7 +28,12 @@ Connect = Callable[[], Awaitable[Parts]]
 
 async def given(parts: Parts | Connect) -> Parts:
     """The parts themselves, or the ones a `Connect` opens now."""
-    return parts if isinstance(parts, Parts) else await parts()
+    if isinstance(parts, Parts):
+        return parts
+    if not callable(parts):  # e.g. a URL, as services took before issue 14
+        raise TypeError(f"a service takes Parts or a Connect, not {type(parts).__name__}: "
+                        "for a URL use Controller.from_url / Dispatcher.from_url / Dashboard.from_url")
+    return await parts()
 
 
 def connect_url(url: str, *, name: str, role: str, creds: Creds | None = None, replicas: int | None = None,

@@ -269,7 +269,7 @@ async def _queue(a: argparse.Namespace) -> int:
     print(f"dispatcher {state['dispatcher']}")
     for p in state["processors"]:
         print(f"  {p['model_key']}\n    {p['status']}: {p['queued']} queued, {p['in_flight']} running, "
-              f"serving {p['serving_replicas']} (ready {p['ready_replicas']}, draining {p['draining_replicas']}, "
+              f"serving {p.get('serving_replicas', p.get('workers'))} (ready {p['ready_replicas']}, draining {p['draining_replicas']}, "
               f"starting {p['starting_replicas']}), {p['completed']} completed, {p['errors']} errors; "
               f"{p.get('replica_calls', 0)} replica calls, {p.get('endpoint_calls', 0)} of them over NATS")
     return 0

@@ -173,7 +173,7 @@ async def run_demo(*, port: int | None, store: Path | None, gpus: tuple[Any, ...
             outcome["burst1"] = b1 = await _burst(client, gpt2, requests, "burst 1")
             _report(b1)
 
-            say("Scale to 3 replicas: the dispatcher adds a worker as soon as ReplicaLoaded is in the log")
+            say("Scale to 3 replicas: the dispatcher starts its lanes as soon as ReplicaLoaded is in the log")
             await run_cli(url, "scale", gpt2, "--replicas", "3", "--wait")
             before_evict = (await admin.state()).seq
 

@@ -31,6 +31,7 @@ COMMANDS_PREFIX = "ndif.cmd"
 STATUS_PREFIX = "ndif.status"
 REPLICA_CALLS_PREFIX = "ndif.run"
 DISPATCHER_STATE = "ndif.dispatcher.state"  # request/reply: the dispatcher's queue view
+REQUEST_CONSUMER_PREFIX = "proc-"  # + <mtok>: a model's durable consumer on the request stream
 DISPATCHER_KILL = "ndif.dispatcher.kill"  # an admin's kill of a request; `.<user>`: a user's own
 
 # Wildcard filters (subscriptions and the server's permissions, controlplane/auth.py).
@@ -123,6 +124,16 @@ def request_subject(model_key: str, user: str = "") -> str:
     """
     tok = model_token(model_key)
     return f"{REQUESTS_PREFIX}.{tok}.{user}" if user else f"{REQUESTS_PREFIX}.{tok}"
+
+
+def request_consumer(model_tok: str) -> str:
+    """The durable consumer that holds a model's requests (`proc-<mtok>`)."""
+    return f"{REQUEST_CONSUMER_PREFIX}{model_tok}"
+
+
+def request_consumer_token(name: str) -> str | None:
+    """The model token of a request consumer's name; None for any other consumer."""
+    return name[len(REQUEST_CONSUMER_PREFIX):] if name.startswith(REQUEST_CONSUMER_PREFIX) else None
 
 
 def request_filters(model_tok: str) -> list[str]:

@@ -42,7 +42,7 @@ from controlplane.ports import EventLog
 from controlplane.services import Connect, Parts, connect_url, given
 from controlplane.tasks import cancel_and_wait
 from schemas import errors as errs
-from schemas.subjects import DISPATCHER_STATE, REQUESTS_STREAM, model_token
+from schemas.subjects import DISPATCHER_STATE, REQUESTS_STREAM, model_token, request_consumer_token
 
 logger = structlog.get_logger("ndif.dashboard")
 
@@ -147,6 +147,14 @@ class Dashboard:
 
     async def start(self) -> Dashboard:
         self.log, self.nc, self._close = await given(self.parts)
+        try:
+            return await self._start()
+        except BaseException:
+            await self.stop()  # a half-started dashboard closes what it opened
+            raise
+
+    async def _start(self) -> Dashboard:
+        assert self.log is not None
         t0 = time.perf_counter()
         async for batch in self.log.read_batches():
             self.model.add_all(batch)
@@ -157,7 +165,6 @@ class Dashboard:
         try:
             await site.start()
         except OSError as exc:
-            await self.stop()
             raise errs.InfrastructureError(f"dashboard cannot listen on {self.host}:{self.port} ({exc.strerror}); "
                                            "try --port") from None
         if self.port == 0:
@@ -274,8 +281,9 @@ class Dashboard:
                 page = await self.nc.jetstream().consumers_info(REQUESTS_STREAM, offset=listed or None)
                 listed += len(page)
                 for info in page:
-                    if info.name and info.name.startswith("proc-"):
-                        pending[info.name[5:]] = (info.num_pending or 0, info.num_ack_pending or 0)
+                    token = request_consumer_token(info.name or "")
+                    if token is not None:
+                        pending[token] = (info.num_pending or 0, info.num_ack_pending or 0)
                 if len(page) < 256:
                     break
         for mk in self.model.live.models:

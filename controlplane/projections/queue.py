@@ -20,7 +20,7 @@ class ModelQueueView(msgspec.Struct, frozen=True, kw_only=True):
 
     model_key: str
     replica_count: int  # replicas whose desired level is HOT (ClusterState.replica_count)
-    ready: tuple[int, ...]  # Available: a worker each
+    ready: tuple[int, ...]  # Available: each gets its lanes
     draining: tuple[int, ...]  # finish in-flight work, take nothing new
     starting: tuple[int, ...]  # scheduled, loading or restarting
     failed: tuple[int, ...]  # desired HOT but failed to load or died

@@ -244,7 +244,7 @@ async def test_a_model_that_cannot_be_placed_does_not_stall_another(service: dic
     assert llama["status"] in ("CANCELLED", "PROVISIONING")
 
 
-async def test_scale_adds_a_worker_as_soon_as_the_replica_is_loaded(service: dict[str, Any],
+async def test_scale_starts_lanes_as_soon_as_the_replica_is_loaded(service: dict[str, Any],
                                                                    models: dict[str, Path]) -> None:
     admin, disp = service["admin"], service["dispatcher"]
     url = service["url"]

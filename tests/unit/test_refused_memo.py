@@ -6,7 +6,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dataplane.serving.dispatcher import MAX_REFUSED_MEMO, _memo_put
+from dataplane.serving.dispatcher.provisioning import MAX_REFUSED_MEMO, _memo_put
 
 
 def test_a_flood_of_names_keeps_the_memo_at_its_cap() -> None:

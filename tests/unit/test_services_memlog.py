@@ -17,6 +17,7 @@ from controlplane.memlog import MemoryEventLog
 from controlplane.services import Parts
 from schemas import events as E
 from schemas.commands import Deploy
+from schemas.errors import InfrastructureError, InvalidCommand
 from schemas.keys import canonical_model_key
 from tests.waiting import until
 
@@ -95,3 +96,34 @@ async def test_the_dashboard_serves_the_memory_log_and_says_the_queues_are_unkno
         async with http.get(dash.url + "api/queues") as r:
             queues = await r.json()
         assert queues["dispatcher"] is None and "no NATS connection" in queues["error"]
+
+
+class _Unreadable(MemoryEventLog):
+    async def read_batches(self, *a, **kw):  # type: ignore[override]
+        raise InfrastructureError("stream unreachable")
+        yield []  # pragma: no cover - an async generator
+
+
+async def test_a_failed_start_closes_what_the_service_opened():
+    from controlplane.dashboard.server import Dashboard
+    from dataplane.serving.dispatcher import Dispatcher
+
+    closed: list[str] = []
+
+    def parts(log: MemoryEventLog, who: str) -> Parts:
+        async def close() -> None:
+            closed.append(who)
+        return Parts(log, None, close)
+
+    with pytest.raises(InfrastructureError):
+        await Controller(parts(_Unreadable(), "controller")).start()
+    with pytest.raises(InfrastructureError):
+        await Dashboard(parts(_Unreadable(), "dashboard"), port=0).start()
+    with pytest.raises(InvalidCommand, match="NATS connection"):  # no NATS: it cannot serve requests
+        await Dispatcher(parts(MemoryEventLog(), "dispatcher")).start()
+    assert closed == ["controller", "dashboard", "dispatcher"]
+
+
+async def test_a_url_where_parts_belong_is_refused_with_what_to_do():
+    with pytest.raises(TypeError, match=r"Controller.from_url"):
+        await Controller("nats://127.0.0.1:4222").start()  # type: ignore[arg-type]

@@ -6,7 +6,7 @@ One run, one machine, 2 no-op replicas (real ModelActors of a tiny checkpoint an
      added latency p50/p99;
  (b) 16 in flight: requests/s through our path vs Ray Serve (`serve.run` of a 2-replica no-op
      deployment, handle calls) vs raw pipelined Ray actor calls, in paired rounds (medians);
- (c) event-to-worker: `ReplicaLoaded` appended -> the processor's worker for it taking requests
+ (c) event-to-lanes: `ReplicaLoaded` appended -> the processor's lanes for it taking requests
      (a replica evicted to WARM and scaled back, repeatedly);
  (a') (a) again with the dispatcher's replica calls made through Ray instead of the replicas' NATS
      endpoints (NDIF_REPLICA_LINK=ray): what the endpoint saves, as extra `ray_link_*` figures.
@@ -226,7 +226,7 @@ async def main(a: argparse.Namespace) -> dict[str, float]:
                 print(f"(a') 1 in flight, replica calls through Ray: raw Ray p50 {pct(raw, 50):.2f} ms; ours p50 "
                       f"{pct(ours, 50):.2f} ms; added p50 {out['ray_link_p50_overhead_ms']:.2f} ms", flush=True)
 
-            # (c) event -> worker, seen inside a dispatcher: evict replica 1 to WARM and scale back.
+            # (c) event -> lanes, seen inside a dispatcher: evict replica 1 to WARM and scale back.
             async with Dispatcher.from_url(url) as disp:
                 await c.run(ckpt, NOOP, timeout=60)  # the processor exists once a request came
                 proc = next(p for p in disp.processors.values() if p.model_key == mk)
@@ -246,7 +246,7 @@ async def main(a: argparse.Namespace) -> dict[str, float]:
                               if isinstance(e, E.ReplicaLoaded) and e.replica_id == 1]
                     lags.append((seen - loaded[0].ts.timestamp()) * 1000)
             out["event_to_worker_p50_ms"], out["event_to_worker_p99_ms"] = pct(lags, 50), pct(lags, 99)
-            print(f"(c) ReplicaLoaded -> worker: p50 {out['event_to_worker_p50_ms']:.2f} ms, p99 "
+            print(f"(c) ReplicaLoaded -> lanes: p50 {out['event_to_worker_p50_ms']:.2f} ms, p99 "
                   f"{out['event_to_worker_p99_ms']:.2f} ms ({a.cycles} cycles)", flush=True)
     finally:
         ray_adapter.shutdown()

@@ -55,7 +55,7 @@ function modelRow(m) {
   const wait = q.oldest_wait_s == null ? "-" : q.oldest_wait_s.toFixed(1) + " s";
   const queued = q.pending == null ? (q.queued ?? "-") : q.pending + (q.queued ? ` (+${q.queued} held)` : "");
   return `<tr data-model="${esc(m.model_key)}"><td title="${esc(m.model_key)}">${esc(m.name)}</td><td>${esc(m.status)}</td>
-    <td>${m.target_hot}</td><td>${states}</td><td>${gib(m.charge_per_replica_bytes)}</td><td>${esc(queued)}</td>
+    <td>${m.replica_count}</td><td>${states}</td><td>${gib(m.charge_per_replica_bytes)}</td><td>${esc(queued)}</td>
     <td>${q.in_flight ?? "-"}</td><td>${q.completed ?? "-"}</td><td>${q.errors ?? "-"}</td><td>${wait}</td>
     <td>${q.serving_replicas ? esc(q.serving_replicas.join(",")) : "-"}</td></tr>`;
 }

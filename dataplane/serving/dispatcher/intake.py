@@ -40,6 +40,8 @@ from schemas.subjects import (
     REQUESTS_ALL,
     REQUESTS_STREAM,
     model_token,
+    request_consumer,
+    request_consumer_token,
     request_filters,
     request_subject_parts,
     status_key,
@@ -208,7 +210,7 @@ class Intake:
                     self.statuses.finish_soon(held, R.ERROR, error="ModelRemoved", message=reason)
         deleted = False
         with contextlib.suppress(nats.js.errors.NotFoundError):
-            deleted = bool(await self.js.delete_consumer(REQUESTS_STREAM, f"proc-{token}"))
+            deleted = bool(await self.js.delete_consumer(REQUESTS_STREAM, request_consumer(token)))
         logger.info("model_removed", token=token, reason=reason, consumer_deleted=deleted)
         return deleted
 
@@ -219,12 +221,13 @@ class Intake:
         unknown: set[str] = set()
         for info in await self.js.consumers_info(REQUESTS_STREAM):
             name = info.name or ""
-            if name.startswith("proc-") and name[5:] not in known:
+            token = request_consumer_token(name)
+            if token is not None and token not in known:
                 unknown.add(name)
         gone = sorted(unknown & self._unknown_seen)
         self._unknown_seen = unknown - set(gone)
         for name in gone:
-            await self.remove_model(name[5:], reason="the model is not in the log")
+            await self.remove_model(request_consumer_token(name) or name, reason="the model is not in the log")
         return gone
 
     async def sweep_loop(self) -> None:
@@ -242,7 +245,7 @@ class Intake:
     async def _consume(self, p: Processor) -> None:
         """Take the model's requests as they are stored (a continuous pull on its durable consumer)."""
         js = self.js
-        durable = f"proc-{p.token}"
+        durable = request_consumer(p.token)
         # A user's requests (`ndif.req.<mtok>.<user>`) and userless ones (an open server).
         filters = request_filters(p.token)
         cfg = api.ConsumerConfig(durable_name=durable, filter_subjects=filters,

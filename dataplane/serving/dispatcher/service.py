@@ -19,6 +19,8 @@
 This module holds the settings and wires the parts, each one concern, dependencies one way:
 statuses (status writing) <- provisioning <- intake (consumers, triage, queue lifetime) <- follower
 (the log). Processors get `ProcessorHooks` (callbacks into those parts), never the dispatcher.
+Settings are read at start and handed to the parts (change `intake.queue_lifetime_s` and the like
+on a running dispatcher, not the dispatcher's own copy).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from nats.aio.msg import Msg
 
 from controlplane.admin import AdminClient
 from controlplane.auth import Creds
-from controlplane.eventstore import JetStreamEventLog, stream_replicas_default
+from controlplane.eventstore import JetStreamEventLog
 from controlplane.ports import EventLog
 from controlplane.projections import ClusterState
 from controlplane.services import Connect, Parts, connect_url, given
@@ -132,8 +134,17 @@ class Dispatcher:
 
     async def start(self) -> Dispatcher:
         log, nc, self._close = await given(self.parts)
-        if nc is None:
-            raise errs.InvalidCommand("the dispatcher needs a NATS connection (its requests and statuses live there)")
+        try:
+            return await self._start(log, nc)
+        except BaseException:
+            await self.stop()  # a half-started dispatcher closes what it opened
+            raise
+
+    async def _start(self, log: EventLog, nc: NatsClient | None) -> Dispatcher:
+        if nc is None or not isinstance(log, JetStreamEventLog):
+            # Its requests and statuses live on NATS, and the deploys it sends over `nc` come back
+            # only through a log on the same server.
+            raise errs.InvalidCommand("the dispatcher needs a NATS connection and the JetStream event log on it")
         self.log, self.nc = log, nc
         if self.caller is None:
             from dataplane.runtime.ray_adapter import RayCaller  # the one module that imports ray
@@ -145,7 +156,7 @@ class Dispatcher:
         async def deploy(model_key: str, replicas: int) -> CommandResult:
             return await admin.deploy(model_key, replicas)
 
-        replicas = log.replicas if isinstance(log, JetStreamEventLog) else stream_replicas_default()
+        replicas = log.replicas
         self.statuses = StatusWriter(nc, await js.key_value(REQUEST_STATUS_BUCKET),
                                      await js.object_store(RESULTS_BUCKET), self.bg, js=js, replicas=replicas)
         self.provisioner = Provisioner(state=self.state, deploy=deploy, statuses=self.statuses, bg=self.bg,
@@ -221,8 +232,3 @@ class Dispatcher:
     async def _on_state(self, msg: Msg) -> None:
         if msg.reply:
             await msg.respond(msgspec.json.encode({"dispatcher": self.name, "processors": self.get_state()}))
-
-
-async def run_dispatcher(url: str, **kw: Any) -> None:
-    async with Dispatcher.from_url(url, **kw):
-        await asyncio.Event().wait()

@@ -3,8 +3,8 @@
 A non-terminal status is published at once and reaches KV within STATUS_KV_DELAY_S (a newer one
 supersedes it); the terminal status is kept by compare-and-set on the key's revision, so a
 redelivered request can never overwrite it, then the request is acked. Large results go to the
-Object Store. Publishes go out in order from one outbox task per loop turn. This part depends on
-no other part of the dispatcher.
+Object Store. Publishes go out in order from one outbox task per loop turn. Of the dispatcher's
+other parts it uses only `background` (the tasks it starts).
 """
 
 from __future__ import annotations
