@@ -22,7 +22,8 @@ def find_checkpoint(model_key: str) -> tuple[str, str | None]:
     if repo.startswith("/"):
         if (Path(repo) / "config.json").is_file():
             return repo, revision
-        raise UnknownModel(f"unknown model {display_name(model_key)}: {repo} has no config.json")
+        why = "has no config.json" if Path(repo).is_dir() else "does not exist on the controller's machine"
+        raise UnknownModel(f"unknown model {display_name(model_key)}: {repo} {why}")
     try:
         from huggingface_hub import try_to_load_from_cache
     except ImportError:  # pragma: no cover - transformers depends on it

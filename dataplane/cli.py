@@ -238,6 +238,8 @@ async def _submit(a: argparse.Namespace) -> int:
         if not a.json:
             # A generated text as it is; anything else (forward's logprobs, ...) as JSON, never a Python repr.
             text = result.get("text") if isinstance(result, dict) else None
+            if isinstance(text, list) and text and all(isinstance(t, str) for t in text):
+                text = "\n".join(text)  # a batch of one prompt (or several): each generated text on its own
             print(text if isinstance(text, str) else msgspec.json.encode(result).decode())
     return 0
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -141,7 +142,10 @@ async def run_demo(*, port: int | None, store: Path | None, gpus: tuple[Any, ...
     configure(os.environ.get("NDIF_LOG_LEVEL", "WARNING"))
     t_start = time.perf_counter()
     home = Path(os.environ.get("NDIF_HOME", Path.home() / ".ndif"))
-    store = store or Path(tempfile.mkdtemp(prefix="ndif-demo-")) / "nats"
+    temp = None if store else Path(tempfile.mkdtemp(prefix="ndif-demo-"))  # removed at the end
+    if store is None:
+        assert temp is not None
+        store = temp / "nats"
     gpus = gpus or detect_gpus() or declared_gpus(2, 80 * GB)
     real = bool(detect_gpus())
 
@@ -202,8 +206,12 @@ async def run_demo(*, port: int | None, store: Path | None, gpus: tuple[Any, ...
             say(f"Outcome: {done}/{total} requests COMPLETED, {b1['failed'] + b2['failed']} ERROR, "
                  f"{b2['requeued']} re-queued by the eviction and none lost; "
                  f"{time.perf_counter() - t_start:.0f}s in all")
-            print("  Look further (with the cluster up: `ndif up --demo --stay`, then in another shell):\n"
-                  f"    export NDIF_NATS_URL={url}\n"
+            if stay:
+                head = f"  Look further, in another shell:\n    export NDIF_NATS_URL={url}\n"
+            else:
+                head = ("  Look further: run `ndif up --demo --stay` (this cluster stops now), then in another\n"
+                        "  shell export the NDIF_NATS_URL it prints, and:\n")
+            print(head +
                   "    ndif status --watch                 # replicas, GPUs, memory, from the log\n"
                   f"    ndif history {gpt2} --replica-id 0\n"
                   "    ndif replay --until SEQ|ISO-TIME    # any past state\n"
@@ -217,3 +225,5 @@ async def run_demo(*, port: int | None, store: Path | None, gpus: tuple[Any, ...
             return 0 if done == total else 1
     finally:
         await cluster.stop()
+        if temp is not None:
+            shutil.rmtree(temp, ignore_errors=True)  # the demo's own JetStream store
