@@ -30,7 +30,7 @@ from controlplane.render import render_status, status_json
 from schemas import errors as errs
 from schemas.commands import MAX_HEADROOM, CommandResult
 from schemas.events import Event, ReplicaEvent, Skipped, event_tag
-from schemas.keys import display_name
+from schemas.keys import canonical_model_key, display_name
 from schemas.status import ReplicaState
 
 DEFAULT_URL = "nats://127.0.0.1:4222"
@@ -54,8 +54,8 @@ def _print_result(verb: str, res: CommandResult, as_json: bool) -> None:
         return
     print(f"{verb}: {res.message}" + (f"  [seq {res.first_seq}..{res.last_seq}]" if res.last_seq else ""))
     for r in res.replicas:
-        print(f"  replica {r.replica_id} of {display_name(r.model_key)}: {r.action} on {r.node_id or '-'} "
-              f"gpus {list(r.gpu_indices)}")
+        cards = f"gpus {list(r.gpu_indices)}" if r.gpu_indices else "(its cards)"
+        print(f"  replica {r.replica_id} of {display_name(r.model_key)}: {r.action} on {r.node_id or '-'} {cards}")
     for r in res.evictions:
         print(f"  replica {r.replica_id} of {display_name(r.model_key)}: {r.action} -> {r.level}")
     for j in res.rejections:
@@ -64,6 +64,32 @@ def _print_result(verb: str, res: CommandResult, as_json: bool) -> None:
 
 
 async def _command(a: argparse.Namespace, admin: AdminClient) -> int:
+    try:
+        return await _command_on(a, admin)
+    except (errs.NotFound, errs.UnknownModel) as exc:
+        hint = await _short_name_hint(admin, getattr(a, "model", None))
+        if hint is None:
+            raise
+        raise type(exc)(f"{exc}; {hint}") from None
+
+
+async def _short_name_hint(admin: AdminClient, name: str | None) -> str | None:
+    """For a command refused for an unknown model: the model the operator probably meant, when
+    the name is a known model's short name (commands take a full repo id or path, as the log keys
+    models; `events` and `history` take short names)."""
+    if not name:
+        return None
+    try:
+        mk = resolve_name(await admin.state(), name)
+        typed = canonical_model_key(name)
+    except errs.NdifError:
+        return None
+    if mk == typed:
+        return None
+    return f"did you mean {display_name(mk)}? (commands take the full repo id or path)"
+
+
+async def _command_on(a: argparse.Namespace, admin: AdminClient) -> int:
     cid = a.command_id
     match a.cmd:
         case "deploy":

@@ -230,7 +230,20 @@ class Controller:
             return await self._recorded(cmd.command_id)  # a twin of this command won the same turn
         logger.info("command_decided", verb=cmd.__struct_config__.tag, first_seq=res.first_seq, last_seq=res.last_seq,
                  events=len(res.events), attempts=res.attempts)
-        return summarize(cmd.command_id, res.events, res.first_seq)
+        return self._with_cards(summarize(cmd.command_id, res.events, res.first_seq))
+
+    def _with_cards(self, result: CommandResult) -> CommandResult:
+        """A replica restarted in place keeps its cards, which its restart event does not repeat: the
+        reply names them from the fold, right after the decision."""
+        if not any(r.action == "restarted" and not r.gpu_indices for r in result.replicas):
+            return result
+        out = []
+        for r in result.replicas:
+            view = self.state.replicas.get((r.model_key, r.replica_id))
+            if r.action == "restarted" and not r.gpu_indices and view is not None and view.gpu_indices:
+                r = msgspec.structs.replace(r, gpu_indices=tuple(view.gpu_indices))
+            out.append(r)
+        return msgspec.structs.replace(result, replicas=out)
 
     async def _recorded(self, command_id: str) -> CommandResult:
         """The first result of an already-decided command, rebuilt from its events in the log."""

@@ -130,8 +130,9 @@ async def connect(url: str, *, name: str = "ndif", timeout: float = 5.0, creds: 
     except (TimeoutError, OSError, nats.errors.NoServersError) as exc:
         if refused:
             raise InfrastructureError(
-                f"NATS at {url} refused the credentials of {creds.user if creds else 'no user'}: "
-                "use the files `ndif up` wrote under $NDIF_HOME/auth/ or set NDIF_CREDS") from None
+                (f"NATS at {url} refused the credentials of {creds.user}: " if creds else
+                 f"NATS at {url} requires a user and none was found (no NDIF_CREDS, none under $NDIF_HOME/auth/): ")
+                + "use the files `ndif up` wrote under $NDIF_HOME/auth/ or set NDIF_CREDS") from None
         raise InfrastructureError(
             f"cannot reach NATS at {url} ({exc or type(exc).__name__}): start one with `ndif up` "
             "or pass --nats URL / set NDIF_NATS_URL"

@@ -508,7 +508,7 @@ def test_local_commands_find_their_role(auth: LocalAuth, monkeypatch: pytest.Mon
 
 
 async def test_no_credentials_no_connection(streams: str) -> None:
-    with pytest.raises(errs.InfrastructureError, match="refused the credentials"):
+    with pytest.raises(errs.InfrastructureError, match="requires a user and none was found"):
         await connect(streams, creds=None)
 
 

@@ -226,6 +226,10 @@ async def test_undeploy_forgets_the_model(nats_server: EmbeddedNats, admin: Admi
         assert "ModelUndeployed" in hist
         ran = await ndif(url, "undeploy", "nobody/never-deployed")
         assert ran.rc == 3, ran.err
+        # A command given a deployed model's short name is refused, naming the model it may mean.
+        ran = await ndif(url, "undeploy", tiny.name)
+        assert ran.rc == 3 and f"did you mean {tiny}?" in ran.err, ran.err
+        assert mk in (await settle(admin)).models
         # Replay of the whole history is clean (no anomaly from late reports).
         ran = await ndif(url, "replay", "--until", str(await log.last_seq()), "--strict")
         assert ran.rc == 0, ran.err

@@ -16,7 +16,7 @@ from controlplane.controller import Controller
 from controlplane.memlog import MemoryEventLog
 from controlplane.services import Parts
 from schemas import events as E
-from schemas.commands import Deploy
+from schemas.commands import Deploy, Restart
 from schemas.errors import InfrastructureError, InvalidCommand
 from schemas.keys import canonical_model_key
 from tests.waiting import until
@@ -127,3 +127,21 @@ async def test_a_failed_start_closes_what_the_service_opened():
 async def test_a_url_where_parts_belong_is_refused_with_what_to_do():
     with pytest.raises(TypeError, match=r"Controller.from_url"):
         await Controller("nats://127.0.0.1:4222").start()  # type: ignore[arg-type]
+
+
+async def test_a_restart_in_place_names_the_cards_it_keeps(checkpoint):
+    log = MemoryEventLog()
+    await log.append([_joined("node-a", 2)], expected_last_seq=0)
+    async with Controller(Parts(log, None), policy_interval_s=60) as ctl:
+        assert (await ctl.handle(msgspec.json.encode(Deploy(command_id="d", model_key=checkpoint,
+                                                             size_bytes=GB)))).ok
+        (s,) = [e for e in log.events() if isinstance(e, E.ReplicaScheduled)]
+        await log.append([E.ReplicaLoaded(event_id="l", ts=datetime.now(UTC), actor="agent:node-a",
+                                          model_key=s.model_key, replica_id=s.replica_id, node_id=s.node_id)],
+                         expected_last_seq=await log.last_seq())
+        await until(lambda: ctl.state.seq == len(log.events()))
+        res = await ctl.handle(msgspec.json.encode(Restart(command_id="r", model_key=checkpoint,
+                                                           replica_id=s.replica_id)))
+        assert res.ok, res
+        (r,) = res.replicas
+        assert r.action == "restarted" and r.node_id == "node-a" and r.gpu_indices == tuple(s.gpu_indices)
