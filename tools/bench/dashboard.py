@@ -30,11 +30,12 @@ import tempfile
 import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any, TypedDict
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import aiohttp
+from benchkit import Envelope, ReplicaRef, pct
 
 from controlplane.dashboard import Dashboard
 from controlplane.eventstore import JetStreamEventLog
@@ -47,27 +48,6 @@ NODES, GPUS, MODELS, PER_MODEL = 1000, 8, 500, 10
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--no-first-run"]
-
-
-def pct(xs: list[float], p: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
-
-
-class Envelope(TypedDict):
-    """The envelope fields of every event (`E.Event`), passed as `**env`."""
-
-    event_id: str
-    ts: datetime
-    actor: str
-
-
-class ReplicaRef(TypedDict):
-    """The fields naming a replica (`E.ReplicaEvent`), passed as `**rep`."""
-
-    model_key: str
-    replica_id: int
-    node_id: str
 
 
 class History:

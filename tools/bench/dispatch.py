@@ -40,6 +40,8 @@ from controlplane.logs import configure
 configure("ERROR")
 logging.getLogger("ray").setLevel(logging.ERROR)
 
+from benchkit import pct  # noqa: E402
+
 from controlplane.admin import AdminClient  # noqa: E402
 from controlplane.controller import Controller  # noqa: E402
 from controlplane.eventstore import JetStreamEventLog  # noqa: E402
@@ -54,11 +56,6 @@ from schemas import events as E  # noqa: E402
 from schemas.keys import canonical_model_key  # noqa: E402
 
 NOOP = {"op": "echo", "data": 1}
-
-
-def pct(xs: list[float], p: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
 
 
 async def single(c: Client, model: str, actors: list[Any], n: int, block: int = 10) -> tuple[list[float], list[float]]:

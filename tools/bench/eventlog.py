@@ -23,11 +23,11 @@ import tempfile
 import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import TypedDict
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import nats
+from benchkit import Envelope, ReplicaRef, pct
 from nats.aio.msg import Msg
 from nats.js import api
 
@@ -45,27 +45,6 @@ GB = 2**30
 NODES = [f"gpu-{i:04d}.bench" for i in range(64)]
 MODELS = [f'nnsight.modeling.language.LanguageModel:{{"repo_id": "org/model-{i}", "revision": null}}'
           for i in range(50)]
-
-
-def pct(xs: list[float], p: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
-
-
-class Envelope(TypedDict):
-    """The envelope fields of every event (`E.Event`), passed as `**env`."""
-
-    event_id: str
-    ts: datetime
-    actor: str
-
-
-class ReplicaRef(TypedDict):
-    """The fields naming a replica (`E.ReplicaEvent`), passed as `**rep`."""
-
-    model_key: str
-    replica_id: int
-    node_id: str
 
 
 class Ids:

@@ -26,9 +26,10 @@ import tempfile
 import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import TypedDict
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from benchkit import Envelope, pct
 
 from controlplane.admin import AdminClient
 from controlplane.context import DecisionContext, observed
@@ -44,19 +45,6 @@ from schemas.status import ReplicaState
 GB = 10**9
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 SIZES_GB = [7, 14, 30, 30, 65, 65, 65, 140]  # 140 GB spans two 80 GB cards
-
-
-def pct(xs: list[float], p: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
-
-
-class Envelope(TypedDict):
-    """The envelope fields of every event (`E.Event`), passed as `**env`."""
-
-    event_id: str
-    ts: datetime
-    actor: str
 
 
 def key(i: int) -> str:
