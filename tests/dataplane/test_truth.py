@@ -178,9 +178,10 @@ def _readme_snippet() -> str:
 async def test_the_readme_snippet_runs_as_written_and_prints_only_its_own_output(
         service: dict[str, Any], models: dict[str, Path], tmp_path: Path) -> None:
     snippet = _readme_snippet()
-    assert "~/.ndif/models/tiny-gpt2" in snippet  # the only change: where this test keeps the checkpoint
+    where = 'os.path.join(HOME, "models", "tiny-gpt2")'
+    assert where in snippet  # the only change: where this test keeps the checkpoint
     script = tmp_path / "hello.py"
-    script.write_text(snippet.replace("~/.ndif/models/tiny-gpt2", str(models["gpt2"])))
+    script.write_text(snippet.replace(where, repr(str(models["gpt2"]))))
     env = {k: v for k, v in os.environ.items() if not k.startswith("NDIF_LOG")}
     env["NDIF_NATS_URL"] = service["url"]  # Client() with no URL finds the server here
     env["PYTHONPATH"] = str(ROOT)  # the tree under test (a script's own directory comes first otherwise)
