@@ -40,7 +40,7 @@ from controlplane.follow import follow_log
 from controlplane.placement import MIN_DEPLOY_S, PADDING
 from controlplane.ports import EventLog, Stored
 from controlplane.projections import ClusterState
-from controlplane.services import Connect, Parts, connect_url, given
+from controlplane.services import Connect, Parts, connect_url, given, start_or_stop
 from controlplane.tasks import cancel_and_wait
 from schemas.commands import AnyCommand, CommandResult, Limits, decode_command
 from schemas.errors import NdifError
@@ -129,11 +129,7 @@ class Controller:
 
     async def start(self) -> Controller:
         self.log, self.nc, self._close = await given(self.parts)
-        try:
-            return await self._start()
-        except BaseException:
-            await self.stop()  # a half-started controller closes what it opened
-            raise
+        return await start_or_stop(self._start, self.stop)
 
     async def _start(self) -> Controller:
         assert self.log is not None

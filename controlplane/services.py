@@ -8,7 +8,7 @@ start) instead of a URL, so the same service runs over the in-memory log in unit
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 from nats.aio.client import Client as NatsClient
 
@@ -24,6 +24,7 @@ class Parts(NamedTuple):
 
 
 Connect = Callable[[], Awaitable[Parts]]
+T = TypeVar("T")
 
 
 async def given(parts: Parts | Connect) -> Parts:
@@ -34,6 +35,15 @@ async def given(parts: Parts | Connect) -> Parts:
         raise TypeError(f"a service takes Parts or a Connect, not {type(parts).__name__}: "
                         "for a URL use Controller.from_url / Dispatcher.from_url / Dashboard.from_url")
     return await parts()
+
+
+async def start_or_stop(start: Callable[[], Awaitable[T]], stop: Callable[[], Awaitable[None]]) -> T:
+    """Run a service's `start`; if it fails, `stop` what it had started (and the parts it opened)."""
+    try:
+        return await start()
+    except BaseException:
+        await stop()
+        raise
 
 
 def connect_url(url: str, *, name: str, role: str, creds: Creds | None = None, replicas: int | None = None,

@@ -39,7 +39,7 @@ from controlplane.dashboard.model import (
 )
 from controlplane.follow import follow_log
 from controlplane.ports import EventLog
-from controlplane.services import Connect, Parts, connect_url, given
+from controlplane.services import Connect, Parts, connect_url, given, start_or_stop
 from controlplane.tasks import cancel_and_wait
 from schemas import errors as errs
 from schemas.subjects import DISPATCHER_STATE, REQUESTS_STREAM, model_token, request_consumer_token
@@ -147,11 +147,7 @@ class Dashboard:
 
     async def start(self) -> Dashboard:
         self.log, self.nc, self._close = await given(self.parts)
-        try:
-            return await self._start()
-        except BaseException:
-            await self.stop()  # a half-started dashboard closes what it opened
-            raise
+        return await start_or_stop(self._start, self.stop)
 
     async def _start(self) -> Dashboard:
         assert self.log is not None

@@ -41,7 +41,7 @@ from controlplane.auth import Creds
 from controlplane.eventstore import JetStreamEventLog
 from controlplane.ports import EventLog
 from controlplane.projections import ClusterState
-from controlplane.services import Connect, Parts, connect_url, given
+from controlplane.services import Connect, Parts, connect_url, given, start_or_stop
 from controlplane.tasks import cancel_and_wait
 from dataplane.runtime.ports import ReplicaCaller
 from dataplane.serving.dispatcher.background import Background
@@ -134,11 +134,7 @@ class Dispatcher:
 
     async def start(self) -> Dispatcher:
         log, nc, self._close = await given(self.parts)
-        try:
-            return await self._start(log, nc)
-        except BaseException:
-            await self.stop()  # a half-started dispatcher closes what it opened
-            raise
+        return await start_or_stop(lambda: self._start(log, nc), self.stop)
 
     async def _start(self, log: EventLog, nc: NatsClient | None) -> Dispatcher:
         if nc is None or not isinstance(log, JetStreamEventLog):
