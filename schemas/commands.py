@@ -7,8 +7,8 @@ A command is a request, not a fact: the controller decides and appends events, t
 from __future__ import annotations
 
 import hashlib
-import os
 import re
+from collections.abc import Mapping
 from typing import Final, Union
 
 import msgspec
@@ -93,10 +93,11 @@ class Limits(msgspec.Struct, frozen=True, kw_only=True):
     max_replicas_per_command: int = MAX_REPLICAS_PER_COMMAND
 
     @classmethod
-    def from_env(cls, **override: int | None) -> Limits:
-        """The defaults, then NDIF_MAX_REPLICAS_PER_MODEL / _PER_COMMAND, then `override` (None = keep)."""
-        vals = {"max_replicas_per_model": _env_int("NDIF_MAX_REPLICAS_PER_MODEL", MAX_REPLICAS_PER_MODEL),
-                "max_replicas_per_command": _env_int("NDIF_MAX_REPLICAS_PER_COMMAND", MAX_REPLICAS_PER_COMMAND)}
+    def from_env(cls, env: Mapping[str, str], **override: int | None) -> Limits:
+        """The defaults, then NDIF_MAX_REPLICAS_PER_MODEL / _PER_COMMAND of `env` (the caller's
+        environment: schemas read none), then `override` (None = keep)."""
+        vals = {"max_replicas_per_model": _env_int(env, "NDIF_MAX_REPLICAS_PER_MODEL", MAX_REPLICAS_PER_MODEL),
+                "max_replicas_per_command": _env_int(env, "NDIF_MAX_REPLICAS_PER_COMMAND", MAX_REPLICAS_PER_COMMAND)}
         vals.update({k: v for k, v in override.items() if v is not None})
         for k, v in vals.items():
             if not 1 <= v <= ABSOLUTE_MAX_REPLICAS:
@@ -104,8 +105,8 @@ class Limits(msgspec.Struct, frozen=True, kw_only=True):
         return cls(**vals)
 
 
-def _env_int(name: str, default: int) -> int:
-    raw = os.environ.get(name, "").strip()
+def _env_int(env: Mapping[str, str], name: str, default: int) -> int:
+    raw = env.get(name, "").strip()
     if not raw:
         return default
     try:

@@ -34,7 +34,7 @@ DISPATCHER_STATE = "ndif.dispatcher.state"  # request/reply: the dispatcher's qu
 REQUEST_CONSUMER_PREFIX = "proc-"  # + <mtok>: a model's durable consumer on the request stream
 DISPATCHER_KILL = "ndif.dispatcher.kill"  # an admin's kill of a request; `.<user>`: a user's own
 
-# Wildcard filters (subscriptions and the server's permissions, controlplane/auth.py).
+# Wildcard filters (subscriptions and the server's permissions, controlplane/ops/auth.py).
 NODE_EVENTS_ANY = f"{NODE_EVENTS_PREFIX}*"
 MODEL_EVENTS_ANY = f"{MODEL_EVENTS_PREFIX}*"
 REPLICA_DECISIONS_ANY = f"{REPLICA_EVENTS_PREFIX}*.*"  # decisions about a replica (no source token)
@@ -98,7 +98,7 @@ def command_event_subject(command_id: str) -> str:
 def replica_call_subject(model_key: str, replica_id: int, node_id: str = "") -> str:
     """`ndif.run.<ntok>.<mtok>.<replica_id>` (core request/reply): the endpoint of a replica on node
     `node_id` for the request path. The node token comes first so that a node's agent (and its
-    replicas) may serve its own node's replicas only (`ndif.run.<ntok>.>`, controlplane/auth.py).
+    replicas) may serve its own node's replicas only (`ndif.run.<ntok>.>`, controlplane/ops/auth.py).
     Without a node id: `ndif.run.<mtok>.<replica_id>` (an open server's tests)."""
     if node_id:
         return f"{REPLICA_CALLS_PREFIX}.{node_token(node_id)}.{model_token(model_key)}.{int(replica_id)}"
@@ -170,7 +170,7 @@ def status_key(request_id: str, user: str = "") -> str:
 def results_bucket(user: str = "") -> str:
     """The Object Store bucket of one user's large results: `ndif_results_<user>` (`ndif_results`
     without a user). One bucket (one stream, `OBJ_ndif_results_<user>`) per user, so the server's
-    permissions give each client read access to its own results only (controlplane/auth.py)."""
+    permissions give each client read access to its own results only (controlplane/ops/auth.py)."""
     return f"{RESULTS_BUCKET}_{user}" if user else RESULTS_BUCKET
 
 
@@ -207,28 +207,3 @@ def operator_filters(model_key: str | None = None, replica_id: int | None = None
         out["node events"] = node_subject(node_id)
         out["heartbeat key"] = f"{node_token(node_id)} (bucket {HEARTBEATS_BUCKET})"
     return out
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m schemas.subjects MODEL [--replica-id N] [--node ID]`: print the subject filters."""
-    import argparse
-
-    from schemas.keys import canonical_model_key
-
-    p = argparse.ArgumentParser(prog="python -m schemas.subjects", description=main.__doc__)
-    p.add_argument("model", nargs="?", help="repo id, checkpoint directory or NDIF model key")
-    p.add_argument("--replica-id", type=int, help="one replica's subject")
-    p.add_argument("--node", help="a node id: its event subject and heartbeat key")
-    a = p.parse_args(argv)
-    if a.model is None and a.node is None:
-        p.error("give a MODEL, --node ID or both")
-    mk = canonical_model_key(a.model) if a.model is not None else None
-    if mk is not None:
-        print(f"model key: {mk}")
-    for what, subject in operator_filters(mk, a.replica_id, a.node).items():
-        print(f"{what + ':':<18} {subject}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

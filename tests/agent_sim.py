@@ -14,8 +14,8 @@ import asyncio
 import contextlib
 from collections.abc import Callable
 
-from controlplane.eventstore import JetStreamEventLog
-from controlplane.projections import ClusterState
+from controlplane.core.projections import ClusterState
+from controlplane.store.eventstore import JetStreamEventLog
 from dataplane.node.agent import NodeAgent
 from schemas.events import GpuInfo
 from schemas.status import ReplicaState

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
-from controlplane.context import DecisionContext
-from controlplane.projections import ClusterState
+from controlplane.core.context import DecisionContext
+from controlplane.core.projections import ClusterState
 from schemas import events as E
 from schemas.status import DeploymentOp, EvictionReason, Level
 

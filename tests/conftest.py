@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
-from controlplane.eventstore import JetStreamEventLog
-from controlplane.nats_server import EmbeddedNats
-from controlplane.tasks import awaiting
+from controlplane.ops.nats_server import EmbeddedNats
+from controlplane.service.tasks import awaiting
+from controlplane.store.eventstore import JetStreamEventLog
 from schemas.subjects import EVENTS_STREAM, REQUESTS_STREAM
 
 # Credentials `ndif up` may have left in a developer's $NDIF_HOME must not reach the tests' servers

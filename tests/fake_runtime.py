@@ -12,7 +12,7 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
-from dataplane.node.model import LoadError
+from dataplane.replica.model import LoadError
 from dataplane.runtime.ports import Found, Liveness, ReplicaSpec
 
 RKey = tuple[str, int]

@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-from controlplane.admin import AdminClient
-from controlplane.projections import ClusterState
+from controlplane.core.projections import ClusterState
+from controlplane.store.admin import AdminClient
 
 
 async def until(cond: Callable[[], bool], timeout: float = 5.0, every: float = 0.01) -> None:

@@ -21,18 +21,19 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from controlplane.logs import configure  # noqa: E402
+from controlplane.service.logs import configure  # noqa: E402
 
 configure("WARNING")
 
-from controlplane.admin import AdminClient  # noqa: E402
-from dataplane.demo import run_cli, say  # noqa: E402
-from dataplane.local import LocalCluster  # noqa: E402
-from dataplane.node.actor import NAMESPACE  # noqa: E402
+from controlplane.store.admin import AdminClient  # noqa: E402
 from dataplane.node.agent import declared_gpus  # noqa: E402
 from dataplane.node.tiny_models import make_tiny_gpt2, make_tiny_llama  # noqa: E402
+from dataplane.ops.demo import run_cli, say  # noqa: E402
+from dataplane.ops.local import LocalCluster  # noqa: E402
+from dataplane.replica.actor import NAMESPACE  # noqa: E402
 from dataplane.runtime.ray_adapter import get_actor, kill_actor, list_replica_actors  # noqa: E402
 from schemas.keys import canonical_model_key  # noqa: E402
+from schemas.status import ReplicaState  # noqa: E402
 
 GB = 10**9
 
@@ -88,7 +89,7 @@ async def main() -> None:
             say("Kill replica 0's actor behind the agent's back: ReplicaFailed, then the controller restarts it")
             kill_actor(get_actor(mk, 0))
             async with asyncio.timeout(120):
-                while (r := (await admin.state()).replicas[(mk, 0)]).restarts < 1 or str(r.state) != "Available":
+                while (r := (await admin.state()).replicas[(mk, 0)]).restarts < 1 or r.state != ReplicaState.AVAILABLE:
                     await asyncio.sleep(0.2)
             print("  replica 0 is Available again (restarts: 1)", flush=True)
 

@@ -32,7 +32,7 @@ from nats.aio.client import Client as NatsClient
 from nats.js import api
 from nats.js.kv import KeyValue
 
-from controlplane.auth import load_creds, resolve
+from controlplane.store.credentials import load_creds, resolve
 from schemas.subjects import EVENTS_ALL, EVENTS_STREAM
 
 

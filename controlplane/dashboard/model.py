@@ -20,8 +20,8 @@ from collections.abc import Iterable, Iterator
 from datetime import datetime
 from typing import Any
 
-from controlplane.projections import ClusterState
-from controlplane.projections.replica import ReplicaView
+from controlplane.core.projections import ClusterState
+from controlplane.core.projections.replica import ReplicaView
 from schemas.events import EVENT_TYPES, Event, NodeJoined, NodeLost, ReplicaEvent, Skipped, event_tag
 from schemas.keys import display_name
 from schemas.status import Level

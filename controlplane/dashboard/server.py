@@ -26,7 +26,7 @@ import structlog
 from aiohttp import web
 from nats.aio.client import Client as NatsClient
 
-from controlplane.auth import Creds
+from controlplane.core.ports import EventLog
 from controlplane.dashboard.model import (
     BadQuery,
     DashboardModel,
@@ -37,10 +37,10 @@ from controlplane.dashboard.model import (
     state_json,
     touched,
 )
-from controlplane.follow import follow_log
-from controlplane.ports import EventLog
-from controlplane.services import Connect, Parts, connect_url, given, start_or_stop
-from controlplane.tasks import cancel_and_wait
+from controlplane.service.follow import follow_log
+from controlplane.service.parts import Connect, Parts, connect_url, given, start_or_stop
+from controlplane.service.tasks import cancel_and_wait
+from controlplane.store.credentials import Creds
 from schemas import errors as errs
 from schemas.subjects import DISPATCHER_STATE, REQUESTS_STREAM, model_token, request_consumer_token
 

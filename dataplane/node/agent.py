@@ -12,7 +12,7 @@ folded state, not on single events, so a restart simply re-folds and finishes wh
     Restarting              -> kill, re-create with the same id and cards, load, `ReplicaRestarted`
     an actor that died      -> `ReplicaFailed` (the controller's policy restarts or replaces it)
 
-What to do is decided by a pure function over the fold (`plan_actions`, dataplane/node/plan.py);
+What to do is decided by a pure function over the fold (`plan_actions`, controlplane/core/nodeplan.py);
 this module only runs its actions, through the node's `ReplicaRuntime` (dataplane/runtime/ports.py;
 Ray's is dataplane/runtime/ray_adapter.py, tests use an in-memory one). The agent is given its
 parts (the event log, the JetStream context for heartbeats, the runtime); `NodeAgent.open(url)`
@@ -35,17 +35,17 @@ from typing import Any
 
 import structlog
 
-from controlplane.auth import Creds, resolve
-from controlplane.context import observed
-from controlplane.eventstore import JetStreamEventLog
-from controlplane.follow import follow_log
-from controlplane.heartbeats import STALE_S, last_heartbeat
-from controlplane.ports import EventLog, Stored
-from controlplane.projections import ClusterState
-from controlplane.projections.replica import ReplicaView
-from controlplane.tasks import cancel_and_wait
-from dataplane.node.actor import NAMESPACE, replica_resources
-from dataplane.node.plan import Action, Do, Mark, plan_actions, plan_adoption
+from controlplane.core.nodeplan import Action, Do, Mark, plan_actions, plan_adoption
+from controlplane.core.ports import EventLog, Stored
+from controlplane.core.projections import ClusterState
+from controlplane.core.projections.replica import ReplicaView
+from controlplane.service.clock import observed
+from controlplane.service.follow import follow_log
+from controlplane.service.tasks import cancel_and_wait
+from controlplane.store.credentials import Creds, resolve
+from controlplane.store.eventstore import JetStreamEventLog
+from controlplane.store.heartbeats import STALE_S, last_heartbeat
+from dataplane.replica.actor import NAMESPACE, replica_resources
 from dataplane.runtime.ports import Liveness, ReplicaHandle, ReplicaRuntime, ReplicaSpec
 from schemas.errors import InfrastructureError
 from schemas.events import (
@@ -348,7 +348,7 @@ class NodeAgent:
                     await self._append(observed(ReplicaFailed, actor=self.actor, model_key=key[0], replica_id=key[1],
                                                 node_id=self.node_id, error=error))
 
-    # ---- reconcile: the plan (dataplane/node/plan.py), run -----------------------------------
+    # ---- reconcile: the plan (controlplane/core/nodeplan.py), run -----------------------------------
 
     def reconcile(self) -> None:
         """Start what the folded state asks of this node (each replica one action at a time)."""

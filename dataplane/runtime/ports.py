@@ -16,7 +16,7 @@ from typing import Any, Protocol
 import msgspec
 
 ReplicaHandle = Any  # opaque to callers: a Ray actor handle, a fake's object
-Answer = tuple[Any, ...]  # one request's answer of `run_batch` (dataplane/node/actor.py: OK / FAILED / NOT_RUN)
+Answer = tuple[Any, ...]  # one request's answer of `run_batch` (dataplane/replica/actor.py: OK / FAILED / NOT_RUN)
 
 
 class ReplicaSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -102,7 +102,7 @@ class ReplicaRuntime(Protocol):
 
 class ReplicaCaller(Protocol):
     """The request path's calls into a replica process, and the fallback of the NATS replica link
-    (dataplane/serving/replica_link.py): answers too big for NATS, and whether calls are still known."""
+    (dataplane/serving/link.py): answers too big for NATS, and whether calls are still known."""
 
     def lookup(self, model_key: str, replica_id: int) -> ReplicaHandle | None:
         """The replica's live process, or None."""

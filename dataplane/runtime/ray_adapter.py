@@ -17,7 +17,7 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from dataplane.node.actor import NAMESPACE, ModelActor, actor_name, parse_actor_name, replica_resources
+from dataplane.replica.actor import NAMESPACE, ModelActor, actor_name, parse_actor_name, replica_resources
 from dataplane.runtime.ports import Answer, Found, Liveness, ReplicaHandle, ReplicaSpec
 
 # ---- the local Ray ---------------------------------------------------------------------------
@@ -26,7 +26,7 @@ from dataplane.runtime.ports import Answer, Found, Liveness, ReplicaHandle, Repl
 def start_local(num_gpus: int, *, num_cpus: int | None = None) -> str:
     """Start a Ray for this process (`ndif up`, the demos, tests), in namespace `ndif`; its GCS address.
 
-    The GPUs are declared, not Ray's to allocate (dataplane/node/actor.py): `num_gpus` only says
+    The GPUs are declared, not Ray's to allocate (dataplane/replica/actor.py): `num_gpus` only says
     how many this node has."""
     ray.init(num_gpus=num_gpus, num_cpus=num_cpus, namespace=NAMESPACE, include_dashboard=False,
              log_to_driver=False)
@@ -142,7 +142,7 @@ class RayRuntime:
     """`ReplicaRuntime` on Ray: detached contract-named actors pinned to this process's Ray node.
 
     Given the NATS URL (and the agent's credentials), each actor also serves its NATS endpoint
-    (dataplane/serving/replica_link.py)."""
+    (dataplane/serving/link.py)."""
 
     def __init__(self, *, nats_url: str | None = None, nats_creds: Any = None, location: str | None = None) -> None:
         self.nats_url = nats_url

@@ -23,11 +23,11 @@ from typing import Any, Protocol
 import structlog
 from nats.aio.msg import Msg
 
-from controlplane.projections.queue import ModelQueueView, processor_status
-from dataplane.node.actor import NOT_RUN, OK
-from dataplane.node.model import ReplicaNotHot, error_text
+from controlplane.core.projections.queue import ModelQueueView, processor_status
+from dataplane.replica.actor import NOT_RUN, OK
+from dataplane.replica.model import ReplicaNotHot, error_text
 from dataplane.runtime.ports import ReplicaCaller
-from dataplane.serving.replica_link import NoEndpoint, ReplicaLink, ReplyLost, encode_call
+from dataplane.serving.link import NoEndpoint, ReplicaLink, ReplyLost, encode_call
 from schemas.requests import Request
 from schemas.status import ProcessorStatus, RequestStatus
 from schemas.subjects import replica_call_subject, status_key
@@ -271,7 +271,7 @@ class Processor:
         return rid, batch, actor, ref
 
     def _call(self, rid: int, actor: Any, payloads: list[Any]) -> Any:
-        """Start a replica call: over its NATS endpoint when it has one (dataplane/serving/replica_link.py),
+        """Start a replica call: over its NATS endpoint when it has one (dataplane/serving/link.py),
         else a Ray call. Either is awaited for the same answers."""
         link = self.hooks.link
         if link is not None:

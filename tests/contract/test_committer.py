@@ -8,10 +8,10 @@ from typing import Any
 
 import pytest
 
-from controlplane.committer import GroupCommitter, afold
-from controlplane.context import DecisionContext
-from controlplane.memlog import MemoryEventLog
-from controlplane.projections import ClusterState
+from controlplane.core.context import DecisionContext
+from controlplane.core.projections import ClusterState
+from controlplane.service.committer import GroupCommitter, afold
+from controlplane.store.memlog import MemoryEventLog
 from schemas import events as E
 from schemas.errors import InfrastructureTimeout, InvalidCommand
 from schemas.status import DeploymentOp

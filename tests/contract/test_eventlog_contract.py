@@ -9,8 +9,8 @@ from datetime import UTC, datetime
 import pytest
 import pytest_asyncio
 
-from controlplane.memlog import MemoryEventLog
-from controlplane.projections import ClusterState, decode_snapshot, encode_snapshot, fold
+from controlplane.core.projections import ClusterState, decode_snapshot, encode_snapshot, fold
+from controlplane.store.memlog import MemoryEventLog
 from schemas import events as E
 from schemas.errors import ConflictError, InvalidCommand
 from tests.conftest import fresh_event_log

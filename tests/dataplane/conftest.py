@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from controlplane.admin import AdminClient
-from controlplane.controller import Controller
-from controlplane.eventstore import JetStreamEventLog
+from controlplane.service.controller import Controller
+from controlplane.store.admin import AdminClient
+from controlplane.store.eventstore import JetStreamEventLog
 from dataplane.node.agent import NodeAgent, declared_gpus
 from dataplane.node.tiny_models import make_tiny_gpt2, make_tiny_llama
 from dataplane.runtime import ray_adapter

@@ -20,13 +20,13 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
-from controlplane.admin import AdminClient
-from controlplane.controller import Controller
-from controlplane.eventstore import JetStreamEventLog
-from controlplane.nats_server import EmbeddedNats
-from dataplane.node.actor import actor_name, parse_actor_name
+from controlplane.ops.nats_server import EmbeddedNats
+from controlplane.service.controller import Controller
+from controlplane.store.admin import AdminClient
+from controlplane.store.eventstore import JetStreamEventLog
 from dataplane.node.agent import NodeAgent, declared_gpus
 from dataplane.node.tiny_models import make_tiny_gpt2
+from dataplane.replica.actor import actor_name, parse_actor_name
 from dataplane.runtime.ray_adapter import get_actor, kill_actor, list_replica_actors
 from schemas.keys import canonical_model_key
 from tests.conftest import fresh_event_log
@@ -126,7 +126,7 @@ async def test_killed_actor_fails_and_the_policy_restarts_it(nats_server: Embedd
 def run_agent_process(url: str, gcs: str) -> subprocess.Popen[bytes]:
     env = {**os.environ, "NDIF_LOG_LEVEL": "INFO"}
     return subprocess.Popen(
-        [sys.executable, "-m", "dataplane.cli", "agent", "--nats", url, "--ray-address", gcs, "--node-id", "node-a",
+        [sys.executable, "-m", "dataplane.ops.cli", "agent", "--nats", url, "--ray-address", gcs, "--node-id", "node-a",
          "--gpus", "2", "--gpu-memory-gb", "80", "--cpu-cache-gb", "10", "--drain-timeout", "0.2",
          "--heartbeat", "0.2"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 

@@ -17,10 +17,10 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
-from controlplane.auth import LocalAuth, ensure_local
-from controlplane.controller import Controller
-from controlplane.eventstore import JetStreamEventLog
-from controlplane.nats_server import EmbeddedNats
+from controlplane.ops.auth import LocalAuth, ensure_local
+from controlplane.ops.nats_server import EmbeddedNats
+from controlplane.service.controller import Controller
+from controlplane.store.eventstore import JetStreamEventLog
 from dataplane.client import Client, RequestFailed
 from dataplane.node.agent import NodeAgent, declared_gpus
 from dataplane.node.tiny_models import make_tiny_gpt2
@@ -53,7 +53,7 @@ async def ndif_as(home: Path, url: str, *args: str, client: str = "alice") -> tu
     """`ndif ARGS` as a local command: it finds its credentials under NDIF_HOME by itself."""
     env = {**os.environ, "NDIF_HOME": str(home), "NDIF_CLIENT_NAME": client, "NDIF_LOG_LEVEL": "WARNING"}
     env.pop("NDIF_CREDS", None)
-    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "dataplane.cli", *args, "--nats", url,
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "dataplane.ops.cli", *args, "--nats", url,
                                                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
                                                 env=env)
     out, err = await asyncio.wait_for(proc.communicate(), 120)

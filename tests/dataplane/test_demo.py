@@ -15,7 +15,7 @@ pytestmark = pytest.mark.timeout(300)
 
 def test_ndif_up_demo_runs_end_to_end(tmp_path: Path) -> None:
     env = {**os.environ, "NDIF_HOME": str(tmp_path / "home"), "NDIF_LOG_LEVEL": "WARNING"}
-    proc = subprocess.run([sys.executable, "-m", "dataplane.cli", "up", "--demo", "--requests", "24"],
+    proc = subprocess.run([sys.executable, "-m", "dataplane.ops.cli", "up", "--demo", "--requests", "24"],
                           env=env, capture_output=True, text=True, timeout=280, cwd=tmp_path)
     out = proc.stdout
     assert proc.returncode == 0, out[-3000:] + proc.stderr[-3000:]

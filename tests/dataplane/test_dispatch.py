@@ -20,9 +20,9 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
-from controlplane.nats_server import EmbeddedNats
+from controlplane.ops.nats_server import EmbeddedNats
 from dataplane.client import Client, RequestFailed
-from dataplane.node.model import ModelReplica
+from dataplane.replica.model import ModelReplica
 from dataplane.runtime.ray_adapter import get_actor, kill_actor
 from dataplane.serving.dispatcher import Dispatcher
 from schemas import errors as errs
@@ -303,7 +303,7 @@ async def test_large_results_go_to_the_object_store(service: dict[str, Any], mod
 
 def dispatcher_process(url: str, gcs: str) -> subprocess.Popen[bytes]:
     env = {**os.environ, "NDIF_REQUEST_ACK_WAIT_S": "3", "NDIF_LOG_LEVEL": "WARNING"}
-    return subprocess.Popen([sys.executable, "-m", "dataplane.cli", "dispatcher", "--nats", url, "--ray-address", gcs],
+    return subprocess.Popen([sys.executable, "-m", "dataplane.ops.cli", "dispatcher", "--nats", url, "--ray-address", gcs],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from dataplane.node.model import BadRequest, ExecutionTimeout, ModelReplica, ReplicaNotHot
 from dataplane.node.tiny_models import make_tiny_gpt2, make_tiny_llama
+from dataplane.replica.model import BadRequest, ExecutionTimeout, ModelReplica, ReplicaNotHot
 
 IDS = [[5, 17, 42, 7]]
 
@@ -100,7 +100,7 @@ def test_corrupt_checkpoint_fails_to_load_with_the_error(ckpts: dict[str, Path],
 def test_run_batch_answers_each_request_on_its_own(ckpts: dict[str, Path]) -> None:
     """The dispatcher's batched call: one request's error never touches the others, and what the
     replica could not run once it left HOT comes back NOT_RUN (the dispatcher hands it on)."""
-    from dataplane.node.actor import FAILED, NOT_RUN, OK, ModelActor
+    from dataplane.replica.actor import FAILED, NOT_RUN, OK, ModelActor
 
     a = ModelActor("k", 0, str(ckpts["gpt2"]))
     a.load([])
@@ -132,7 +132,7 @@ def test_multi_card_device_map_keeps_to_the_charged_share_and_is_the_same_at_rel
     charged, not the card's whole memory; coming back from WARM (onto other cards) it is the same."""
     import math
 
-    from dataplane.node.model import device_map
+    from dataplane.replica.model import device_map
 
     r = ModelReplica("k", 0, str(ckpts["llama"]))
     r.load(())

@@ -1,4 +1,4 @@
-"""The dispatcher <-> replica link (dataplane/serving/replica_link.py) on a real nats-server and real Ray actors.
+"""The dispatcher <-> replica link (dataplane/serving/link.py) on a real nats-server and real Ray actors.
 
 Answers over NATS; an answer too big for one message taken through Ray; no endpoint -> NoEndpoint at
 once; a replica killed under a call -> RayActorError; an answer that never comes -> ReplyLost.
@@ -15,9 +15,9 @@ import pytest
 import pytest_asyncio
 import ray
 
-from controlplane.eventstore import connect
-from controlplane.nats_server import EmbeddedNats
-from dataplane.serving.replica_link import NoEndpoint, ReplicaEndpoint, ReplicaLink, ReplyLost, encode_call
+from controlplane.ops.nats_server import EmbeddedNats
+from controlplane.store.eventstore import connect
+from dataplane.serving.link import NoEndpoint, ReplicaEndpoint, ReplicaLink, ReplyLost, encode_call
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -23,9 +23,9 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
-from controlplane.admin import AdminClient
-from controlplane.eventstore import JetStreamEventLog
-from controlplane.nats_server import EmbeddedNats
+from controlplane.ops.nats_server import EmbeddedNats
+from controlplane.store.admin import AdminClient
+from controlplane.store.eventstore import JetStreamEventLog
 from dataplane.client import DEFAULT_URL, Client, RequestFailed
 from dataplane.node.agent import NodeAgent, NodeIdHeld, declared_gpus
 from schemas.keys import canonical_model_key
@@ -132,7 +132,7 @@ async def test_a_node_id_held_by_a_live_agent_refuses_a_second_agent(service: di
     url = service["url"]
     env = {**os.environ, "RAY_ADDRESS": service["gcs"], "NDIF_LOG_LEVEL": "WARNING"}
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "dataplane.cli", "agent", "--nats", url, "--node-id", "node-a", "--gpus", "1",
+        sys.executable, "-m", "dataplane.ops.cli", "agent", "--nats", url, "--node-id", "node-a", "--gpus", "1",
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env)
     try:
         out, err = await asyncio.wait_for(proc.communicate(), 60)

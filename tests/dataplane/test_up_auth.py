@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from controlplane.nats_server import free_port, stop_process
+from controlplane.ops.nats_server import free_port, stop_process
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.timeout(300)
 def _up(home: Path, port: int) -> subprocess.Popen[str]:
     env = {**os.environ, "NDIF_HOME": str(home), "NDIF_LOG_LEVEL": "WARNING"}
     env.pop("NDIF_CREDS", None)
-    proc = subprocess.Popen([sys.executable, "-m", "dataplane.cli", "up", "--gpus", "1", "--gpu-memory-gb", "4",
+    proc = subprocess.Popen([sys.executable, "-m", "dataplane.ops.cli", "up", "--gpus", "1", "--gpu-memory-gb", "4",
                              "--port", str(port)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     assert proc.stdout is not None
     deadline = time.monotonic() + 180
@@ -39,7 +39,7 @@ def _up(home: Path, port: int) -> subprocess.Popen[str]:
 def _ndif(home: Path, port: int, *args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "NDIF_HOME": str(home), "NDIF_LOG_LEVEL": "WARNING"}
     env.pop("NDIF_CREDS", None)
-    return subprocess.run([sys.executable, "-m", "dataplane.cli", *args, "--nats", f"nats://127.0.0.1:{port}"],
+    return subprocess.run([sys.executable, "-m", "dataplane.ops.cli", *args, "--nats", f"nats://127.0.0.1:{port}"],
                           env=env, capture_output=True, text=True, timeout=60)
 
 

@@ -19,10 +19,10 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
-from controlplane.admin import AdminClient
-from controlplane.controller import Controller
 from controlplane.dashboard import Dashboard
-from controlplane.nats_server import EmbeddedNats
+from controlplane.ops.nats_server import EmbeddedNats
+from controlplane.service.controller import Controller
+from controlplane.store.admin import AdminClient
 from dataplane.node.tiny_models import make_tiny_gpt2, make_tiny_llama
 from tests.agent_sim import GB, ScriptedAgent
 from tests.conftest import fresh_event_log

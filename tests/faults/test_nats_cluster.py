@@ -26,11 +26,11 @@ from typing import Any
 
 import pytest
 
-from controlplane.admin import AdminClient
-from controlplane.controller import Controller
-from controlplane.eventstore import JetStreamEventLog
-from controlplane.nats_server import NatsCluster
-from controlplane.projections import ClusterState
+from controlplane.core.projections import ClusterState
+from controlplane.ops.nats_server import NatsCluster
+from controlplane.service.controller import Controller
+from controlplane.store.admin import AdminClient
+from controlplane.store.eventstore import JetStreamEventLog
 from dataplane.client import Client
 from dataplane.serving.dispatcher import Dispatcher
 from schemas import errors as errs

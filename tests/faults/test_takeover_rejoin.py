@@ -25,10 +25,10 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
-from controlplane.admin import AdminClient
-from controlplane.controller import Controller
-from controlplane.eventstore import JetStreamEventLog
-from controlplane.nats_server import EmbeddedNats, stop_process
+from controlplane.ops.nats_server import EmbeddedNats, stop_process
+from controlplane.service.controller import Controller
+from controlplane.store.admin import AdminClient
+from controlplane.store.eventstore import JetStreamEventLog
 from dataplane.client import Client
 from dataplane.node.agent import NodeAgent, declared_gpus
 from dataplane.node.tiny_models import make_tiny_gpt2
@@ -68,7 +68,7 @@ def _process(*args: str, url: str, gcs: str) -> subprocess.Popen[bytes]:
     env = {k: v for k, v in os.environ.items() if k != "NDIF_REQUEST_ACK_WAIT_S"}  # the default ack wait
     env["NDIF_LOG_LEVEL"] = os.environ.get("NDIF_TEST_PROC_LOG_LEVEL", "WARNING")
     err = open(os.environ["NDIF_TEST_PROC_LOG"], "ab") if os.environ.get("NDIF_TEST_PROC_LOG") else subprocess.DEVNULL
-    return subprocess.Popen([sys.executable, "-m", "dataplane.cli", *args, "--nats", url, "--ray-address", gcs],
+    return subprocess.Popen([sys.executable, "-m", "dataplane.ops.cli", *args, "--nats", url, "--ray-address", gcs],
                             env=env, stdout=err, stderr=err)
 
 

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from controlplane.admin import AdminClient
-from controlplane.projections import ClusterState
+from controlplane.core.projections import ClusterState
+from controlplane.store.admin import AdminClient
 from schemas.status import ReplicaState
 
 S = ReplicaState
@@ -36,7 +36,7 @@ async def ndif(url: str, *args: str, timeout: float = 60.0, env: dict[str, str] 
     to the environment (e.g. the NDIF_HOME whose credentials an `ndif up` made)."""
     env = {**os.environ, "NDIF_LOG_LEVEL": "WARNING", **(env or {})}
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "dataplane.cli", *args, "--nats", url,
+        sys.executable, "-m", "dataplane.ops.cli", *args, "--nats", url,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env,
     )
     out, err = await asyncio.wait_for(proc.communicate(), timeout)

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
-from controlplane.admin import AdminClient
-from controlplane.eventstore import JetStreamEventLog
-from controlplane.nats_server import EmbeddedNats
+from controlplane.ops.nats_server import EmbeddedNats
+from controlplane.store.admin import AdminClient
+from controlplane.store.eventstore import JetStreamEventLog
 from dataplane.node.tiny_models import make_tiny_gpt2
 from tests.conftest import fresh_event_log
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import msgspec
 
-from controlplane.admin import AdminClient
+from controlplane.store.admin import AdminClient
 from schemas.commands import CommandResult
 from schemas.keys import canonical_model_key
 from tests.integration.cluster import by_id, model_row, ndif, settle

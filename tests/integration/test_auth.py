@@ -1,4 +1,4 @@
-"""Roles enforced by a real nats-server run with the config `ndif up` generates (controlplane/auth.py).
+"""Roles enforced by a real nats-server run with the config `ndif up` generates (controlplane/ops/auth.py).
 
 Every forgery of issue 15 is attempted with a client's credentials and must be refused by the
 server (a permissions violation, and nothing changed); a table checks each role can do its job and
@@ -18,12 +18,13 @@ import nats
 import pytest
 import pytest_asyncio
 
-from controlplane.admin import AdminClient
-from controlplane.auth import Creds, LocalAuth, ensure_local, permissions, request_msg_id, resolve
-from controlplane.controller import Controller
-from controlplane.direct import read_object
-from controlplane.eventstore import JetStreamEventLog, connect
-from controlplane.nats_server import EmbeddedNats
+from controlplane.ops.auth import LocalAuth, ensure_local, permissions
+from controlplane.ops.nats_server import EmbeddedNats
+from controlplane.service.controller import Controller
+from controlplane.store.admin import AdminClient
+from controlplane.store.credentials import Creds, request_msg_id, resolve
+from controlplane.store.direct import read_object
+from controlplane.store.eventstore import JetStreamEventLog, connect
 from dataplane.node.tiny_models import make_tiny_gpt2
 from schemas import errors as errs
 from schemas.events import GpuInfo, NodeJoined, NodeLost, ReplicaFailed, encode_event, event_headers, event_subject
@@ -517,7 +518,7 @@ def test_the_cluster_configs_take_the_generated_users(conf: str, auth: LocalAuth
     import shutil
     import subprocess
 
-    from controlplane.nats_server import find_nats_server
+    from controlplane.ops.nats_server import find_nats_server
 
     deploy = Path(__file__).resolve().parents[2] / "deploy" / "nats"
     shutil.copy(deploy / conf, tmp_path / conf)

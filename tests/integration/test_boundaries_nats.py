@@ -24,11 +24,11 @@ import pytest
 import pytest_asyncio
 from nats.js import api
 
-from controlplane.admin import AdminClient
-from controlplane.context import observed
-from controlplane.controller import Controller
-from controlplane.eventstore import EVENT_MAX_MSG_BYTES, REQUEST_MAX_MSG_BYTES, JetStreamEventLog
-from controlplane.nats_server import MAX_PAYLOAD, EmbeddedNats
+from controlplane.ops.nats_server import MAX_PAYLOAD, EmbeddedNats
+from controlplane.service.clock import observed
+from controlplane.service.controller import Controller
+from controlplane.store.admin import AdminClient
+from controlplane.store.eventstore import EVENT_MAX_MSG_BYTES, REQUEST_MAX_MSG_BYTES, JetStreamEventLog
 from dataplane.client import Client
 from dataplane.serving.dispatcher import Dispatcher
 from schemas import errors as errs

@@ -9,8 +9,8 @@ from datetime import UTC, datetime
 
 import pytest
 
-from controlplane.eventstore import JetStreamEventLog
-from controlplane.nats_server import EmbeddedNats
+from controlplane.ops.nats_server import EmbeddedNats
+from controlplane.store.eventstore import JetStreamEventLog
 from schemas.events import GpuInfo, NodeJoined
 
 pytestmark = pytest.mark.timeout(120)
@@ -25,7 +25,7 @@ async def test_status_watch_into_a_pipe_writes_no_screen_codes(nats_server: Embe
                                                                event_log: JetStreamEventLog) -> None:
     await event_log.append([joined("node-a")], 0)
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "dataplane.cli", "status", "--watch", "--nats", nats_server.url,
+        sys.executable, "-m", "dataplane.ops.cli", "status", "--watch", "--nats", nats_server.url,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
         env={**os.environ, "NDIF_LOG_LEVEL": "WARNING"})
     assert proc.stdout is not None
@@ -58,7 +58,7 @@ async def test_a_reader_that_goes_away_is_not_a_crash(nats_server: EmbeddedNats,
     read_fd, write_fd = os.pipe()
     os.close(read_fd)  # the reader is gone before ndif writes a byte
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "dataplane.cli", "status", "--nats", nats_server.url,
+        sys.executable, "-m", "dataplane.ops.cli", "status", "--nats", nats_server.url,
         stdout=write_fd, stderr=asyncio.subprocess.PIPE, env={**os.environ, "NDIF_LOG_LEVEL": "WARNING"})
     os.close(write_fd)
     _, err = await asyncio.wait_for(proc.communicate(), 60)

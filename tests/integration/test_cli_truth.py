@@ -16,10 +16,10 @@ from typing import Any
 import msgspec
 import pytest
 
-from controlplane.admin import AdminClient
-from controlplane.controller import Controller
-from controlplane.eventstore import JetStreamEventLog
-from controlplane.nats_server import EmbeddedNats
+from controlplane.ops.nats_server import EmbeddedNats
+from controlplane.service.controller import Controller
+from controlplane.store.admin import AdminClient
+from controlplane.store.eventstore import JetStreamEventLog
 from schemas.commands import CommandResult
 from schemas.events import Event
 from schemas.keys import canonical_model_key

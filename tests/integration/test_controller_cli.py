@@ -13,12 +13,12 @@ from typing import Any
 import msgspec
 import pytest
 
-from controlplane.admin import AdminClient
-from controlplane.controller import Controller
-from controlplane.eventstore import JetStreamEventLog
-from controlplane.nats_server import EmbeddedNats
-from controlplane.projections import replay
-from controlplane.render import status_json
+from controlplane.core.projections import replay
+from controlplane.ops.nats_server import EmbeddedNats
+from controlplane.ops.render import status_json
+from controlplane.service.controller import Controller
+from controlplane.store.admin import AdminClient
+from controlplane.store.eventstore import JetStreamEventLog
 from schemas import errors as errs
 from schemas.commands import CommandResult
 from schemas.events import ReplicaEvictionRequested, ReplicaScheduled

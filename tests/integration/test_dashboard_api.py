@@ -16,11 +16,11 @@ import aiohttp
 import pytest
 import pytest_asyncio
 
-from controlplane.admin import AdminClient
-from controlplane.controller import Controller
 from controlplane.dashboard import Dashboard
-from controlplane.eventstore import JetStreamEventLog
-from controlplane.nats_server import EmbeddedNats
+from controlplane.ops.nats_server import EmbeddedNats
+from controlplane.service.controller import Controller
+from controlplane.store.admin import AdminClient
+from controlplane.store.eventstore import JetStreamEventLog
 from dataplane.node.tiny_models import make_tiny_gpt2
 from schemas.keys import canonical_model_key
 from tests.agent_sim import GB, ScriptedAgent
@@ -175,7 +175,7 @@ async def test_ndif_dashboard_command(nats_server: EmbeddedNats) -> None:
     lg = await fresh_event_log(nats_server.url)
     await lg.close()
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "dataplane.cli", "dashboard", "--nats", nats_server.url, "--port", "0",
+        sys.executable, "-m", "dataplane.ops.cli", "dashboard", "--nats", nats_server.url, "--port", "0",
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env={**os.environ, "NDIF_LOG_LEVEL": "WARNING"})
     try:
         assert proc.stdout is not None
@@ -190,7 +190,7 @@ async def test_ndif_dashboard_command(nats_server: EmbeddedNats) -> None:
         await asyncio.wait_for(proc.wait(), 30)
     assert proc.returncode == 0
     bad = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "dataplane.cli", "dashboard", "--nats", nats_server.url, "--port", "70000",
+        sys.executable, "-m", "dataplane.ops.cli", "dashboard", "--nats", nats_server.url, "--port", "70000",
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     _, err = await asyncio.wait_for(bad.communicate(), 60)
     assert bad.returncode == 2 and b"--port" in err

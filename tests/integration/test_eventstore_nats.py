@@ -8,9 +8,9 @@ import json
 import pytest
 from structlog.testing import capture_logs
 
-from controlplane.eventstore import JetStreamEventLog
-from controlplane.nats_server import EmbeddedNats
-from controlplane.projections import ClusterState, fold
+from controlplane.core.projections import ClusterState, fold
+from controlplane.ops.nats_server import EmbeddedNats
+from controlplane.store.eventstore import JetStreamEventLog
 from schemas.errors import ConflictError
 from schemas.subjects import EVENTS_STREAM
 from tests.contract.test_eventlog_contract import collect, loads

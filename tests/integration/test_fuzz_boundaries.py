@@ -21,11 +21,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from controlplane.admin import AdminClient
-from controlplane.context import observed
-from controlplane.controller import Controller
-from controlplane.eventstore import JetStreamEventLog
-from controlplane.nats_server import EmbeddedNats
+from controlplane.ops.nats_server import EmbeddedNats
+from controlplane.service.clock import observed
+from controlplane.service.controller import Controller
+from controlplane.store.admin import AdminClient
+from controlplane.store.eventstore import JetStreamEventLog
 from dataplane.serving.dispatcher import Dispatcher
 from schemas.commands import VERBS, CommandResult
 from schemas.events import ModelRegistered

@@ -17,11 +17,11 @@ import msgspec
 import pytest
 import pytest_asyncio
 
-from controlplane.admin import AdminClient
-from controlplane.controller import Controller
-from controlplane.eventstore import JetStreamEventLog
-from controlplane.nats_server import EmbeddedNats
-from controlplane.placement import padded
+from controlplane.core.placement import padded
+from controlplane.ops.nats_server import EmbeddedNats
+from controlplane.service.controller import Controller
+from controlplane.store.admin import AdminClient
+from controlplane.store.eventstore import JetStreamEventLog
 from dataplane.node.tiny_models import make_tiny_gpt2
 from schemas.commands import CommandResult
 from schemas.keys import canonical_model_key
@@ -43,7 +43,7 @@ async def ndif_in(cwd: Path, url: str, *args: str) -> Ran:
     """`ndif ARGS` run from `cwd` (relative paths mean that directory)."""
     env = {**os.environ, "NDIF_LOG_LEVEL": "WARNING", "PYTHONPATH": str(Path(__file__).parents[2])}
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "dataplane.cli", *args, "--nats", url, cwd=cwd,
+        sys.executable, "-m", "dataplane.ops.cli", *args, "--nats", url, cwd=cwd,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env)
     out, err = await asyncio.wait_for(proc.communicate(), 60)
     assert proc.returncode is not None

@@ -10,7 +10,7 @@ import nats.js.errors
 import pytest
 from nats.js import api
 
-from controlplane.eventstore import JetStreamEventLog
+from controlplane.store.eventstore import JetStreamEventLog
 from dataplane.serving.pull import ConsumerGone, PullConsumer
 from schemas.subjects import REQUEST_STATUS_BUCKET, status_subject
 

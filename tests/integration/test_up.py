@@ -20,10 +20,10 @@ from typing import Any
 
 import pytest
 
-from controlplane.auth import creds_file, load_creds
-from controlplane.eventstore import JetStreamEventLog
-from controlplane.heartbeats import STALE_S
-from controlplane.nats_server import free_port, stop_process
+from controlplane.ops.nats_server import free_port, stop_process
+from controlplane.store.credentials import creds_file, load_creds
+from controlplane.store.eventstore import JetStreamEventLog
+from controlplane.store.heartbeats import STALE_S
 from dataplane.node.watchdog import _start_time, descendants
 from tests.integration.cluster import ndif
 
@@ -40,7 +40,7 @@ class Up:
         env = {**os.environ, "NDIF_HOME": str(self.home)}
         with self.out.open("wb") as out, self.err.open("wb") as err:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "dataplane.cli", "up", "--port", str(port), "--store",
+                [sys.executable, "-m", "dataplane.ops.cli", "up", "--port", str(port), "--store",
                  str(tmp / f"{store or name}-store"), "--heartbeat", "0.5", *args],
                 stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=env)
 

@@ -3,7 +3,7 @@
     python -m tests.replay.record          # rewrites tests/replay/histories/v1_rec_*.{jsonl,decisions.json,expected.json}
 
 Temporal's replay test, for our decider: a run appends every decision through the real
-`GroupCommitter` onto the in-memory log (controlplane/memlog.py, JetStream's append semantics and
+`GroupCommitter` onto the in-memory log (controlplane/store/memlog.py, JetStream's append semantics and
 the wire encoding), and records beside the history what each decision was given: the command (or
 the policy and its arguments), its `DecisionContext` inputs (time, actor, command id, seed), the
 resolved registration and the controller's settings. tests/replay/test_recorded_decisions.py
@@ -33,14 +33,15 @@ from typing import Union
 
 import msgspec
 
-from controlplane.committer import GroupCommitter, afold_batches
-from controlplane.context import DecisionContext
-from controlplane.decide import decide, decide_failure, decide_node_lost, decide_unplaced
-from controlplane.memlog import MemoryEventLog
-from controlplane.placement import MIN_DEPLOY_S, PADDING
-from controlplane.projections import ClusterState
-from controlplane.projections.cluster import Registration
-from controlplane.projections.replica import ReplicaView
+from controlplane.core.context import DecisionContext
+from controlplane.core.decide import decide, decide_failure, decide_node_lost, decide_unplaced
+from controlplane.core.placement import MIN_DEPLOY_S, PADDING
+from controlplane.core.projections import ClusterState
+from controlplane.core.projections.base import afold_batches
+from controlplane.core.projections.cluster import Registration
+from controlplane.core.projections.replica import ReplicaView
+from controlplane.service.committer import GroupCommitter
+from controlplane.store.memlog import MemoryEventLog
 from schemas import events as E
 from schemas.commands import MAX_REPLICAS_PER_MODEL, AnyCommand, Deploy, Evict, Restart, Scale, ScaleDown, Undeploy
 from schemas.errors import NdifError
@@ -201,7 +202,7 @@ class Recorder:
         if isinstance(cmd, (Deploy, Scale)) and mk is not None:
             m = self.state.models.get(mk)
             if m is None or m.registration is None:
-                repo = model_parts(mk)[1]  # what controlplane/registry.py resolves, without reading a disk
+                repo = model_parts(mk)[1]  # what controlplane/service/registry.py resolves, without reading a disk
                 reg = Registration(checkpoint=repo if repo.startswith("/") else f"/hf-cache/{repo}",
                                    size_bytes=self.sizes[mk], dtype="float32")
         await self.decide(Decision(on=CommandPolicy(command=cmd, registration=reg),

@@ -22,12 +22,12 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from controlplane.admin import AdminClient
-from controlplane.controller import Controller, seed_of
-from controlplane.logs import configure
-from controlplane.nats_server import EmbeddedNats
-from controlplane.projections import ClusterState
-from controlplane.projections.cluster import Registration
+from controlplane.core.projections import ClusterState
+from controlplane.core.projections.cluster import Registration
+from controlplane.ops.nats_server import EmbeddedNats
+from controlplane.service.controller import Controller, seed_of
+from controlplane.service.logs import configure
+from controlplane.store.admin import AdminClient
 from schemas import events as E
 from schemas.commands import AnyCommand, Deploy, Evict, Restart, Scale, ScaleDown, Undeploy
 from schemas.keys import canonical_model_key

@@ -12,7 +12,7 @@ import pathlib
 import msgspec
 import pytest
 
-from controlplane.projections import ClusterSnapshot, replay
+from controlplane.core.projections import ClusterSnapshot, replay
 from schemas.errors import ReplayAnomalyError
 from schemas.events import decode_or_skip
 from schemas.status import Level, ModelStatus, ReplicaState

@@ -14,7 +14,7 @@ import asyncio
 
 import pytest
 
-from controlplane.projections import ClusterState
+from controlplane.core.projections import ClusterState
 from schemas import errors
 from schemas.events import AGENT_FACTS, ReplicaDrained, decode_or_skip, encode_event
 from tests.replay.record import HERE, SCENARIOS, Decision, decisions_decoder, record, run

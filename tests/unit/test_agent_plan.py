@@ -1,4 +1,4 @@
-"""The node agent's pure decision (dataplane/node/plan.py): unit cases and Hypothesis properties over
+"""The node agent's pure decision (controlplane/core/nodeplan.py): unit cases and Hypothesis properties over
 random folds, without Ray, NATS or a clock; then the real `NodeAgent` over the in-memory log and the
 in-memory runtime (tests/fake_runtime.py): it loads what is scheduled and adopts after a restart."""
 
@@ -13,10 +13,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from structlog.testing import capture_logs
 
-from controlplane.memlog import MemoryEventLog
-from controlplane.projections import ClusterState, fold
+from controlplane.core.nodeplan import LIVE, Do, plan_actions, plan_adoption
+from controlplane.core.projections import ClusterState, fold
+from controlplane.store.memlog import MemoryEventLog
 from dataplane.node.agent import NodeAgent
-from dataplane.node.plan import LIVE, Do, plan_actions, plan_adoption
 from dataplane.runtime.ports import ReplicaSpec
 from schemas import events as E
 from schemas.errors import InfrastructureError

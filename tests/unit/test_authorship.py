@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from controlplane.projections import ClusterState, fold
+from controlplane.core.projections import ClusterState, fold
 from schemas import events as E
 from schemas.events import author_problem, event_subject, subject_problem
 from schemas.status import Level

@@ -13,8 +13,8 @@ from datetime import UTC, datetime, timedelta, timezone
 
 import pytest
 
-from controlplane.cli import _event_line
-from dataplane.cli import parser
+from controlplane.ops.cli import _event_line
+from dataplane.ops.cli import parser
 from schemas.events import ReplicaLoaded
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -28,7 +28,7 @@ def verbs() -> dict[str, argparse.ArgumentParser]:
 
 
 def ndif(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "dataplane.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "dataplane.ops.cli", *args], capture_output=True, text=True,
                           timeout=60, cwd=ROOT)
 
 

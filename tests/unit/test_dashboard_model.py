@@ -7,8 +7,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from controlplane.core.projections import ClusterState, replay
 from controlplane.dashboard.model import BadQuery, DashboardModel, UnknownEntity, node_json, nodes_json, state_json
-from controlplane.projections import ClusterState, replay
 from tests.strategies import histories, numbered, scripted_history
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])

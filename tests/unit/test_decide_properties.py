@@ -12,9 +12,9 @@ from datetime import timedelta
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from controlplane import placement
-from controlplane.decide import Registration, decide, decide_failure, decide_node_lost
-from controlplane.projections import ClusterState
+from controlplane.core import placement
+from controlplane.core.decide import Registration, decide, decide_failure, decide_node_lost
+from controlplane.core.projections import ClusterState
 from schemas import events as E
 from schemas.commands import Deploy, Evict, Restart, Scale, ScaleDown
 from schemas.errors import NdifError

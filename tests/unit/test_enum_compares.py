@@ -8,7 +8,7 @@ import ast
 import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-PACKAGES = ("schemas", "controlplane")
+PACKAGES = ("schemas", "controlplane", "dataplane", "tools")
 FIELDS = {"state", "level", "desired", "status", "reason", "op", "target", "source"}
 
 

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from nats.aio.client import Client
 
-from controlplane.eventstore import FastHeaderClient
+from controlplane.store.eventstore import FastHeaderClient
 
 names = st.text(alphabet=st.sampled_from("Ab-_: \t\x0bé1\x1c\x85"), max_size=12)
 values = st.text(max_size=20)

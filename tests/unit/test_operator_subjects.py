@@ -50,7 +50,7 @@ def test_filters_select_exactly_the_events_of_their_model_replica_and_node():
         for p in (one["replica facts"], one["replica decisions"]))
 
 def test_the_module_prints_them():
-    ran = subprocess.run([sys.executable, "-m", "schemas.subjects", "openai-community/gpt2", "--node", "n1"],
+    ran = subprocess.run([sys.executable, "-m", "controlplane.ops.subjects", "openai-community/gpt2", "--node", "n1"],
                          capture_output=True, text=True, timeout=60)
     assert ran.returncode == 0 and "ndif.evt.replica.openai-community_gpt2-" in ran.stdout
     assert "ndif.evt.node.n1-" in ran.stdout

@@ -6,7 +6,7 @@ from datetime import timedelta
 
 import pytest
 
-from controlplane.placement import Candidate, PlacementRequest, padded, plan
+from controlplane.core.placement import Candidate, PlacementRequest, padded, plan
 from schemas.status import Level
 from tests.cluster_builder import GB, T0, Builder
 

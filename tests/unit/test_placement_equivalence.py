@@ -13,8 +13,8 @@ from datetime import timedelta
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from controlplane import placement
-from controlplane.placement import PlacementRequest, plan
+from controlplane.core import placement
+from controlplane.core.placement import PlacementRequest, plan
 from tests.cluster_builder import GB, T0, Builder
 from tests.unit.test_decide_properties import reference_choose
 

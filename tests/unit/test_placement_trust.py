@@ -17,16 +17,16 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from controlplane import placement
-from controlplane.admin import AdminClient
-from controlplane.controller import Controller
-from controlplane.decide import Registration, decide_failure, decide_node_lost
-from controlplane.decide import decide as _decide
-from controlplane.memlog import MemoryEventLog
-from controlplane.placement import Candidate, PlacementRequest, padded, plan
-from controlplane.projections import ClusterState
-from controlplane.render import render_status, status_json
-from controlplane.services import Parts
+from controlplane.core import placement
+from controlplane.core.decide import Registration, decide_failure, decide_node_lost
+from controlplane.core.decide import decide as _decide
+from controlplane.core.placement import Candidate, PlacementRequest, padded, plan
+from controlplane.core.projections import ClusterState
+from controlplane.ops.render import render_status, status_json
+from controlplane.service.controller import Controller
+from controlplane.service.parts import Parts
+from controlplane.store.admin import AdminClient
+from controlplane.store.memlog import MemoryEventLog
 from schemas import events as E
 from schemas.commands import Deploy, Evict, Scale
 from schemas.errors import InvalidCommand

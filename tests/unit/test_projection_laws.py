@@ -5,8 +5,8 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from controlplane.projections import ClusterState, decode_snapshot, encode_snapshot, evolve, fold
-from controlplane.projections.replica import ReplicaView
+from controlplane.core.projections import ClusterState, decode_snapshot, encode_snapshot, evolve, fold
+from controlplane.core.projections.replica import ReplicaView
 from schemas.events import EVENT_TYPES, decode_event, encode_event
 from tests.strategies import any_event, histories, numbered
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from controlplane.placement import PlacementRequest, padded, plan
-from dataplane.serving.dispatcher.capacity import capacity_mark, never_fits
+from controlplane.core.capacity import capacity_mark, never_fits
+from controlplane.core.placement import PlacementRequest, padded, plan
 from tests.cluster_builder import GB, T0, Builder
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from controlplane.registry import find_checkpoint, resolve
+from controlplane.service.registry import find_checkpoint, resolve
 from dataplane.node.tiny_models import make_tiny_gpt2, make_tiny_llama
 from schemas.errors import UnknownModel
 from schemas.keys import canonical_model_key

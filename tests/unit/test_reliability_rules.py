@@ -17,7 +17,7 @@ from huggingface_hub.utils import HFValidationError, validate_repo_id
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from controlplane.decide import decide_node_lost, decide_unplaced
+from controlplane.core.decide import decide_node_lost, decide_unplaced
 from schemas import events as E
 from schemas.commands import Deploy, Evict, Scale, decode_command
 from schemas.errors import InvalidCommand

@@ -6,7 +6,8 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from controlplane.auth import make_creds, request_msg_id
+from controlplane.ops.auth import make_creds
+from controlplane.store.credentials import request_msg_id
 from schemas.requests import check_request_id
 
 ids = st.from_regex(r"[A-Za-z0-9_-]{1,128}", fullmatch=True)

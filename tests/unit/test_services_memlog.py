@@ -12,9 +12,9 @@ from datetime import UTC, datetime
 import msgspec
 import pytest
 
-from controlplane.controller import Controller
-from controlplane.memlog import MemoryEventLog
-from controlplane.services import Parts
+from controlplane.service.controller import Controller
+from controlplane.service.parts import Parts
+from controlplane.store.memlog import MemoryEventLog
 from schemas import events as E
 from schemas.commands import Deploy, Restart
 from schemas.errors import InfrastructureError, InvalidCommand

@@ -8,8 +8,8 @@ from datetime import UTC, datetime
 
 from structlog.testing import capture_logs
 
-from controlplane.ports import Stored
-from controlplane.projections import ClusterState, fold
+from controlplane.core.ports import Stored
+from controlplane.core.projections import ClusterState, fold
 from schemas.events import NodeLost, Skipped, decode_or_skip
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -22,7 +22,7 @@ def _stored(path: pathlib.Path):
 
 
 def test_projections_import_no_logger():
-    offenders = [f"{p.relative_to(ROOT)}:{i}" for p in (ROOT / "controlplane" / "projections").rglob("*.py")
+    offenders = [f"{p.relative_to(ROOT)}:{i}" for p in (ROOT / "controlplane" / "core" / "projections").rglob("*.py")
                  for i, line in enumerate(p.read_text().splitlines(), 1)
                  if re.search(r"^\s*(import|from)\s+(structlog|logging)\b|\blog\.(warning|info|error|debug)\(", line)]
     assert not offenders, offenders
@@ -58,7 +58,7 @@ def test_new_anomalies_are_only_those_after_the_mark():
 def test_a_live_service_logs_each_anomaly_once_and_a_restart_logs_none_of_the_history():
     import structlog
 
-    from controlplane.logs import log_new_anomalies
+    from controlplane.service.logs import log_new_anomalies
 
     logger = structlog.get_logger("test")
     items = _stored(BAD)
@@ -84,8 +84,8 @@ async def test_follow_log_logs_each_new_anomaly_once_and_not_the_rebuilt_history
     service that rebuilt from the log first and follows from there logs none of the history."""
     import asyncio
 
-    from controlplane.follow import follow_log
-    from controlplane.memlog import MemoryEventLog
+    from controlplane.service.follow import follow_log
+    from controlplane.store.memlog import MemoryEventLog
 
     log = MemoryEventLog()
     ghost = NodeLost(event_id="g0", ts=T0, actor="controller:t", node_id="ghost")  # an unknown node: an anomaly

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from controlplane.projections import ClusterState, check_strict, fold
+from controlplane.core.projections import ClusterState, check_strict, fold
 from schemas import events as E
 from schemas.errors import ReplayAnomalyError
 from schemas.status import EvictionReason, Level, ModelStatus

@@ -8,8 +8,8 @@ import time
 import msgspec
 import pytest
 
-from controlplane.decide import decide, summarize
-from controlplane.projections import ClusterState, decode_snapshot, encode_snapshot
+from controlplane.core.decide import decide, summarize
+from controlplane.core.projections import ClusterState, decode_snapshot, encode_snapshot
 from schemas import events as E
 from schemas.commands import Deploy, Evict, Limits, Restart, Scale, Undeploy, decode_command
 from schemas.errors import CommandIdConflict, InvalidCommand
@@ -117,7 +117,7 @@ def test_counts_above_the_bounds_are_refused_at_decode_in_microseconds(n: int) -
         took.append(time.perf_counter() - t0)
     assert min(took) < 0.005, took
     with pytest.raises(InvalidCommand):
-        Limits.from_env(max_replicas_per_model=0)
+        Limits.from_env({}, max_replicas_per_model=0)
 
 
 def test_scale_up_past_the_per_model_bound_is_refused() -> None:

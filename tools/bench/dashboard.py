@@ -38,8 +38,8 @@ import aiohttp
 from benchkit import Envelope, ReplicaRef, pct
 
 from controlplane.dashboard import Dashboard
-from controlplane.eventstore import JetStreamEventLog
-from controlplane.nats_server import EmbeddedNats
+from controlplane.ops.nats_server import EmbeddedNats
+from controlplane.store.eventstore import JetStreamEventLog
 from schemas import events as E
 from schemas.status import EvictionReason, Level
 

@@ -35,17 +35,17 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from controlplane.logs import configure
+from controlplane.service.logs import configure
 
 configure("ERROR")
 logging.getLogger("ray").setLevel(logging.ERROR)
 
 from benchkit import pct  # noqa: E402
 
-from controlplane.admin import AdminClient  # noqa: E402
-from controlplane.controller import Controller  # noqa: E402
-from controlplane.eventstore import JetStreamEventLog  # noqa: E402
-from controlplane.nats_server import EmbeddedNats  # noqa: E402
+from controlplane.ops.nats_server import EmbeddedNats  # noqa: E402
+from controlplane.service.controller import Controller  # noqa: E402
+from controlplane.store.admin import AdminClient  # noqa: E402
+from controlplane.store.eventstore import JetStreamEventLog  # noqa: E402
 from dataplane.client import Client  # noqa: E402
 from dataplane.node.agent import NodeAgent, declared_gpus  # noqa: E402
 from dataplane.node.tiny_models import make_tiny_gpt2  # noqa: E402
@@ -54,6 +54,7 @@ from dataplane.runtime.ray_adapter import get_actor  # noqa: E402
 from dataplane.serving.dispatcher import Dispatcher  # noqa: E402
 from schemas import events as E  # noqa: E402
 from schemas.keys import canonical_model_key  # noqa: E402
+from schemas.status import ReplicaState  # noqa: E402
 
 NOOP = {"op": "echo", "data": 1}
 
@@ -151,7 +152,7 @@ async def main(a: argparse.Namespace) -> dict[str, float]:
             # The dispatcher runs as deployed (`ndif dispatcher`, its own process), unless --in-process.
             def dispatcher_process(link: str) -> subprocess.Popen[bytes]:
                 return subprocess.Popen(
-                    [sys.executable, "-m", "dataplane.cli", "dispatcher", "--nats", url, "--ray-address",
+                    [sys.executable, "-m", "dataplane.ops.cli", "dispatcher", "--nats", url, "--ray-address",
                      ray_adapter.gcs_address()],
                     env={**os.environ, "NDIF_LOG_LEVEL": "WARNING", "NDIF_REPLICA_LINK": link})
 
@@ -231,7 +232,7 @@ async def main(a: argparse.Namespace) -> dict[str, float]:
                 for _ in range(a.cycles):
                     await admin.evict(ckpt, replica_id=1)
                     async with asyncio.timeout(60):
-                        while 1 in proc.lanes or str((await admin.state()).replicas[(mk, 1)].state) != "Cached":
+                        while 1 in proc.lanes or (await admin.state()).replicas[(mk, 1)].state != ReplicaState.CACHED:
                             await asyncio.sleep(0.01)
                     seq0 = (await admin.state()).seq
                     await admin.scale(ckpt, 2)

@@ -31,11 +31,12 @@ from benchkit import Envelope, ReplicaRef, pct
 from nats.aio.msg import Msg
 from nats.js import api
 
-from controlplane.committer import GroupCommitter, afold_batches
-from controlplane.context import DecisionContext
-from controlplane.eventstore import JetStreamEventLog
-from controlplane.nats_server import EmbeddedNats
-from controlplane.projections import ClusterState
+from controlplane.core.context import DecisionContext
+from controlplane.core.projections import ClusterState
+from controlplane.core.projections.base import afold_batches
+from controlplane.ops.nats_server import EmbeddedNats
+from controlplane.service.committer import GroupCommitter
+from controlplane.store.eventstore import JetStreamEventLog
 from schemas import events as E
 from schemas.status import DeploymentOp, EvictionReason, Level
 from schemas.subjects import EVENTS_ALL, EVENTS_STREAM

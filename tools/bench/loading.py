@@ -24,8 +24,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from dataplane.node.model import ModelReplica
 from dataplane.node.tiny_models import make_gpt2_of_size
+from dataplane.replica.model import ModelReplica
 
 
 def bench_plain(ckpt: str, reps: int, devices: tuple[int, ...]) -> dict[str, float]:

@@ -31,12 +31,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchkit import Envelope, pct
 
-from controlplane.admin import AdminClient
-from controlplane.context import DecisionContext, observed
-from controlplane.decide import Registration, decide
-from controlplane.eventstore import JetStreamEventLog
-from controlplane.nats_server import EmbeddedNats
-from controlplane.projections import ClusterState
+from controlplane.core.context import DecisionContext
+from controlplane.core.decide import Registration, decide
+from controlplane.core.projections import ClusterState
+from controlplane.ops.nats_server import EmbeddedNats
+from controlplane.service.clock import observed
+from controlplane.store.admin import AdminClient
+from controlplane.store.eventstore import JetStreamEventLog
 from schemas import events as E
 from schemas.commands import Deploy, Scale
 from schemas.keys import canonical_model_key
@@ -267,7 +268,7 @@ async def bench_commands(url: str, commands: int, ckpt: str) -> dict[str, float]
                                    gpus=tuple(E.GpuInfo(index=g, memory_bytes=80 * GB) for g in range(8)))], None)
     await log.close()
     env = {**os.environ, "NDIF_LOG_LEVEL": "WARNING"}
-    ctl = subprocess.Popen([sys.executable, "-m", "dataplane.cli", "controller", "--nats", url,
+    ctl = subprocess.Popen([sys.executable, "-m", "dataplane.ops.cli", "controller", "--nats", url,
                             "--heartbeat-grace", "3600"], env=env)  # the bench has no agents
     try:
         async with await AdminClient.open(url, timeout=30) as admin:

@@ -12,11 +12,11 @@ import time
 
 import structlog
 
-from controlplane.context import observed
-from controlplane.follow import follow_log
-from controlplane.ports import EventLog, Stored
-from controlplane.projections import ClusterState
-from controlplane.projections.queue import queue_view
+from controlplane.core.ports import EventLog, Stored
+from controlplane.core.projections import ClusterState
+from controlplane.core.projections.queue import queue_view
+from controlplane.service.clock import observed
+from controlplane.service.follow import follow_log
 from dataplane.serving.dispatcher.background import Background
 from dataplane.serving.dispatcher.intake import KNOWN_GRACE_S, Intake
 from dataplane.serving.processor import Processor

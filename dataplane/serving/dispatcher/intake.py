@@ -25,8 +25,8 @@ from nats.aio.msg import Msg
 from nats.js import api
 from nats.js.client import JetStreamContext
 
-from controlplane.projections import ClusterState
-from controlplane.projections.queue import queue_view
+from controlplane.core.projections import ClusterState
+from controlplane.core.projections.queue import queue_view
 from dataplane.serving.dispatcher.background import Background
 from dataplane.serving.dispatcher.provisioning import Provisioner
 from dataplane.serving.dispatcher.statuses import StatusWriter

@@ -14,10 +14,10 @@ from collections.abc import Awaitable, Callable
 
 import structlog
 
-from controlplane.projections import ClusterState
-from controlplane.projections.queue import queue_view
+from controlplane.core.capacity import capacity_mark, never_fits
+from controlplane.core.projections import ClusterState
+from controlplane.core.projections.queue import queue_view
 from dataplane.serving.dispatcher.background import Background
-from dataplane.serving.dispatcher.capacity import capacity_mark, never_fits
 from dataplane.serving.dispatcher.statuses import StatusWriter
 from dataplane.serving.processor import Processor
 from schemas import errors as errs

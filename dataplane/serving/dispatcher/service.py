@@ -36,21 +36,21 @@ import structlog
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 
-from controlplane.admin import AdminClient
-from controlplane.auth import Creds
-from controlplane.eventstore import JetStreamEventLog
-from controlplane.ports import EventLog
-from controlplane.projections import ClusterState
-from controlplane.services import Connect, Parts, connect_url, given, start_or_stop
-from controlplane.tasks import cancel_and_wait
+from controlplane.core.ports import EventLog
+from controlplane.core.projections import ClusterState
+from controlplane.service.parts import Connect, Parts, connect_url, given, start_or_stop
+from controlplane.service.tasks import cancel_and_wait
+from controlplane.store.admin import AdminClient
+from controlplane.store.credentials import Creds
+from controlplane.store.eventstore import JetStreamEventLog
 from dataplane.runtime.ports import ReplicaCaller
 from dataplane.serving.dispatcher.background import Background
 from dataplane.serving.dispatcher.follower import LogFollower
 from dataplane.serving.dispatcher.intake import Intake
 from dataplane.serving.dispatcher.provisioning import Provisioner
 from dataplane.serving.dispatcher.statuses import StatusWriter
+from dataplane.serving.link import ReplicaLink
 from dataplane.serving.processor import Processor, ProcessorHooks
-from dataplane.serving.replica_link import ReplicaLink
 from schemas import errors as errs
 from schemas.commands import CommandResult
 from schemas.subjects import DISPATCHER_STATE, REQUEST_STATUS_BUCKET, REQUESTS_ALL, RESULTS_BUCKET, kill_subject
@@ -113,7 +113,7 @@ class Dispatcher:
         self.bg = Background()
         self._tasks: list[asyncio.Task[None]] = []
         self._subs: list[Any] = []
-        # Replica calls over NATS (dataplane/serving/replica_link.py); NDIF_REPLICA_LINK=ray makes them Ray calls.
+        # Replica calls over NATS (dataplane/serving/link.py); NDIF_REPLICA_LINK=ray makes them Ray calls.
         self.link: ReplicaLink | None = None
         link = os.environ.get("NDIF_REPLICA_LINK", "nats").strip().lower() or "nats"
         if link not in ("nats", "ray"):

@@ -1,0 +1,469 @@
+"""decide(state, command, ctx) -> events: every operator command and controller policy, pure.
+
+The controller folds the log, calls these with a `DecisionContext` (time, actor, command id, seed),
+and appends what they return as one atomic decision. An `NdifError` raised here is the answer to the
+command, with nothing appended. A command id already in the fold decides nothing (idempotency
+beyond JetStream's dedup window).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import msgspec
+
+from controlplane.core.context import DecisionContext
+from controlplane.core.placement import (
+    MIN_DEPLOY_S,
+    PADDING,
+    PlacementRequest,
+    Plan,
+    cache_target,
+    gpus_refusal,
+    padded,
+    plan,
+)
+from controlplane.core.projections.cluster import ClusterState
+from controlplane.core.projections.cluster import Registration as Registration  # decide()'s argument type, re-exported
+from controlplane.core.projections.replica import ReplicaView
+from schemas.commands import (
+    MAX_REPLICAS_PER_MODEL,
+    AnyCommand,
+    CommandResult,
+    Deploy,
+    Evict,
+    Rejection,
+    ReplicaOutcome,
+    Restart,
+    Scale,
+    ScaleDown,
+    Undeploy,
+    fingerprint,
+)
+from schemas.errors import AlreadyDeployed, CommandIdConflict, InvalidCommand, NotFound, UnknownModel
+from schemas.events import (
+    CommandDecided,
+    DeploymentRequested,
+    Event,
+    ModelRegistered,
+    ModelUndeployed,
+    NodeLost,
+    PlacementRejected,
+    ReplicaEvictionRequested,
+    ReplicaRestartRequested,
+    ReplicaScheduled,
+)
+from schemas.keys import display_name
+from schemas.status import DeploymentOp, EvictionReason, Level, ReplicaState
+
+S = ReplicaState
+MAX_RESTARTS = 3
+
+
+def decide(state: ClusterState, cmd: AnyCommand, ctx: DecisionContext, *,
+           registration: Registration | None = None, min_deploy_s: float = MIN_DEPLOY_S,
+           headroom: float = PADDING, max_replicas_per_model: int = MAX_REPLICAS_PER_MODEL) -> list[Event]:
+    """The events `cmd` yields on `state`. Raises InvalidCommand / NotFound / UnknownModel.
+
+    `min_deploy_s` and `headroom` are the controller's settings (a model's own headroom, recorded
+    at deploy, wins over `headroom`); the events record what was used.
+
+    Every decision starts with `CommandDecided` (verb, fingerprint of what was asked), also when
+    it changes nothing: the command id is then in the log, so the same id later appends nothing
+    whatever its first outcome, and the same id with another payload is refused
+    (`CommandIdConflict`).
+    """
+    fp = fingerprint(cmd)
+    if already_decided(state, cmd, fp):
+        return []  # already decided: the first result stands
+    note = ""
+    body: list[Event]
+    match cmd:
+        case Deploy():
+            _not_undeploying(state, cmd.model_key)
+            if state.replica_count(cmd.model_key):
+                raise AlreadyDeployed(
+                    f"{display_name(cmd.model_key)} already has {state.replica_count(cmd.model_key)} HOT replicas: "
+                    f"use `ndif scale {display_name(cmd.model_key)} --replicas N`")
+            body = _grow(state, cmd.model_key, cmd.replicas, cmd.replicas, DeploymentOp.DEPLOY, cmd.replicas,
+                         cmd.dedicated, ctx, registration, cmd.size_bytes, min_deploy_s,
+                         headroom if cmd.headroom is None else cmd.headroom, cmd.gpus)
+        case Scale():
+            _not_undeploying(state, cmd.model_key)
+            current = state.replica_count(cmd.model_key)
+            target = current + cmd.replicas if cmd.scale_up else max(current, cmd.replicas)
+            if target > max_replicas_per_model:
+                raise InvalidCommand(
+                    f"{display_name(cmd.model_key)} would have {target} replicas, above this controller's limit "
+                    f"of {max_replicas_per_model} per model (`ndif controller --max-replicas-per-model`)")
+            if target == current:
+                name = display_name(cmd.model_key)
+                body = []
+                note = (f"nothing to do: {name} already has {current} HOT replica(s); scale never scales down: "
+                        f"use `ndif scale-down {name} --replicas {cmd.replicas}`" if cmd.replicas < current else
+                        f"nothing to do: {name} already has {current} HOT replica(s)")
+            else:
+                op = DeploymentOp.SCALE_UP if cmd.scale_up else DeploymentOp.SCALE
+                m = state.models.get(cmd.model_key)
+                body = _grow(state, cmd.model_key, target - current, target, op, cmd.replicas, cmd.dedicated, ctx,
+                             registration, None, min_deploy_s, model_headroom(state, cmd.model_key, headroom),
+                             cmd.gpus if cmd.gpus is not None else (m.gpus if m is not None else None))
+        case ScaleDown():
+            body = _scale_down(state, cmd, ctx)
+        case Evict():
+            body = _evict(state, cmd, ctx)
+        case Restart():
+            body = _restart(state, cmd, ctx)
+        case Undeploy():
+            body = _undeploy(state, cmd, ctx)
+        case _:
+            raise InvalidCommand(f"unknown command {type(cmd).__name__}")
+    head = ctx.event(CommandDecided, model_key=getattr(cmd, "model_key", None), verb=str(cmd.__struct_config__.tag),
+                     fingerprint=fp, note=note)
+    return [head, *body]
+
+
+def already_decided(state: ClusterState, cmd: AnyCommand, fp: str | None = None) -> bool:
+    """Is this command id in the log? Raises CommandIdConflict when it was used for another command."""
+    rec = state.commands.get(cmd.command_id)
+    if rec is None:
+        return False
+    if rec.fingerprint and rec.fingerprint != (fp or fingerprint(cmd)):
+        raise CommandIdConflict(
+            f"command id {cmd.command_id!r} was already used for a different command "
+            f"({rec.verb or 'another command'}, seq {rec.first_seq}); give this command a new --command-id")
+    return True
+
+
+def _not_undeploying(state: ClusterState, model_key: str) -> None:
+    m = state.models.get(model_key)
+    if m is not None and m.undeployed:
+        left = len(state.model_replicas(model_key))
+        raise InvalidCommand(f"{display_name(model_key)} is being undeployed ({left} replica(s) still unloading); "
+                             "deploy it again once `ndif status` no longer lists it")
+
+
+def _size(state: ClusterState, model_key: str, registration: Registration | None,
+          override: int | None) -> tuple[int, Registration | None]:
+    """The model's size, and the registration to record (None: already in the log)."""
+    m = state.models.get(model_key)
+    if m is not None and m.registration is not None:
+        return m.registration.size_bytes, None
+    if registration is None:
+        raise UnknownModel(f"unknown model {display_name(model_key)}: not registered and not resolved "
+                           "(give a local checkpoint dir, a repo in the HF cache, or --size-bytes)")
+    if override is not None:
+        registration = msgspec.structs.replace(registration, size_bytes=override)
+    return registration.size_bytes, registration
+
+
+def model_headroom(state: ClusterState, model_key: str, default: float) -> float:
+    """The headroom a model is charged with: its own (recorded at deploy), else the controller's default."""
+    m = state.models.get(model_key)
+    return m.headroom if m is not None and m.headroom is not None else default
+
+
+def _grow(state: ClusterState, model_key: str, new: int, target: int, op: DeploymentOp, typed: int,
+          dedicated: bool, ctx: DecisionContext, registration: Registration | None, override: int | None,
+          min_deploy_s: float, headroom: float, gpus: int | None) -> list[Event]:
+    size, reg = _size(state, model_key, registration, override)
+    if gpus is not None:
+        why = gpus_refusal(state, padded(size, headroom), gpus)
+        if why is not None:  # refused before anything is reserved: nothing is appended
+            raise InvalidCommand(f"{display_name(model_key)}: {why}")
+    events: list[Event] = []
+    if reg is not None:
+        events.append(ctx.event(ModelRegistered, model_key=model_key, checkpoint=reg.checkpoint,
+                                revision=reg.revision, size_bytes=reg.size_bytes, dtype=reg.dtype))
+    events.append(ctx.event(DeploymentRequested, model_key=model_key, op=op, replicas=typed, target_hot=target,
+                            dedicated=dedicated, headroom=headroom, gpus=gpus))
+    p = plan(state, [PlacementRequest(model_key=model_key, size_bytes=size, replicas=new, dedicated=dedicated,
+                             headroom=headroom, gpus=gpus)],
+             now_s=ctx.now.timestamp(), seed=ctx.seed, min_deploy_s=min_deploy_s)
+    return events + plan_events(p, ctx)
+
+
+def plan_events(p: Plan, ctx: DecisionContext, reason: EvictionReason = EvictionReason.PRESSURE) -> list[Event]:
+    """A placement plan as events: evictions first, then schedules, then what could not be placed."""
+    out: list[Event] = []
+    for e in p.evictions:
+        out.append(ctx.event(ReplicaEvictionRequested, model_key=e.model_key, replica_id=e.replica_id,
+                             node_id=e.node_id, reason=reason, target=e.target, drain=False,
+                             by_model_key=e.by_model_key, by_replica_id=e.by_replica_id))
+    for pl in p.placed:
+        out.append(ctx.event(ReplicaScheduled, model_key=pl.model_key, replica_id=pl.replica_id, node_id=pl.node_id,
+                             gpu_indices=pl.gpu_indices, bytes_per_gpu=pl.bytes_per_gpu, source=pl.source,
+                             dedicated=pl.dedicated, seed=ctx.seed, headroom=pl.headroom,
+                             min_deploy_s=p.min_deploy_s))
+    for s in p.shortfalls:
+        out.append(ctx.event(PlacementRejected, model_key=s.model_key, needed_bytes=s.needed_bytes,
+                             free_bytes=s.free_bytes, replicas=s.replicas, headroom=s.headroom,
+                             min_deploy_s=p.min_deploy_s))
+    return out
+
+
+def _known(state: ClusterState, model_key: str) -> list[ReplicaView]:
+    if model_key not in state.models:
+        raise NotFound(f"unknown model {display_name(model_key)}: it was never deployed (or was undeployed)")
+    return state.model_replicas(model_key)
+
+
+def _scale_down(state: ClusterState, cmd: ScaleDown, ctx: DecisionContext) -> list[Event]:
+    hot = [r for r in _known(state, cmd.model_key) if r.desired is Level.HOT]
+    excess = sorted(hot, key=lambda r: r.replica_id, reverse=True)[: max(0, len(hot) - cmd.replicas)]
+    if not excess:
+        return []
+    events: list[Event] = [ctx.event(DeploymentRequested, model_key=cmd.model_key, op=DeploymentOp.SCALE_DOWN,
+                                     replicas=cmd.replicas, target_hot=cmd.replicas)]
+    for r in excess:
+        events.append(ctx.event(ReplicaEvictionRequested, model_key=r.model_key, replica_id=r.replica_id,
+                                node_id=r.node_id, reason=EvictionReason.SCALE_DOWN, target=Level.COLD,
+                                drain=r.state is S.AVAILABLE))
+    return events
+
+
+def _evict(state: ClusterState, cmd: Evict, ctx: DecisionContext) -> list[Event]:
+    if cmd.all:
+        pool = list(state.replicas.values())
+    else:
+        assert cmd.model_key is not None
+        pool = _known(state, cmd.model_key)
+        if cmd.replica_id is not None:
+            pool = [r for r in pool if r.replica_id == cmd.replica_id]
+            if not pool:
+                raise NotFound(f"{display_name(cmd.model_key)} has no replica {cmd.replica_id}")
+    pending_cpu: dict[str, int] = {}
+    events: list[Event] = []
+    for r in sorted(pool, key=lambda r: (r.model_key, r.replica_id)):
+        if r.desired is Level.HOT:
+            # A replica that failed (to load, or at run time) or was lost holds no weights to cache:
+            # it goes COLD, and the reply says so (never "-> WARM" for what stays on disk).
+            nothing = r.state in (S.LOAD_FAILED, S.FAILED, S.LOST)
+            target = Level.COLD if cmd.cold or nothing else cache_target(state, r, pending_cpu)
+        elif r.desired is Level.WARM and (cmd.cold or cmd.replica_id is not None):
+            target = Level.COLD  # evicting a WARM replica, or --cold: down to disk
+        else:
+            continue
+        events.append(ctx.event(ReplicaEvictionRequested, model_key=r.model_key, replica_id=r.replica_id,
+                                node_id=r.node_id, reason=EvictionReason.ADMIN, target=target,
+                                drain=r.state is S.AVAILABLE))
+    return events
+
+
+def _restart(state: ClusterState, cmd: Restart, ctx: DecisionContext) -> list[Event]:
+    pool = _known(state, cmd.model_key)
+    if cmd.replica_id is not None:
+        pool = [r for r in pool if r.replica_id == cmd.replica_id]
+        if not pool:
+            raise NotFound(f"{display_name(cmd.model_key)} has no replica {cmd.replica_id}")
+        r0 = pool[0]
+        if r0.state not in (S.AVAILABLE, S.FAILED) and not (r0.state is S.LOAD_FAILED and r0.desired is Level.HOT):
+            raise InvalidCommand(f"replica {cmd.replica_id} of {display_name(cmd.model_key)} is {r0.state}; "
+                                 "only Available, Failed or LoadFailed replicas restart")
+    out: list[Event] = []
+    for r in pool:
+        if r.state in (S.AVAILABLE, S.FAILED):
+            out.append(ctx.event(ReplicaRestartRequested, model_key=r.model_key, replica_id=r.replica_id,
+                                 node_id=r.node_id, attempt=r.restarts + 1))
+        elif r.state is S.LOAD_FAILED and r.desired is Level.HOT:
+            out.append(_reload(state, r, ctx))
+    return out
+
+
+def _reload(state: ClusterState, r: ReplicaView, ctx: DecisionContext) -> Event:
+    """Restart of a replica whose load failed: it holds nothing, so it is scheduled again, same id,
+    onto the cards it had (if they still have room: it is a restart, not a new placement)."""
+    node = state.nodes.get(r.node_id)
+    name = f"replica {r.replica_id} of {display_name(r.model_key)}"
+    if node is None or not node.alive:
+        raise InvalidCommand(f"{name} failed to load on {r.node_id or 'no node'}, which is gone: "
+                             f"`ndif evict {display_name(r.model_key)} --replica-id {r.replica_id}` then `ndif scale`")
+    totals = {g.index: g.memory_bytes for g in node.gpus}
+    short = [g for g in r.gpu_indices
+             if g not in totals or state.card_committed(r.node_id, g) + r.bytes_per_gpu > totals[g]]
+    if short or not r.gpu_indices:
+        raise InvalidCommand(f"{name} cannot load again where it was: cards {short or list(r.gpu_indices)} of "
+                             f"{r.node_id} have no room for it now; make room (`ndif evict`, `ndif scale-down`) "
+                             "or evict it and `ndif scale`")
+    return ctx.event(ReplicaScheduled, model_key=r.model_key, replica_id=r.replica_id, node_id=r.node_id,
+                     gpu_indices=r.gpu_indices, bytes_per_gpu=r.bytes_per_gpu, source=Level.COLD,
+                     dedicated=r.dedicated, seed=ctx.seed)
+
+
+def _undeploy(state: ClusterState, cmd: Undeploy, ctx: DecisionContext) -> list[Event]:
+    """Every replica still holding or asking for anything goes COLD (drained first when serving);
+    `ModelUndeployed` then lets the fold forget each one once Unloaded, and the model after the last."""
+    pool = _known(state, cmd.model_key)
+    events: list[Event] = []
+    for r in pool:
+        if r.state is S.UNLOADED or (r.state is S.UNLOAD_REQUESTED and r.desired is Level.COLD):
+            continue  # gone, or already on its way to disk
+        events.append(ctx.event(ReplicaEvictionRequested, model_key=r.model_key, replica_id=r.replica_id,
+                                node_id=r.node_id, reason=EvictionReason.UNDEPLOY, target=Level.COLD,
+                                drain=r.state in (S.AVAILABLE, S.DRAINING)))
+    if not state.models[cmd.model_key].undeployed:
+        events.append(ctx.event(ModelUndeployed, model_key=cmd.model_key, replicas=len(events)))
+    return events
+
+
+# ---- controller policies -------------------------------------------------------------------------
+
+
+def decide_failure(state: ClusterState, model_key: str, replica_id: int, ctx: DecisionContext, *,
+                   max_restarts: int = MAX_RESTARTS, min_deploy_s: float = MIN_DEPLOY_S,
+                   headroom: float = PADDING) -> list[Event]:
+    """A replica failed at run time: restart it in place up to `max_restarts`, then replace it elsewhere
+    (placed with the controller's `min_deploy_s` and `headroom`, like a command)."""
+    r = state.replicas.get((model_key, replica_id))
+    if r is None or r.state is not S.FAILED or r.desired is not Level.HOT:
+        return []  # already handled (or evicted meanwhile)
+    if r.restarts < max_restarts:
+        return [ctx.event(ReplicaRestartRequested, model_key=model_key, replica_id=replica_id, node_id=r.node_id,
+                          attempt=r.restarts + 1)]
+    return _replace_replicas(state, [r], ctx, EvictionReason.FAILURE, min_deploy_s, headroom)
+
+
+def decide_node_lost(state: ClusterState, node_id: str, ctx: DecisionContext, reason: str, *,
+                     min_deploy_s: float = MIN_DEPLOY_S, headroom: float = PADDING) -> list[Event]:
+    """A node's heartbeat expired: NodeLost, its replicas gone, their HOT count placed elsewhere
+    (with the controller's `min_deploy_s` and `headroom`, like a command)."""
+    node = state.nodes.get(node_id)
+    if node is None or not node.alive:
+        return []
+    lost = [r for r in state.replicas.values() if r.node_id == node_id and r.state not in (S.UNLOADED,)]
+    events: list[Event] = [ctx.event(NodeLost, node_id=node_id, reason=reason)]
+    after = state.copy()
+    after.apply(state.seq + 1, events[0])  # place against the cluster without that node
+    return events + _replace_replicas(after, lost, ctx, EvictionReason.NODE_LOST, min_deploy_s, headroom,
+                                      keep_unplaced=True)
+
+
+def decide_unplaced(state: ClusterState, ctx: DecisionContext, *, headroom: float = PADDING,
+                    min_deploy_s: float = MIN_DEPLOY_S) -> list[Event]:
+    """Level-triggered placement of wanted replicas that hold no place: desired HOT, state `Lost`.
+
+    Each model's such replicas are placed where there is free room now (no pressure evictions: a
+    lost replica never pushes a running one out); every one placed ends its lost predecessor
+    (evicted to COLD, reason NODE_LOST) and takes a fresh id. Nothing placed: no events (nothing
+    is appended, so calling this on every change of room costs nothing in the log). Pure and
+    deterministic: the same state and context give the same events; after they are applied, the
+    same call on the new state places nothing more unless room appeared again. Each model is
+    charged its recorded headroom (else `headroom`, the controller's) on its recorded card count;
+    `min_deploy_s` (the controller's) is recorded, though no replica is evicted here.
+    """
+    wanted: dict[str, list[ReplicaView]] = {}
+    for r in state.replicas.values():
+        if r.desired is Level.HOT and r.state is S.LOST:
+            wanted.setdefault(r.model_key, []).append(r)
+    if not wanted:
+        return []
+    reqs = []
+    for mk in sorted(wanted):
+        m = state.models.get(mk)
+        if m is None or m.registration is None:
+            continue
+        reqs.append(PlacementRequest(model_key=mk, size_bytes=m.registration.size_bytes, replicas=len(wanted[mk]),
+                            dedicated=False, headroom=model_headroom(state, mk, headroom), gpus=m.gpus))
+    p = plan(state, reqs, now_s=ctx.now.timestamp(), seed=ctx.seed, min_deploy_s=float("inf"))
+    if not p.placed:
+        return []
+    placed: dict[str, int] = {}
+    for pl in p.placed:
+        placed[pl.model_key] = placed.get(pl.model_key, 0) + 1
+    events: list[Event] = []
+    for mk in sorted(placed):
+        for r in sorted(wanted[mk], key=lambda r: r.replica_id)[: placed[mk]]:
+            events.append(ctx.event(ReplicaEvictionRequested, model_key=r.model_key, replica_id=r.replica_id,
+                                    node_id=r.node_id, reason=EvictionReason.NODE_LOST, target=Level.COLD))
+    return events + plan_events(Plan(placed=p.placed, evictions=p.evictions, min_deploy_s=min_deploy_s), ctx)
+
+
+def _replace_replicas(state: ClusterState, gone: Sequence[ReplicaView], ctx: DecisionContext,
+                      reason: EvictionReason, min_deploy_s: float, headroom: float, *,
+                      keep_unplaced: bool = False) -> list[Event]:
+    """Replace `gone` replicas elsewhere. With `keep_unplaced` (a lost node), a HOT replica with no
+    new place is not ended: it stays `Lost` and wanted (desired HOT), for `decide_unplaced` to place
+    once room appears (its node rejoining, or room elsewhere)."""
+    events: list[Event] = []
+    want: dict[str, int] = {}
+    for r in gone:
+        if r.desired is Level.HOT:
+            want[r.model_key] = want.get(r.model_key, 0) + 1
+    placed: dict[str, int] = {}
+    reqs = []
+    for mk, n in want.items():
+        m = state.models.get(mk)
+        if m is not None and m.registration is not None:
+            reqs.append(PlacementRequest(model_key=mk, size_bytes=m.registration.size_bytes, replicas=n,
+                                dedicated=any(r.dedicated for r in gone if r.model_key == mk),
+                                headroom=model_headroom(state, mk, headroom), gpus=m.gpus))
+    p = plan(state, reqs, now_s=ctx.now.timestamp(), seed=ctx.seed, min_deploy_s=min_deploy_s) if reqs else None
+    for pl in p.placed if p is not None else ():
+        placed[pl.model_key] = placed.get(pl.model_key, 0) + 1
+    for r in sorted(gone, key=lambda r: (r.model_key, r.replica_id)) if keep_unplaced else gone:
+        if keep_unplaced and r.desired is Level.HOT:
+            if placed.get(r.model_key, 0) <= 0:
+                continue  # no place for it now: it stays wanted
+            placed[r.model_key] -= 1
+        events.append(ctx.event(ReplicaEvictionRequested, model_key=r.model_key, replica_id=r.replica_id,
+                                node_id=r.node_id, reason=reason, target=Level.COLD))
+    if p is not None:
+        events += plan_events(p, ctx)
+    return events
+
+
+# ---- replies ---------------------------------------------------------------------------------------
+
+
+_GROW = frozenset({DeploymentOp.DEPLOY, DeploymentOp.SCALE, DeploymentOp.SCALE_UP})
+
+
+def summarize(command_id: str, events: Sequence[Event], first_seq: int, *, duplicate: bool = False) -> CommandResult:
+    """The typed reply for a decision's events (also rebuilt from the log for a duplicate command).
+
+    `ok` is false when a deploy/scale placed fewer replicas than it asked (`asked`/`placed`); the
+    decision is in the log all the same.
+    """
+    replicas, evictions, rejections = [], [], []
+    head = next((e for e in events if isinstance(e, CommandDecided)), None)
+    restart = head is not None and head.verb == "restart"
+    grows = any(isinstance(e, DeploymentRequested) and e.op in _GROW for e in events)
+    undeployed = any(isinstance(e, ModelUndeployed) for e in events)
+    for e in events:
+        if isinstance(e, ReplicaScheduled):
+            action = "restarted" if restart else "reused-warm" if e.source is Level.WARM else "scheduled"
+            replicas.append(ReplicaOutcome(model_key=e.model_key, replica_id=e.replica_id, level=Level.HOT,
+                                           node_id=e.node_id, gpu_indices=tuple(e.gpu_indices), action=action))
+        elif isinstance(e, ReplicaRestartRequested):
+            replicas.append(ReplicaOutcome(model_key=e.model_key, replica_id=e.replica_id, level=Level.HOT,
+                                           node_id=e.node_id, action="restarted"))
+        elif isinstance(e, ReplicaEvictionRequested):
+            evictions.append(ReplicaOutcome(model_key=e.model_key, replica_id=e.replica_id, level=e.target,
+                                            node_id=e.node_id, action=f"evicted ({e.reason})"))
+        elif isinstance(e, PlacementRejected):
+            rejections.append(Rejection(model_key=e.model_key, replicas=e.replicas, needed_bytes=e.needed_bytes,
+                                        free_bytes=e.free_bytes, reason=e.reason))
+    n = len(events)
+    placed = sum(1 for r in replicas if r.action != "restarted") if grows else 0
+    short = sum(r.replicas for r in rejections)
+    asked = placed + short if grows else 0
+    parts = []
+    if grows:
+        parts.append(f"placed {placed} of {asked} replica(s)")
+    elif replicas:
+        parts.append(f"{len(replicas)} replica(s) scheduled/restarted")
+    if evictions:
+        parts.append(f"{len(evictions)} eviction(s)")
+    if undeployed:
+        parts.append("model undeployed: forgotten once every replica is unloaded")
+    if rejections:
+        parts.append(f"{short} replica(s) could not be placed (CANT_ACCOMMODATE)")
+    if not parts:
+        parts.append(head.note if head is not None and head.note else "nothing to do")
+    ok = short == 0
+    return CommandResult(
+        command_id=command_id, ok=ok, first_seq=first_seq if n else 0, last_seq=first_seq + n - 1 if n else 0,
+        duplicate=duplicate, replicas=tuple(replicas), evictions=tuple(evictions), rejections=tuple(rejections),
+        message="; ".join(parts) + (" (duplicate command: first result)" if duplicate else ""),
+        error=None if ok else "PlacementError", asked=asked, placed=placed,
+    )

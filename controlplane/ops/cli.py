@@ -1,0 +1,469 @@
+"""The admin commands of `ndif` (NDIF's CLI habits, plus what an event log makes possible).
+
+deploy, scale, scale-down, evict, restart, undeploy, status, events, history, replay, controller.
+Every command takes --nats URL (env NDIF_NATS_URL). Errors print one line to stderr and exit
+non-zero: 2 invalid input, 3 unknown model/replica, 4 conflict, 5 infrastructure (no controller,
+timeout), 6 replay found anomalies (--strict), 7 deploy/scale placed nothing, 8 placed fewer than asked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import difflib
+import json
+import os
+import sys
+import traceback
+from collections.abc import Callable, Coroutine
+from datetime import UTC, datetime
+from typing import Any, NoReturn
+
+import msgspec
+
+from controlplane.core.placement import PADDING
+from controlplane.core.projections import ClusterState
+from controlplane.ops.render import render_status, status_json
+from controlplane.service.logs import configure
+from controlplane.store.admin import AdminClient, resolve_name
+from controlplane.store.heartbeats import heartbeat_ages
+from schemas import errors as errs
+from schemas.commands import MAX_HEADROOM, CommandResult
+from schemas.events import Event, ReplicaEvent, Skipped, event_tag
+from schemas.keys import canonical_model_key, display_name
+from schemas.status import ReplicaState
+
+DEFAULT_URL = "nats://127.0.0.1:4222"
+# A deploy/scale that placed fewer replicas than asked: its decision is in the log, but it fell short.
+EXIT_PLACED_NONE = 7
+EXIT_PLACED_SOME = 8
+EXIT = {errs.InvalidCommand: 2, errs.NotFound: 3, errs.ConflictError: 4, errs.InfrastructureError: 5,
+        errs.ReplayAnomalyError: 6}
+_json = msgspec.json.Encoder()
+LONG_RUNNING = {"controller", "up", "agent", "dispatcher", "dashboard"}  # services log at INFO by default
+MODEL_HELP = "repo id (org/name[@revision]), checkpoint directory or NDIF model key"
+
+
+def _out(obj: object) -> None:
+    sys.stdout.write(json.dumps(obj, sort_keys=True, default=str) + "\n")
+
+
+def _print_result(verb: str, res: CommandResult, as_json: bool) -> None:
+    if as_json:
+        sys.stdout.write(_json.encode(res).decode() + "\n")
+        return
+    print(f"{verb}: {res.message}" + (f"  [seq {res.first_seq}..{res.last_seq}]" if res.last_seq else ""))
+    for r in res.replicas:
+        cards = f"gpus {list(r.gpu_indices)}" if r.gpu_indices else "(its cards)"
+        print(f"  replica {r.replica_id} of {display_name(r.model_key)}: {r.action} on {r.node_id or '-'} {cards}")
+    for r in res.evictions:
+        print(f"  replica {r.replica_id} of {display_name(r.model_key)}: {r.action} -> {r.level}")
+    for j in res.rejections:
+        print(f"  {j.replicas} replica(s) of {display_name(j.model_key)} not placed: {j.reason} "
+              f"(needs {j.needed_bytes / 2**30:.1f} GiB, at most {j.free_bytes / 2**30:.1f} GiB free)")
+
+
+async def _command(a: argparse.Namespace, admin: AdminClient) -> int:
+    try:
+        return await _command_on(a, admin)
+    except (errs.NotFound, errs.UnknownModel) as exc:
+        hint = await _short_name_hint(admin, getattr(a, "model", None))
+        if hint is None:
+            raise
+        raise type(exc)(f"{exc}; {hint}") from None
+
+
+async def _short_name_hint(admin: AdminClient, name: str | None) -> str | None:
+    """For a command refused for an unknown model: the model the operator probably meant, when
+    the name is a known model's short name (commands take a full repo id or path, as the log keys
+    models; `events` and `history` take short names)."""
+    if not name:
+        return None
+    try:
+        mk = resolve_name(await admin.state(), name)
+        typed = canonical_model_key(name)
+    except errs.NdifError:
+        return None
+    if mk == typed:
+        return None
+    return f"did you mean {display_name(mk)}? (commands take the full repo id or path)"
+
+
+async def _command_on(a: argparse.Namespace, admin: AdminClient) -> int:
+    cid = a.command_id
+    match a.cmd:
+        case "deploy":
+            res = await admin.deploy(a.model, a.replicas, dedicated=a.dedicated, size_bytes=a.size_bytes,
+                                     command_id=cid, headroom=a.headroom, gpus=a.gpus)
+        case "scale":
+            res = await admin.scale(a.model, a.replicas, scale_up=a.scale_up, dedicated=a.dedicated, command_id=cid,
+                                    gpus=a.gpus)
+        case "scale-down":
+            res = await admin.scale_down(a.model, a.replicas, command_id=cid)
+        case "evict":
+            res = await admin.evict(a.model, replica_id=a.replica_id, all=a.all, cold=a.cold, command_id=cid)
+        case "restart":
+            res = await admin.restart(a.model, replica_id=a.replica_id, command_id=cid)
+        case "undeploy":
+            res = await admin.undeploy(a.model, command_id=cid)
+        case _:
+            raise errs.InvalidCommand(f"unknown command {a.cmd}")
+    _print_result(a.cmd, res, a.json)
+    code = 0
+    if not res.ok:  # placed fewer than asked: the decision stands, the exit code says it fell short
+        code = EXIT_PLACED_NONE if res.placed == 0 else EXIT_PLACED_SOME
+        if not a.json:
+            print(f"error: placed {res.placed} of {res.asked} replica(s); the rest found no room "
+                  "(free memory with `ndif evict` / `ndif scale-down`, or add nodes)", file=sys.stderr)
+    if getattr(a, "wait", False) and res.replicas:
+        state = await admin.wait(res, timeout=a.wait_timeout)
+        # A restart's duration is from its decision to the replica serving again (the view's
+        # load_seconds is the agent's figure for the last load from disk, not for this restart).
+        decided = None
+        if any(r.action == "restarted" for r in res.replicas):
+            decided = next((e.ts for _, e in [p async for p in admin.log.read(res.first_seq, stop_seq=res.first_seq)]
+                            if isinstance(e, Event)), None)
+        failed = 0
+        waited = []
+        for r in res.replicas:
+            view = state.replicas[(r.model_key, r.replica_id)]
+            failed += view.state in (ReplicaState.LOAD_FAILED, ReplicaState.FAILED)
+            seconds = view.load_seconds
+            if r.action == "restarted":
+                seconds = ((view.loaded_at - decided).total_seconds()
+                           if decided is not None and view.loaded_at is not None and view.state is ReplicaState.AVAILABLE
+                           else None)
+            waited.append({"model_key": r.model_key, "replica_id": r.replica_id, "state": str(view.state),
+                           "level": str(view.level), "load_seconds": seconds, "error": view.error})
+            if not a.json:
+                print(f"  replica {r.replica_id} of {display_name(r.model_key)}: {view.state}"
+                      + (f" in {seconds:.2f}s" if seconds is not None else "")
+                      + (f" ({view.error})" if view.error else ""))
+        if a.json:
+            _out({"waited": waited, "seq": state.seq})
+        if failed:
+            return 1
+    return code
+
+
+async def _status(a: argparse.Namespace, admin: AdminClient) -> int:
+    state = await admin.state()
+    _show(state, a.json, await heartbeat_ages(admin.log.js, sorted(state.nodes)))
+    if a.watch:
+        async for batch in admin.log.follow_batches(state.seq + 1):
+            for seq, item in batch:
+                state.apply(seq, item)
+            if not a.json:
+                # clear the screen on a terminal only; a pipe or file gets the views one after another
+                sys.stdout.write("\x1b[2J\x1b[H" if sys.stdout.isatty() else "\n")
+            _show(state, a.json, await heartbeat_ages(admin.log.js, sorted(state.nodes)))
+    return 0
+
+
+def _show(state: ClusterState, as_json: bool, heartbeats: dict[str, float | None] | None = None) -> None:
+    if as_json:
+        _out(status_json(state, heartbeats))
+    else:
+        print(render_status(state, heartbeats))
+    sys.stdout.flush()
+
+
+def _event_line(seq: int, item: Event | Skipped) -> str:
+    if isinstance(item, Skipped):
+        return f"{seq:>7}  (unreadable: {item.reason})"
+    who = display_name(item.model_key) if item.model_key else getattr(item, "node_id", "")
+    rid = f"#{item.replica_id}" if isinstance(item, ReplicaEvent) else ""
+    node = f" @{item.node_id}" if isinstance(item, ReplicaEvent) and item.node_id else ""
+    cause = f" cmd={item.command_id}" if item.command_id else ""
+    return f"{seq:>7}  {item.ts.astimezone(UTC):%Y-%m-%d %H:%M:%SZ}  {event_tag(item):<26} {who}{rid}{node}  by {item.actor}{cause}"
+
+
+async def _events(a: argparse.Namespace, admin: AdminClient) -> int:
+    model = resolve_name(await admin.state(), a.model) if a.model else None  # as `history` does
+    async for seq, item in admin.events(model=model, start_seq=a.since, follow=a.follow):
+        if a.json:
+            body = msgspec.json.decode(_json.encode(item)) if isinstance(item, Event) else {"skipped": item.reason}
+            _out({"seq": seq, "event": body})
+        else:
+            print(_event_line(seq, item))
+        sys.stdout.flush()
+    return 0
+
+
+async def _history(a: argparse.Namespace, admin: AdminClient) -> int:
+    """One model's (or replica's) timeline: each event, the state it left, and who caused it."""
+    mk = resolve_name(await admin.state(), a.model)
+    state = ClusterState()
+    rows = 0
+    async for batch in admin.log.read_batches():
+        for seq, item in batch:
+            state.apply(seq, item)
+            if not isinstance(item, Event) or item.model_key != mk:
+                continue
+            if a.replica_id is not None and not (isinstance(item, ReplicaEvent) and item.replica_id == a.replica_id):
+                continue
+            after = ""
+            if isinstance(item, ReplicaEvent):
+                r = state.replicas.get((mk, item.replica_id))
+                after = f"-> {r.state} ({r.level}, desired {r.desired})" if r else "-> (not a replica: refused)"
+            line = _event_line(seq, item)
+            anomaly = next((x.message for x in reversed(state.anomalies) if x.seq == seq), None)
+            print(f"{line}  {after}" + (f"  ANOMALY: {anomaly}" if anomaly else ""))
+            rows += 1
+    if not rows:
+        raise errs.NotFound(f"no events for {display_name(mk)}" + (f" replica {a.replica_id}" if a.replica_id is not None
+                                                                    else ""))
+    return 0
+
+
+async def _replay(a: argparse.Namespace, admin: AdminClient) -> int:
+    until_seq, until_time = None, None
+    if a.until.isdigit():
+        until_seq = int(a.until)
+    else:
+        try:
+            until_time = datetime.fromisoformat(a.until.replace("Z", "+00:00"))
+        except ValueError:
+            raise errs.InvalidCommand(f"--until takes a sequence number or an ISO time, got {a.until!r}") from None
+        if until_time.tzinfo is None:
+            raise errs.InvalidCommand("--until time needs a timezone, e.g. 2026-11-22T14:00:00Z")
+    if until_seq is not None:
+        last = await admin.log.last_seq()
+        if until_seq > last:  # the log has no such sequence (yet): show where it ends, never wait for it
+            print(f"note: the log ends at seq {last}; --until {until_seq} is past it: showing the state at seq "
+                  f"{last}", file=sys.stderr)
+            until_seq = last
+    state = await admin.state(until_seq=until_seq, until_time=until_time, strict=a.strict)
+    _show(state, a.json)
+    return 0
+
+
+async def _controller(a: argparse.Namespace) -> int:
+    from controlplane.service.controller import run_controller
+
+    if not 0.0 <= a.headroom <= MAX_HEADROOM:
+        raise errs.InvalidCommand(f"--headroom must be between 0 and {MAX_HEADROOM:g}, got {a.headroom}")
+    if a.min_deploy_s < 0:
+        raise errs.InvalidCommand(f"--min-deploy-s must be 0 or more, got {a.min_deploy_s}")
+    await run_controller(a.nats, heartbeat_grace_s=a.heartbeat_grace, max_restarts=a.max_restarts,
+                         min_deploy_s=a.min_deploy_s, stream_replicas=a.stream_replicas, headroom=a.headroom,
+                         max_replicas_per_model=a.max_replicas_per_model,
+                         max_replicas_per_command=a.max_replicas_per_command)
+    return 0
+
+
+def add_admin_commands(sub: Any) -> None:
+    """Register the admin subcommands on an argparse subparsers object (dataplane adds its own)."""
+
+    def common(p: argparse.ArgumentParser, json_flag: bool = True) -> None:
+        p.add_argument("--nats", default=os.environ.get("NDIF_NATS_URL", DEFAULT_URL),
+                       help="NATS URL (env NDIF_NATS_URL; default %(default)s)")
+        p.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for a controller")
+        if json_flag:
+            p.add_argument("--json", action="store_true", help="machine-readable output (docs/cli.md)")
+
+    def mutating(p: argparse.ArgumentParser, wait: bool = True) -> None:
+        common(p)
+        p.add_argument("--command-id", help="idempotency key (default: a new one); re-send to get the first result")
+        if wait:
+            p.add_argument("--wait", action="store_true", help="follow events until each replica is loaded or failed")
+            p.add_argument("--wait-timeout", type=float, default=600.0,
+                           help="seconds --wait follows the log before giving up (default %(default)s)")
+
+    p = sub.add_parser("deploy", help="create N replicas of a model that has none")
+    p.add_argument("model", help=MODEL_HELP)
+    p.add_argument("--replicas", type=int, default=1, help="HOT replicas to create (default %(default)s)")
+    p.add_argument("--dedicated", action="store_true", help="never evicted by pressure")
+    p.add_argument("--size-bytes", type=int, help="override the measured model size")
+    p.add_argument("--headroom", type=float,
+                   help="fraction charged over the model's size, e.g. 0.15 (default: the controller's --headroom)")
+    p.add_argument("--gpus", type=int, help="place each replica on exactly N cards of one node, each charged "
+                   "ceil(charge / N) (default: as few cards as hold the charge)")
+    mutating(p)
+    p = sub.add_parser("scale", help="at least N HOT replicas (or N more with --scale-up); never scales down")
+    p.add_argument("model", help=MODEL_HELP)
+    p.add_argument("--replicas", type=int, required=True, help="HOT replicas the model should have at least")
+    p.add_argument("--scale-up", action="store_true", help="add --replicas more instead of reaching --replicas")
+    p.add_argument("--dedicated", action="store_true", help="the new replicas are never evicted by pressure")
+    p.add_argument("--gpus", type=int, help="exactly N cards of one node per new replica (kept for the model)")
+    mutating(p)
+    p = sub.add_parser("scale-down", help="at most N HOT replicas: drain, then unload the highest ids")
+    p.add_argument("model", help=MODEL_HELP)
+    p.add_argument("--replicas", type=int, required=True, help="HOT replicas to keep at most (0 for none)")
+    mutating(p, wait=False)
+    p = sub.add_parser("evict", help="HOT -> WARM where the CPU cache allows, else COLD")
+    p.add_argument("model", nargs="?", help=MODEL_HELP + " (not with --all)")
+    p.add_argument("--replica-id", type=int, help="only this replica of MODEL (default: every one of MODEL)")
+    p.add_argument("--all", action="store_true", help="every HOT replica of every model")
+    p.add_argument("--cold", action="store_true", help="down to COLD (also WARM ones)")
+    mutating(p, wait=False)
+    p = sub.add_parser("restart", help="restart a replica (or all of a model's) keeping ids")
+    p.add_argument("model", help=MODEL_HELP)
+    p.add_argument("--replica-id", type=int, help="only this replica (default: every one of MODEL)")
+    mutating(p)
+    p = sub.add_parser("undeploy", help="remove a model: drain and unload every replica, then forget it and its ids")
+    p.add_argument("model", help=MODEL_HELP)
+    mutating(p, wait=False)
+    p = sub.add_parser("status", help="nodes, cards, models and replicas, folded from the log")
+    common(p)
+    p.add_argument("--watch", action="store_true", help="print again on every event")
+    p = sub.add_parser("events", help="the event log, readable")
+    common(p)
+    p.add_argument("--model", help="only this model's events: " + MODEL_HELP)
+    p.add_argument("--since", type=int, default=1, help="first sequence (default %(default)s)")
+    p.add_argument("--follow", action="store_true", help="keep printing new events as they are appended")
+    p = sub.add_parser("history", help="one model's or replica's timeline with causes")
+    p.add_argument("model", help=MODEL_HELP)
+    p.add_argument("--replica-id", type=int, help="only this replica's events")
+    common(p, json_flag=False)
+    p = sub.add_parser("replay", help="the cluster as it was at a sequence or time")
+    common(p)
+    p.add_argument("--until", required=True, help="sequence number or ISO time (with timezone)")
+    p.add_argument("--strict", action="store_true", help="fail on any anomaly in the history")
+    p = sub.add_parser("controller", help="run a controller (several may run: queue group)")
+    common(p, json_flag=False)
+    p.add_argument("--heartbeat-grace", type=float, default=20.0,
+                   help="seconds without a node heartbeat before NodeLost (default %(default)s)")
+    p.add_argument("--max-restarts", type=int, default=3,
+                   help="in-place restarts of a failed replica before it is placed elsewhere (default %(default)s)")
+    p.add_argument("--stream-replicas", type=int, default=None,
+                   help="replicas of the streams and buckets it creates (3 on a NATS cluster; "
+                        "default env NDIF_STREAM_REPLICAS, else 1)")
+    p.add_argument("--min-deploy-s", type=float, default=300.0,
+                   help="seconds a replica stays before pressure may evict it (default %(default)s)")
+    p.add_argument("--headroom", type=float, default=PADDING,
+                   help="fraction charged over a model's measured size, unless its deploy gave one "
+                   "(default %(default)s)")
+    p.add_argument("--max-replicas-per-model", type=int, default=None,
+                   help="most replicas one model may have (env NDIF_MAX_REPLICAS_PER_MODEL; default 128)")
+    p.add_argument("--max-replicas-per-command", type=int, default=None,
+                   help="most replicas one deploy/scale may ask (env NDIF_MAX_REPLICAS_PER_COMMAND; default 64)")
+
+
+def add_dashboard_command(sub: Any) -> None:
+    """`ndif dashboard`: the read-only web view of the log (docs/dashboard.md)."""
+    from controlplane.dashboard.server import DEFAULT_HOST, DEFAULT_PORT
+
+    p = sub.add_parser("dashboard", help="the read-only web dashboard: the cluster live and at any past seq")
+    p.add_argument("--nats", default=os.environ.get("NDIF_NATS_URL", DEFAULT_URL),
+                   help="NATS URL (env NDIF_NATS_URL; default %(default)s)")
+    p.add_argument("--host", default=DEFAULT_HOST,
+                   help="address to listen on (default %(default)s; another one shows the cluster to whoever reaches it)")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help="port (default %(default)s; 0 = a free one)")
+
+
+async def _dashboard(a: argparse.Namespace) -> int:
+    from controlplane.dashboard.server import serve
+
+    if not 0 <= a.port <= 65535:
+        raise errs.InvalidCommand(f"--port must be 0..65535, got {a.port}")
+    from controlplane.store.credentials import resolve
+
+    await serve(a.nats, host=a.host, port=a.port, creds=resolve("dashboard", url=a.nats))
+    return 0
+
+
+ADMIN: dict[str, Callable[[argparse.Namespace, AdminClient], Coroutine[Any, Any, int]]] = {
+    "deploy": _command, "scale": _command, "scale-down": _command, "evict": _command, "restart": _command,
+    "undeploy": _command, "status": _status, "events": _events, "history": _history, "replay": _replay,
+}
+
+
+async def run_admin(a: argparse.Namespace) -> int:
+    if a.cmd == "controller":
+        return await _controller(a)
+    if a.cmd == "dashboard":
+        return await _dashboard(a)
+    async with await AdminClient.open(a.nats, timeout=a.timeout) as admin:
+        return await ADMIN[a.cmd](a, admin)
+
+
+def exit_code(exc: BaseException) -> int:
+    for cls, code in EXIT.items():
+        if isinstance(exc, cls):
+            return code
+    return 1
+
+
+def json_error(kind: str, message: str, code: int) -> None:
+    """What a command run with --json prints on stdout when it fails (stderr stays for logs)."""
+    _out({"ok": False, "error": kind, "message": message, "exit_code": code})
+
+
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("ndif-controlplane")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse whose usage errors are one JSON line on stdout when the command line has --json."""
+
+    json_errors = False  # set by main() from the command line, before parsing
+
+    def error(self, message: str) -> NoReturn:
+        if Parser.json_errors:
+            json_error("InvalidCommand", f"{self.prog}: {message}", 2)
+            sys.exit(2)
+        super().error(message)
+
+
+def build_parser(extra: Callable[[Any], None] | None = None) -> tuple[Parser, Any]:
+    """The `ndif` parser and its subparsers object (tests walk it to check every flag's help and docs)."""
+    parser = Parser(prog="ndif", description="ndif control plane: admin commands, services and requests "
+                                             "(docs/cli.md has every command, its --json shape and exit codes)")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version()}",
+                        help="print the installed version and exit")
+    sub = parser.add_subparsers(dest="cmd", metavar="COMMAND", title="commands")
+    add_admin_commands(sub)
+    add_dashboard_command(sub)
+    if extra:
+        extra(sub)
+    return parser, sub
+
+
+def main(argv: list[str] | None = None, extra: Callable[[Any], None] | None = None,
+         runners: dict[str, Callable[[argparse.Namespace], Coroutine[Any, Any, int]]] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else list(argv)
+    parser, sub = build_parser(extra)
+    Parser.json_errors = "--json" in args
+    if not args:  # bare `ndif`: the help, and exit 2 because no command ran
+        parser.print_help()
+        return 2
+    if not args[0].startswith("-") and args[0] not in sub.choices:
+        near = difflib.get_close_matches(args[0], list(sub.choices), n=2, cutoff=0.6)
+        hint = f"; did you mean {' or '.join(repr(n) for n in near)}?" if near else ""
+        parser.error(f"unknown command {args[0]!r}{hint} (`ndif --help` lists them)")
+    a = parser.parse_args(args)
+    if a.cmd is None:  # only options, no command (`ndif --json`)
+        parser.print_help()
+        return 2
+    as_json = bool(getattr(a, "json", False))
+    configure("INFO" if a.cmd in LONG_RUNNING else "WARNING")
+    runner = (runners or {}).get(a.cmd, run_admin)
+    try:
+        return asyncio.run(runner(a))
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        # The reader went away (`ndif status | head`): not an error of ours. Quiet, and the exit
+        # status a shell gives a command killed by SIGPIPE (141); stdout is pointed at /dev/null so
+        # that Python's own flush at exit does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
+    except errs.NdifError as exc:
+        if as_json:
+            json_error(type(exc).__name__, str(exc), exit_code(exc))
+        else:
+            print(f"error: {exc}", file=sys.stderr)
+        return exit_code(exc)
+    except Exception as exc:
+        if not as_json:
+            raise
+        traceback.print_exc(file=sys.stderr)
+        json_error(type(exc).__name__, str(exc) or type(exc).__name__, 1)
+        return 1

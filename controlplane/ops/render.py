@@ -1,0 +1,153 @@
+"""Plain-text views of the cluster projection for people (`ndif status`, the demo, `ndif replay`)."""
+
+from __future__ import annotations
+
+from controlplane.core.placement import padded
+from controlplane.core.projections import ClusterState, ReplicaView
+from controlplane.store.heartbeats import STALE_S
+from schemas.keys import display_name
+from schemas.status import Level
+
+GiB = 2**30
+
+
+def _gib(n: int) -> str:
+    return f"{n / GiB:,.1f}"
+
+
+def human_bytes(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:,.1f} {unit}"
+    return f"{n} B"
+
+
+def _table(rows: list[list[str]], header: list[str]) -> list[str]:
+    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows, strict=False)]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    return [fmt.format(*header), fmt.format(*("-" * w for w in widths))] + [fmt.format(*r) for r in rows]
+
+
+def holds(r: ReplicaView) -> bool:
+    """Does the replica hold (or is it taking) anything on its node: cards, or CPU memory (WARM)?
+    A COLD replica that holds nothing is shown without its old node and cards."""
+    return r.on_gpu or r.cpu_bytes > 0
+
+
+def hot_count(state: ClusterState, model_key: str) -> int:
+    """Replicas of a model whose weights are on GPU now (observed), not the ones asked for."""
+    return sum(1 for r in state.model_replicas(model_key) if r.level is Level.HOT)
+
+
+def heartbeat_text(age: float | None, alive: bool) -> str:
+    """A node's heartbeat for people: its age, marked STALE past `STALE_S` (or none kept at all)."""
+    if age is None:
+        return "none (STALE)" if alive else "none"
+    return f"{age:.1f}s ago" + (" (STALE)" if age > STALE_S and alive else "")
+
+
+def render_status(state: ClusterState, heartbeats: dict[str, float | None] | None = None) -> str:
+    """Nodes and cards (GiB reserved / total), models, replicas (desired vs observed), anomalies.
+
+    With `heartbeats` (node id -> seconds since its last heartbeat; `ndif status`, not `replay`),
+    the nodes table has a heartbeat column."""
+    out = [f"cluster at seq {state.seq}"]
+    if state.nodes:
+        rows = []
+        for node_id in sorted(state.nodes):
+            node = state.nodes[node_id]
+            cards = " ".join(f"gpu{c.index}:{_gib(c.reserved_bytes)}/{_gib(c.total_bytes)}"
+                             for c in state.node_cards(node_id))
+            rows.append([node_id, "up" if node.alive else "LOST", cards or "-",
+                         f"{_gib(state.cpu_committed(node_id))}/{_gib(node.cpu_cache_bytes)}"])
+            if heartbeats is not None:
+                rows[-1].append(heartbeat_text(heartbeats.get(node_id), node.alive))
+        header = ["node", "state", "gpus", "cpu cache committed"] + (["heartbeat"] if heartbeats is not None else [])
+        out += ["", "NODES (GiB reserved/total)"] + _table(rows, header)
+    if state.models:
+        rows = []
+        for mk in sorted(state.models):
+            m = state.models[mk]
+            size = human_bytes(m.registration.size_bytes) if m.registration else "?"
+            charge = _charge(state, mk)
+            rows.append([display_name(mk), str(state.model_status(mk)), str(hot_count(state, mk)),
+                         str(state.replica_count(mk)), str(m.target_hot), size,
+                         human_bytes(charge) if charge is not None else "?",
+                         f"{m.headroom:.0%}" if m.headroom is not None else "default",
+                         str(m.gpus) if m.gpus else "auto", "yes" if m.dedicated else "no"])
+        out += ["", "MODELS (hot: on GPU now; replica count: desired HOT; target_hot: of the last deploy/scale)"] + _table(
+            rows, ["model", "status", "hot", "replica count", "target_hot", "size", "charge", "headroom", "gpus",
+                   "dedicated"])
+    live = [r for r in state.replicas.values()]
+    if live:
+        rows = []
+        for r in sorted(live, key=lambda r: (display_name(r.model_key), r.replica_id)):
+            if not holds(r) or not r.node_id:
+                where = "-"
+            elif r.on_gpu:
+                where = f"{r.node_id}:{','.join(map(str, r.gpu_indices))}"
+            else:
+                where = f"{r.node_id}:cpu"
+            rows.append([display_name(r.model_key), str(r.replica_id), str(r.level), str(r.desired), str(r.state),
+                         where, str(r.since_seq), (r.error or "")[:40]])
+        out += ["", "REPLICAS"] + _table(rows, ["model", "id", "level", "desired", "state", "node:gpus", "since",
+                                                "error"])
+    if state.anomaly_count or state.skipped:
+        out += ["", f"ANOMALIES: {state.anomaly_count} (unreadable events: {state.skipped})"]
+        out += [f"  seq {a.seq} {a.event_type}: {a.message}" for a in state.anomalies[-5:]]
+    return "\n".join(out)
+
+
+def _charge(state: ClusterState, model_key: str) -> int | None:
+    """What placement charges one replica of the model: its size plus its recorded headroom (None
+    when the model has no size, or no headroom recorded: then the controller's default applies)."""
+    m = state.models[model_key]
+    if m.registration is None or m.headroom is None:
+        return None
+    return padded(m.registration.size_bytes, m.headroom)
+
+
+def status_json(state: ClusterState, heartbeats: dict[str, float | None] | None = None) -> dict[str, object]:
+    """`ndif status --json` / `ndif replay --json`: the stable shape documented in docs/cli.md.
+
+    With `heartbeats` (`ndif status` only) each node also has `heartbeat_age_s` (None: no heartbeat
+    kept) and `stale` (a node the log says is alive whose heartbeat is older than `STALE_S`)."""
+    nodes = []
+    for node_id in sorted(state.nodes):
+        node = state.nodes[node_id]
+        nodes.append({
+            "node_id": node_id, "alive": node.alive, "hostname": node.hostname,
+            "cpu_cache_bytes": node.cpu_cache_bytes, "cpu_cached_bytes": state.cpu_cached(node_id),
+            "cpu_committed_bytes": state.cpu_committed(node_id),
+            "gpus": [{"index": c.index, "total_bytes": c.total_bytes, "reserved_bytes": c.reserved_bytes,
+                      "committed_bytes": c.committed_bytes, "used_bytes": c.used_bytes, "free_bytes": c.free_bytes,
+                      "replicas": [{"model_key": m, "replica_id": r, "bytes": b} for m, r, b in c.replicas]}
+                     for c in state.node_cards(node_id)],
+        })
+        if heartbeats is not None:
+            age = heartbeats.get(node_id)
+            nodes[-1]["heartbeat_age_s"] = age
+            nodes[-1]["stale"] = node.alive and (age is None or age > STALE_S)
+    models = []
+    for mk in sorted(state.models):
+        m = state.models[mk]
+        models.append({
+            "model_key": mk, "name": display_name(mk), "status": str(state.model_status(mk)),
+            "replica_count": state.replica_count(mk), "hot": hot_count(state, mk), "target_hot": m.target_hot,
+            "dedicated": m.dedicated,
+            "size_bytes": m.registration.size_bytes if m.registration else None,
+            "checkpoint": m.registration.checkpoint if m.registration else None,
+            "next_replica_id": m.next_replica_id,
+            "headroom": m.headroom, "charge_bytes": _charge(state, mk), "gpus": m.gpus,
+        })
+    replicas = [{
+        "model_key": r.model_key, "replica_id": r.replica_id, "level": str(r.level), "desired": str(r.desired),
+        "state": str(r.state), "node_id": r.node_id if holds(r) else "",
+        "gpu_indices": list(r.gpu_indices) if r.on_gpu else [], "last_node_id": r.node_id,
+        "bytes_per_gpu": r.bytes_per_gpu, "cpu_bytes": r.cpu_bytes, "dedicated": r.dedicated,
+        "restarts": r.restarts, "error": r.error, "since_seq": r.since_seq,
+    } for r in sorted(state.replicas.values(), key=lambda r: (r.model_key, r.replica_id))]
+    anomalies = [{"seq": a.seq, "event_type": a.event_type, "message": a.message, "model_key": a.model_key,
+                  "replica_id": a.replica_id} for a in state.anomalies]
+    return {"seq": state.seq, "nodes": nodes, "models": models, "replicas": replicas, "anomalies": anomalies,
+            "anomaly_count": state.anomaly_count, "skipped": state.skipped}

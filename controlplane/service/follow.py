@@ -1,0 +1,49 @@
+"""The one "follow the log" loop every service runs (controller, node agent, dispatcher, dashboard).
+
+Each folds the same events through the same reducers; what differs is what it does after a batch.
+The loop resumes from the service's own fold (`next_seq()`), so an interrupted feed (a server
+restart, a leader change) picks up exactly where the fold stopped: no gap, no double apply.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+from controlplane.core.ports import EventLog, Stored
+from controlplane.core.projections.base import Projection
+from controlplane.service.logs import log_new_anomalies
+from schemas.errors import InfrastructureError
+
+RETRY_S = 0.5  # pause before following again after the feed broke
+
+
+async def follow_log(log: EventLog, next_seq: Callable[[], int], on_batch: Callable[[list[Stored]], None],
+                     *, logger: Any, fold: Callable[[], Projection] | None = None, retry_s: float = RETRY_S) -> None:
+    """Feed every batch of events from `next_seq()` on to `on_batch`, forever, across interruptions.
+
+    `on_batch` is synchronous (it folds and schedules work; it never awaits), so a batch is applied
+    whole before the next one is read. Cancellation stops the loop; any other error is logged
+    (`follow_interrupted` for the infrastructure, `follow_failed` with a traceback otherwise) and
+    the loop follows again from the fold's position after `retry_s`.
+
+    With `fold` (the service's projection), what the fold found in each batch (anomalies, unreadable
+    messages; the fold itself never logs) is logged once here: the history a service rebuilt from
+    before following is not logged again on a restart.
+    """
+    while True:
+        try:
+            async for batch in log.follow_batches(next_seq()):
+                mark = next_seq() - 1
+                on_batch(batch)
+                if fold is not None:
+                    log_new_anomalies(logger, fold(), mark)
+        except asyncio.CancelledError:
+            raise
+        except InfrastructureError as exc:
+            logger.warning("follow_interrupted", error=str(exc))
+            await asyncio.sleep(retry_s)
+        except Exception as exc:
+            logger.exception("follow_failed", error=str(exc) or type(exc).__name__)
+            await asyncio.sleep(retry_s)

@@ -1,0 +1,141 @@
+"""Credentials: who a process is on NATS, where its file lives, and which one a local command uses.
+
+A `Creds` is one NATS user (role, user name, password, subject token). `ndif up` makes them
+(controlplane/ops/auth.py, with the server config); services, the CLI and the SDK only read them:
+`resolve(role, url=...)` finds the file a local command of that role uses.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import re
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import msgspec
+
+from schemas.errors import InvalidCommand
+from schemas.subjects import node_token
+
+_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+class Creds(msgspec.Struct, frozen=True, kw_only=True):
+    """One user's credentials: `name` is its subject token (client users, agent node tokens)."""
+
+    role: str
+    user: str
+    password: str
+    name: str = ""
+    node_id: str = ""
+
+    @property
+    def inbox_prefix(self) -> str:
+        return f"_INBOX_{self.user}"
+
+    def connect_options(self) -> dict[str, Any]:
+        return {"user": self.user, "password": self.password, "inbox_prefix": self.inbox_prefix}
+
+
+def _check_name(name: str, what: str) -> str:
+    if not _NAME.match(name):
+        raise InvalidCommand(f"{what} {name!r}: 1-64 characters of [A-Za-z0-9_-]")
+    return name
+
+
+def user_name(role: str, *, name: str = "", node_id: str = "") -> str:
+    if role == "agent":
+        return f"agent-{node_token(node_id)}"
+    if role == "client":
+        return f"client-{_check_name(name, 'client name')}"
+    return role
+
+
+def request_msg_id(request_id: str, creds: Creds | None) -> str:
+    """The `Nats-Msg-Id` a client stores its request under: `<user>.<mac>.<request id>`, where
+    `mac` is keyed by the client's own password, so no other user can compute it.
+
+    The request stream deduplicates by this id across all users, and no permission can check a
+    header: with a guessable id (`<user>.<request id>`) anyone could publish first under another
+    user's future id and have the victim's request dropped as a duplicate. A resend of the same
+    request by its owner still gets the same id (stored once). Without a client's credentials (an
+    open server) it is the request id alone. The last token is the request id, as readers expect.
+    """
+    if creds is None or creds.role != "client":
+        return request_id
+    mac = hmac.new(creds.password.encode(), f"{creds.user}.{request_id}".encode(), hashlib.sha256).hexdigest()[:32]
+    return f"{creds.name}.{mac}.{request_id}"
+
+
+# ---- files under $NDIF_HOME ---------------------------------------------------------------------
+
+
+def ndif_home() -> Path:
+    return Path(os.environ.get("NDIF_HOME") or (Path.home() / ".ndif"))
+
+
+def auth_dir(home: Path | None = None) -> Path:
+    return (home or ndif_home()) / "auth"
+
+
+def creds_file(role: str, *, name: str = "", node_id: str = "", home: Path | None = None) -> Path:
+    d = auth_dir(home)
+    if role == "agent":
+        return d / f"agent-{node_token(node_id)}.creds"
+    if role == "client":
+        return d / f"client-{name}.creds"
+    return d / f"{role}.creds"
+
+
+def _write_private(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.chmod(path.parent, 0o700)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.chmod(tmp, 0o600)
+    os.replace(tmp, path)
+
+
+def load_creds(path: Path) -> Creds:
+    try:
+        return msgspec.json.decode(path.read_bytes(), type=Creds)
+    except (OSError, msgspec.DecodeError) as exc:
+        raise InvalidCommand(f"credentials file {path}: {exc}") from None
+
+
+def save_creds(c: Creds, path: Path) -> None:
+    _write_private(path, msgspec.json.encode(c))
+
+
+def local_client_name() -> str:
+    """The client user of this machine's person (from $USER, made subject-safe)."""
+    raw = os.environ.get("NDIF_CLIENT_NAME") or os.environ.get("USER") or "local"
+    return re.sub(r"[^A-Za-z0-9_-]", "_", raw)[:64] or "local"
+
+
+def _loopback(url: str) -> bool:
+    hosts = [urlparse(u.strip() if "://" in u else f"nats://{u.strip()}").hostname for u in url.split(",")]
+    return all(h in ("127.0.0.1", "localhost", "::1") for h in hosts)
+
+
+def resolve(role: str, *, url: str, node_id: str = "", name: str = "") -> Creds | None:
+    """The credentials a local command of `role` uses when given none.
+
+    `NDIF_CREDS` (a credentials file) wins; else, for a loopback URL, `$NDIF_HOME/auth/`'s file of
+    this role (the client of $USER, the agent of `node_id`), if `ndif up` made one; else None (an
+    open server). Local files are never sent to a remote server.
+    """
+    env = os.environ.get("NDIF_CREDS")
+    if env:
+        return load_creds(Path(env))
+    if not _loopback(url):
+        return None
+    if role == "client":
+        name = name or local_client_name()
+    path = creds_file(role, name=name, node_id=node_id)
+    return load_creds(path) if path.exists() else None

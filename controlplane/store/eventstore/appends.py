@@ -1,0 +1,143 @@
+"""Guarded appends to the event stream (docs/architecture.md §5, pitfalls §10).
+
+- one event: an awaited request with `Nats-Expected-Last-Sequence` (never `publish_async`, which
+  swallows error acks);
+- several: one atomic batch (`Nats-Batch-Id/-Sequence/-Commit`), the expectation on message 1;
+- an ambiguous answer (timeout, 10071 "wrong last sequence", 10201 "batch holds a duplicate id")
+  is resolved by reading the log at expected+1 before anything is called a conflict.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from collections.abc import Sequence
+
+import msgspec
+import nats.errors
+import nats.js.errors
+import structlog
+from nats.aio.client import Client as NatsClient
+from nats.js import JetStreamContext
+
+from controlplane.core.ports import AppendResult
+from controlplane.store.eventstore.topology import last_seq
+from schemas.errors import ConflictError, InfrastructureError, InfrastructureTimeout, InvalidCommand
+from schemas.events import Event, check_batch, encode_event, event_headers, event_subject
+from schemas.subjects import EVENTS_STREAM, HDR_MSG_ID
+
+logger = structlog.get_logger("ndif.eventstore")
+
+ERR_WRONG_LAST_SEQ = 10071
+ERR_BATCH_TOO_LARGE = 10199
+ERR_BATCH_DUPLICATE = 10201
+_LAST_SEQ_RE = re.compile(r"wrong last sequence: (\d+)")
+
+
+class _ApiErr(msgspec.Struct):
+    code: int = 0
+    err_code: int = 0
+    description: str = ""
+
+
+class _PubAck(msgspec.Struct):
+    stream: str = ""
+    seq: int = 0
+    duplicate: bool = False
+    count: int = 0
+    error: _ApiErr | None = None
+
+
+_ack_decoder = msgspec.json.Decoder(_PubAck)
+
+
+async def append(nc: NatsClient, js: JetStreamContext, events: Sequence[Event], expected_last_seq: int | None,
+                 *, timeout: float, _resend: bool = False) -> AppendResult:
+    """`EventLog.append` (controlplane/core/ports.py) on the event stream; requests wait up to `timeout`."""
+    check_batch(events)
+    n = len(events)
+    try:
+        if n == 1:
+            ack = await _publish_one(nc, events[0], expected_last_seq, timeout)
+        else:
+            ack = await _publish_batch(nc, events, expected_last_seq, timeout)
+    except (TimeoutError, nats.errors.TimeoutError):
+        if expected_last_seq is None:
+            # Unguarded observed facts: a resend with the same ids is deduplicated by the server.
+            if _resend:
+                raise InfrastructureTimeout(
+                    f"append of {n} observed events timed out twice; is JetStream up? (`ndif up`)") from None
+            return await append(nc, js, events, None, timeout=timeout, _resend=True)
+        # The request may or may not have been stored: find out before answering.
+        found = await _read_back(js, events, expected_last_seq)
+        if found is not None:
+            return found
+        raise InfrastructureTimeout(
+            f"append of {n} events timed out and is not in the log after seq {expected_last_seq}; "
+            "retry with the same event ids (a late landing is then reported as already appended)"
+        ) from None
+    except nats.errors.NoRespondersError:
+        raise InfrastructureError(f"no stream answers on ndif.evt.>: create {EVENTS_STREAM} (`ndif up`)") from None
+    if ack.error is None:
+        if ack.duplicate and expected_last_seq is not None:  # a resend inside the duplicate window
+            found = await _read_back(js, events, expected_last_seq)
+            if found is not None:
+                return found
+            return AppendResult(first_seq=ack.seq - n + 1, last_seq=ack.seq, already_appended=True)
+        return AppendResult(first_seq=ack.seq - n + 1, last_seq=ack.seq)
+    err = ack.error
+    if err.err_code in (ERR_WRONG_LAST_SEQ, ERR_BATCH_DUPLICATE) and expected_last_seq is not None:
+        found = await _read_back(js, events, expected_last_seq)
+        if found is not None:
+            return found
+        m = _LAST_SEQ_RE.search(err.description)
+        actual = int(m.group(1)) if m else await last_seq(js, timeout)
+        raise ConflictError(
+            f"log moved: expected last seq {expected_last_seq}, it is {actual}; fold the tail and decide again",
+            expected_last_seq=expected_last_seq, actual_last_seq=actual,
+        )
+    if err.err_code == ERR_BATCH_TOO_LARGE:
+        raise InvalidCommand(f"append: batch refused as too large ({err.description})")
+    raise InfrastructureError(f"append refused by JetStream: {err.code}/{err.err_code} {err.description}")
+
+
+async def _publish_one(nc: NatsClient, ev: Event, expected: int | None, timeout: float) -> _PubAck:
+    hdr = event_headers(ev)
+    if expected is not None:
+        hdr["Nats-Expected-Last-Sequence"] = str(expected)
+    msg = await nc.request(event_subject(ev), encode_event(ev), timeout=timeout, headers=hdr)
+    return _ack_decoder.decode(msg.data)
+
+
+async def _publish_batch(nc: NatsClient, events: Sequence[Event], expected: int | None, timeout: float) -> _PubAck:
+    batch_id = uuid.uuid4().hex
+    last = len(events)
+    for i, ev in enumerate(events[:-1], start=1):
+        hdr = event_headers(ev)
+        hdr["Nats-Batch-Id"] = batch_id
+        hdr["Nats-Batch-Sequence"] = str(i)
+        if i == 1 and expected is not None:
+            hdr["Nats-Expected-Last-Sequence"] = str(expected)
+        await nc.publish(event_subject(ev), encode_event(ev), headers=hdr)
+    ev = events[-1]
+    hdr = event_headers(ev)
+    hdr.update({"Nats-Batch-Id": batch_id, "Nats-Batch-Sequence": str(last), "Nats-Batch-Commit": "1"})
+    msg = await nc.request(event_subject(ev), encode_event(ev), timeout=timeout, headers=hdr)
+    return _ack_decoder.decode(msg.data)
+
+
+async def _read_back(js: JetStreamContext, events: Sequence[Event], expected: int) -> AppendResult | None:
+    """Are these event ids stored right after `expected`? (Then a resend or late success.)"""
+    n = len(events)
+    for offset, ev in ((0, events[0]), (n - 1, events[-1])):
+        try:
+            raw = await js.get_msg(EVENTS_STREAM, expected + 1 + offset, direct=True)
+        except (nats.js.errors.NotFoundError, nats.errors.TimeoutError, nats.errors.NoRespondersError):
+            return None
+        if not raw.headers or raw.headers.get(HDR_MSG_ID) != ev.event_id:
+            return None
+        if n == 1:
+            break
+    logger.info("append_already_stored", first_seq=expected + 1, events=n)
+    return AppendResult(first_seq=expected + 1, last_seq=expected + n, already_appended=True)
+

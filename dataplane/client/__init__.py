@@ -1,0 +1,9 @@
+"""The researchers' SDK: `from dataplane.client import Client`.
+
+Installs with the base package alone (nats-py, msgspec, structlog): nothing here imports torch,
+transformers or Ray (tests/unit/test_layering.py checks `sys.modules` after the import).
+"""
+
+from dataplane.client.sdk import DEFAULT_URL, Client, Job, RequestFailed
+
+__all__ = ["DEFAULT_URL", "Client", "Job", "RequestFailed"]
