@@ -89,6 +89,53 @@ def stop_process(proc: subprocess.Popen[Any], sig: int = signal.SIGTERM, timeout
         proc.wait()
 
 
+class StoreInUse(InfrastructureError):
+    """Another live cluster holds this JetStream store (exit 5, nothing of the store opened)."""
+
+
+class StoreLock:
+    """An exclusive lock on a JetStream store directory: one cluster per store.
+
+    Two nats-servers on one store corrupt it (a second `ndif up` on another port with the same
+    `NDIF_HOME` once rewrote the live cluster's acknowledged history). `flock` on `<store>/ndif.lock`,
+    taken before anything in the store is opened, held by this process and inherited by the
+    nats-server child (so an orphaned server still holds it), and released by the kernel when both
+    are gone, however they end. The file names its holder (pid and port) for the refusal.
+    """
+
+    NAME = "ndif.lock"
+
+    def __init__(self, store_dir: Path) -> None:
+        self.path = store_dir / self.NAME
+        self.fd: int | None = None
+
+    def acquire(self, port: int) -> int:
+        if self.fd is not None:
+            return self.fd
+        import fcntl
+
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 200).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise StoreInUse(
+                f"the JetStream store {self.path.parent} is in use by another cluster ({holder}): stop that one "
+                "first, or start this one with another NDIF_HOME (or --store DIR) and another --port",
+                retryable=False) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()}, port {port}\n".encode(), 0)
+        self.fd = fd
+        return fd
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
 class EmbeddedNats:
     """A `nats-server -js` child process on 127.0.0.1.
 
@@ -117,6 +164,7 @@ class EmbeddedNats:
         self.server_name = f"ndif-{uuid.uuid4().hex[:12]}"
         self.die_with_parent = die_with_parent
         self._log_path = self.store_dir / "nats-server.log"
+        self._lock = StoreLock(self.store_dir)
 
     @property
     def url(self) -> str:
@@ -126,6 +174,7 @@ class EmbeddedNats:
         if self.proc is not None and self.proc.poll() is None:
             return self
         self.store_dir.mkdir(parents=True, exist_ok=True)
+        lock_fd = self._lock.acquire(self.port)  # before anything in the store is opened
         # Settings with no command-line flag, and the users and their permissions when there are
         # any (0600: it holds their passwords; nats-server reads one config file).
         conf = self.store_dir / "server.conf"
@@ -136,7 +185,7 @@ class EmbeddedNats:
         args = [find_nats_server(), "-c", str(conf), "-js", "-sd", str(self.store_dir / "jetstream"), "-a", self.host,
                 "-p", str(self.port), "-n", self.server_name, "-l", str(self._log_path), *self.extra_args]
         self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.PIPE, start_new_session=True,
+                                     stderr=subprocess.PIPE, start_new_session=True, pass_fds=(lock_fd,),
                                      preexec_fn=die_with_parent if self.die_with_parent else None)
         self._wait_ready()
         logger.info("nats_server_started", url=self.url, store_dir=str(self.store_dir), pid=self.proc.pid)
@@ -173,6 +222,7 @@ class EmbeddedNats:
             return
         stop_process(self.proc, signal.SIGTERM, timeout)
         self.proc = None
+        self._lock.release()
 
     def kill(self) -> None:
         """SIGKILL: a crash, no flush. `start()` again to recover from the same store."""
@@ -183,6 +233,7 @@ class EmbeddedNats:
 
     def close(self) -> None:
         self.stop()
+        self._lock.release()
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None

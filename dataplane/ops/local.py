@@ -16,7 +16,7 @@ from typing import Any
 
 from controlplane.dashboard.server import Dashboard, open_dashboard
 from controlplane.ops.auth import LocalAuth
-from controlplane.ops.nats_server import EmbeddedNats
+from controlplane.ops.nats_server import EmbeddedNats, StoreInUse
 from controlplane.service.controller import Controller
 from controlplane.store.credentials import Creds
 from controlplane.store.eventstore import JetStreamEventLog
@@ -72,6 +72,8 @@ class LocalCluster:
         """Start nats-server (InfrastructureError with one clear line when it cannot); its URL."""
         try:
             self.nats.start()
+        except StoreInUse:
+            raise  # its message says what to do; the port is not the problem
         except Exception as exc:  # noqa: BLE001 - port taken, binary missing: one clear line
             raise InfrastructureError(f"cannot start nats-server on port {self.nats.port} "
                                       f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__}); "

@@ -137,3 +137,47 @@ async def test_kill_9_of_up_leaves_no_process_behind_and_status_marks_the_node_s
     ran = await ndif(url, "status", env={"NDIF_HOME": str(up.home)})
     line = next(ln for ln in ran.out.splitlines() if ln.startswith(socket.gethostname()))
     assert "STALE" in line, ran.out
+
+
+async def _events(url: str, home: Path) -> list[tuple[int, bytes]]:
+    """Every stored event as (seq, its encoded body): what the log acknowledged, byte for byte."""
+    import msgspec
+
+    log = await JetStreamEventLog.open(url, ensure=False, creds=load_creds(creds_file("admin", home=home)))
+    try:
+        return [(seq, msgspec.json.encode(item)) async for batch in log.read_batches() for seq, item in batch]
+    finally:
+        await log.close()
+
+
+async def test_a_second_up_on_the_same_home_refuses_before_opening_the_store_and_the_log_keeps_what_it_acked(
+        tmp_path: Path, ups: list[Up]) -> None:
+    from dataplane.node.tiny_models import make_tiny_gpt2
+
+    port = free_port()
+    url = f"nats://127.0.0.1:{port}"
+    first = Up(tmp_path, "first", port, "--gpus", "1")
+    ups.append(first)
+    model = await asyncio.to_thread(make_tiny_gpt2, tmp_path / "models" / "tiny-gpt2")
+    await asyncio.to_thread(first.wait_running)
+    ran = await ndif(url, "deploy", str(model), "--replicas", "1", env={"NDIF_HOME": str(first.home)})
+    assert ran.rc == 0, ran.err
+    acked = await _events(url, first.home)
+    assert acked
+
+    # The hint an operator follows after "port in use": another port, the same home (and so the same store).
+    second = Up(tmp_path, "second", free_port(), "--gpus", "1", store="first")
+    ups.append(second)
+    rc = await asyncio.to_thread(second.proc.wait, 120)
+    err = second.err.read_text().strip().splitlines()
+    assert rc == 5, (rc, err)
+    assert len(err) == 1 and "is in use by another cluster" in err[0] and f"pid {first.proc.pid}" in err[0], err
+    assert "NDIF_HOME" in err[0] and "--port" in err[0]
+    assert (await _events(url, first.home))[:len(acked)] == acked
+
+    # After a restart of the first cluster, its log holds exactly what it acknowledged.
+    first.stop()
+    again = Up(tmp_path, "again", port, "--gpus", "1", store="first")
+    ups.append(again)
+    await asyncio.to_thread(again.wait_running)
+    assert (await _events(url, first.home))[:len(acked)] == acked
