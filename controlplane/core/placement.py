@@ -7,9 +7,11 @@ and the tie-break seed come in and are recorded in the events). NDIF's rules:
   CACHED_AND_FREE (a WARM copy there and it fits), FREE, CACHED_AND_FULL, FULL (fits after
   evictions), CANT_ACCOMMODATE. WARM copies are reused first, keeping their replica ids;
 - replicas of one model spread (what fits without evictions is ranked by): first a card that holds
-  no replica of the model, then a node holding fewer replicas of it, then a WARM copy there, then
-  the seeded node order. Within a node, cards are best fit (least free first), so other models
-  still pack and big models keep finding whole cards;
+  the fewest replicas of the model (none, while one is left), then a node holding fewer replicas
+  of it, then a WARM copy there, then the seeded node order. Within a node, cards are taken by
+  (fewest replicas of the model, not being vacated by a leaving replica, best fit: least free
+  first): 4 replicas on 2 free cards land 2+2, a new replica never waits for a card another is
+  leaving while a free one fits, other models still pack and big models keep finding whole cards;
 - several models in one call: largest first;
 - a model is charged its measured size plus its headroom (a setting: the controller's default or
   the model's own, recorded in its events), and only its share of each card: up to one card's size
@@ -240,14 +242,16 @@ class _Spread:
 
     def __init__(self, w: _Work, model_key: str) -> None:
         self.count: dict[str, int] = {}  # node -> replicas of the model there
-        self.cards: dict[str, set[int]] = {}  # node -> cards holding one of them
+        self.cards: dict[str, dict[int, int]] = {}  # node -> card -> replicas of the model on it
         for r in w.state.model_replicas(model_key):
             if r.on_gpu and r.desired is Level.HOT and r.key not in w.gone:
                 self.add(r.node_id, r.gpu_indices)
 
     def add(self, node_id: str, gpus: Iterable[int]) -> None:
         self.count[node_id] = self.count.get(node_id, 0) + 1
-        self.cards.setdefault(node_id, set()).update(gpus)
+        on = self.cards.setdefault(node_id, {})
+        for g in gpus:
+            on[g] = on.get(g, 0) + 1
 
 
 def _node_evictions(w: _Work, node_id: str, req: PlacementRequest, n: int, bpg: int, now_s: float, min_deploy_s: float,
@@ -487,14 +491,14 @@ def _choose(w: _Work, nodes: list[NodeView], pos: _Positions, req: PlacementRequ
             now_s: float, min_deploy_s: float) -> _Choice | None:
     """The best node for one more replica: (level, node, cards, bytes per card, evictions, WARM copy).
 
-    What fits without evictions ranks by (shares a card with the model, replicas of the model on
-    the node, no WARM copy there, seeded node order). Nodes holding the model or a WARM copy of it
+    What fits without evictions ranks by (the most replicas of the model on a card it would share,
+    replicas of the model on the node, no WARM copy there, seeded node order). Nodes holding the model or a WARM copy of it
     are few and ranked exactly; every other node ranks (no, 0, no WARM, order), so the first of
     them that fits is the only one worth finding. Only when nothing fits as is are eviction costs
     computed, over every node.
     """
     warm_by_node = _warm_copies(w, req.model_key)
-    best: tuple[tuple[bool, int, bool, int], _Choice] | None = None
+    best: tuple[tuple[int, int, bool, int], _Choice] | None = None
     special = set(spread.count) | set(warm_by_node)
     for node_id in special:
         if node_id not in pos:
@@ -508,7 +512,7 @@ def _choose(w: _Work, nodes: list[NodeView], pos: _Positions, req: PlacementRequ
         if best is None or rank < best[0]:
             level = Candidate.CACHED_AND_FREE if warm else Candidate.DEPLOYED if count else Candidate.FREE
             best = (rank, (level, node_id, fit[0], fit[1], (), warm))
-    if best is None or best[0][:3] > (False, 0, True):  # a node without the model would rank better
+    if best is None or best[0][:3] > (0, 0, True):  # a node without the model would rank better
         shapes: dict[int, tuple[int, int]] = {}  # largest card -> (cards, bytes per card)
         state, touched = w.state, w.touched
         for node in nodes:
@@ -642,9 +646,13 @@ def _sets_budget(nodes: int) -> int | None:
 
 
 def _fits(w: _Work, node: NodeView, size: int, gpus: int | None,
-          avoid: set[int] | None) -> tuple[tuple[int, ...], int, bool] | None:
-    """(cards, bytes per card, shares a card in `avoid`) if the replica fits on the node without
-    evictions: cards outside `avoid` first, best fit (least free first) within each group."""
+          crowd: dict[int, int] | None) -> tuple[tuple[int, ...], int, int] | None:
+    """(cards, bytes per card, the most replicas of the model on one chosen card) if the replica
+    fits on the node without evictions. Cards are taken by (fewest replicas of the model on them,
+    from `crowd`; not being vacated; best fit: least free first): so replicas of one model spread
+    evenly over a node's cards (4 on 2 cards land 2+2), a card another replica is leaving is used
+    only when no other card fits (its load would wait for that replica to go), and other models
+    still pack."""
     card_bytes, free, _, _, _ = w.state.node_free(node.node_id)
     n, bpg = _shape(size, card_bytes, gpus)
     # The state's per-node index rejects most full nodes in O(1); nodes this plan changed are exact below.
@@ -654,12 +662,19 @@ def _fits(w: _Work, node: NodeView, size: int, gpus: int | None,
     for g in node.gpus:
         f = w.free(node.node_id, g.index, g.memory_bytes)
         if f >= bpg:
-            fitting.append((bool(avoid) and g.index in avoid, f, g.index))  # type: ignore[operator]
+            fitting.append(((crowd or {}).get(g.index, 0), _vacating(w, node.node_id, g.index), f, g.index))
     if len(fitting) < n:
         return None
     fitting.sort()
     chosen = fitting[:n]
-    return tuple(sorted(i for _, _, i in chosen)), bpg, any(a for a, _, _ in chosen)
+    return tuple(sorted(c[3] for c in chosen)), bpg, max(c[0] for c in chosen)
+
+
+def _vacating(w: _Work, node_id: str, index: int) -> bool:
+    """Does a replica that is leaving (no longer desired HOT, or evicted by this plan) still hold the card?"""
+    replicas = w.state.replicas
+    return any(w.state.replicas[k].desired is not Level.HOT or k in w.gone
+               for k in w.state.card_replicas(node_id, index) if k in replicas)
 
 
 def _best_offer(w: _Work, nodes: list[NodeView], size: int, gpus: int | None = None) -> int:

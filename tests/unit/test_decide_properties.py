@@ -91,21 +91,21 @@ def reference_choose(w, nodes, pos, req, size, spread, now_s, min_deploy_s):
     """Placement's node choice by exhaustive ranking of every node (no early exit, no index, no pruning)."""
     warm_by_node = placement._warm_copies(w, req.model_key)
     best = None
-    for i, node in enumerate(nodes):  # what fits as is: (shares a card with the model, its replicas there, no WARM, order)
+    for i, node in enumerate(nodes):  # what fits as is: (most of the model on a chosen card, its replicas there, no WARM, order)
         n, bpg = placement._shape(size, node.max_card_bytes, req.gpus)
-        avoid = spread.cards.get(node.node_id, set())
-        fitting = sorted((g.index in avoid, f, g.index) for g in node.gpus
-                         if (f := w.free(node.node_id, g.index, g.memory_bytes)) >= bpg)
+        crowd = spread.cards.get(node.node_id, {})
+        fitting = sorted((crowd.get(g.index, 0), placement._vacating(w, node.node_id, g.index), f, g.index)
+                         for g in node.gpus if (f := w.free(node.node_id, g.index, g.memory_bytes)) >= bpg)
         if len(fitting) < n:
             continue
         chosen = fitting[:n]
         warm = warm_by_node.get(node.node_id)
         count = spread.count.get(node.node_id, 0)
-        rank = (any(a for a, _, _ in chosen), count, warm is None, i)
+        rank = (max(c[0] for c in chosen), count, warm is None, i)
         level = (placement.Candidate.CACHED_AND_FREE if warm else placement.Candidate.DEPLOYED if count
                  else placement.Candidate.FREE)
         if best is None or rank < best[0]:
-            best = (rank, (level, node.node_id, tuple(sorted(i for _, _, i in chosen)), bpg, (), warm))
+            best = (rank, (level, node.node_id, tuple(sorted(c[3] for c in chosen)), bpg, (), warm))
     if best is not None:
         return best[1]
     for node in nodes:  # then evictions: (level, how many, how many bytes, order)

@@ -7,7 +7,8 @@ from datetime import timedelta
 import pytest
 
 from controlplane.core.placement import Candidate, PlacementRequest, padded, plan
-from schemas.status import Level
+from schemas import events as E
+from schemas.status import EvictionReason, Level
 from tests.cluster_builder import GB, T0, Builder
 
 A, B = "node-a", "node-b"
@@ -137,3 +138,22 @@ def test_placement_is_deterministic_and_seeded():
 def test_every_candidate_level_is_covered(level):
     # (guards the list above: a new level without a test here fails)
     assert level.name in {"DEPLOYED", "CACHED_AND_FREE", "FREE", "CACHED_AND_FULL", "FULL", "CANT_ACCOMMODATE"}
+
+
+def test_replicas_of_one_model_fill_a_nodes_cards_evenly():
+    """Once every card holds a replica of the model, the next goes to the card holding the fewest:
+    4 replicas on 2 free cards land 2+2, not 3+1."""
+    s = Builder().node(A, gpus=2).state
+    p = one(s, "m", 1, n=4)
+    per_card = sorted(sum(1 for pl in p.placed if pl.gpu_indices == (g,)) for g in (0, 1))
+    assert per_card == [2, 2], [pl.gpu_indices for pl in p.placed]
+
+
+def test_a_new_replica_takes_a_free_card_over_one_a_leaving_replica_still_holds():
+    """Best fit alone would pick the fuller card that a replica is leaving (its load would wait for
+    the eviction); a free card that fits wins."""
+    b = Builder().node(A, gpus=2).hot("other", 0, A, (0,), 30)
+    b.add(E.ReplicaEvictionRequested(event_id="ev-x", ts=T0, actor="controller", model_key="other", replica_id=0,
+                                     node_id=A, reason=EvictionReason.ADMIN, target=Level.WARM))
+    (pl,) = one(b.state, "m", 10).placed
+    assert pl.gpu_indices == (1,)
