@@ -63,10 +63,17 @@ class Evict(Command, frozen=True, kw_only=True, tag="evict"):
 
 
 class Restart(Command, frozen=True, kw_only=True, tag="restart"):
-    """Restart Available or Failed replicas in place; a LoadFailed one is scheduled again (same id)."""
+    """Restart Available or Failed replicas in place; a LoadFailed one is scheduled again (same id).
+
+    `rolling` (the CLI's and the admin client's default; `--all-at-once` turns it off): a model's
+    Available replicas restart one at a time, each after the previous is Available again, so the
+    model keeps serving. Absent in a command body means all at once, as commands meant before the
+    field existed.
+    """
 
     model_key: str
     replica_id: int | None = None
+    rolling: bool = False
 
 
 class Undeploy(Command, frozen=True, kw_only=True, tag="undeploy"):
@@ -170,10 +177,20 @@ def validate(cmd: AnyCommand, limits: Limits | None = None) -> AnyCommand:
     return cmd
 
 
+# Fields added to a command after commands were first recorded, with their defaults: at the default
+# they are left out of the fingerprint, so a command recorded before a field existed keeps its
+# fingerprint (a resent old command id is still recognised, and old decisions re-decide byte for byte).
+_LATER_FIELDS: dict[str, object] = {"rolling": False}
+
+
 def fingerprint(cmd: AnyCommand) -> str:
     """What a command asks, without who sent it or its id: the same id with another fingerprint is
     another command (refused). Taken after the model key is made canonical."""
-    body = msgspec.json.encode(msgspec.structs.replace(cmd, command_id="", actor=""))
+    fields = msgspec.to_builtins(msgspec.structs.replace(cmd, command_id="", actor=""))
+    for name, default in _LATER_FIELDS.items():
+        if name in fields and fields[name] == default:
+            del fields[name]
+    body = msgspec.json.encode(fields)
     return hashlib.blake2b(body, digest_size=12).hexdigest()
 
 

@@ -232,6 +232,18 @@ class ModelUndeployed(Event, frozen=True, kw_only=True, tag="ModelUndeployed"):
     replicas: int = 0  # replicas this decision asked to leave
 
 
+class RolloutUpdated(Event, frozen=True, kw_only=True, tag="RolloutUpdated"):
+    """A rolling restart of a model: `remaining` are the replicas still to restart, one at a time,
+    each after the one restarted last (`current`) is Available again. Appended with each step's
+    ReplicaRestartRequested; `remaining` empty ends the rollout, and `note` says why when it ends
+    early (the replica restarted last failed, the others left)."""
+
+    model_key: ModelKey
+    remaining: tuple[int, ...] = ()
+    current: int | None = None
+    note: str = ""
+
+
 class CommandDecided(Event, frozen=True, kw_only=True, tag="CommandDecided"):
     """An operator command was decided: the first event of its decision, and the only one when the
     decision changed nothing. It makes every command id durable (a no-op included) and lets a
@@ -344,6 +356,7 @@ AnyEvent = Union[
     ReplicaFailed,
     ModelUndeployed,
     CommandDecided,
+    RolloutUpdated,
 ]
 
 EVENT_TYPES: Final[dict[str, type[Event]]] = {

@@ -52,6 +52,7 @@ from schemas.events import (
     ReplicaEvictionRequested,
     ReplicaRestartRequested,
     ReplicaScheduled,
+    RolloutUpdated,
 )
 from schemas.keys import display_name
 from schemas.status import DeploymentOp, EvictionReason, Level, ReplicaState
@@ -261,13 +262,54 @@ def _restart(state: ClusterState, cmd: Restart, ctx: DecisionContext) -> list[Ev
             raise InvalidCommand(f"replica {cmd.replica_id} of {display_name(cmd.model_key)} is {r0.state}; "
                                  "only Available, Failed or LoadFailed replicas restart")
     out: list[Event] = []
+    # Rolling (a whole model): replicas that serve now restart one at a time; the others (Failed,
+    # LoadFailed) serve nothing, so they restart at once. A rollout under way is replaced.
+    rolling = cmd.rolling and cmd.replica_id is None
+    serving = sorted(r.replica_id for r in pool if r.state is S.AVAILABLE) if rolling else []
     for r in pool:
+        if r.state is S.AVAILABLE and rolling:
+            continue
         if r.state in (S.AVAILABLE, S.FAILED):
             out.append(ctx.event(ReplicaRestartRequested, model_key=r.model_key, replica_id=r.replica_id,
                                  node_id=r.node_id, attempt=r.restarts + 1))
         elif r.state is S.LOAD_FAILED and r.desired is Level.HOT:
             out.append(_reload(state, r, ctx))
+    if serving:
+        out += _rollout_step(state, cmd.model_key, tuple(serving), ctx)
     return out
+
+
+def _rollout_step(state: ClusterState, model_key: str, todo: tuple[int, ...], ctx: DecisionContext) -> list[Event]:
+    """Restart the first of `todo` that still serves; record the rest (RolloutUpdated)."""
+    skipped = []
+    for i, rid in enumerate(todo):
+        r = state.replicas.get((model_key, rid))
+        if r is None or r.state is not S.AVAILABLE or r.desired is not Level.HOT:
+            skipped.append(rid)
+            continue
+        note = f"skipped replica(s) {', '.join(map(str, skipped))}: no longer Available" if skipped else ""
+        return [ctx.event(ReplicaRestartRequested, model_key=model_key, replica_id=rid, node_id=r.node_id,
+                          attempt=r.restarts + 1),
+                ctx.event(RolloutUpdated, model_key=model_key, remaining=todo[i + 1:], current=rid, note=note)]
+    return [ctx.event(RolloutUpdated, model_key=model_key, remaining=(), current=None,
+                      note=f"ended: replica(s) {', '.join(map(str, skipped))} no longer Available")]
+
+
+def decide_rollout(state: ClusterState, model_key: str, ctx: DecisionContext) -> list[Event]:
+    """The next step of a model's rolling restart, once the replica restarted last is Available
+    again; the rollout stops (RolloutUpdated with nothing remaining, and why) if that replica
+    failed or left. Nothing while it is still restarting, or with no rollout under way."""
+    m = state.models.get(model_key)
+    if m is None or not m.rollout:
+        return []
+    cur = state.replicas.get((model_key, m.rollout_current)) if m.rollout_current is not None else None
+    if cur is not None and cur.desired is Level.HOT and cur.state is not S.AVAILABLE:
+        if cur.state in (S.FAILED, S.LOAD_FAILED):
+            return [ctx.event(RolloutUpdated, model_key=model_key, remaining=(), current=None,
+                              note=f"stopped: replica {cur.replica_id} is {cur.state} after its restart; "
+                                   f"replica(s) {', '.join(map(str, m.rollout))} not restarted")]
+        return []  # still coming back
+    return _rollout_step(state, model_key, m.rollout, ctx)
 
 
 def _reload(state: ClusterState, r: ReplicaView, ctx: DecisionContext) -> Event:
@@ -458,6 +500,12 @@ def summarize(command_id: str, events: Sequence[Event], first_seq: int, *, dupli
         parts.append("model undeployed: forgotten once every replica is unloaded")
     if rejections:
         parts.append(f"{short} replica(s) could not be placed (CANT_ACCOMMODATE)")
+    rollout = next((e for e in events if isinstance(e, RolloutUpdated)), None)
+    if rollout is not None and rollout.remaining:
+        parts.append(f"rolling: then replica(s) {', '.join(map(str, rollout.remaining))}, one at a time, "
+                     "each after the previous is Available again")
+    elif rollout is not None and rollout.note:
+        parts.append(rollout.note)
     if not parts:
         parts.append(head.note if head is not None and head.note else "nothing to do")
     ok = short == 0

@@ -29,10 +29,10 @@ from controlplane.service.logs import configure
 from controlplane.store.admin import AdminClient, resolve_name
 from controlplane.store.heartbeats import heartbeat_ages
 from schemas import errors as errs
-from schemas.commands import MAX_HEADROOM, CommandResult
-from schemas.events import Event, ReplicaEvent, Skipped, event_tag
+from schemas.commands import MAX_HEADROOM, CommandResult, ReplicaOutcome
+from schemas.events import Event, ReplicaEvent, RolloutUpdated, Skipped, event_tag
 from schemas.keys import canonical_model_key, display_name
-from schemas.status import ReplicaState
+from schemas.status import Level, ReplicaState
 
 DEFAULT_URL = "nats://127.0.0.1:4222"
 # A deploy/scale that placed fewer replicas than asked: its decision is in the log, but it fell short.
@@ -105,7 +105,7 @@ async def _command_on(a: argparse.Namespace, admin: AdminClient) -> int:
         case "evict":
             res = await admin.evict(a.model, replica_id=a.replica_id, all=a.all, cold=a.cold, command_id=cid)
         case "restart":
-            res = await admin.restart(a.model, replica_id=a.replica_id, command_id=cid)
+            res = await admin.restart(a.model, replica_id=a.replica_id, rolling=not a.all_at_once, command_id=cid)
         case "undeploy":
             res = await admin.undeploy(a.model, command_id=cid)
         case _:
@@ -119,6 +119,15 @@ async def _command_on(a: argparse.Namespace, admin: AdminClient) -> int:
                   "(free memory with `ndif evict` / `ndif scale-down`, or add nodes)", file=sys.stderr)
     if getattr(a, "wait", False) and res.replicas:
         state = await admin.wait(res, timeout=a.wait_timeout)
+        rollout = next((e for _, e in [p async for p in admin.log.read(res.first_seq, stop_seq=res.last_seq)]
+                        if isinstance(e, RolloutUpdated) and e.remaining), None) if a.cmd == "restart" else None
+        if rollout is not None:
+            # Every replica of the rollout, once it has ended: those restarted after the first too
+            # (their times count from the command, so they include the wait for their turn).
+            state = await admin.wait_rollout(rollout.model_key, timeout=a.wait_timeout)
+            later = tuple(ReplicaOutcome(model_key=rollout.model_key, replica_id=rid, level=Level.HOT,
+                                         action="restarted") for rid in rollout.remaining)
+            res = msgspec.structs.replace(res, replicas=res.replicas + later)
         # A restart's duration is from its decision to the replica serving again (the view's
         # load_seconds is the agent's figure for the last load from disk, not for this restart).
         decided = None
@@ -302,6 +311,9 @@ def add_admin_commands(sub: Any) -> None:
     p = sub.add_parser("restart", help="restart a replica (or all of a model's) keeping ids")
     p.add_argument("model", help=MODEL_HELP)
     p.add_argument("--replica-id", type=int, help="only this replica (default: every one of MODEL)")
+    p.add_argument("--all-at-once", action="store_true",
+                   help="restart every replica of MODEL at once (default: one at a time, each after the previous "
+                        "is Available again, so the model keeps serving)")
     mutating(p)
     p = sub.add_parser("undeploy", help="remove a model: drain and unload every replica, then forget it and its ids")
     p.add_argument("model", help=MODEL_HELP)

@@ -32,6 +32,7 @@ from controlplane.core.decide import (
     decide,
     decide_failure,
     decide_node_lost,
+    decide_rollout,
     decide_unplaced,
     summarize,
 )
@@ -50,10 +51,12 @@ from schemas.events import (
     Event,
     NodeJoined,
     ReplicaCached,
+    ReplicaEvent,
     ReplicaFailed,
     ReplicaLoadFailed,
     ReplicaScheduled,
     ReplicaUnloaded,
+    RolloutUpdated,
 )
 from schemas.keys import canonical_model_key
 from schemas.status import Level, ReplicaState
@@ -273,14 +276,41 @@ class Controller:
     def _on_batch(self, batch: list[Stored]) -> None:
         assert self.committer is not None
         room = False
+        rollouts: set[str] = set()
         for seq, item in batch:
             self.committer.observe(seq, item)
             if isinstance(item, ReplicaFailed):
                 self._background(self._on_failure(item.model_key, item.replica_id))
             elif isinstance(item, _ROOM_EVENTS):
                 room = True
+            if isinstance(item, ReplicaEvent | RolloutUpdated):
+                m = self.state.models.get(item.model_key)
+                if m is not None and m.rollout:
+                    rollouts.add(item.model_key)
         if room:
             self.place_unplaced_soon()  # room may exist now for replicas wanted but unplaced
+        for model_key in rollouts:
+            self._background(self._on_rollout(model_key))
+
+    async def _on_rollout(self, model_key: str) -> None:
+        """The next step of a rolling restart, if the replica restarted last is back (or failed).
+        The step's id names the rollout's position, so two controllers append it once."""
+        assert self.committer is not None
+        m = self.state.models.get(model_key)
+        if m is None or not m.rollout:
+            return
+        cid = f"policy-rollout-{model_token(model_key)}-{m.rollout_current}-{len(m.rollout)}-{m.since_seq}"
+
+        def run(state: ClusterState) -> list[Event]:
+            ctx = DecisionContext(now=utcnow(), actor=self.name, command_id=cid, seed=seed_of(cid))
+            return decide_rollout(state, model_key, ctx)
+
+        with contextlib.suppress(NdifError):
+            res = await self.committer.submit(run)
+            for e in res.events:
+                if isinstance(e, RolloutUpdated):
+                    logger.info("rollout_step", model_key=model_key, restarted=e.current, remaining=list(e.remaining),
+                                note=e.note)
 
     async def _on_failure(self, model_key: str, replica_id: int) -> None:
         assert self.committer is not None
@@ -362,6 +392,9 @@ class Controller:
                     unplaced = True
             if unplaced:
                 self.place_unplaced_soon()  # level-triggered: not only on the event that freed room
+            for model_key, m in list(self.state.models.items()):
+                if m.rollout:  # level-triggered too: a rollout a stopped controller left mid-way goes on
+                    await self._on_rollout(model_key)
             if self.nc is None:
                 continue  # no heartbeats watched: silence means nothing
             now = utcnow()

@@ -138,9 +138,26 @@ class AdminClient:
         return await self.command(self._cmd(Evict, command_id, model_key=model, replica_id=replica_id, all=all,
                                             cold=cold))
 
-    async def restart(self, model: str, *, replica_id: int | None = None,
+    async def restart(self, model: str, *, replica_id: int | None = None, rolling: bool = True,
                       command_id: str | None = None) -> CommandResult:
-        return await self.command(self._cmd(Restart, command_id, model_key=model, replica_id=replica_id))
+        """Restart one replica, or every replica of the model: by default one at a time (each after
+        the previous is Available again); `rolling=False` restarts them all at once."""
+        return await self.command(self._cmd(Restart, command_id, model_key=model, replica_id=replica_id,
+                                            rolling=rolling))
+
+    async def wait_rollout(self, model: str, *, timeout: float = 600.0, poll_s: float = 0.5) -> ClusterState:
+        """The state once the model's rolling restart has ended (nothing remaining, the last
+        replica back or failed); TimeoutError past `timeout`."""
+        deadline = asyncio.get_running_loop().time() + timeout
+        while True:
+            state = await self.state()
+            m = state.models.get(model)
+            cur = None if m is None or m.rollout_current is None else state.replicas.get((model, m.rollout_current))
+            if m is None or (not m.rollout and (cur is None or cur.state is not ReplicaState.RESTARTING)):
+                return state
+            if asyncio.get_running_loop().time() > deadline:
+                raise TimeoutError(f"the rolling restart of {display_name(model)} did not end within {timeout:g}s")
+            await asyncio.sleep(poll_s)
 
     async def undeploy(self, model: str, *, command_id: str | None = None) -> CommandResult:
         return await self.command(self._cmd(Undeploy, command_id, model_key=model))

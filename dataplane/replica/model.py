@@ -252,10 +252,20 @@ class ModelReplica:
         # One run at a time on the replica; the timeout counts from the start of this run (a request
         # handed over while another runs waits its turn first, at most one more timeout).
         started = threading.Event()
+        model = self.model
 
         def run() -> dict[str, Any]:
             started.set()
-            return self._run(op, request)
+            try:
+                return self._run(op, request)
+            except Exception:
+                # The weights were moved or dropped under the request (an unload before a kill, a
+                # restart): the request never ran to the end here, so it is not its failure. Not
+                # run: the dispatcher gives it to another replica.
+                if self.model is not model or self.level != Level.HOT:
+                    raise ReplicaNotHot(f"replica {self.replica_id} of {self.model_key} left HOT while running "
+                                        "the request") from None
+                raise
 
         fut = self._pool.submit(run)
         try:

@@ -76,6 +76,36 @@ async def test_200_requests_over_2_replicas_with_an_eviction_mid_burst(service: 
     assert st.anomaly_count == 0, st.anomalies
 
 
+async def test_a_rolling_restart_under_a_burst_never_stops_the_model_serving(service: dict[str, Any],
+                                                                          models: dict[str, Path]) -> None:
+    """`restart MODEL` (rolling, the default) while 200 requests flow: every request completes with
+    the right answer, and from the restart on the log never shows the model with no replica Available."""
+    from controlplane.core.projections import ClusterState
+    from schemas.status import ReplicaState
+
+    url, admin = service["url"], service["admin"]
+    res = await admin.deploy(str(models["gpt2"]), 2)
+    await admin.wait(res, timeout=120)
+    mk = canonical_model_key(str(models["gpt2"]))
+    inputs = [[(11 * i + j) % 997 for j in range(1 + i % 7)] for i in range(200)]
+    want = expected_next_tokens(models["gpt2"], inputs)
+    async with Client(url) as c:
+        jobs = [await c.submit(str(models["gpt2"]), {"op": "forward", "input_ids": [ids]}) for ids in inputs]
+        restart = await admin.restart(str(models["gpt2"]))
+        assert len(restart.replicas) == 1 and "rolling" in restart.message
+        await asyncio.gather(*(_final(j) for j in jobs))
+        results = [await j.result() for j in jobs]
+        await admin.wait_rollout(mk, timeout=120)
+    assert [r["next_token_ids"][0] for r in results] == want
+    fold, fewest = ClusterState(), 2
+    async for seq, item in admin.log.read():
+        fold.apply(seq, item)
+        if seq >= restart.first_seq:
+            fewest = min(fewest, sum(r.state is ReplicaState.AVAILABLE for r in fold.model_replicas(mk)))
+    assert fewest == 1
+    assert [r.restarts for r in fold.model_replicas(mk)] == [1, 1] and fold.anomaly_count == 0
+
+
 async def test_short_requests_share_replica_calls(service: dict[str, Any], models: dict[str, Path]) -> None:
     """Short requests waiting behind each other go to a replica several per call, each answered on
     its own (an error in one touches no other); slow models stay one per call (budget by run time)."""

@@ -154,3 +154,23 @@ def test_multi_card_device_map_keeps_to_the_charged_share_and_is_the_same_at_rel
     assert set(device_map(r.model, (0, 1), 80 * 2**30).values()) == {0}
     with pytest.raises(Exception, match="do not fit"):
         device_map(r.model, (0, 1), size // 4)
+
+
+def test_a_request_whose_weights_are_dropped_under_it_is_not_run_not_failed(ckpts: dict[str, Path]) -> None:
+    """An unload (the agent's kill of a restarting replica unloads first) while a request runs: the
+    request is reported not run (another replica takes it), never as the request's own error."""
+    import threading
+    import time
+
+    r = ModelReplica("m", 0, str(ckpts["gpt2"]))
+    r.load()
+    real = r._run
+
+    def slow_run(op, request):
+        time.sleep(0.3)
+        return real(op, request)
+
+    r._run = slow_run  # type: ignore[method-assign]
+    threading.Timer(0.1, r.unload).start()
+    with pytest.raises(ReplicaNotHot, match="left HOT"):
+        r({"op": "forward", "input_ids": [[1, 2, 3]]})

@@ -23,6 +23,7 @@ from controlplane.store.eventstore import JetStreamEventLog
 from schemas.commands import CommandResult
 from schemas.events import Event
 from schemas.keys import canonical_model_key
+from schemas.status import ReplicaState as S
 from schemas.subjects import model_token
 from tests.agent_sim import GB, ScriptedAgent
 from tests.conftest import bounded
@@ -304,3 +305,37 @@ async def test_replica_bounds(nats_server: EmbeddedNats, admin: AdminClient, log
         assert (await ndif(url, "scale", str(tiny), "--replicas", "2", "--scale-up")).rc == 0  # 1 + 2 = 3
         ran = await ndif(url, "scale", str(tiny), "--replicas", "1", "--scale-up")
         assert ran.rc == 2 and "limit of 3 per model" in ran.err, ran.err
+
+
+async def test_restart_of_a_model_is_rolling_and_it_never_stops_serving(nats_server: EmbeddedNats, admin: AdminClient,
+                                                                        tiny: Path) -> None:
+    """`ndif restart MODEL` restarts one replica at a time (each after the previous is Available
+    again): at every point of the log at least two of three replicas serve; --all-at-once does not."""
+    url = nats_server.url
+    mk = canonical_model_key(str(tiny))
+    agent = ScriptedAgent(url, "node-r", gpus=3, load_delay_s=0.4)
+    async with Cluster(Controller.from_url(url), agent):
+        ran = await ndif(url, "deploy", str(tiny), "--replicas", "3", "--wait")
+        assert ran.rc == 0, ran.err
+        ran = await ndif(url, "restart", str(tiny), "--wait", "--json")
+        assert ran.rc == 0, (ran.out, ran.err)
+        first, waited = ran.lines()
+        assert [r["replica_id"] for r in first["replicas"]] == [0] and "rolling" in first["message"]
+        assert sorted(w["replica_id"] for w in waited["waited"]) == [0, 1, 2]
+        assert all(w["state"] == "Available" for w in waited["waited"]), waited
+        state = await settle(admin)
+        assert [r.restarts for r in state.model_replicas(mk)] == [1, 1, 1]
+        assert state.models[mk].rollout == ()
+
+        # Fold the log from the restart on: never fewer than 2 of 3 replicas Available.
+        from controlplane.core.projections import ClusterState
+
+        fold, fewest, start = ClusterState(), 3, first["first_seq"]
+        async for seq, item in admin.log.read():
+            fold.apply(seq, item)
+            if seq >= start:
+                fewest = min(fewest, sum(r.state is S.AVAILABLE for r in fold.model_replicas(mk)))
+        assert fewest == 2
+
+        ran = await ndif(url, "restart", str(tiny), "--all-at-once", "--json")
+        assert ran.rc == 0 and sorted(r["replica_id"] for r in ran.lines()[0]["replicas"]) == [0, 1, 2]

@@ -30,6 +30,7 @@ from schemas.events import (
     ReplicaEvent,
     ReplicaEvictionRequested,
     ReplicaScheduled,
+    RolloutUpdated,
     author_problem,
 )
 from schemas.status import Level, ModelStatus, ReplicaState
@@ -106,6 +107,9 @@ class ModelView(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     headroom: float | None = None  # charged over the size; None: never recorded (the controller's default)
     gpus: int | None = None  # cards per replica; None: as few as hold the charge
     undeployed: bool = False  # `ndif undeploy`: forgotten once its last replica is Unloaded
+    # A rolling restart under way: replicas still to restart, and the one restarted last.
+    rollout: tuple[int, ...] = ()
+    rollout_current: int | None = None
 
 
 class CommandRecord(msgspec.Struct, frozen=True, kw_only=True, gc=False):
@@ -257,6 +261,11 @@ class ClusterState(Projection):
                 self.models[ev.model_key] = _replace(m, last_rejection=rej, since_seq=seq)
             case CommandDecided():
                 pass  # its record is kept above
+            case RolloutUpdated():
+                m = self._model(ev.model_key)
+                self.models[ev.model_key] = _replace(m, rollout=ev.remaining,
+                                                     rollout_current=ev.current if ev.remaining else None,
+                                                     since_seq=seq)
             case ModelUndeployed():
                 known = self.models.get(ev.model_key)
                 if known is None:
