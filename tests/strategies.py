@@ -84,6 +84,10 @@ def any_event(draw: st.DrawFn) -> E.Event:
             return E.CommandDecided(**{**_env(), "command_id": draw(st.sampled_from(["c1", "c2"]))},
                                     model_key=draw(st.sampled_from([m, None])), verb="scale",
                                     fingerprint=draw(st.sampled_from(["f1", "f2"])), note=draw(texts))
+        case "RolloutUpdated":
+            remaining = tuple(draw(st.lists(st.integers(0, 3), max_size=3, unique=True)))
+            return E.RolloutUpdated(**_env(), model_key=m, remaining=remaining,
+                                    current=draw(st.one_of(st.none(), st.integers(0, 3))), note=draw(texts))
         case _:
             return E.EVENT_TYPES[kind](**_env(), **rep)  # type: ignore[call-arg]
 

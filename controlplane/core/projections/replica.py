@@ -67,11 +67,12 @@ class ReplicaView(msgspec.Struct, frozen=True, kw_only=True, gc=False):
 
     @property
     def level(self) -> Level:
-        """Observed level: where the weights are now."""
-        if self.on_gpu and self.state in (S.AVAILABLE, S.DRAINING, S.RESTARTING, S.UNLOAD_REQUESTED):
-            return Level.HOT
+        """Observed level: where the weights are now. A CPU copy still held means the weights are
+        there (a load from WARM that has not completed, or was interrupted), whatever was asked."""
         if self.cpu_bytes:
             return Level.WARM
+        if self.on_gpu and self.state in (S.AVAILABLE, S.DRAINING, S.RESTARTING, S.UNLOAD_REQUESTED):
+            return Level.HOT
         return Level.COLD
 
 
@@ -121,7 +122,8 @@ def _on_loading(r: ReplicaView, ev: ReplicaLoading, seq: int, st: ReplicaState) 
 
 def _on_loaded(r: ReplicaView, ev: ReplicaLoaded, seq: int, st: ReplicaState) -> tuple[ReplicaView, str | None]:
     if st is S.LOAD_REQUESTED or st is S.LOADING:
-        return _moved(r, S.AVAILABLE, seq, loaded_at=ev.ts, load_seconds=ev.load_seconds, error=None), None
+        return _moved(r, S.AVAILABLE, seq, loaded_at=ev.ts, load_seconds=ev.load_seconds, error=None,
+                      cpu_bytes=0), None
     if st in (S.AVAILABLE, S.UNLOAD_REQUESTED, S.DRAINING):
         return r, None  # duplicate, or the load finished after eviction was asked: the unload stands
     return r, f"ReplicaLoaded while {st}"
@@ -197,8 +199,9 @@ def _on_restarted(r: ReplicaView, ev: ReplicaRestarted, seq: int, st: ReplicaSta
 
 def _on_failed(r: ReplicaView, ev: ReplicaFailed, seq: int, st: ReplicaState) -> tuple[ReplicaView, str | None]:
     if st in (S.AVAILABLE, S.DRAINING, S.RESTARTING, S.LOADING, S.LOAD_REQUESTED):
-        # GPU memory stays reserved: the restart policy brings it back on the same cards.
-        return _moved(r, S.FAILED, seq, error=ev.error), None
+        # GPU memory stays reserved: the restart policy brings it back on the same cards. A CPU copy
+        # (a load from WARM under way) lived in the process that died: gone with it.
+        return _moved(r, S.FAILED, seq, error=ev.error, cpu_bytes=0), None
     if st is S.UNLOAD_REQUESTED or st is S.CACHED:  # died on its way down: nothing survives
         return _moved(r, S.UNLOADED, seq, on_gpu=False, cpu_bytes=0, error=ev.error), None
     if st is S.FAILED:
@@ -230,8 +233,10 @@ def _schedule(r: ReplicaView, ev: ReplicaScheduled, seq: int) -> ReplicaView:
         gpu_indices=tuple(ev.gpu_indices),
         bytes_per_gpu=ev.bytes_per_gpu,
         on_gpu=True,
-        # From WARM the CPU copy moves to the GPU; from COLD a stale CPU copy elsewhere is dropped.
-        cpu_bytes=0,
+        # From WARM the CPU copy stays where it is until the load completes (the weights are in the
+        # host's cache until then: the replica reads WARM and the cache counts them); from COLD a
+        # stale CPU copy elsewhere is dropped.
+        cpu_bytes=r.cpu_bytes if ev.source is Level.WARM and r.node_id == ev.node_id else 0,
         dedicated=ev.dedicated,
         scheduled_at=ev.ts,
         loaded_at=None,
