@@ -483,7 +483,7 @@ class NodeAgent:
         await self._reap(key)
         try:
             handle = self.actors[key] = await self._create(r)
-            await self.runtime.load(handle, list(r.gpu_indices), 0)
+            await self.runtime.load(handle, list(r.gpu_indices), r.bytes_per_gpu)  # the same layout as its first load
         except Exception as exc:  # noqa: BLE001
             await self._reap(key)
             await self._append(observed(ReplicaLoadFailed, error=_error_text(exc), **kw))

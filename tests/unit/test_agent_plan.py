@@ -234,6 +234,29 @@ async def test_the_agent_loads_and_after_a_restart_adopts_without_a_second_proce
         await agent.stop()
 
 
+@pytest.mark.timeout(30)
+async def test_a_restart_loads_with_the_same_per_card_share_as_the_fresh_load() -> None:
+    """The replica's layout over its cards is the share placement charged each card: a restarted
+    replica must be loaded with it too, not with 0 (which would let the model spread as it likes)."""
+    log = MemoryEventLog()
+    runtime = FakeRuntime("sim:a")
+    share = 3 * 2**30
+    await log.append(start() + [E.ReplicaScheduled(**_env("controller"), **rep(0), gpu_indices=(0, 1),
+                                                   bytes_per_gpu=share, source=Level.COLD)], None)
+    agent = await _agent(log, runtime).start()
+    try:
+        await until(lambda: agent.state.replicas[(M, 0)].state is S.AVAILABLE)
+        await log.append([E.ReplicaRestartRequested(**_env("controller"), **rep(0))], None)
+        await until(lambda: agent.state.replicas[(M, 0)].restarts == 1
+                    and agent.state.replicas[(M, 0)].state is S.AVAILABLE)
+    finally:
+        await agent.stop()
+    fresh, restarted = runtime.loads
+    assert fresh.how == restarted.how == "load"
+    assert fresh.devices == restarted.devices == (0, 1)
+    assert fresh.bytes_per_gpu == restarted.bytes_per_gpu == share
+
+
 class _FlakyLog(MemoryEventLog):
     """The in-memory log whose next `fail` appends raise InfrastructureError (a leader election)."""
 
