@@ -33,6 +33,7 @@ from schemas.events import (
     author_problem,
 )
 from schemas.status import Level, ModelStatus, ReplicaState
+from schemas.units import gib
 
 RKey = tuple[str, int]  # (model_key, replica_id)
 CardKey = tuple[str, int]  # (node_id, gpu index)
@@ -328,7 +329,7 @@ class ClusterState(Projection):
                 committed = self.card_committed(ev.node_id, g.index)
                 if committed > g.memory_bytes:
                     self._anomaly(seq, ev, f"GPU {g.index} of {ev.node_id!r} over-committed: "
-                                  f"{committed} committed of {g.memory_bytes}", ev.replica_id)
+                                  f"{gib(committed)} committed of {gib(g.memory_bytes)}", ev.replica_id)
 
     def _check_cpu(self, seq: int, ev: ReplicaEvent, r: ReplicaView) -> None:
         """A node's CPU cache holding (or committed to) more than its budget is an anomaly: a node
@@ -338,8 +339,8 @@ class ClusterState(Projection):
             return
         committed = self.cpu_committed(r.node_id)
         if committed > node.cpu_cache_bytes:
-            self._anomaly(seq, ev, f"CPU cache of {r.node_id!r} over-committed: {committed} committed of "
-                          f"{node.cpu_cache_bytes}", r.replica_id)
+            self._anomaly(seq, ev, f"CPU cache of {r.node_id!r} over-committed: {gib(committed)} committed of "
+                          f"{gib(node.cpu_cache_bytes)}", r.replica_id)
 
     def _model(self, model_key: str) -> ModelView:
         m = self.models.get(model_key)
