@@ -470,7 +470,7 @@ class ClusterState(Projection):
         return sum(1 for r in self.model_replicas(model_key) if r.desired is Level.HOT)
 
     def model_status(self, model_key: str, min_ready: int = 1) -> ModelStatus:
-        """Seed 002's model status, derived from the replicas."""
+        """The model's status, derived from its replicas (Available once min(`min_ready`, its target) serve)."""
         m = self.models.get(model_key)
         if m is not None and m.undeployed:
             return ModelStatus.UNDEPLOYING
