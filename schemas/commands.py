@@ -155,7 +155,7 @@ def validate(cmd: AnyCommand, limits: Limits | None = None) -> AnyCommand:
     if isinstance(cmd, (Deploy, Scale)) and cmd.replicas < 1:
         raise InvalidCommand(f"{cmd.__struct_config__.tag}: --replicas must be at least 1, got {cmd.replicas}")
     if isinstance(cmd, Deploy) and cmd.size_bytes is not None and cmd.size_bytes <= 0:
-        raise InvalidCommand(f"--size-bytes must be positive, got {cmd.size_bytes}")
+        raise InvalidCommand(f"the model size (--size-gib) must be positive, got {cmd.size_bytes} bytes")
     if isinstance(cmd, Deploy) and cmd.headroom is not None and not 0.0 <= cmd.headroom <= MAX_HEADROOM:
         raise InvalidCommand(f"--headroom must be between 0 and {MAX_HEADROOM:g} (a fraction of the size), "
                              f"got {cmd.headroom}")

@@ -33,7 +33,7 @@ class ReplicaState(enum.StrEnum):
 
 
 class ModelStatus(enum.StrEnum):
-    """Seed 002's model states that apply here."""
+    """A model's status, derived from its replicas (`ClusterState.model_status`)."""
 
     PROGRESSING = "Progressing"
     AVAILABLE = "Available"

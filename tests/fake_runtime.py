@@ -3,7 +3,8 @@
 The real `NodeAgent` runs over it in tests without Ray or torch (tests/agent_sim.py). A process
 takes `start_delay_s` to start (so a fresh load takes that long; a restart or a load from the CPU
 cache does not), `fail_loads(model_key)` makes its loads fail, `crash()` kills one behind the
-agent's back (what a dead actor looks like to `ping`).
+agent's back (what a dead actor looks like to `ping`). `loads` records every `load` and
+`from_cache` it was asked for, with the devices and per-card bytes it was given.
 """
 
 from __future__ import annotations
@@ -12,10 +13,21 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
+
 from dataplane.replica.model import LoadError
 from dataplane.runtime.ports import Found, Liveness, ReplicaSpec
 
 RKey = tuple[str, int]
+
+
+class LoadCall(msgspec.Struct, frozen=True, kw_only=True):
+    """One `load` or `from_cache` as the runtime was asked for it."""
+
+    key: RKey
+    how: str  # "load" | "from_cache"
+    devices: tuple[int, ...]
+    bytes_per_gpu: int
 
 
 class FakeProcess:
@@ -36,6 +48,7 @@ class FakeRuntime:
         self.fail_loads = fail_loads
         self.processes: dict[RKey, FakeProcess] = {}
         self.created = 0
+        self.loads: list[LoadCall] = []
 
     @property
     def location(self) -> str:
@@ -64,6 +77,7 @@ class FakeRuntime:
 
     async def load(self, handle: FakeProcess, devices: list[int], bytes_per_gpu: int) -> None:
         self._alive(handle)
+        self._record(handle, "load", devices, bytes_per_gpu)
         if self.fail_loads(handle.spec.model_key):
             raise LoadError("sim: config.json is corrupt")
         handle.level, handle.devices = "HOT", list(devices)
@@ -75,6 +89,7 @@ class FakeRuntime:
 
     async def from_cache(self, handle: FakeProcess, devices: list[int], bytes_per_gpu: int) -> None:
         self._alive(handle)
+        self._record(handle, "from_cache", devices, bytes_per_gpu)
         handle.level, handle.devices = "HOT", list(devices)
 
     async def unload(self, handle: FakeProcess) -> None:
@@ -98,6 +113,10 @@ class FakeRuntime:
         proc = self.processes.pop((model_key, replica_id), None)
         if proc is not None:
             proc.dead = error
+
+    def _record(self, handle: FakeProcess, how: str, devices: list[int], bytes_per_gpu: int) -> None:
+        key = (handle.spec.model_key, handle.spec.replica_id)
+        self.loads.append(LoadCall(key=key, how=how, devices=tuple(devices), bytes_per_gpu=bytes_per_gpu))
 
     def _alive(self, handle: FakeProcess) -> None:
         if handle.dead:

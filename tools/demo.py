@@ -34,8 +34,7 @@ from dataplane.replica.actor import NAMESPACE  # noqa: E402
 from dataplane.runtime.ray_adapter import get_actor, kill_actor, list_replica_actors  # noqa: E402
 from schemas.keys import canonical_model_key  # noqa: E402
 from schemas.status import ReplicaState  # noqa: E402
-
-GB = 10**9
+from schemas.units import GiB  # noqa: E402
 
 
 async def settle(admin: AdminClient, timeout: float = 120) -> None:
@@ -49,9 +48,9 @@ async def main() -> None:
     t_start = time.perf_counter()
     tmp = Path(tempfile.mkdtemp(prefix="ndif-demo-"))
     say("Starting nats-server (JetStream, temp store) and a local Ray with 2 declared GPUs")
-    cluster = LocalCluster(store=tmp / "nats", gpus=declared_gpus(2, 80 * GB), node_id="node-1", dispatcher=False,
+    cluster = LocalCluster(store=tmp / "nats", gpus=declared_gpus(2, 80 * GiB), node_id="node-1", dispatcher=False,
                            controller={"policy_interval_s": 0.2},
-                           agent={"cpu_cache_bytes": 20 * GB, "drain_timeout_s": 0.5, "heartbeat_s": 1.0,
+                           agent={"cpu_cache_bytes": 20 * GiB, "drain_timeout_s": 0.5, "heartbeat_s": 1.0,
                                   "health_interval_s": 0.5})
     url = cluster.start_nats()
     await cluster.ensure_log()  # creates the streams and buckets

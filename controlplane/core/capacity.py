@@ -13,10 +13,7 @@ import math
 from controlplane.core.placement import MIN_DEPLOY_S
 from controlplane.core.projections import ClusterState
 from schemas.status import ReplicaState
-
-
-def _gb(n: int) -> str:
-    return f"{n / 1e9:.2f} GB" if n >= 10**7 else f"{n} bytes"
+from schemas.units import gib
 
 
 def never_fits(state: ClusterState, needed_bytes: int) -> str | None:
@@ -40,9 +37,9 @@ def never_fits(state: ClusterState, needed_bytes: int) -> str | None:
             return None
     big = max(with_gpus, key=lambda n: (n.max_card_bytes * len(n.gpus), n.node_id))
     largest = max(n.max_card_bytes for n in with_gpus)
-    return (f"the model can never be placed: the largest card is {_gb(largest)} (node {big.node_id} has "
-            f"{len(big.gpus)} card(s), {_gb(sum(g.memory_bytes for g in big.gpus))} in all), the model needs "
-            f"{_gb(needed_bytes)} (its size plus placement's headroom)")
+    return (f"the model can never be placed: the largest card is {gib(largest)} (node {big.node_id} has "
+            f"{len(big.gpus)} card(s), {gib(sum(g.memory_bytes for g in big.gpus))} in all), the model needs "
+            f"{gib(needed_bytes)} (its size plus placement's headroom)")
 
 
 def capacity_mark(state: ClusterState, now_s: float, min_deploy_s: float = MIN_DEPLOY_S) -> tuple[object, ...]:

@@ -152,7 +152,7 @@ def _size(state: ClusterState, model_key: str, registration: Registration | None
         return m.registration.size_bytes, None
     if registration is None:
         raise UnknownModel(f"unknown model {display_name(model_key)}: not registered and not resolved "
-                           "(give a local checkpoint dir, a repo in the HF cache, or --size-bytes)")
+                           "(give a local checkpoint dir, a repo in the HF cache, or --size-gib)")
     if override is not None:
         registration = msgspec.structs.replace(registration, size_bytes=override)
     return registration.size_bytes, registration

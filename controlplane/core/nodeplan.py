@@ -97,6 +97,21 @@ def _step(r: ReplicaView, has_actor: bool, leaving: list[ReplicaView]) -> tuple[
     return None
 
 
+def current_marks(state: ClusterState, node_id: str, done: Iterable[Mark]) -> set[Mark]:
+    """The marks of `done` that can still stop an action: those stamped with their replica's current
+    state on `node_id` (its `since_seq`, or its scheduling while it loads). A replica's state only
+    moves on, so no other mark is ever met again; a reap is planned whatever `done` holds."""
+    out: set[Mark] = set()
+    for mark in done:
+        key, what, stamp = mark
+        r = state.replicas.get(key)
+        if r is None or r.node_id != node_id or what == Do.REAP.value:
+            continue
+        if stamp == r.since_seq or (r.state in (S.LOAD_REQUESTED, S.LOADING) and stamp == r.scheduled_at):
+            out.add(mark)
+    return out
+
+
 def plan_adoption(state: ClusterState, node_id: str, found: Iterable[RKey]) -> tuple[list[RKey], list[RKey]]:
     """Live processes found on this node at start: (kept, killed). Kept: the log wants the replica
     on this node in a state with a process; every other one is an orphan."""
@@ -108,4 +123,4 @@ def plan_adoption(state: ClusterState, node_id: str, found: Iterable[RKey]) -> t
     return keep, kill
 
 
-__all__ = ["LIVE", "Action", "Do", "Mark", "plan_actions", "plan_adoption"]
+__all__ = ["LIVE", "Action", "Do", "Mark", "current_marks", "plan_actions", "plan_adoption"]

@@ -42,6 +42,7 @@ import msgspec
 from controlplane.core.projections.cluster import ClusterState, NodeView, RKey
 from controlplane.core.projections.replica import ReplicaView
 from schemas.status import Level, ReplicaState
+from schemas.units import gib
 
 PADDING = 0.15  # models are charged 15% over their measured size (activations, CUDA context)
 MIN_DEPLOY_S = 300.0  # NDIF's minimum deployment time before a non-dedicated requester may evict
@@ -140,8 +141,8 @@ def gpus_refusal(state: ClusterState, charge: int, gpus: int) -> str | None:
             best = max(best, sizes[gpus - 1])
     if not best:
         return f"--gpus {gpus}: no live node has {gpus} GPU cards"
-    return (f"--gpus {gpus}: each card would be charged {share} bytes ({charge} bytes / {gpus}), but no live "
-            f"node has {gpus} cards that big (at most {best} bytes on the {gpus}th largest card of a node)")
+    return (f"--gpus {gpus}: each card would be charged {gib(share)} ({gib(charge)} / {gpus}), but no live "
+            f"node has {gpus} cards that big (at most {gib(best)} on the {gpus}th largest card of a node)")
 
 
 def _node_order(state: ClusterState, seed: int) -> list[NodeView]:

@@ -33,6 +33,7 @@ from schemas.commands import MAX_HEADROOM, CommandResult, ReplicaOutcome
 from schemas.events import Event, ReplicaEvent, RolloutUpdated, Skipped, event_tag
 from schemas.keys import canonical_model_key, display_name
 from schemas.status import Level, ReplicaState
+from schemas.units import GiB, gib
 
 DEFAULT_URL = "nats://127.0.0.1:4222"
 # A deploy/scale that placed fewer replicas than asked: its decision is in the log, but it fell short.
@@ -44,6 +45,22 @@ _json = msgspec.json.Encoder()
 DASHBOARD_HOST, DASHBOARD_PORT = "127.0.0.1", 8470
 LONG_RUNNING = {"controller", "up", "agent", "dispatcher", "dashboard"}  # services log at INFO by default
 MODEL_HELP = "repo id (org/name[@revision]), checkpoint directory or NDIF model key"
+# Memory flags take GiB. A flag that took another unit is refused by its old name, so that a script
+# written for it fails at once instead of asking for sizes 7% off (GB) or 2**30 times too large (bytes).
+REPLACED_FLAGS = {"--size-bytes": "--size-gib", "--gpu-memory-gb": "--gpu-memory-gib",
+                  "--cpu-cache-gb": "--cpu-cache-gib"}
+MAX_GIB = 2**20  # 1 PiB: larger than any card, node or model
+
+
+def gib_arg(text: str) -> int:
+    """A `--*-gib` value: a size in GiB (2**30 bytes, fractions allowed), returned in bytes."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size in GiB (e.g. 80 or 0.5)") from None
+    if not 0 < value <= MAX_GIB:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"{text} GiB: give a size above 0 and at most {MAX_GIB} GiB")
+    return max(1, round(value * GiB))
 
 
 def _out(obj: object) -> None:
@@ -62,7 +79,7 @@ def _print_result(verb: str, res: CommandResult, as_json: bool) -> None:
         print(f"  replica {r.replica_id} of {display_name(r.model_key)}: {r.action} -> {r.level}")
     for j in res.rejections:
         print(f"  {j.replicas} replica(s) of {display_name(j.model_key)} not placed: {j.reason} "
-              f"(needs {j.needed_bytes / 2**30:.1f} GiB, at most {j.free_bytes / 2**30:.1f} GiB free)")
+              f"(needs {gib(j.needed_bytes)}, at most {gib(j.free_bytes)} free)")
 
 
 async def _command(a: argparse.Namespace, admin: AdminClient) -> int:
@@ -285,7 +302,8 @@ def add_admin_commands(sub: Any) -> None:
     p.add_argument("model", help=MODEL_HELP)
     p.add_argument("--replicas", type=int, default=1, help="HOT replicas to create (default %(default)s)")
     p.add_argument("--dedicated", action="store_true", help="never evicted by pressure")
-    p.add_argument("--size-bytes", type=int, help="override the measured model size")
+    p.add_argument("--size-gib", type=gib_arg, dest="size_bytes", metavar="GIB",
+                   help="override the measured model size, in GiB (2**30 bytes)")
     p.add_argument("--headroom", type=float,
                    help="fraction charged over the model's size, e.g. 0.15 (default: the controller's --headroom)")
     p.add_argument("--gpus", type=int, help="place each replica on exactly N cards of one node, each charged "
@@ -448,6 +466,15 @@ def main(argv: list[str] | None = None, extra: Callable[[Any], None] | None = No
     if not args:  # bare `ndif`: the help, and exit 2 because no command ran
         parser.print_help()
         return 2
+    for arg in args:
+        old = arg.split("=", 1)[0]
+        if old in REPLACED_FLAGS:
+            msg = f"{old} is no longer taken: use {REPLACED_FLAGS[old]} (GiB, 2**30 bytes)"
+            if Parser.json_errors:
+                json_error("InvalidCommand", f"ndif: {msg}", 2)
+            else:
+                print(f"ndif: error: {msg}", file=sys.stderr)
+            return 2
     if not args[0].startswith("-") and args[0] not in sub.choices:
         near = difflib.get_close_matches(args[0], list(sub.choices), n=2, cutoff=0.6)
         hint = f"; did you mean {' or '.join(repr(n) for n in near)}?" if near else ""

@@ -7,19 +7,11 @@ from controlplane.core.projections import ClusterState, ReplicaView
 from controlplane.store.heartbeats import STALE_S
 from schemas.keys import display_name
 from schemas.status import Level
-
-GiB = 2**30
+from schemas.units import GiB, gib
 
 
 def _gib(n: int) -> str:
     return f"{n / GiB:,.1f}"
-
-
-def human_bytes(n: int) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{n / scale:,.1f} {unit}"
-    return f"{n} B"
 
 
 def _table(rows: list[list[str]], header: list[str]) -> list[str]:
@@ -68,11 +60,11 @@ def render_status(state: ClusterState, heartbeats: dict[str, float | None] | Non
         rows = []
         for mk in sorted(state.models):
             m = state.models[mk]
-            size = human_bytes(m.registration.size_bytes) if m.registration else "?"
+            size = gib(m.registration.size_bytes) if m.registration else "?"
             charge = _charge(state, mk)
             rows.append([display_name(mk), str(state.model_status(mk)), str(hot_count(state, mk)),
                          str(state.replica_count(mk)), str(m.target_hot), size,
-                         human_bytes(charge) if charge is not None else "?",
+                         gib(charge) if charge is not None else "?",
                          f"{m.headroom:.0%}" if m.headroom is not None else "default",
                          str(m.gpus) if m.gpus else "auto", "yes" if m.dedicated else "no"])
         out += ["", "MODELS (hot: on GPU now; replica count: desired HOT; target_hot: of the last deploy/scale)"] + _table(

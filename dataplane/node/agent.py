@@ -35,7 +35,7 @@ from typing import Any
 
 import structlog
 
-from controlplane.core.nodeplan import Action, Do, Mark, plan_actions, plan_adoption
+from controlplane.core.nodeplan import Action, Do, Mark, current_marks, plan_actions, plan_adoption
 from controlplane.core.ports import EventLog, Stored
 from controlplane.core.projections import ClusterState
 from controlplane.core.projections.replica import ReplicaView
@@ -130,7 +130,7 @@ class NodeAgent:
         self.actors: dict[RKey, ReplicaHandle] = {}  # replica -> its live process on this node
         self._busy: dict[RKey, asyncio.Task[None]] = {}  # one action per replica at a time
         self._drain_timers: dict[RKey, asyncio.Task[None]] = {}  # not actions: the drain report ends them early
-        self._done: set[Mark] = set()  # actions taken, by (replica, what, state stamp)
+        self._done: set[Mark] = set()  # actions taken, by (replica, what, state stamp); pruned to current_marks
         self._tasks: list[asyncio.Task[None]] = []
         self._kick = asyncio.Event()
         self._rejoined_after = -1  # seq of the NodeLost this agent last answered with a NodeJoined
@@ -357,6 +357,7 @@ class NodeAgent:
             if timer.done() or now is None or now.state is not S.DRAINING:
                 timer.cancel()  # drained (or moved on): the unload must not wait for the timeout
                 del self._drain_timers[key]
+        self._done = current_marks(self.state, self.node_id, self._done)  # bounded by this node's replicas
         for action in plan_actions(self.state, self.node_id, self.actors.keys(), self._busy.keys(), self._done):
             if action.do is Do.DRAIN_TIMER:
                 self._done.add(action.mark)
@@ -483,7 +484,7 @@ class NodeAgent:
         await self._reap(key)
         try:
             handle = self.actors[key] = await self._create(r)
-            await self.runtime.load(handle, list(r.gpu_indices), 0)
+            await self.runtime.load(handle, list(r.gpu_indices), r.bytes_per_gpu)  # the same layout as its first load
         except Exception as exc:  # noqa: BLE001
             await self._reap(key)
             await self._append(observed(ReplicaLoadFailed, error=_error_text(exc), **kw))

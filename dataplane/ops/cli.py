@@ -1,10 +1,10 @@
 """`ndif`: the admin commands (controlplane/ops/cli.py) plus the data-plane ones.
 
-    ndif up [--port 4222] [--store DIR] [--gpus N --gpu-memory-gb G] [--cpu-cache-gb C] [--dashboard-port 8470]
+    ndif up [--port 4222] [--store DIR] [--gpus N --gpu-memory-gib G] [--cpu-cache-gib C] [--dashboard-port 8470]
         embedded NATS + local Ray + controller + one node agent + dispatcher + dashboard, until Ctrl-C
     ndif up --demo [--requests 200] [--stay] [--dashboard-port 8470]
         the same, driven end to end: deploy, request bursts through the SDK, scale, evict mid-burst
-    ndif agent --nats URL [--ray-address ADDR] [--node-id ID] [--gpus N --gpu-memory-gb G]
+    ndif agent --nats URL [--ray-address ADDR] [--node-id ID] [--gpus N --gpu-memory-gib G]
         one node agent (run one per Ray node)
     ndif dispatcher --nats URL [--ray-address ADDR]      the request dispatcher
     ndif submit MODEL (--prompt TEXT | --input-ids 1,2,3) [--max-new-tokens N] [--forward] [--json]
@@ -21,19 +21,20 @@ import time
 from pathlib import Path
 from typing import Any
 
-from controlplane.ops.cli import build_parser, json_error
+from controlplane.ops.cli import build_parser, gib_arg, json_error
 from controlplane.ops.cli import main as admin_main
 from schemas import errors as errs
 from schemas.subjects import DISPATCHER_STATE, kill_subject
-
-GiB = 2**30
+from schemas.units import GiB
 
 
 def _node_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--node-id", help="this node's id in the log (default: the hostname)")
     p.add_argument("--gpus", type=int, help="declare N GPUs (CPU-only machines, tests); default: the real CUDA devices")
-    p.add_argument("--gpu-memory-gb", type=float, default=80.0, help="memory of each declared GPU (default 80)")
-    p.add_argument("--cpu-cache-gb", type=float, help="CPU memory for WARM replicas (default: half the RAM)")
+    p.add_argument("--gpu-memory-gib", type=gib_arg, default=80 * GiB, dest="gpu_memory_bytes", metavar="GIB",
+                   help="memory of each declared GPU, in GiB (2**30 bytes; default 80)")
+    p.add_argument("--cpu-cache-gib", type=gib_arg, dest="cpu_cache_bytes", metavar="GIB",
+                   help="CPU memory for WARM replicas, in GiB (2**30 bytes; default: half the RAM)")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds to wait for the dispatcher's drain report before unloading anyway")
     p.add_argument("--heartbeat", type=float, default=2.0, help="heartbeat interval in seconds")
@@ -97,9 +98,9 @@ def _agent_kwargs(a: argparse.Namespace) -> dict[str, Any]:
 
     kw: dict[str, Any] = {"node_id": a.node_id, "drain_timeout_s": a.drain_timeout, "heartbeat_s": a.heartbeat}
     if a.gpus is not None:
-        kw["gpus"] = declared_gpus(a.gpus, int(a.gpu_memory_gb * 1e9))
-    if a.cpu_cache_gb is not None:
-        kw["cpu_cache_bytes"] = int(a.cpu_cache_gb * 1e9)
+        kw["gpus"] = declared_gpus(a.gpus, a.gpu_memory_bytes)
+    if a.cpu_cache_bytes is not None:
+        kw["cpu_cache_bytes"] = a.cpu_cache_bytes
     return kw
 
 
@@ -168,7 +169,7 @@ async def _up(a: argparse.Namespace) -> int:
         await cluster.ensure_log()
         if not gpus:
             print("ndif up: warning: no GPU found, so no model can be placed on this node; on a CPU-only "
-                  "machine declare GPUs with --gpus N [--gpu-memory-gb G] (e.g. `ndif up --gpus 2`)",
+                  "machine declare GPUs with --gpus N [--gpu-memory-gib G] (e.g. `ndif up --gpus 2`)",
                   file=sys.stderr, flush=True)
         mode = f"users per role, credentials in {auth.config_path.parent}" if auth else "OPEN: no users"
         print(f"ndif up: NATS {url} (store {store}; {mode}); starting Ray with {len(gpus)} GPU(s)...", flush=True)

@@ -26,7 +26,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-GB = 10**9
+from schemas.units import GiB
+
 PAYLOAD = {"op": "generate", "prompt": "The control plane is", "max_new_tokens": 12}
 
 
@@ -147,13 +148,13 @@ async def run_demo(*, port: int | None, store: Path | None, gpus: tuple[Any, ...
     if store is None:
         assert temp is not None
         store = temp / "nats"
-    gpus = gpus or detect_gpus() or declared_gpus(2, 80 * GB)
+    gpus = gpus or detect_gpus() or declared_gpus(2, 80 * GiB)
     real = bool(detect_gpus())
 
     say("Starting nats-server (JetStream), a local Ray, the controller, a node agent and the dispatcher")
     cluster = LocalCluster(store=store, port=port, gpus=tuple(gpus), node_id="demo-node",
                            controller={"policy_interval_s": 0.2}, dashboard_port=dashboard_port,
-                           agent={"cpu_cache_bytes": 20 * GB, "drain_timeout_s": 30, "heartbeat_s": 1.0,
+                           agent={"cpu_cache_bytes": 20 * GiB, "drain_timeout_s": 30, "heartbeat_s": 1.0,
                                   "health_interval_s": 0.5})
     url = cluster.start_nats()
     try:

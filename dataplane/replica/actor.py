@@ -1,6 +1,6 @@
 """The Ray actor around one `ModelReplica`, and the naming contract every component uses.
 
-Seed 000: a replica is the Ray actor named exactly `ModelActor:<model_key>:<replica_id>`, in
+The contract: a replica is the Ray actor named exactly `ModelActor:<model_key>:<replica_id>`, in
 namespace `ndif`. It is created `lifetime="detached"` (it outlives the agent that made it, which
 adopts it again after a restart), pinned to the agent's Ray node (hard node affinity) and handed
 exactly the GPU indices of its `ReplicaScheduled` event. Ray's own GPU accounting is not used

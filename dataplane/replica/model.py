@@ -32,6 +32,7 @@ import structlog
 
 from schemas.errors import NdifError
 from schemas.status import Level
+from schemas.units import gib
 
 logger = structlog.get_logger("ndif.model")
 
@@ -400,8 +401,8 @@ def device_map(model: Any, devices: tuple[int, ...], bytes_per_gpu: int) -> dict
                     place(f"{name}.{child}" if name else child, sub)
                 return
             card, used = card + 1, 0
-        raise LoadError(f"the weights do not fit {len(devices)} cards of {bytes_per_gpu} bytes each (the share "
-                        f"placement charged): {name or 'the model'} ({size} bytes) has no room left")
+        raise LoadError(f"the weights do not fit {len(devices)} cards of {gib(bytes_per_gpu)} each (the share "
+                        f"placement charged): {name or 'the model'} ({gib(size)}) has no room left")
 
     place("", model)
     return out

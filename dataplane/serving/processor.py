@@ -358,7 +358,7 @@ class Processor:
             self._release(rid, batch)
 
     def state(self) -> dict[str, Any]:
-        """Seed 000's `get_state()` fields, for `ndif queue`."""
+        """The processor's state for `ndif queue` (NDIF's `get_state()` fields; docs/cli.md lists them)."""
         v = self.view
         return {
             "model_key": self.model_key, "status": str(self.status), "queued": len(self.queue),

@@ -94,8 +94,8 @@ async def test_the_whole_stack_runs_with_auth_on(models: dict[str, str], stack: 
                                                  home: Path) -> None:
     url = stack["url"]
     model, big = models["gpt2"], models["big"]
-    # Charged 40 GB: it takes most of one card, so `big` below has no room now (though an empty node holds it).
-    rc, out, err = await ndif_as(home, url, "deploy", model, "--replicas", "1", "--size-bytes", str(40 * GB), "--wait")
+    # Charged 46 GiB: it takes most of one card (74.5 GiB), so `big` below has no room now (though an empty node holds it).
+    rc, out, err = await ndif_as(home, url, "deploy", model, "--replicas", "1", "--size-gib", "40", "--wait")
     assert rc == 0, (out, err)
 
     async with Client(url) as alice:  # the SDK's default: alice, from $NDIF_HOME
@@ -116,8 +116,8 @@ async def test_the_whole_stack_runs_with_auth_on(models: dict[str, str], stack: 
     assert sum(p.get("endpoint_calls", 0) for p in procs) >= 1  # replicas served over NATS, as the agent's user
 
     # Bob's request waits on a model with no room now (a model no node could ever hold would end it at
-    # once); Alice cannot kill it, Bob can. 100 GB spans both cards, and one of them is mostly taken.
-    rc, out, err = await ndif_as(home, url, "deploy", big, "--replicas", "1", "--size-bytes", str(100 * GB))
+    # once); Alice cannot kill it, Bob can. 100 GiB spans both cards, and one of them is mostly taken.
+    rc, out, err = await ndif_as(home, url, "deploy", big, "--replicas", "1", "--size-gib", "100")
     assert "CANT_ACCOMMODATE" in out + err, (rc, out, err)
     async with Client(url, creds=auth.role("client:bob")) as bob, Client(url) as alice:
         job = await bob.submit(big, {"op": "forward", "input_ids": [[1]]})

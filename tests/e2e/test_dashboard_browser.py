@@ -75,7 +75,7 @@ async def test_live_timeline_and_history_in_a_browser(nats_server: EmbeddedNats,
     admin = await AdminClient.open(url, timeout=20)
     try:
         await settle(admin)
-        ran = await ndif(url, "deploy", llama, "--replicas", "3", "--size-bytes", str(50 * GB), "--wait")
+        ran = await ndif(url, "deploy", llama, "--replicas", "3", "--size-gib", "50", "--wait")
         assert ran.rc == 0, ran.err
         async with Dashboard.from_url(url, port=0) as dash:
             page = await browser.new_page(viewport={"width": 1400, "height": 900})
@@ -85,7 +85,7 @@ async def test_live_timeline_and_history_in_a_browser(nats_server: EmbeddedNats,
             assert await page.locator('.card .block[data-level="HOT"]').count() >= 3
 
             # Deploy through the CLI: the new blocks appear, HOT, within 2 s, without a reload.
-            ran = await ndif(url, "deploy", gpt2, "--replicas", "2", "--size-bytes", str(30 * GB), "--wait")
+            ran = await ndif(url, "deploy", gpt2, "--replicas", "2", "--size-gib", "30", "--wait")
             assert ran.rc == 0, ran.err
             t0 = time.monotonic()
             for rid in (0, 1):

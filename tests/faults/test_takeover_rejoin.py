@@ -143,7 +143,7 @@ async def test_a_sigkilled_dispatchers_requests_end_within_10s(base: dict[str, A
 async def test_an_agent_paused_past_the_grace_rejoins_and_serves_again(base: dict[str, Any], tiny: Path) -> None:
     url, admin, ctl = base["url"], base["admin"], base["controller"]
     mk = canonical_model_key(str(tiny))
-    agent = _process("agent", "--node-id", "node-p", "--gpus", "2", "--gpu-memory-gb", "80", "--cpu-cache-gb", "10",
+    agent = _process("agent", "--node-id", "node-p", "--gpus", "2", "--gpu-memory-gib", "80", "--cpu-cache-gib", "10",
                      "--heartbeat", "0.5", url=url, gcs=base["gcs"])
     disp = await Dispatcher.from_url(url, name="dispatcher:rejoin").start()
     payload = {"op": "generate", "input_ids": [[2, 7, 1, 8]], "max_new_tokens": 4}

@@ -63,7 +63,7 @@ def model_row(status: dict[str, Any], model_key: str) -> dict[str, Any]:
 
 
 def config_only(root: Path, name: str, tiny: Path) -> str:
-    """A checkpoint dir with only a config (sizes come from --size-bytes): a model key for placement tests."""
+    """A checkpoint dir with only a config (sizes come from --size-gib): a model key for placement tests."""
     d = root / name
     d.mkdir(parents=True, exist_ok=True)
     (d / "config.json").write_bytes((tiny / "config.json").read_bytes())

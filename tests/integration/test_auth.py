@@ -231,7 +231,27 @@ async def test_no_client_kills_anothers_request(streams: str, auth: LocalAuth) -
         await mallory.close()
 
 
+async def _streams_now(url: str, auth: LocalAuth) -> dict[str, tuple[int, int, dict[str, Any]]]:
+    """Each stream a forger went for: (messages, last seq, config); NotFoundError when one is gone."""
+    nc = await connect(url, creds=auth.role("admin"))
+    try:
+        out = {}
+        for name in (EVENTS_STREAM, REQUESTS_STREAM, f"KV_{REQUEST_STATUS_BUCKET}"):
+            info = await nc.jetstream().stream_info(name)
+            out[name] = (info.state.messages, info.state.last_seq, info.config.as_dict())
+        return out
+    finally:
+        await nc.close()
+
+
 async def test_only_an_admin_deletes_or_changes_a_stream(streams: str, auth: LocalAuth) -> None:
+    lg = await JetStreamEventLog.open(streams, creds=auth.role("admin"))
+    try:  # something a purge would take away
+        await lg.append([NodeLost(**_env("controller:test"), node_id="node-gone")], None)
+    finally:
+        await lg.close()
+    before = await _streams_now(streams, auth)
+    assert before[EVENTS_STREAM][0] > 0
     for who in ("client:alice", "dashboard", "controller", "dispatcher", f"agent:{NODE_A}"):
         p = await Probe.open(streams, auth.role(who))
         try:
@@ -241,7 +261,7 @@ async def test_only_an_admin_deletes_or_changes_a_stream(streams: str, auth: Loc
             assert not await p.can_publish(f"$JS.API.STREAM.DELETE.KV_{REQUEST_STATUS_BUCKET}", b""), who
         finally:
             await p.close()
-    assert await _last_seq(streams, auth) >= 0  # the stream is still there
+    assert await _streams_now(streams, auth) == before  # each stream is there, as it was: same messages, same config
 
 
 async def test_services_that_may_not_create_streams_say_so(tmp_path: Path, auth: LocalAuth) -> None:

@@ -55,15 +55,15 @@ async def test_short_placement_exits_nonzero(nats_server: EmbeddedNats, admin: A
     url = nats_server.url
     big, other = config_only(tmp_path, "big", tiny), config_only(tmp_path, "other", tiny)
     async with Cluster(Controller.from_url(url), ScriptedAgent(url, "node-a", gpus=1, gpu_bytes=80 * GB)):
-        # Two 50 GB replicas on one 80 GB card: one placed, one not -> partial (8), ok false, counts.
-        ran = await ndif(url, "deploy", big, "--replicas", "2", "--size-bytes", str(50 * GB), "--json")
+        # Two 50 GiB replicas (57.5 charged) on one 80 GB card (74.5 GiB): one placed, one not -> partial (8).
+        ran = await ndif(url, "deploy", big, "--replicas", "2", "--size-gib", "50", "--json")
         assert ran.rc == 8, (ran.rc, ran.out, ran.err)
         res = result(ran.out)
         assert not res.ok and (res.asked, res.placed) == (2, 1) and res.error == "PlacementError"
         assert res.last_seq > 0 and len(res.replicas) == 1 and res.rejections[0].replicas == 1
         assert "placed 1 of 2" in res.message
         # Nothing placed at all -> 7; the text form says so on stderr.
-        ran = await ndif(url, "deploy", other, "--replicas", "1", "--size-bytes", str(50 * GB))
+        ran = await ndif(url, "deploy", other, "--replicas", "1", "--size-gib", "50")
         assert ran.rc == 7, (ran.rc, ran.out, ran.err)
         assert "placed 0 of 1" in ran.out and "error: placed 0 of 1" in ran.err
         # A scale that falls short is the same; one that places everything is 0.
@@ -246,10 +246,10 @@ async def test_undeploy_ends_waiting_requests_and_drops_the_processor(nats_serve
     big = config_only(tmp_path, "huge", tiny)
     mk = canonical_model_key(big)
     async with Cluster(Controller.from_url(url), ScriptedAgent(url, "node-a", gpus=1, gpu_bytes=80 * GB)):
-        # The only card is taken (60 of 80 GB) and the model needs 60 GB: no room now (not
+        # The only card (74.5 GiB) is taken (69 GiB charged) and the model needs 69 GiB: no room now (not
         # impossible: that would end the request at once), so its request waits in the processor.
-        assert (await ndif(url, "deploy", str(tiny), "--size-bytes", str(60 * GB))).rc == 0
-        assert (await ndif(url, "deploy", big, "--size-bytes", str(60 * GB))).rc == 7
+        assert (await ndif(url, "deploy", str(tiny), "--size-gib", "60")).rc == 0
+        assert (await ndif(url, "deploy", big, "--size-gib", "60")).rc == 7
         d = await Dispatcher.from_url(url, name="dispatcher:test").start()
         try:
             async with Client(url) as c:

@@ -25,6 +25,7 @@ from controlplane.store.eventstore import JetStreamEventLog
 from dataplane.node.tiny_models import make_tiny_gpt2
 from schemas.commands import CommandResult
 from schemas.keys import canonical_model_key
+from schemas.units import GiB
 from tests.agent_sim import GB, ScriptedAgent
 from tests.conftest import fresh_event_log
 from tests.integration.cluster import Ran, by_id, model_row, ndif, settle
@@ -73,8 +74,8 @@ async def test_four_replicas_spread_over_four_nodes(nats_server: EmbeddedNats, l
             assert await log.last_seq() == before
 
             # `ndif deploy ./m` from the directory holding m: the key is that directory's m.
-            ran = await ndif_in(tmp_path / "work", url, "deploy", "./m", "--replicas", "4", "--size-bytes",
-                                str(10 * GB), "--headroom", "0.25", "--wait")
+            ran = await ndif_in(tmp_path / "work", url, "deploy", "./m", "--replicas", "4", "--size-gib",
+                                "10", "--headroom", "0.25", "--wait")
             assert ran.rc == 0, ran.err
             await settle(admin)
             ran = await ndif(url, "status", "--json")
@@ -82,11 +83,11 @@ async def test_four_replicas_spread_over_four_nodes(nats_server: EmbeddedNats, l
             status = ran.json()
             row = model_row(status, mk)
             assert row["checkpoint"] == str(model_dir)
-            assert row["headroom"] == 0.25 and row["charge_bytes"] == padded(10 * GB, 0.25)
+            assert row["headroom"] == 0.25 and row["charge_bytes"] == padded(10 * GiB, 0.25)
             reps = by_id(status, mk)
             assert len(reps) == 4 and all(r["state"] == "Available" for r in reps.values())
             assert sorted(r["node_id"] for r in reps.values()) == [f"node-{i}" for i in range(4)]
-            assert all(r["bytes_per_gpu"] == padded(10 * GB, 0.25) for r in reps.values())
+            assert all(r["bytes_per_gpu"] == padded(10 * GiB, 0.25) for r in reps.values())
 
             # Four more: every node takes a second replica, on its other card.
             ran = await ndif(url, "scale", str(model_dir), "--replicas", "8", "--wait")
@@ -103,11 +104,11 @@ async def test_four_replicas_spread_over_four_nodes(nats_server: EmbeddedNats, l
             assert await log.last_seq() == before
             # --gpus 2 on another model: each replica on two cards of one node, an even share each.
             other = canonical_model_key(str(tiny))
-            ran = await ndif(url, "deploy", str(tiny), "--gpus", "2", "--size-bytes", str(20 * GB), "--wait")
+            ran = await ndif(url, "deploy", str(tiny), "--gpus", "2", "--size-gib", "20", "--wait")
             assert ran.rc == 0, ran.err
             status = (await ndif(url, "status", "--json")).json()
             (rep,) = by_id(status, other).values()
-            assert len(rep["gpu_indices"]) == 2 and rep["bytes_per_gpu"] == -(-padded(20 * GB, 0.3) // 2)
+            assert len(rep["gpu_indices"]) == 2 and rep["bytes_per_gpu"] == -(-padded(20 * GiB, 0.3) // 2)
             assert model_row(status, other)["gpus"] == 2 and model_row(status, other)["headroom"] == 0.3
             text = await ndif(url, "status")
             assert "charge" in text.out and "headroom" in text.out and "25%" in text.out

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from structlog.testing import capture_logs
 
-from controlplane.core.nodeplan import LIVE, Do, plan_actions, plan_adoption
+from controlplane.core.nodeplan import LIVE, Do, current_marks, plan_actions, plan_adoption
 from controlplane.core.projections import ClusterState, fold
 from controlplane.store.memlog import MemoryEventLog
 from dataplane.node.agent import NodeAgent
@@ -179,6 +179,22 @@ def test_after_a_restart_running_processes_are_adopted_not_duplicated(sit: Any) 
         assert a.replica.state is not S.AVAILABLE  # a serving replica is left alone
 
 
+@settings(SETTINGS, max_examples=100)
+@given(histories(), st.sampled_from(NODES))
+def test_forgetting_the_marks_of_past_states_changes_no_plan(events: list[E.Event], node: str) -> None:
+    """An agent that takes every planned action, event after event: planning with only
+    `current_marks` of what it did gives the same actions as planning with everything it did."""
+    st_ = ClusterState()
+    done: set[Any] = set()
+    for seq, ev in numbered(events):
+        st_.apply(seq, ev)
+        actors = {k for k, r in st_.replicas.items() if r.node_id == node and r.state in LIVE}
+        actions = plan_actions(st_, node, actors, set(), done)
+        kept = current_marks(st_, node, done)
+        assert kept <= done and plan_actions(st_, node, actors, set(), kept) == actions
+        done |= {a.mark for a in actions}
+
+
 # ---- the real agent over the in-memory log and runtime --------------------------------------
 
 
@@ -232,6 +248,55 @@ async def test_the_agent_loads_and_after_a_restart_adopts_without_a_second_proce
         assert len(ours) == 2  # the two first loads' ReplicaLoading; no failure, no second load
     finally:
         await agent.stop()
+
+
+@pytest.mark.timeout(30)
+async def test_a_restart_loads_with_the_same_per_card_share_as_the_fresh_load() -> None:
+    """The replica's layout over its cards is the share placement charged each card: a restarted
+    replica must be loaded with it too, not with 0 (which would let the model spread as it likes)."""
+    log = MemoryEventLog()
+    runtime = FakeRuntime("sim:a")
+    share = 3 * 2**30
+    await log.append(start() + [E.ReplicaScheduled(**_env("controller"), **rep(0), gpu_indices=(0, 1),
+                                                   bytes_per_gpu=share, source=Level.COLD)], None)
+    agent = await _agent(log, runtime).start()
+    try:
+        await until(lambda: agent.state.replicas[(M, 0)].state is S.AVAILABLE)
+        await log.append([E.ReplicaRestartRequested(**_env("controller"), **rep(0))], None)
+        await until(lambda: agent.state.replicas[(M, 0)].restarts == 1
+                    and agent.state.replicas[(M, 0)].state is S.AVAILABLE)
+    finally:
+        await agent.stop()
+    fresh, restarted = runtime.loads
+    assert fresh.how == restarted.how == "load"
+    assert fresh.devices == restarted.devices == (0, 1)
+    assert fresh.bytes_per_gpu == restarted.bytes_per_gpu == share
+
+
+@pytest.mark.timeout(60)
+async def test_what_the_agent_remembers_of_its_actions_stays_bounded() -> None:
+    """Replica after replica loaded and unloaded: the agent keeps only the marks of actions the plan
+    can still be asked about (those of replicas' current states), not one per action ever taken."""
+    log = MemoryEventLog()
+    await log.append(start(), None)
+    agent = await _agent(log, FakeRuntime("sim:a")).start()
+    sizes = []
+
+    def now(rid: int) -> S | None:
+        r = agent.state.replicas.get((M, rid))
+        return r.state if r is not None else None
+
+    try:
+        for rid in range(40):
+            await log.append([scheduled(rid, (0,))], None)
+            await until(lambda rid=rid: now(rid) is S.AVAILABLE)
+            await log.append([evict(rid, Level.COLD)], None)
+            await until(lambda rid=rid: now(rid) is S.UNLOADED and not agent._busy)
+            agent.reconcile()
+            sizes.append(len(agent._done))
+    finally:
+        await agent.stop()
+    assert max(sizes) <= 2, sizes
 
 
 class _FlakyLog(MemoryEventLog):

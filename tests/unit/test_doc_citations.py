@@ -13,7 +13,8 @@ import subprocess
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 THIS = pathlib.Path(__file__).resolve()
 TEXT = {".py", ".md", ".toml", ".sh", ".conf", ".cfg", ".yaml", ".yml", ".txt", ".ini", ""}
-OUTSIDE = re.compile(r"\bDESIGN\b|DESIGN\.md|(?<![\w.-])shared/|\bseeds?[ /]0\d\d")
+OUTSIDE = re.compile(r"\bDESIGN\b|(?i:\bdesign\.md|\bstyle\.md|\bseeds?[ /_-]?0\d\d)|(?<![\w.-])shared/"
+                     r"|(?:\.\./|/work/)shared\b")
 
 
 def tracked() -> list[pathlib.Path]:
@@ -42,4 +43,11 @@ def test_the_pattern_catches_what_it_must():
     assert OUTSIDE.search("see ../shared/DESIGN.md")
     assert OUTSIDE.search("copied from shared/STYLE.md")
     assert OUTSIDE.search("one worker per replica (seed 000)")
+    assert OUTSIDE.search('"""Seed 000\'s processor status."""')
+    assert OUTSIDE.search("Seeds 000 and 002; seed-002")
+    assert OUTSIDE.search("the layout of Design.md §2")
+    assert OUTSIDE.search("see ../shared for the background")
+    assert OUTSIDE.search("examples in /work/shared")
+    assert OUTSIDE.search("as STYLE.md says")
     assert not OUTSIDE.search("docs/architecture.md §4; a shared lock; designed")
+    assert not OUTSIDE.search("sorted by id, rotated by the seed; seed=0; the seed breaks ties; a seed of 0")

@@ -34,6 +34,7 @@ from schemas.events import (
     author_problem,
 )
 from schemas.status import Level, ModelStatus, ReplicaState
+from schemas.units import gib
 
 RKey = tuple[str, int]  # (model_key, replica_id)
 CardKey = tuple[str, int]  # (node_id, gpu index)
@@ -337,7 +338,7 @@ class ClusterState(Projection):
                 committed = self.card_committed(ev.node_id, g.index)
                 if committed > g.memory_bytes:
                     self._anomaly(seq, ev, f"GPU {g.index} of {ev.node_id!r} over-committed: "
-                                  f"{committed} committed of {g.memory_bytes}", ev.replica_id)
+                                  f"{gib(committed)} committed of {gib(g.memory_bytes)}", ev.replica_id)
 
     def _check_cpu(self, seq: int, ev: ReplicaEvent, r: ReplicaView) -> None:
         """A node's CPU cache holding (or committed to) more than its budget is an anomaly: a node
@@ -347,8 +348,8 @@ class ClusterState(Projection):
             return
         committed = self.cpu_committed(r.node_id)
         if committed > node.cpu_cache_bytes:
-            self._anomaly(seq, ev, f"CPU cache of {r.node_id!r} over-committed: {committed} committed of "
-                          f"{node.cpu_cache_bytes}", r.replica_id)
+            self._anomaly(seq, ev, f"CPU cache of {r.node_id!r} over-committed: {gib(committed)} committed of "
+                          f"{gib(node.cpu_cache_bytes)}", r.replica_id)
 
     def _model(self, model_key: str) -> ModelView:
         m = self.models.get(model_key)
@@ -478,7 +479,7 @@ class ClusterState(Projection):
         return sum(1 for r in self.model_replicas(model_key) if r.desired is Level.HOT)
 
     def model_status(self, model_key: str, min_ready: int = 1) -> ModelStatus:
-        """Seed 002's model status, derived from the replicas."""
+        """The model's status, derived from its replicas (Available once min(`min_ready`, its target) serve)."""
         m = self.models.get(model_key)
         if m is not None and m.undeployed:
             return ModelStatus.UNDEPLOYING

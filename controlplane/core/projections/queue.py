@@ -45,7 +45,7 @@ def queue_view(state: ClusterState, model_key: str) -> ModelQueueView:
 
 
 def processor_status(view: ModelQueueView, *, in_flight: int, queued: int, provisioning: bool = False) -> ProcessorStatus:
-    """Seed 000's processor status, derived from the replica view plus in-flight work."""
+    """The model processor's status (NDIF's processor statuses), derived from the replica view plus in-flight work."""
     if view.ready:
         return ProcessorStatus.BUSY if in_flight else ProcessorStatus.READY
     if view.starting:

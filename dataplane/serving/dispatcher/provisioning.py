@@ -24,6 +24,7 @@ from schemas import errors as errs
 from schemas.commands import CommandResult
 from schemas.keys import display_name
 from schemas.status import RequestStatus
+from schemas.units import gib
 
 logger = structlog.get_logger("ndif.dispatcher")
 R = RequestStatus
@@ -117,7 +118,7 @@ class Provisioner:
                     return
                 # No room anywhere now: tell the waiting users why and try again later (not in a loop).
                 self._retry_provision_later(p)
-                msg = (f"no room for {p.model_key}: needs {r.needed_bytes} bytes, {r.free_bytes} free; "
+                msg = (f"no room for {p.model_key}: needs {gib(r.needed_bytes)}, {gib(r.free_bytes)} free; "
                        f"trying again in {p.provision_backoff_s:.0f}s (or scale/evict to make room)")
                 logger.warning("provision_rejected", model_key=p.model_key, needed=r.needed_bytes, free=r.free_bytes,
                                retry_s=p.provision_backoff_s)

@@ -12,8 +12,8 @@
   terminal status is written exactly once (KV compare-and-set), and a redelivered request that
   already has one is acked without running again.
 - The first request for a model with no replicas sends `deploy` with NDIF_MODEL_REPLICAS_DEFAULT
-  replicas; requests are served once NDIF_PROCESSOR_MIN_READY_REPLICAS are ready. If the last
-  replica goes while requests wait, it provisions again and tells the waiting users.
+  replicas; requests are served from the first replica that is ready. If the last replica goes
+  while requests wait, it provisions again and tells the waiting users.
 - A draining replica takes no new request; once idle the dispatcher appends `ReplicaDrained`.
 
 This module holds the settings and wires the parts, each one concern, dependencies one way:
@@ -74,14 +74,13 @@ class Dispatcher:
     start); `Dispatcher.from_url` opens a JetStream event log on its own connection."""
 
     def __init__(self, parts: Parts | Connect, *, name: str | None = None, default_replicas: int | None = None,
-                 min_ready: int | None = None, fetch_batch: int = 64, ack_wait_s: float | None = None,
+                 fetch_batch: int = 64, ack_wait_s: float | None = None,
                  lanes_per_replica: int | None = None, queue_lifetime_s: float | None = None,
                  caller: ReplicaCaller | None = None) -> None:
         self.parts = parts
         self.caller = caller  # None: Ray calls (the runtime adapter's), made on start
         self.name = name or f"dispatcher:{socket.gethostname()}"
         self.default_replicas = default_replicas or _env_int("NDIF_MODEL_REPLICAS_DEFAULT", 1)
-        self.min_ready = min_ready or _env_int("NDIF_PROCESSOR_MIN_READY_REPLICAS", 1)
         self.fetch_batch = fetch_batch
         # Calls a replica is handed at once (like Ray Serve's max_ongoing_requests): the next call
         # is already at the replica when the current one ends, so the dispatch round trip never
