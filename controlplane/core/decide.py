@@ -56,6 +56,7 @@ from schemas.events import (
 )
 from schemas.keys import display_name
 from schemas.status import DeploymentOp, EvictionReason, Level, ReplicaState
+from schemas.units import gib
 
 S = ReplicaState
 MAX_RESTARTS = 3
@@ -149,6 +150,14 @@ def _size(state: ClusterState, model_key: str, registration: Registration | None
     """The model's size, and the registration to record (None: already in the log)."""
     m = state.models.get(model_key)
     if m is not None and m.registration is not None:
+        if override is not None and override != m.registration.size_bytes:
+            # A size is part of a model's registration: silently keeping the old one would place
+            # replicas for a size the operator did not ask for; silently taking the new one would
+            # change what every placed replica was charged. Refused, with what to do.
+            raise InvalidCommand(
+                f"{display_name(model_key)} is registered at {gib(m.registration.size_bytes)}; "
+                f"--size-gib ({gib(override)}) applies only when a model is registered: leave it out, "
+                "or `ndif undeploy` the model and deploy it again with the new size")
         return m.registration.size_bytes, None
     if registration is None:
         raise UnknownModel(f"unknown model {display_name(model_key)}: not registered and not resolved "

@@ -131,3 +131,19 @@ def test_cluster_state_keeps_undeployed_in_copies() -> None:
     s = ClusterState()
     s.undeployed.add("x")
     assert s.copy().undeployed == {"x"}
+
+
+def test_a_model_with_every_replica_evicted_is_scaled_down_not_progressing() -> None:
+    from schemas.status import Level, ModelStatus
+
+    b = Builder().node("n0", cpu_gb=100).target(M, 2).warm(M, 0, "n0", (0,), 5).warm(M, 1, "n0", (1,), 5)
+    assert all(r.desired is Level.WARM for r in b.state.model_replicas(M))
+    assert b.state.model_status(M) is ModelStatus.SCALED_DOWN
+
+
+def test_a_size_for_an_already_registered_model_is_refused_not_ignored() -> None:
+    b = Builder().node("n0").model(M, 10)
+    with pytest.raises(InvalidCommand, match="registered at 9.31 GiB.*applies only when a model is registered"):
+        decide(b.state, Deploy(command_id="s", model_key=M, replicas=1, size_bytes=10**15), ctx("s"))
+    same = decide(b.state, Deploy(command_id="t", model_key=M, replicas=1, size_bytes=10 * 10**9), ctx("t"))
+    assert any(type(e).__name__ == "ReplicaScheduled" for e in same)  # the registered size itself: no refusal

@@ -484,14 +484,19 @@ class ClusterState(Projection):
         if m is not None and m.undeployed:
             return ModelStatus.UNDEPLOYING
         hot = [r for r in self.model_replicas(model_key) if r.desired is Level.HOT]
-        if m is None or (m.target_hot == 0 and not hot):
+        if m is None:
+            return ModelStatus.SCALED_DOWN
+        if not hot:
+            # No replica is meant to be on a GPU: nothing is in progress. A placement the cluster
+            # refused since the last request for it is a failure; otherwise the model is scaled
+            # down (every replica evicted, or none asked for), whatever count was asked before.
+            if m.target_hot and m.last_rejection is not None and m.last_rejection.seq >= m.since_seq:
+                return ModelStatus.FAILED
             return ModelStatus.SCALED_DOWN
         ready = sum(1 for r in hot if r.state in _LIVE)
         if ready >= max(1, min(min_ready, m.target_hot or 1)):
             return ModelStatus.AVAILABLE
-        if hot and all(r.state in _DEAD for r in hot):
-            return ModelStatus.FAILED
-        if not hot and m.last_rejection is not None and m.last_rejection.seq >= m.since_seq:
+        if all(r.state in _DEAD for r in hot):
             return ModelStatus.FAILED
         return ModelStatus.PROGRESSING
 
