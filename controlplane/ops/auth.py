@@ -43,6 +43,7 @@ from controlplane.store.credentials import (
     _write_private,
     auth_dir,
     creds_file,
+    dashboard_token_file,
     ensure_dashboard_token,
     load_creds,
     local_client_name,
@@ -258,6 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         if key in ("client", "agent"):
             continue
         print(f"  {key:<40} NDIF_CREDS={creds_file(c.role, name=c.name, node_id=c.node_id, home=a.home)}")
+    print(f"dashboard operator token: {dashboard_token_file(a.home)} (`ndif dashboard` with NDIF_HOME={a.home or '~/.ndif'})")
     return 0
 
 
