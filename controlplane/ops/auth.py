@@ -24,8 +24,8 @@ the request body, beyond what subject permissions see, so whoever creates one ca
 publish a stream's messages on any subject. Those roles read by direct gets (controlplane/store/direct.py).
 
 `ndif up` generates a password per user on first start (`ensure_local`), keeps the credentials
-(and the dashboard's operator token) under `$NDIF_HOME/auth/` (0600) and writes the server's config from them; every local command
-finds its role's file there (`resolve`). Server-config users rather than decentralised JWTs: one
+(and the dashboard's operator token) under `$NDIF_HOME/auth/` (0600) and writes the server's config
+from them; every local command finds its role's file there (`resolve`). Server-config users rather than decentralised JWTs: one
 file, no operator/account keys to manage, and a reload (`nats-server --signal reload`) adds a node.
 """
 
@@ -259,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         if key in ("client", "agent"):
             continue
         print(f"  {key:<40} NDIF_CREDS={creds_file(c.role, name=c.name, node_id=c.node_id, home=a.home)}")
-    print(f"dashboard operator token: {dashboard_token_file(a.home)} (`ndif dashboard` with NDIF_HOME={a.home or '~/.ndif'})")
+    print(f"dashboard operator token: {dashboard_token_file(a.home)}")
     return 0
 
 

@@ -34,8 +34,9 @@ class LocalCluster:
     stream where the rest of a deployment exists. `agent` and `controller`: keyword options of the
     node agent and the controller. `dispatcher`: run one; `dashboard_port`: run the dashboard
     there (a free port if taken; None: no dashboard), behind `auth`'s operator token (without
-    `auth`, a token made for this process; either way in `dashboard.url`). `die_with_parent`: nats-server dies with this
-    process even on SIGKILL (`ndif up` asks it; call `start_nats()` from the main thread then).
+    `auth`, a token made for this process; either way in `dashboard.url`). `die_with_parent`:
+    nats-server dies with this process even on SIGKILL (`ndif up` asks it; call `start_nats()` from
+    the main thread then).
     """
 
     def __init__(self, *, store: Path, gpus: tuple[GpuInfo, ...], node_id: str, port: int | None = None,
