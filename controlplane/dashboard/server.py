@@ -4,7 +4,8 @@ It reads NDIF_EVENTS (never appends), folds it into a `DashboardModel`, follows 
 each batch of events with the node and model views they changed to every open page over
 server-sent events. Queue figures come from the dispatcher (`ndif.dispatcher.state`) and from
 JetStream (each model's work-queue consumer), asked once a second and pushed when they change.
-Endpoints: docs/dashboard.md.
+Every request passes the door first (door.py: the Host header, the operator token, live-stream
+slots per client, security headers). Endpoints: docs/dashboard.md.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from aiohttp import web
 from nats.aio.client import Client as NatsClient
 
 from controlplane.core.ports import EventLog
+from controlplane.dashboard.door import TOKEN_QUERY, Door, StreamSlots, add_security_headers, door_middleware
 from controlplane.dashboard.model import (
     BadQuery,
     DashboardModel,
@@ -51,13 +53,15 @@ DEFAULT_PORT = 8470
 CLIENT_QUEUE = 512  # messages buffered per page; past that the page is told to reload its state
 MAX_EVENTS_PER_MESSAGE = 200  # event rows sent per update (the views changed are always complete)
 MAX_CATCH_UP = 5000  # a page asking for more events than this since its state gets a resync instead
-MAX_CLIENTS = 64
+MAX_CLIENTS = 64  # live streams in all
+MAX_CLIENTS_PER_ADDRESS = 8  # live streams one client address may hold (a page holds one)
 FLUSH_S = 0.05  # changes are pushed at most this long after they are folded (20 updates a second at most)
 QUEUE_POLL_S = 1.0
 MAX_QUEUE_CONSUMERS = 10_000  # consumers listed per round (256 a request)
 STATIC = resources.files("controlplane.dashboard") / "static"
 _enc = msgspec.json.Encoder()
-_CONTENT_TYPES = {".html": "text/html", ".js": "text/javascript", ".css": "text/css", ".png": "image/png"}
+_CONTENT_TYPES = {".html": "text/html", ".js": "text/javascript", ".css": "text/css", ".png": "image/png",
+                  ".ico": "image/x-icon"}
 
 
 def _error(status: int, message: str) -> web.Response:
@@ -105,16 +109,22 @@ class Dashboard:
     (`Parts(MemoryEventLog(), None)`) it serves the log's projections and says the queues are unknown."""
 
     def __init__(self, parts: Parts | Connect, *, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,
-                 checkpoint_every: int | None = None, queue_poll_s: float = QUEUE_POLL_S) -> None:
+                 checkpoint_every: int | None = None, queue_poll_s: float = QUEUE_POLL_S, token: str | None = None,
+                 allowed_hosts: tuple[str, ...] = (), max_streams: int = MAX_CLIENTS,
+                 max_streams_per_client: int = MAX_CLIENTS_PER_ADDRESS) -> None:
+        """`token`: the operator token (None: a new one for this process, in `url`); `allowed_hosts`:
+        names besides the loopback ones and `host` that the Host header may carry."""
         self.parts = parts
         self.host, self.port = host, port
+        self.door = Door.make(token, bound=host, extra=allowed_hosts)
+        self.slots = StreamSlots(total=max_streams, per_client=max_streams_per_client)
         self.model = DashboardModel(**({"checkpoint_every": checkpoint_every} if checkpoint_every else {}))
         self.queue_poll_s = queue_poll_s
         self.log: EventLog | None = None
         self.nc: NatsClient | None = None
         self._close: Callable[[], Awaitable[None]] | None = None
         self.runner: web.AppRunner | None = None
-        self.clients: set[asyncio.Queue[bytes | None]] = set()
+        self.clients: set[asyncio.Queue[bytes | None]] = set()  # one per open live stream
         self.queues: dict[str, Any] = {"dispatcher": None, "error": "not asked yet", "models": {}}
         self._tasks: list[asyncio.Task[None]] = []
         # Changes folded and not yet pushed (see _apply).
@@ -130,13 +140,29 @@ class Dashboard:
         return cls(connect_url(nats_url, name="ndif-dashboard", creds=creds, role="dashboard", ensure=False), **kw)
 
     @property
-    def url(self) -> str:
+    def base_url(self) -> str:
+        """The dashboard's address, without its token (API clients send `Authorization: Bearer`)."""
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"http://{host}:{self.port}/"
 
+    @property
+    def url(self) -> str:
+        """What the operator opens: the address with the token (the page keeps it in a cookie)."""
+        return f"{self.base_url}?{TOKEN_QUERY}={self.door.token}"
+
+    @property
+    def token(self) -> str:
+        return self.door.token
+
+    def auth_headers(self) -> dict[str, str]:
+        """The header an API client (tests, tools/bench/dashboard.py) sends."""
+        return {"Authorization": f"Bearer {self.door.token}"}
+
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[_errors])
+        app = web.Application(middlewares=[_errors, door_middleware(self.door, lambda: self.port, _error)])
+        app.on_response_prepare.append(add_security_headers)
         app.router.add_get("/", self._index)
+        app.router.add_get("/favicon.ico", self._favicon)
         app.router.add_get("/static/{name}", self._static)
         app.router.add_get("/api/state", self._state)
         app.router.add_get("/api/events", self._events)
@@ -155,7 +181,9 @@ class Dashboard:
         async for batch in self.log.read_batches():
             self.model.add_all(batch)
         logger.info("dashboard_folded", seq=self.model.seq, seconds=round(time.perf_counter() - t0, 3))
-        self.runner = web.AppRunner(self.app(), access_log=None, handle_signals=False)
+        # handler_cancellation: a page that goes away ends its stream (and gives back its slot) at once,
+        # not at the next write.
+        self.runner = web.AppRunner(self.app(), access_log=None, handle_signals=False, handler_cancellation=True)
         await self.runner.setup()
         site = web.TCPSite(self.runner, self.host, self.port)
         try:
@@ -294,6 +322,10 @@ class Dashboard:
     async def _index(self, request: web.Request) -> web.StreamResponse:
         return web.Response(body=(STATIC / "index.html").read_bytes(), content_type="text/html")
 
+    async def _favicon(self, request: web.Request) -> web.StreamResponse:
+        return web.Response(body=(STATIC / "favicon.ico").read_bytes(), content_type="image/x-icon",
+                            headers={"Cache-Control": "max-age=86400"})
+
     async def _static(self, request: web.Request) -> web.StreamResponse:
         name = request.match_info["name"]
         ext = Path(name).suffix
@@ -339,13 +371,17 @@ class Dashboard:
         m = self.model
         if since is not None and since > m.seq:
             raise BadQuery(f"since {since} is past the end of the log (last seq {m.seq})")
-        if len(self.clients) >= MAX_CLIENTS:
-            return _error(503, f"too many open pages ({MAX_CLIENTS})")
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await resp.prepare(request)
+        client = request.remote or "unknown"
+        refused = self.slots.take(client)  # before any await: concurrent requests cannot all pass
+        if refused is not None:
+            busy = _error(*refused)
+            busy.headers["Retry-After"] = "5"
+            return busy
         q: asyncio.Queue[bytes | None] = asyncio.Queue(CLIENT_QUEUE)
         self.clients.add(q)
         try:
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+            await resp.prepare(request)
             first = b": ndif dashboard stream\n\n" + b"event: queues\ndata: " + _enc.encode(self.queues) + b"\n\n"
             if since is not None and since < m.seq:
                 lo = bisect.bisect_right(m.seqs, since)
@@ -378,30 +414,35 @@ class Dashboard:
             pass
         finally:
             self.clients.discard(q)
+            self.slots.give(client)
         return resp
 
 
-async def open_dashboard(nats_url: str, port: int = DEFAULT_PORT, *, creds: Creds | None = None) -> Dashboard:
-    """For `ndif up`: a started dashboard on 127.0.0.1:`port`, or on a free port if that one is taken."""
+async def open_dashboard(nats_url: str, port: int = DEFAULT_PORT, *, creds: Creds | None = None,
+                         token: str | None = None) -> Dashboard:
+    """For `ndif up`: a started dashboard on 127.0.0.1:`port`, or on a free port if that one is taken;
+    `token`: the operator token `ndif up` keeps beside the credentials (None: one for this process)."""
     try:
-        return await Dashboard.from_url(nats_url, port=port, creds=creds).start()
+        return await Dashboard.from_url(nats_url, port=port, creds=creds, token=token).start()
     except errs.InfrastructureError as exc:
         if port == 0:
             raise
         logger.warning("dashboard_port_taken", port=port, error=str(exc))
-        return await Dashboard.from_url(nats_url, port=0, creds=creds).start()
+        return await Dashboard.from_url(nats_url, port=0, creds=creds, token=token).start()
 
 
 async def serve(nats_url: str, *, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,
-                creds: Creds | None = None) -> None:
+                creds: Creds | None = None, token: str | None = None, allowed_hosts: tuple[str, ...] = ()) -> None:
     """`ndif dashboard`: serve until SIGINT/SIGTERM."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    async with Dashboard.from_url(nats_url, host=host, port=port, creds=creds) as d:
+    async with Dashboard.from_url(nats_url, host=host, port=port, creds=creds, token=token,
+                                  allowed_hosts=allowed_hosts) as d:
         print(f"ndif dashboard: {d.url} (log at seq {d.model.seq}; read-only). Ctrl-C stops it.", flush=True)
         if host not in ("127.0.0.1", "localhost", "::1"):
-            print(f"ndif dashboard: listening on {host}: whoever reaches this port sees the whole cluster",
-                  flush=True)
+            names = ", ".join(sorted(d.door.allowed_names))
+            print(f"ndif dashboard: listening on {host}: whoever reaches this port and holds the token sees the "
+                  f"whole cluster; it answers only to the names {names} (more with --allowed-host)", flush=True)
         await stop.wait()

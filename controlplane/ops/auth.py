@@ -24,8 +24,8 @@ the request body, beyond what subject permissions see, so whoever creates one ca
 publish a stream's messages on any subject. Those roles read by direct gets (controlplane/store/direct.py).
 
 `ndif up` generates a password per user on first start (`ensure_local`), keeps the credentials
-under `$NDIF_HOME/auth/` (0600) and writes the server's config from them; every local command
-finds its role's file there (`resolve`). Server-config users rather than decentralised JWTs: one
+(and the dashboard's operator token) under `$NDIF_HOME/auth/` (0600) and writes the server's config
+from them; every local command finds its role's file there (`resolve`). Server-config users rather than decentralised JWTs: one
 file, no operator/account keys to manage, and a reload (`nats-server --signal reload`) adds a node.
 """
 
@@ -43,6 +43,8 @@ from controlplane.store.credentials import (
     _write_private,
     auth_dir,
     creds_file,
+    dashboard_token_file,
+    ensure_dashboard_token,
     load_creds,
     local_client_name,
     save_creds,
@@ -199,17 +201,19 @@ def make_creds(role: str, *, name: str = "", node_id: str = "") -> Creds:
 
 @dataclass
 class LocalAuth:
-    """The credentials `ndif up` made: the server config path and every user."""
+    """The credentials `ndif up` made: the server config path, every user and the dashboard's token."""
 
     config_path: Path
     users: dict[str, Creds]
+    dashboard_token: str | None = None
 
     def role(self, role: str) -> Creds:
         return self.users[role]
 
 
 def ensure_local(node_ids: list[str], *, clients: list[str] | None = None, home: Path | None = None) -> LocalAuth:
-    """Credentials for every role (made once, kept) and the server config written from them (0600)."""
+    """Credentials for every role (made once, kept), the server config written from them and the
+    dashboard's operator token (`auth/dashboard.token`), all 0600 in a 0700 directory."""
     clients = clients or [local_client_name()]
     wanted: list[tuple[str, str, str]] = [(r, "", "") for r in ("admin", "controller", "dispatcher", "dashboard")]
     wanted += [("client", _check_name(c, "client name"), "") for c in clients]
@@ -235,7 +239,7 @@ def ensure_local(node_ids: list[str], *, clients: list[str] | None = None, home:
     conf = auth_dir(home) / "nats-auth.conf"
     unique = {c.user: c for c in users.values()}
     _write_private(conf, server_config(list(unique.values())).encode())
-    return LocalAuth(config_path=conf, users=users)
+    return LocalAuth(config_path=conf, users=users, dashboard_token=ensure_dashboard_token(home))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -255,6 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         if key in ("client", "agent"):
             continue
         print(f"  {key:<40} NDIF_CREDS={creds_file(c.role, name=c.name, node_id=c.node_id, home=a.home)}")
+    print(f"dashboard operator token: {dashboard_token_file(a.home)}")
     return 0
 
 

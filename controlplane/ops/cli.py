@@ -382,6 +382,9 @@ def add_dashboard_command(sub: Any) -> None:
     p.add_argument("--host", default=DASHBOARD_HOST,
                    help="address to listen on (default %(default)s; another one shows the cluster to whoever reaches it)")
     p.add_argument("--port", type=int, default=DASHBOARD_PORT, help="port (default %(default)s; 0 = a free one)")
+    p.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
+                   help="a name (or address) the page is reached by, besides the loopback names and --host; "
+                        "any other Host header is refused (repeat)")
 
 
 async def _dashboard(a: argparse.Namespace) -> int:
@@ -389,9 +392,11 @@ async def _dashboard(a: argparse.Namespace) -> int:
 
     if not 0 <= a.port <= 65535:
         raise errs.InvalidCommand(f"--port must be 0..65535, got {a.port}")
-    from controlplane.store.credentials import resolve
+    from controlplane.store.credentials import ensure_dashboard_token, resolve
 
-    await serve(a.nats, host=a.host, port=a.port, creds=resolve("dashboard", url=a.nats))
+    # The operator token `ndif up` keeps ($NDIF_HOME/auth/dashboard.token), made here where there is none.
+    await serve(a.nats, host=a.host, port=a.port, creds=resolve("dashboard", url=a.nats),
+                token=ensure_dashboard_token(), allowed_hosts=tuple(a.allowed_host))
     return 0
 
 

@@ -11,6 +11,7 @@ import hashlib
 import hmac
 import os
 import re
+import secrets
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -110,6 +111,39 @@ def load_creds(path: Path) -> Creds:
 
 def save_creds(c: Creds, path: Path) -> None:
     _write_private(path, msgspec.json.encode(c))
+
+
+# ---- the dashboard's operator token -------------------------------------------------------------
+
+DASHBOARD_TOKEN_RE = re.compile(r"^[A-Za-z0-9_-]{32,128}$")  # printed in a URL: URL-safe, never guessed
+
+
+def new_dashboard_token() -> str:
+    """A fresh operator token for the dashboard (256 bits, URL-safe)."""
+    return secrets.token_urlsafe(32)
+
+
+def check_dashboard_token(token: str) -> str:
+    if not DASHBOARD_TOKEN_RE.match(token):
+        raise InvalidCommand("a dashboard token is 32-128 characters of [A-Za-z0-9_-]")
+    return token
+
+
+def dashboard_token_file(home: Path | None = None) -> Path:
+    return auth_dir(home) / "dashboard.token"
+
+
+def ensure_dashboard_token(home: Path | None = None) -> str:
+    """The dashboard's operator token, kept in `$NDIF_HOME/auth/dashboard.token` (0600; made on first use)."""
+    path = dashboard_token_file(home)
+    if path.exists():
+        try:
+            return check_dashboard_token(path.read_text().strip())
+        except (OSError, UnicodeDecodeError) as exc:
+            raise InvalidCommand(f"dashboard token file {path}: {exc}") from None
+    token = new_dashboard_token()
+    _write_private(path, token.encode() + b"\n")
+    return token
 
 
 def local_client_name() -> str:

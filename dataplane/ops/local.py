@@ -33,8 +33,10 @@ class LocalCluster:
     `auth`: the local users per role (None: an open server). `new_history`: start an empty event
     stream where the rest of a deployment exists. `agent` and `controller`: keyword options of the
     node agent and the controller. `dispatcher`: run one; `dashboard_port`: run the dashboard
-    there (a free port if taken; None: no dashboard). `die_with_parent`: nats-server dies with this
-    process even on SIGKILL (`ndif up` asks it; call `start_nats()` from the main thread then).
+    there (a free port if taken; None: no dashboard), behind `auth`'s operator token (without
+    `auth`, a token made for this process; either way in `dashboard.url`). `die_with_parent`:
+    nats-server dies with this process even on SIGKILL (`ndif up` asks it; call `start_nats()` from
+    the main thread then).
     """
 
     def __init__(self, *, store: Path, gpus: tuple[GpuInfo, ...], node_id: str, port: int | None = None,
@@ -108,7 +110,8 @@ class LocalCluster:
                     Dispatcher.from_url(self.url, creds=self.role("dispatcher")))
             if self.dashboard_port is not None:
                 self.dashboard = await self._stack.enter_async_context(
-                    await open_dashboard(self.url, self.dashboard_port, creds=self.role("dashboard")))
+                    await open_dashboard(self.url, self.dashboard_port, creds=self.role("dashboard"),
+                                         token=self.auth.dashboard_token if self.auth else None))
         except BaseException:
             await self.stop()
             raise

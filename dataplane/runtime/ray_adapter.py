@@ -10,11 +10,17 @@ A test (tests/unit/test_ray_boundary.py) fails if any other module imports `ray`
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import os
+import secrets
+import shutil
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import ray
+from ray._private import ray_constants
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from dataplane.replica.actor import NAMESPACE, ModelActor, actor_name, parse_actor_name, replica_resources
@@ -23,11 +29,51 @@ from dataplane.runtime.ports import Answer, Found, Liveness, ReplicaHandle, Repl
 # ---- the local Ray ---------------------------------------------------------------------------
 
 
+# Ray takes the machine's routable address for a new cluster's node (and so listens on every
+# interface: GCS, raylet, workers, agents, metrics) unless it runs as a single-machine cluster, the mode
+# this variable turns on (Ray's own name for it speaks of macOS and Windows; on Linux it does the same).
+_SINGLE_MACHINE_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+_TOKEN_ENVS = ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
+_loopback_set: tuple[str | None, bool] | None = None  # what start_local changed, put back by shutdown
+_token_dir: Path | None = None
+
+
+def _loopback_only() -> None:
+    """Every socket of the local Ray on 127.0.0.1: its processes read the variable when they start,
+    this one (which imported Ray already) reads the constant when `ray.init` picks the node's address."""
+    global _loopback_set
+    if _loopback_set is None:
+        _loopback_set = (os.environ.get(_SINGLE_MACHINE_ENV), ray_constants.ENABLE_RAY_CLUSTER)
+    os.environ[_SINGLE_MACHINE_ENV] = "0"
+    ray_constants.ENABLE_RAY_CLUSTER = False
+
+
+def _private_token() -> None:
+    """Ray's token auth (on by default for a new local cluster) saves its token in ~/.ray/auth_token
+    with the process's umask (0644 in a 0755 directory): any local user could read it and run code on
+    the cluster. Give Ray this process's own token instead, 0600 in a 0700 directory, through
+    RAY_AUTH_TOKEN_PATH (which Ray's processes, and joining ones started from here, inherit). A token
+    or a mode the operator set is theirs and kept."""
+    global _token_dir
+    if os.environ.get("RAY_AUTH_MODE", "").lower() == "disabled" or any(os.environ.get(v) for v in _TOKEN_ENVS):
+        return
+    if _token_dir is None:  # one per process: Ray caches the token it loaded first
+        _token_dir = Path(tempfile.mkdtemp(prefix="ndif-ray-auth-"))  # 0700
+        fd = os.open(_token_dir / "auth_token", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32))  # Ray's own token format
+        atexit.register(shutil.rmtree, _token_dir, True)
+    os.environ["RAY_AUTH_TOKEN_PATH"] = str(_token_dir / "auth_token")
+
+
 def start_local(num_gpus: int, *, num_cpus: int | None = None) -> str:
     """Start a Ray for this process (`ndif up`, the demos, tests), in namespace `ndif`; its GCS address.
 
-    The GPUs are declared, not Ray's to allocate (dataplane/replica/actor.py): `num_gpus` only says
-    how many this node has."""
+    It listens on 127.0.0.1 only (a process on this machine joins it at that address) and its auth
+    token is private to this user (`_private_token`). The GPUs are declared, not Ray's to allocate
+    (dataplane/replica/actor.py): `num_gpus` only says how many this node has."""
+    _loopback_only()
+    _private_token()
     ray.init(num_gpus=num_gpus, num_cpus=num_cpus, namespace=NAMESPACE, include_dashboard=False,
              log_to_driver=False)
     return str(ray.get_runtime_context().gcs_address)
@@ -43,9 +89,19 @@ def is_initialized() -> bool:
 
 
 def shutdown() -> None:
-    """Leave (or stop, when it was started here) this process's Ray; nothing when none."""
+    """Leave (or stop, when it was started here) this process's Ray; nothing when none. A later
+    `join` of another cluster then takes this machine's routable address again."""
+    global _loopback_set
     if ray.is_initialized():
         ray.shutdown()
+    if _loopback_set is not None:
+        env, cluster = _loopback_set
+        if env is None:
+            os.environ.pop(_SINGLE_MACHINE_ENV, None)
+        else:
+            os.environ[_SINGLE_MACHINE_ENV] = env
+        ray_constants.ENABLE_RAY_CLUSTER = cluster
+        _loopback_set = None
 
 
 def gcs_address() -> str:

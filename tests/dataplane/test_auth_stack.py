@@ -161,13 +161,13 @@ async def test_undeploy_unknown_model_and_dashboard_with_auth_on(models: dict[st
             await job.result(timeout=60)
 
     async with Dashboard.from_url(url, port=0, creds=auth.role("dashboard"), queue_poll_s=0.2) as dash:
-        async with aiohttp.ClientSession() as http:
+        async with aiohttp.ClientSession(headers=dash.auth_headers()) as http:
             for path in ("api/state", "api/events", "api/queues"):
-                async with http.get(dash.url + path) as r:
+                async with http.get(dash.base_url + path) as r:
                     assert r.status == 200, (path, await r.text())
             async with asyncio.timeout(30):
                 while True:
-                    async with http.get(dash.url + "api/queues") as r:
+                    async with http.get(dash.base_url + "api/queues") as r:
                         q = await r.json()
                     rows = [v for k, v in q["models"].items() if model in k]
                     if q["dispatcher"] and rows and rows[0].get("pending") is not None:

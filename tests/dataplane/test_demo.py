@@ -30,4 +30,4 @@ def test_ndif_up_demo_runs_end_to_end(tmp_path: Path) -> None:
     assert "ReplicaDrained" in out and "ReplicaCached" in out
     for cmd in ("ndif status", "ndif history", "ndif replay", "ndif queue"):
         assert cmd in out
-    assert re.search(r"dashboard http://127\.0\.0\.1:\d+/ \(read-only", out)  # started with the demo
+    assert re.search(r"dashboard http://127\.0\.0\.1:\d+/\?token=[A-Za-z0-9_-]{32,} \(read-only", out)  # with its token

@@ -4,7 +4,9 @@ A real nats-server, the controller and scripted node agents (tests/agent_sim.py)
 `ndif deploy` and `ndif evict` run as subprocesses. The page must show the new replica blocks and
 their levels within 2 s of each command returning, without a reload; the timeline shows the state
 before the eviction; a replica's history opens; the screenshot lands in the test's temp dir, or in
-docs/dashboard.png with NDIF_UPDATE_SCREENSHOT=1 (a test run leaves the tree as it was).
+docs/dashboard.png with NDIF_UPDATE_SCREENSHOT=1 (a test run leaves the tree as it was). The page
+opens from the URL with the operator token, then shows the clean URL and runs on the cookie, under the
+server's Content-Security-Policy with no violation; without the token a browser gets nothing.
 """
 
 from __future__ import annotations
@@ -78,11 +80,21 @@ async def test_live_timeline_and_history_in_a_browser(nats_server: EmbeddedNats,
         ran = await ndif(url, "deploy", llama, "--replicas", "3", "--size-gib", "50", "--wait")
         assert ran.rc == 0, ran.err
         async with Dashboard.from_url(url, port=0) as dash:
+            stranger = await browser.new_page()  # no token: refused, nothing of the cluster shown
+            assert (await stranger.goto(dash.base_url)).status == 401
+            assert (await stranger.goto(dash.base_url + "api/state")).status == 401
+            await stranger.close()
+
             page = await browser.new_page(viewport={"width": 1400, "height": 900})
+            csp: list[str] = []
+            page.on("console", lambda m: csp.append(m.text) if "Content Security Policy" in m.text else None)
             await page.goto(dash.url)
             await page.wait_for_function("window.ndif && window.ndif.ready && window.ndif.renderedSeq > 0")
+            assert page.url == dash.base_url  # the token left the address bar; the cookie carries it
             assert await page.locator(".node").count() == 2
             assert await page.locator('.card .block[data-level="HOT"]').count() >= 3
+            # Widths come through the CSSOM (no inline style under the CSP).
+            assert (await page.locator(".card .block").first.evaluate("e => e.style.width")).endswith("%")
 
             # Deploy through the CLI: the new blocks appear, HOT, within 2 s, without a reload.
             ran = await ndif(url, "deploy", gpt2, "--replicas", "2", "--size-gib", "30", "--wait")
@@ -125,6 +137,7 @@ async def test_live_timeline_and_history_in_a_browser(nats_server: EmbeddedNats,
             shot = DOCS_SCREENSHOT if os.environ.get("NDIF_UPDATE_SCREENSHOT") == "1" else tmp_path / "dashboard.png"
             await page.screenshot(path=str(shot), full_page=True)
             assert shot.stat().st_size > 10_000  # a page was drawn
+            assert csp == [], csp
             await page.close()
     finally:
         await admin.close()

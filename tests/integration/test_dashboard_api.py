@@ -62,8 +62,9 @@ async def test_state_events_history_and_the_stream(stack: Any, tiny: Path) -> No
     url, admin, lg = stack
     mk = canonical_model_key(str(tiny))
     await settle(admin)
-    async with Dashboard.from_url(url, port=0, queue_poll_s=0.2) as d, aiohttp.ClientSession() as http:
-        base = d.url.rstrip("/")
+    async with Dashboard.from_url(url, port=0, queue_poll_s=0.2) as d, \
+            aiohttp.ClientSession(headers=d.auth_headers()) as http:
+        base = d.base_url.rstrip("/")
         status, live = await get(http, base, "/api/state")
         assert status == 200 and [n["node_id"] for n in live["nodes"]] == ["node-a"] and live["live"]
         start_seq = live["seq"]
@@ -128,8 +129,8 @@ async def test_bad_input_gets_4xx_json_and_the_server_keeps_serving(stack: Any, 
     url, admin, lg = stack
     await settle(admin)
     before = await lg.last_seq()
-    async with Dashboard.from_url(url, port=0) as d, aiohttp.ClientSession() as http:
-        base = d.url.rstrip("/")
+    async with Dashboard.from_url(url, port=0) as d, aiohttp.ClientSession(headers=d.auth_headers()) as http:
+        base = d.base_url.rstrip("/")
         last = d.model.seq
         cases = {
             "/api/state?until=yesterday": (400, "ISO time"),
@@ -167,7 +168,8 @@ async def test_bad_input_gets_4xx_json_and_the_server_keeps_serving(stack: Any, 
 
 
 async def test_ndif_dashboard_command(nats_server: EmbeddedNats) -> None:
-    """`ndif dashboard` prints its URL, serves, stops on SIGTERM with exit 0; bad flags exit 2."""
+    """`ndif dashboard` prints its URL with the operator token ($NDIF_HOME/auth/dashboard.token), serves
+    the page through it (the token then in a cookie), stops on SIGTERM with exit 0; bad flags exit 2."""
     import os
     import signal
     import sys
@@ -182,8 +184,13 @@ async def test_ndif_dashboard_command(nats_server: EmbeddedNats) -> None:
         line = (await asyncio.wait_for(proc.stdout.readline(), 60)).decode()
         assert line.startswith("ndif dashboard: http://127.0.0.1:") and "read-only" in line, line
         url = line.split()[2]
-        async with aiohttp.ClientSession() as http:
-            status, body = await get(http, url.rstrip("/"), "/api/state")
+        base, _, token = url.partition("/?token=")
+        assert token == (Path(os.environ["NDIF_HOME"]) / "auth" / "dashboard.token").read_text().strip(), url
+        async with aiohttp.ClientSession(cookie_jar=aiohttp.CookieJar(unsafe=True)) as http:  # unsafe: an IP host
+            assert (await get(http, base, "/api/state"))[0] == 401  # no cookie yet
+            async with http.get(url) as r:
+                assert r.status == 200 and "ndif dashboard" in await r.text()
+            status, body = await get(http, base, "/api/state")  # the cookie the page got
             assert status == 200 and body["live"] and body["seq"] == 0
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -208,10 +215,11 @@ async def test_queue_figures_page_past_consumers_that_are_not_a_models(stack: An
         await lg.js.add_consumer(REQUESTS_STREAM, api.ConsumerConfig(
             durable_name=f"other-{i:03d}", filter_subject=f"ndif.req.other-{i:03d}", ack_policy=api.AckPolicy.EXPLICIT))
     try:
-        async with Dashboard.from_url(url, port=0, queue_poll_s=0.2) as d, aiohttp.ClientSession() as http:
+        async with Dashboard.from_url(url, port=0, queue_poll_s=0.2) as d, \
+                aiohttp.ClientSession(headers=d.auth_headers()) as http:
             async with asyncio.timeout(20):
                 while True:
-                    status, q = await get(http, d.url.rstrip("/"), "/api/queues")
+                    status, q = await get(http, d.base_url.rstrip("/"), "/api/queues")
                     assert status == 200
                     if q.get("asked_at"):
                         break

@@ -86,14 +86,15 @@ async def test_the_dashboard_serves_the_memory_log_and_says_the_queues_are_unkno
 
     log = MemoryEventLog()
     await log.append([_joined("node-a", 2)], expected_last_seq=0)
-    async with Dashboard(Parts(log, None), port=0, queue_poll_s=0.05) as dash, aiohttp.ClientSession() as http:
-        async with http.get(dash.url + "api/state") as r:
+    async with Dashboard(Parts(log, None), port=0, queue_poll_s=0.05) as dash, \
+            aiohttp.ClientSession(headers=dash.auth_headers()) as http:
+        async with http.get(dash.base_url + "api/state") as r:
             body = await r.json()
         assert body["last_seq"] == 1 and [n["node_id"] for n in body["nodes"]] == ["node-a"]
         await log.append([_joined("node-b", 1)], expected_last_seq=1)  # followed live
         await until(lambda: dash.model.seq == 2)
         await until(lambda: dash.queues.get("asked_at") is not None)
-        async with http.get(dash.url + "api/queues") as r:
+        async with http.get(dash.base_url + "api/queues") as r:
             queues = await r.json()
         assert queues["dispatcher"] is None and "no NATS connection" in queues["error"]
 

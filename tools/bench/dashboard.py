@@ -172,14 +172,15 @@ async def main() -> None:
         print(f"appended {out['log_events']} events in {out['append_s']} s", flush=True)
 
         t0 = time.perf_counter()
-        async with Dashboard.from_url(srv.url, port=0) as dash, aiohttp.ClientSession() as http:
+        async with Dashboard.from_url(srv.url, port=0) as dash, \
+                aiohttp.ClientSession(headers=dash.auth_headers()) as http:
             out["dashboard_fold_s"] = round(time.perf_counter() - t0, 2)
             live = dash.model.live
             assert len(live.nodes) == NODES and len(live.replicas) == MODELS * PER_MODEL, "bad projection"
             out["anomalies"] = live.anomaly_count
             print(f"dashboard folded in {out['dashboard_fold_s']} s: {len(live.nodes)} nodes, "
                   f"{len(live.replicas)} replicas, {live.anomaly_count} anomalies", flush=True)
-            base = dash.url.rstrip("/")
+            base = dash.base_url.rstrip("/")
             last = dash.model.seq
 
             samples, size = [], 0
@@ -202,7 +203,7 @@ async def main() -> None:
                 browser = await p.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS, headless=True)
                 page = await browser.new_page(viewport={"width": 1400, "height": 900})
                 t0 = time.perf_counter()
-                await page.goto(dash.url)
+                await page.goto(dash.url)  # the URL with the token: the page keeps it in a cookie
                 await page.wait_for_function(f"window.ndif && window.ndif.renderedSeq >= {last}", timeout=60_000,
                                              polling=20)
                 out["first_render_s"] = round(time.perf_counter() - t0, 2)

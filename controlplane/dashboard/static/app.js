@@ -1,7 +1,12 @@
 // The ndif dashboard page: no build step, no framework. It loads /api/state, then applies the
 // server's pushed updates (server-sent events) to its copy; what changed is redrawn once per
 // animation frame, so a burst of events costs one redraw. The timeline asks /api/state?until=.
-// Read-only: nothing here sends anything but GETs.
+// Read-only: nothing here sends anything but GETs. No inline style or script (the server's
+// Content-Security-Policy refuses them): widths are set through the CSSOM after each parse.
+
+// The printed URL carries the operator token; the server has put it in a cookie, so the address
+// bar (and the history) keep the clean URL.
+if (location.search) history.replaceState(null, "", location.pathname);
 
 const $ = (id) => document.getElementById(id);
 const esc = (s) => String(s ?? "").replace(/[&<>"']/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;" }[c]));
@@ -25,11 +30,16 @@ function loadState(target, body) {
 
 function schedule() { if (!frame) frame = requestAnimationFrame(render); }
 
+// Widths (percent) parsed from data-w into the style, which the CSP allows only through the CSSOM.
+function widths(root) {
+  for (const el of root.querySelectorAll("[data-w]")) el.style.width = el.dataset.w + "%";
+}
+
 // ---- drawing ----------------------------------------------------------------------------------
 
 function blockHtml(b, total) {
   const w = Math.max(0.5, (100 * b.bytes) / total);
-  return `<div class="block ${esc(b.level)} ${esc(b.state)}" style="width:${w}%" data-model="${esc(b.model_key)}"
+  return `<div class="block ${esc(b.level)} ${esc(b.state)}" data-w="${w}" data-model="${esc(b.model_key)}"
     data-replica="${b.replica_id}" data-level="${b.level}" data-state="${b.state}" data-bytes="${b.bytes}">${
     esc(label(b.name))}#${b.replica_id}</div>`;
 }
@@ -46,7 +56,7 @@ function nodeHtml(n) {
     <div class="name" title="${esc(n.hostname)}">${esc(n.node_id)}${n.alive ? "" : " (lost)"}</div>
     <div class="cards">${cards}</div>
     <div class="cpu">WARM ${gib(n.cpu_cached_bytes)} / ${gib(n.cpu_cache_bytes)} <span class="warm">${warm}</span>
-      <div class="bar"><span style="width:${pct}%"></span></div></div></div>`;
+      <div class="bar"><span data-w="${pct}"></span></div></div></div>`;
 }
 
 function modelRow(m) {
@@ -81,6 +91,7 @@ function redraw(ids, views, index, parent, html) {
   if (!todo.length) return;
   const scratch = document.createElement(parent.tagName); // a <tbody> parses <tr>s, a <div> parses <div>s
   scratch.innerHTML = todo.map((id) => html(views.get(id))).join("");
+  widths(scratch);
   const fresh = [...scratch.children];
   todo.forEach((id, i) => {
     const old = index.get(id);
@@ -101,6 +112,7 @@ function render() {
   if (!past) slider.value = live.seq;
   if (dirty.all) {
     $("nodes").innerHTML = [...view.nodes.values()].map(nodeHtml).join("");
+    widths($("nodes"));
     $("models").tBodies[0].innerHTML = [...view.models.values()].map(modelRow).join("");
     rows.nodes = new Map([...$("nodes").children].map((el) => [el.dataset.node, el]));
     rows.models = new Map([...$("models").tBodies[0].rows].map((el) => [el.dataset.model, el]));
