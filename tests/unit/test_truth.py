@@ -143,7 +143,7 @@ def test_a_model_with_every_replica_evicted_is_scaled_down_not_progressing() -> 
 
 def test_a_size_for_an_already_registered_model_is_refused_not_ignored() -> None:
     b = Builder().node("n0").model(M, 10)
-    with pytest.raises(InvalidCommand, match="registered at 9.31 GiB.*applies only when a model is registered"):
+    with pytest.raises(InvalidCommand, match=r"registered at 9\.31 GiB.*applies only when a model is registered"):
         decide(b.state, Deploy(command_id="s", model_key=M, replicas=1, size_bytes=10**15), ctx("s"))
     same = decide(b.state, Deploy(command_id="t", model_key=M, replicas=1, size_bytes=10 * 10**9), ctx("t"))
     assert any(type(e).__name__ == "ReplicaScheduled" for e in same)  # the registered size itself: no refusal
