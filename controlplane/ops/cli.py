@@ -24,7 +24,7 @@ import msgspec
 from controlplane.core.placement import PADDING
 from controlplane.core.projections import ClusterState
 from controlplane.ops.extras import require
-from controlplane.ops.render import render_status, status_json
+from controlplane.ops.render import event_reason, render_model, render_status, status_json
 from controlplane.service.logs import configure
 from controlplane.store.admin import AdminClient, resolve_name
 from controlplane.store.heartbeats import heartbeat_ages
@@ -174,25 +174,74 @@ async def _command_on(a: argparse.Namespace, admin: AdminClient) -> int:
     return code
 
 
+WATCH_TICK_S = 1.5  # `status --watch` redraws at least this often (heartbeat ages move without events)
+RECENT_EVENTS = 12  # events of a model `ndif status MODEL` shows
+
+
 async def _status(a: argparse.Namespace, admin: AdminClient) -> int:
     state = await admin.state()
-    _show(state, a.json, await heartbeat_ages(admin.log.js, sorted(state.nodes)))
+    model = resolve_name(state, a.model) if a.model else None
+    view = _Status(a, admin, model)
+    await view.show(state)
     if a.watch:
-        async for batch in admin.log.follow_batches(state.seq + 1):
-            for seq, item in batch:
-                state.apply(seq, item)
-            if not a.json:
-                # clear the screen on a terminal only; a pipe or file gets the views one after another
-                sys.stdout.write("\x1b[2J\x1b[H" if sys.stdout.isatty() else "\n")
-            _show(state, a.json, await heartbeat_ages(admin.log.js, sorted(state.nodes)))
+        # Redraw on every batch of events and on a tick: a dead node's heartbeat age must keep growing
+        # on screen although nothing is appended.
+        batches = admin.log.follow_batches(state.seq + 1).__aiter__()
+        nxt: asyncio.Task[Any] | None = None
+        try:
+            while True:
+                nxt = nxt or asyncio.ensure_future(batches.__anext__())
+                done, _ = await asyncio.wait({nxt}, timeout=WATCH_TICK_S)
+                if done:
+                    for seq, item in nxt.result():
+                        state.apply(seq, item)
+                        if model is not None and isinstance(item, Event) and item.model_key == model:
+                            view.recent = [*view.recent, (seq, item)][-RECENT_EVENTS:]
+                    nxt = None
+                if not a.json:
+                    # clear the screen on a terminal only; a pipe or file gets the views one after another
+                    sys.stdout.write("\x1b[2J\x1b[H" if sys.stdout.isatty() else "\n")
+                await view.show(state, reread=False)
+        finally:
+            if nxt is not None:
+                nxt.cancel()
     return 0
 
 
-def _show(state: ClusterState, as_json: bool, heartbeats: dict[str, float | None] | None = None) -> None:
+class _Status:
+    """One `ndif status` view: the whole cluster, or one model (`ndif status MODEL`)."""
+
+    def __init__(self, a: argparse.Namespace, admin: AdminClient, model: str | None) -> None:
+        self.a, self.admin, self.model = a, admin, model
+        self.recent: list[tuple[int, Event]] = []
+
+    async def show(self, state: ClusterState, reread: bool = True) -> None:
+        if self.model is None:
+            _show(state, self.a.json, await heartbeat_ages(self.admin.log.js, sorted(state.nodes)), self.a.all)
+            return
+        if self.model not in state.models:
+            raise errs.UnknownModel(f"{display_name(self.model)} is no longer deployed (`ndif history` has its past)")
+        if reread:
+            found: list[tuple[int, Event]] = [(seq, e) async for seq, e in self.admin.events(model=self.model)
+                                              if isinstance(e, Event)]
+            self.recent = found[-RECENT_EVENTS:]
+        if self.a.json:
+            full = status_json(state)
+            _out({"seq": state.seq, "model": next(m for m in full["models"] if m["model_key"] == self.model),  # type: ignore[attr-defined]
+                  "replicas": [r for r in full["replicas"] if r["model_key"] == self.model],  # type: ignore[attr-defined]
+                  "recent_events": [{"seq": seq, "type": event_tag(e), "reason": event_reason(e)}
+                                    for seq, e in self.recent]})
+        else:
+            print(render_model(state, self.model, self.recent))
+        sys.stdout.flush()
+
+
+def _show(state: ClusterState, as_json: bool, heartbeats: dict[str, float | None] | None = None,
+          show_all: bool = False) -> None:
     if as_json:
         _out(status_json(state, heartbeats))
     else:
-        print(render_status(state, heartbeats))
+        print(render_status(state, heartbeats, show_all=show_all))
     sys.stdout.flush()
 
 
@@ -203,7 +252,9 @@ def _event_line(seq: int, item: Event | Skipped) -> str:
     rid = f"#{item.replica_id}" if isinstance(item, ReplicaEvent) else ""
     node = f" @{item.node_id}" if isinstance(item, ReplicaEvent) and item.node_id else ""
     cause = f" cmd={item.command_id}" if item.command_id else ""
-    return f"{seq:>7}  {item.ts.astimezone(UTC):%Y-%m-%d %H:%M:%SZ}  {event_tag(item):<26} {who}{rid}{node}  by {item.actor}{cause}"
+    reason = event_reason(item)
+    return (f"{seq:>7}  {item.ts.astimezone(UTC):%Y-%m-%d %H:%M:%SZ}  {event_tag(item):<26} {who}{rid}{node}  "
+            f"by {item.actor}{cause}" + (f"  [{reason}]" if reason else ""))
 
 
 async def _events(a: argparse.Namespace, admin: AdminClient) -> int:
@@ -336,9 +387,13 @@ def add_admin_commands(sub: Any) -> None:
     p = sub.add_parser("undeploy", help="remove a model: drain and unload every replica, then forget it and its ids")
     p.add_argument("model", help=MODEL_HELP)
     mutating(p, wait=False)
-    p = sub.add_parser("status", help="nodes, cards, models and replicas, folded from the log")
+    p = sub.add_parser("status", help="nodes, cards, models and replicas, folded from the log; "
+                                      "with MODEL: that model, every replica and its recent events")
+    p.add_argument("model", nargs="?", help="one model's view: " + MODEL_HELP)
     common(p)
-    p.add_argument("--watch", action="store_true", help="print again on every event")
+    p.add_argument("--watch", action="store_true",
+                   help=f"print again on every event, and at least every {WATCH_TICK_S:g} s")
+    p.add_argument("--all", action="store_true", help="also list replicas unloaded and no longer wanted")
     p = sub.add_parser("events", help="the event log, readable")
     common(p)
     p.add_argument("--model", help="only this model's events: " + MODEL_HELP)

@@ -5,8 +5,24 @@ from __future__ import annotations
 from controlplane.core.placement import padded
 from controlplane.core.projections import ClusterState, ReplicaView
 from controlplane.store.heartbeats import STALE_S
+from schemas.events import (
+    CommandDecided,
+    DeploymentRequested,
+    Event,
+    NodeLost,
+    PlacementRejected,
+    ReplicaCached,
+    ReplicaEvent,
+    ReplicaEvictionRequested,
+    ReplicaFailed,
+    ReplicaLoaded,
+    ReplicaLoadFailed,
+    ReplicaScheduled,
+    RolloutUpdated,
+    event_tag,
+)
 from schemas.keys import display_name
-from schemas.status import Level
+from schemas.status import Level, ReplicaState
 from schemas.units import GiB, gib
 
 
@@ -38,11 +54,19 @@ def heartbeat_text(age: float | None, alive: bool) -> str:
     return f"{age:.1f}s ago" + (" (STALE)" if age > STALE_S and alive else "")
 
 
-def render_status(state: ClusterState, heartbeats: dict[str, float | None] | None = None) -> str:
+def gone(r: ReplicaView) -> bool:
+    """A replica that no longer exists for an operator: unloaded, holding nothing, not wanted anywhere
+    (its id stays in the log and in `--all`)."""
+    return r.state is ReplicaState.UNLOADED and r.desired is Level.COLD and not holds(r)
+
+
+def render_status(state: ClusterState, heartbeats: dict[str, float | None] | None = None, *,
+                  show_all: bool = False) -> str:
     """Nodes and cards (GiB reserved / total), models, replicas (desired vs observed), anomalies.
 
     With `heartbeats` (node id -> seconds since its last heartbeat; `ndif status`, not `replay`),
-    the nodes table has a heartbeat column."""
+    the nodes table has a heartbeat column. Replicas that no longer exist (`gone`) are counted, not
+    listed, unless `show_all`."""
     out = [f"cluster at seq {state.seq}"]
     if state.nodes:
         rows = []
@@ -70,7 +94,8 @@ def render_status(state: ClusterState, heartbeats: dict[str, float | None] | Non
         out += ["", "MODELS (hot: on GPU now; replica count: desired HOT; target_hot: of the last deploy/scale)"] + _table(
             rows, ["model", "status", "hot", "replica count", "target_hot", "size", "charge", "headroom", "gpus",
                    "dedicated"])
-    live = [r for r in state.replicas.values()]
+    live = [r for r in state.replicas.values() if show_all or not gone(r)]
+    hidden = len(state.replicas) - len(live)
     if live:
         rows = []
         for r in sorted(live, key=lambda r: (display_name(r.model_key), r.replica_id)):
@@ -81,9 +106,11 @@ def render_status(state: ClusterState, heartbeats: dict[str, float | None] | Non
             else:
                 where = f"{r.node_id}:cpu"
             rows.append([display_name(r.model_key), str(r.replica_id), str(r.level), str(r.desired), str(r.state),
-                         where, str(r.since_seq), (r.error or "")[:40]])
+                         where, str(r.since_seq), r.error or ""])  # last column: the error in full
         out += ["", "REPLICAS"] + _table(rows, ["model", "id", "level", "desired", "state", "node:gpus", "since",
                                                 "error"])
+    if hidden:
+        out += [f"({hidden} replica(s) unloaded and no longer wanted are not listed: `ndif status --all` lists them)"]
     if state.anomaly_count or state.skipped:
         out += ["", f"ANOMALIES: {state.anomaly_count} (unreadable events: {state.skipped})"]
         out += [f"  seq {a.seq} {a.event_type}: {a.message}" for a in state.anomalies[-5:]]
@@ -143,3 +170,65 @@ def status_json(state: ClusterState, heartbeats: dict[str, float | None] | None 
                   "replica_id": a.replica_id} for a in state.anomalies]
     return {"seq": state.seq, "nodes": nodes, "models": models, "replicas": replicas, "anomalies": anomalies,
             "anomaly_count": state.anomaly_count, "skipped": state.skipped}
+
+
+def event_reason(item: Event) -> str:
+    """What an event says beyond its type, for people: the verb of a command, the error of a failed
+    load, needed vs free of a refused placement, why and where to an eviction went, a rollout's step."""
+    match item:
+        case CommandDecided():
+            return f"verb={item.verb}" + (f" ({item.note})" if item.note else "")
+        case DeploymentRequested():
+            return f"{item.op} replicas={item.replicas} -> replica count {item.target_hot}"
+        case PlacementRejected():
+            return (f"{item.reason}: {item.replicas} replica(s); needed {gib(item.needed_bytes)}, "
+                    f"the most any node had free {gib(item.free_bytes)}")
+        case ReplicaScheduled():
+            return (f"on gpus {list(item.gpu_indices)}, {gib(item.bytes_per_gpu)} each, from {item.source}"
+                    + (", dedicated" if item.dedicated else ""))
+        case ReplicaEvictionRequested():
+            by = f" by {display_name(item.by_model_key)}#{item.by_replica_id}" if item.by_model_key else ""
+            return f"reason={item.reason} -> {item.target}" + (", drain first" if item.drain else "") + by
+        case ReplicaLoadFailed() | ReplicaFailed():
+            return f"error: {item.error}"
+        case ReplicaLoaded():
+            return f"in {item.load_seconds:.2f}s"
+        case ReplicaCached():
+            return f"{gib(item.cpu_bytes)} in the CPU cache"
+        case RolloutUpdated():
+            step = f"restarting {item.current}" if item.current is not None else "rollout ended"
+            rest = f", then {', '.join(map(str, item.remaining))}" if item.remaining else ""
+            return step + rest + (f" ({item.note})" if item.note else "")
+        case NodeLost():
+            return f"reason: {item.reason}"
+    return ""
+
+
+def render_model(state: ClusterState, model_key: str, recent: list[tuple[int, Event]]) -> str:
+    """`ndif status MODEL`: the model, every replica it has had (node, cards, level, state, restarts,
+    last error in full), and its recent events with what they say."""
+    m = state.models[model_key]
+    charge = _charge(state, model_key)
+    out = [f"{display_name(model_key)}  (model key {model_key})",
+           f"  status {state.model_status(model_key)}; hot {hot_count(state, model_key)} of replica count "
+           f"{state.replica_count(model_key)}; size {gib(m.registration.size_bytes) if m.registration else '?'}, "
+           f"charged {gib(charge) if charge is not None else '?'} per replica; gpus {m.gpus or 'auto'}; "
+           f"dedicated {'yes' if m.dedicated else 'no'}"]
+    if m.rollout:
+        out.append(f"  rolling restart: restarting {m.rollout_current}, then {', '.join(map(str, m.rollout))}")
+    if m.last_rejection is not None:
+        rj = m.last_rejection
+        out.append(f"  last refused placement (seq {rj.seq}): {rj.replicas} replica(s), needed {gib(rj.needed_bytes)}, "
+                   f"the most any node had free {gib(rj.free_bytes)}")
+    rows = []
+    for r in sorted(state.model_replicas(model_key), key=lambda r: r.replica_id):
+        cards = ",".join(map(str, r.gpu_indices)) if r.on_gpu else ("cpu" if r.cpu_bytes else "-")
+        rows.append([str(r.replica_id), r.node_id or "-", cards, str(r.level), str(r.desired), str(r.state),
+                     str(r.restarts), str(r.since_seq), r.error or ""])
+    out += ["", "REPLICAS"] + (_table(rows, ["id", "node", "gpus", "level", "desired", "state", "restarts", "since",
+                                              "last error"]) if rows else ["  (none)"])
+    out += ["", f"RECENT EVENTS (last {len(recent)}; `ndif history {display_name(model_key)}` has them all)"]
+    for seq, e in recent:
+        rid = f"#{e.replica_id}" if isinstance(e, ReplicaEvent) else ""
+        out.append(f"  {seq:>7}  {e.ts:%Y-%m-%d %H:%M:%S}Z  {event_tag(e)}{rid}  {event_reason(e)}".rstrip())
+    return "\n".join(out)

@@ -339,3 +339,60 @@ async def test_restart_of_a_model_is_rolling_and_it_never_stops_serving(nats_ser
 
         ran = await ndif(url, "restart", str(tiny), "--all-at-once", "--json")
         assert ran.rc == 0 and sorted(r["replica_id"] for r in ran.lines()[0]["replicas"]) == [0, 1, 2]
+
+
+async def test_operator_views_say_why_and_hide_what_is_gone(nats_server: EmbeddedNats, admin: AdminClient,
+                                                            tiny: Path, tmp_path: Path) -> None:
+    """`history` gives each event's reason (a failed load's error, a refused placement's needed vs
+    free, a command's verb); `status` hides replicas unloaded and no longer wanted unless `--all`;
+    `status MODEL` shows the model's replicas with node, cards and full error, and its recent events."""
+    url = nats_server.url
+    failing = {"on": True}
+    agent = ScriptedAgent(url, "node-v", gpus=2, fail_loads=lambda m: failing["on"])
+    async with Cluster(Controller.from_url(url), agent):
+        ran = await ndif(url, "deploy", str(tiny), "--replicas", "1", "--wait")
+        assert ran.rc == 1
+        failing["on"] = False
+        ran = await ndif(url, "scale", str(tiny), "--replicas", "2", "--wait")
+        assert ran.rc == 0, ran.err
+        hist = (await ndif(url, "history", str(tiny))).out
+        assert "[verb=deploy]" in hist and "[verb=scale]" in hist, hist
+        failed_line = next(ln for ln in hist.splitlines() if "ReplicaLoadFailed" in ln)
+        assert "error:" in failed_line, failed_line
+
+        big = config_only(tmp_path, "huge", tiny)
+        ran = await ndif(url, "deploy", big, "--replicas", "1", "--size-gib", "5000")
+        assert ran.rc == 7
+        refused = next(ln for ln in (await ndif(url, "history", big)).out.splitlines() if "PlacementRejected" in ln)
+        assert "needed" in refused and "GiB" in refused and "free" in refused, refused
+
+        ran = await ndif(url, "evict", str(tiny), "--replica-id", "0", "--cold")
+        assert ran.rc == 0, ran.err
+        await settle(admin)
+        text = (await ndif(url, "status")).out
+        assert "not listed: `ndif status --all` lists them" in text, text
+        assert (await ndif(url, "status", "--all")).out.count("LoadFailed") + 1 >= 1
+        one = await ndif(url, "status", str(tiny))
+        assert one.rc == 0, one.err
+        assert "REPLICAS" in one.out and "RECENT EVENTS" in one.out and "node-v" in one.out, one.out
+        js = (await ndif(url, "status", str(tiny), "--json")).json()
+        assert {r["replica_id"] for r in js["replicas"]} == {0, 1} and js["recent_events"], js
+
+
+async def test_status_watch_redraws_on_a_tick_without_events(nats_server: EmbeddedNats, admin: AdminClient) -> None:
+    """A dead node's heartbeat age must keep moving on screen although nothing is appended."""
+    import os
+    import sys
+
+    url = nats_server.url
+    async with Cluster(Controller.from_url(url), ScriptedAgent(url, "node-w", gpus=1)):
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "dataplane.ops.cli", "status", "--watch", "--nats", url,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env={**os.environ})
+        assert proc.stdout is not None
+        first = await asyncio.wait_for(proc.stdout.readline(), 60)  # the first view, on start
+        await asyncio.sleep(3.6)  # no event meanwhile: only the tick redraws
+        proc.terminate()
+        out, _ = await proc.communicate()
+    text = first.decode() + out.decode()
+    assert text.count("cluster at seq") >= 3, text
