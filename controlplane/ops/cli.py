@@ -26,7 +26,7 @@ from controlplane.core.projections import ClusterState
 from controlplane.ops.render import render_status, status_json
 from controlplane.service.logs import configure
 from controlplane.store.admin import AdminClient, resolve_name
-from controlplane.store.heartbeats import heartbeat_ages
+from controlplane.store.heartbeats import JetStreamHeartbeats, heartbeat_ages
 from schemas import errors as errs
 from schemas.commands import MAX_HEADROOM, CommandResult
 from schemas.events import Event, ReplicaEvent, Skipped, event_tag
@@ -148,7 +148,8 @@ async def _command_on(a: argparse.Namespace, admin: AdminClient) -> int:
 
 async def _status(a: argparse.Namespace, admin: AdminClient) -> int:
     state = await admin.state()
-    _show(state, a.json, await heartbeat_ages(admin.log.js, sorted(state.nodes)))
+    beats = JetStreamHeartbeats(admin.log.js)
+    _show(state, a.json, await heartbeat_ages(beats, sorted(state.nodes)))
     if a.watch:
         async for batch in admin.log.follow_batches(state.seq + 1):
             for seq, item in batch:
@@ -156,7 +157,7 @@ async def _status(a: argparse.Namespace, admin: AdminClient) -> int:
             if not a.json:
                 # clear the screen on a terminal only; a pipe or file gets the views one after another
                 sys.stdout.write("\x1b[2J\x1b[H" if sys.stdout.isatty() else "\n")
-            _show(state, a.json, await heartbeat_ages(admin.log.js, sorted(state.nodes)))
+            _show(state, a.json, await heartbeat_ages(beats, sorted(state.nodes)))
     return 0
 
 
