@@ -38,6 +38,8 @@ from schemas.subjects import (
     results_bucket,
 )
 
+NO_MESSAGE_FOUND = 10057  # the server's error code for a stream message that is not (any more) there
+
 
 class JetStreamRequests:
     """`RequestStream` on the work-queue stream `NDIF_REQUESTS`: a model's durable consumer
@@ -72,8 +74,13 @@ class JetStreamRequests:
                              headers=raw.headers)
 
     async def delete(self, seq: int) -> None:
-        with contextlib.suppress(nats.js.errors.NotFoundError):
+        try:
             await self.js.delete_msg(REQUESTS_STREAM, seq)
+        except nats.js.errors.NotFoundError:
+            pass
+        except nats.js.errors.APIError as exc:
+            if exc.err_code != NO_MESSAGE_FOUND:  # deleted already (by another dispatcher's triage)
+                raise
 
     async def consume(self, token: str, on_delivery: OnDelivery, hold: Callable[[], bool]) -> None:
         durable = request_consumer(token)

@@ -13,21 +13,10 @@ from collections.abc import Awaitable, Callable
 
 from dataplane.serving.ports import Deploy, OnDelivery, RevisionMoved, ServingPorts, StoredRequest
 from schemas.requests import Request, StatusUpdate, encoder, status_decoder
-from schemas.subjects import request_filters, request_subject, status_key
+from schemas.subjects import request_filters, request_subject, status_key, subject_matches
 
 _ACK_PREFIX = "$MEM.ACK."
 _POLL_S = 0.05  # a consumer that holds (`hold()` True) looks again this often
-
-
-def subject_matches(subject: str, pattern: str) -> bool:
-    """NATS subject matching: `*` is one token, a final `>` one or more."""
-    s, p = subject.split("."), pattern.split(".")
-    for i, tok in enumerate(p):
-        if tok == ">":
-            return len(s) > i
-        if i >= len(s) or (tok != "*" and tok != s[i]):
-            return False
-    return len(s) == len(p)
 
 
 class MemoryDelivery:

@@ -25,13 +25,14 @@ from controlplane.store.memlog import MemoryEventLog
 from dataplane.node.agent import NodeAgent
 from dataplane.replica.wire import Answer, Completed, NotRun
 from dataplane.serving.dispatcher import Dispatcher
-from dataplane.serving.memory import MemoryServing, subject_matches
+from dataplane.serving.memory import MemoryServing
 from schemas import errors as errs
 from schemas import events as E
 from schemas.commands import CommandResult, Deploy, Evict
 from schemas.keys import canonical_model_key
-from schemas.requests import Request
+from schemas.requests import Request, StatusUpdate
 from schemas.status import ReplicaState, RequestStatus
+from schemas.subjects import subject_matches
 from tests.fake_runtime import FakeProcess, FakeRuntime
 from tests.strategies import node_joined
 from tests.waiting import until
@@ -124,14 +125,21 @@ def request(model_key: str, data: int, user: str = "") -> Request:
                    submitted_at=datetime.now(UTC), user=user)
 
 
+async def final(stack: Stack, r: Request) -> StatusUpdate:
+    """The request's terminal status, once kept."""
+    await until(lambda: (s := stack.serving.status(r.request_id, r.user)) is not None and s.terminal, timeout=10)
+    done = stack.serving.status(r.request_id, r.user)
+    assert done is not None
+    return done
+
+
 async def test_the_first_request_deploys_the_model_and_is_served_once_a_replica_is_loaded(stack: Stack,
                                                                                           tmp_path) -> None:
     mk = checkpoint(tmp_path, "tiny")
     first = request(mk, 1)
     await stack.serving.submit(first)
-    await until(lambda: (s := stack.serving.status(first.request_id)) is not None and s.terminal, timeout=10)
-    done = stack.serving.status(first.request_id)
-    assert done is not None and done.status is R.COMPLETED and done.result == {"echo": 1, "replica_id": 0}
+    done = await final(stack, first)
+    assert done.status is R.COMPLETED and done.result == {"echo": 1, "replica_id": 0}
     # Deployed by the dispatcher's own deploy, loaded by the agent, served through the caller.
     (scheduled,) = stack.events(E.ReplicaScheduled)
     assert scheduled.model_key == mk and scheduled.command_id.startswith("cmd-")
@@ -145,9 +153,7 @@ async def test_the_first_request_deploys_the_model_and_is_served_once_a_replica_
     more = [request(mk, 2), request(mk, 3, user="alice")]
     for r in more:
         await stack.serving.submit(r)
-    await until(lambda: all((s := stack.serving.status(r.request_id, r.user)) is not None and s.terminal
-                            for r in more), timeout=10)
-    assert [stack.serving.status(r.request_id, r.user).result["echo"] for r in more] == [2, 3]  # type: ignore[union-attr]
+    assert [(await final(stack, r)).result["echo"] for r in more] == [2, 3]
     assert len(stack.events(E.ReplicaScheduled)) == 1  # deployed once
 
 
@@ -157,11 +163,9 @@ async def test_a_model_no_node_can_hold_ends_its_requests_at_once(stack: Stack, 
     reqs = [request(mk, i) for i in range(3)]
     for r in reqs:
         await stack.serving.submit(r)
-    await until(lambda: all((s := stack.serving.status(r.request_id)) is not None and s.terminal for r in reqs),
-                timeout=10)
     for r in reqs:
-        s = stack.serving.status(r.request_id)
-        assert s is not None and s.status is R.ERROR and s.error == "PlacementImpossible", s
+        s = await final(stack, r)
+        assert s.status is R.ERROR and s.error == "PlacementImpossible", s
     assert not stack.events(E.ReplicaScheduled)
     await until(lambda: not stack.serving.requests.stored)  # every one acked: nothing redelivered
 
@@ -171,7 +175,7 @@ async def test_a_draining_replica_with_nothing_in_flight_is_reported_drained_by_
     mk = checkpoint(tmp_path, "tiny")
     r = request(mk, 1)
     await stack.serving.submit(r)
-    await until(lambda: (s := stack.serving.status(r.request_id)) is not None and s.terminal, timeout=10)
+    assert (await final(stack, r)).status is R.COMPLETED
     res = await stack.controller.handle(msgspec.json.encode(Evict(command_id="evict-1", model_key=mk, replica_id=0)),
                                         verb="evict")
     assert res.ok, res

@@ -22,8 +22,9 @@ from dataplane.replica.wire import Answer, Answers, Completed, Parked, decode_ca
 from dataplane.serving import link as link_module
 from dataplane.serving.dispatcher import Dispatcher
 from dataplane.serving.link import NoEndpoint, ReplicaLink, ReplyLost
-from dataplane.serving.memory import MemoryServing, subject_matches
+from dataplane.serving.memory import MemoryServing
 from schemas.commands import CommandResult
+from schemas.subjects import subject_matches
 
 pytestmark = pytest.mark.timeout(30)
 Callback = Callable[[Msg], Awaitable[None]]

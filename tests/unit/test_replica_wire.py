@@ -57,7 +57,7 @@ def test_the_tags_are_explicit_strings_on_the_wire() -> None:
     assert body == ["answers", [["completed", 1, 0.5], ["failed", "E", "m", 1.0], ["not_run", "r"]]]
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(st.lists(answers, max_size=8))
 def test_answers_round_trip_through_msgpack_and_pickle(sent: list[Any]) -> None:
     reply = Answers(answers=sent)
@@ -65,7 +65,7 @@ def test_answers_round_trip_through_msgpack_and_pickle(sent: list[Any]) -> None:
     assert pickle.loads(pickle.dumps(sent)) == sent  # Ray's way (run_batch, take_answer)
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(payloads)
 def test_a_call_round_trips(sent: list[dict[str, Any]]) -> None:
     assert decode_call(encode_call(sent)) == Call(payloads=sent)
@@ -87,7 +87,7 @@ def test_bytes_that_are_not_a_reply_raise_a_decode_error(body: bytes) -> None:
         decode_reply(body)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(st.binary(max_size=64))
 def test_any_bytes_decode_or_raise_only_what_the_link_turns_into_reply_lost(body: bytes) -> None:
     try:

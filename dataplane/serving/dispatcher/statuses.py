@@ -125,7 +125,7 @@ class StatusWriter:
 
     def finish_soon(self, p: Pending, status: RequestStatus, **kw: Any) -> None:
         """`finish` for a lane that goes on at once: the write starts now, the ack follows it from
-        the outbox (no task of its own, unless the result is large and goes to the Object Store)."""
+        the outbox (no task of its own, unless the result is large and goes to the results store)."""
         if self.bg.stopped:
             return  # not acked: redelivered to the next dispatcher
         u = self._update(p, status, **kw)
