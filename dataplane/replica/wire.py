@@ -10,6 +10,8 @@ Every request of a call gets one `Answer`: `Completed` (its result), `Failed` (i
 never touches the other requests) or `NotRun` (the replica stopped being HOT before it; the
 dispatcher hands it to another replica). Structs are array-like (positional on the wire, for
 speed) with explicit tags; a new field goes at the end with a default, and never changes type.
+The answers are not kw_only (build them with keywords anyway): Ray pickles them on its path, and a
+kw_only struct pickles through a dict of its fields, about twice the time of a positional one.
 """
 
 from __future__ import annotations
@@ -29,14 +31,14 @@ class Call(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
     payloads: list[dict[str, Any]]
 
 
-class Completed(msgspec.Struct, frozen=True, kw_only=True, array_like=True, tag="completed"):
+class Completed(msgspec.Struct, frozen=True, array_like=True, tag="completed"):
     """The request ran: its result, and how long it ran (the dispatcher's batch budget uses it)."""
 
     result: Any
     seconds: float
 
 
-class Failed(msgspec.Struct, frozen=True, kw_only=True, array_like=True, tag="failed"):
+class Failed(msgspec.Struct, frozen=True, array_like=True, tag="failed"):
     """The request ran and raised: the error's class name and the line a user is told."""
 
     error: str
@@ -44,7 +46,7 @@ class Failed(msgspec.Struct, frozen=True, kw_only=True, array_like=True, tag="fa
     seconds: float
 
 
-class NotRun(msgspec.Struct, frozen=True, kw_only=True, array_like=True, tag="not_run"):
+class NotRun(msgspec.Struct, frozen=True, array_like=True, tag="not_run"):
     """The replica was not HOT (any more) when this request's turn came: run it elsewhere."""
 
     reason: str
