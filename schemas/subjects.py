@@ -156,6 +156,17 @@ def kill_subject(user: str = "") -> str:
     return f"{DISPATCHER_KILL}.{user}" if user else DISPATCHER_KILL
 
 
+def subject_matches(subject: str, pattern: str) -> bool:
+    """NATS subject matching: `*` is one token, a final `>` one or more."""
+    s, p = subject.split("."), pattern.split(".")
+    for i, tok in enumerate(p):
+        if tok == ">":
+            return len(s) > i
+        if i >= len(s) or (tok != "*" and tok != s[i]):
+            return False
+    return len(s) == len(p)
+
+
 def request_subject_parts(subject: str) -> tuple[str, str]:
     """(model token, user) of a request subject (user "" for the userless form)."""
     parts = subject.split(".")

@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 from controlplane.core.projections import ClusterState
 from controlplane.store.eventstore import JetStreamEventLog
+from controlplane.store.heartbeats import JetStreamHeartbeats
 from dataplane.node.agent import NodeAgent
 from schemas.events import GpuInfo
 from schemas.status import ReplicaState
@@ -39,6 +40,7 @@ class ScriptedAgent:
         self.heartbeat_s = heartbeat_s
         self.runtime = FakeRuntime(f"sim:{node_id}", start_delay_s=load_delay_s, fail_loads=fail_loads)
         self.agent: NodeAgent | None = None
+        self.beats: JetStreamHeartbeats | None = None
 
     @property
     def state(self) -> ClusterState:
@@ -47,7 +49,8 @@ class ScriptedAgent:
 
     async def start(self) -> ScriptedAgent:
         log = await JetStreamEventLog.open(self.url, ensure=False, name=f"agent:{self.node_id}")
-        self.agent = NodeAgent(log, log.js, self.runtime, self.node_id, gpus=self.gpus,
+        self.beats = JetStreamHeartbeats(log.js)
+        self.agent = NodeAgent(log, self.beats, self.runtime, self.node_id, gpus=self.gpus,
                                cpu_cache_bytes=self.cpu_cache_bytes, heartbeat_s=self.heartbeat_s, drain_timeout_s=0.0,
                                health_interval_s=0.1, hostname="sim", owns_log=True)
         await self.agent.start()
@@ -59,9 +62,9 @@ class ScriptedAgent:
 
     async def silence(self) -> None:
         """The node dies: no more heartbeats or actions, and its heartbeat key goes (as after its TTL)."""
-        assert self.agent is not None
+        assert self.agent is not None and self.beats is not None
         await self.agent.halt()
-        kv = await self.agent.js.key_value(HEARTBEATS_BUCKET)
+        kv = await self.beats.js.key_value(HEARTBEATS_BUCKET)
         with contextlib.suppress(Exception):
             await kv.delete(node_token(self.node_id))
 

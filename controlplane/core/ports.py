@@ -64,3 +64,31 @@ class SnapshotStore(Protocol):
     async def save_snapshot(self, name: str, data: bytes) -> None: ...
 
     async def load_snapshot(self, name: str) -> bytes | None: ...
+
+
+class Heartbeat(msgspec.Struct, frozen=True, kw_only=True):
+    """A node's last heartbeat as the store keeps it."""
+
+    at: datetime  # the store's time of the beat
+    seq: int  # its position in the store: a later beat has a higher one
+    stopped: bool = False  # the agent's goodbye: it stopped cleanly
+
+    def age_s(self, now: datetime) -> float:
+        return max(0.0, (now - self.at).total_seconds())
+
+
+class Heartbeats(Protocol):
+    """Where node agents say they are alive (JetStream: the KV bucket `ndif_heartbeats`, which
+    forgets a node's key some time after its last beat)."""
+
+    async def beat(self, node_id: str) -> None:
+        """This node is alive, now."""
+        ...
+
+    async def goodbye(self, node_id: str) -> None:
+        """This node's agent stops cleanly (another may take its node id at once)."""
+        ...
+
+    async def last(self, node_id: str) -> Heartbeat | None:
+        """The node's last heartbeat still kept, or None (never beat, or forgotten)."""
+        ...

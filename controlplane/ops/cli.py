@@ -27,7 +27,7 @@ from controlplane.ops.extras import require
 from controlplane.ops.render import event_reason, render_model, render_status, status_json
 from controlplane.service.logs import configure
 from controlplane.store.admin import AdminClient, resolve_name
-from controlplane.store.heartbeats import heartbeat_ages
+from controlplane.store.heartbeats import JetStreamHeartbeats, heartbeat_ages
 from schemas import errors as errs
 from schemas.commands import MAX_HEADROOM, CommandResult, ReplicaOutcome
 from schemas.events import Event, ReplicaEvent, RolloutUpdated, Skipped, event_tag
@@ -217,7 +217,8 @@ class _Status:
 
     async def show(self, state: ClusterState, reread: bool = True) -> None:
         if self.model is None:
-            _show(state, self.a.json, await heartbeat_ages(self.admin.log.js, sorted(state.nodes)), self.a.all)
+            beats = JetStreamHeartbeats(self.admin.log.js)
+            _show(state, self.a.json, await heartbeat_ages(beats, sorted(state.nodes)), self.a.all)
             return
         if self.model not in state.models:
             raise errs.UnknownModel(f"{display_name(self.model)} is no longer deployed (`ndif history` has its past)")

@@ -1,4 +1,5 @@
-"""Node heartbeats as the KV bucket `ndif_heartbeats` keeps them: when each node's agent last beat.
+"""Node heartbeats (the `Heartbeats` port, controlplane/core/ports.py): the KV bucket `ndif_heartbeats`,
+and an in-memory store for tests.
 
 Agents put their key every `--heartbeat` seconds (2 by default; the value is the node id) and,
 stopping cleanly, once more with an empty value (`stopped`); the bucket forgets a key
@@ -10,45 +11,77 @@ from __future__ import annotations
 
 import contextlib
 from datetime import UTC, datetime
-from typing import Any
 
-import msgspec
 import nats.js.errors
+from nats.js.client import JetStreamContext
 
+from controlplane.core.ports import Heartbeat, Heartbeats
+from schemas.errors import InfrastructureError
 from schemas.subjects import HEARTBEATS_BUCKET, node_token
+
+__all__ = ["STALE_S", "Heartbeat", "JetStreamHeartbeats", "MemoryHeartbeats", "heartbeat_ages"]
 
 STALE_S = 6.0  # three missed beats at the agents' default 2 s interval
 
 
-class Heartbeat(msgspec.Struct, frozen=True, kw_only=True):
-    at: datetime  # the server's time of the last put
-    seq: int  # its stream sequence: a later beat has a higher one
-    stopped: bool = False  # the agent's goodbye (an empty value): it stopped cleanly
+class JetStreamHeartbeats:
+    """`Heartbeats` in the KV bucket `ndif_heartbeats` (key: the node's token)."""
 
-    def age_s(self, now: datetime | None = None) -> float:
-        return max(0.0, ((now or datetime.now(UTC)) - self.at).total_seconds())
+    def __init__(self, js: JetStreamContext) -> None:
+        self.js = js
+
+    async def beat(self, node_id: str) -> None:
+        kv = await self.js.key_value(HEARTBEATS_BUCKET)
+        await kv.put(node_token(node_id), node_id.encode())
+
+    async def goodbye(self, node_id: str) -> None:
+        kv = await self.js.key_value(HEARTBEATS_BUCKET)
+        await kv.put(node_token(node_id), b"")
+
+    async def last(self, node_id: str) -> Heartbeat | None:
+        try:
+            raw = await self.js.get_msg(f"KV_{HEARTBEATS_BUCKET}",
+                                        subject=f"$KV.{HEARTBEATS_BUCKET}.{node_token(node_id)}")
+        except (nats.js.errors.NotFoundError, nats.js.errors.KeyNotFoundError):
+            return None
+        headers = raw.headers or {}
+        if headers.get("KV-Operation") in ("DEL", "PURGE") or raw.time is None:
+            return None
+        at = raw.time if raw.time.tzinfo is not None else raw.time.replace(tzinfo=UTC)
+        return Heartbeat(at=at, seq=int(raw.seq or 0), stopped=not raw.data)
 
 
-async def last_heartbeat(js: Any, node_id: str) -> Heartbeat | None:
-    """The last heartbeat of `node_id` still kept in KV, or None (never beat, or expired)."""
-    try:
-        raw = await js.get_msg(f"KV_{HEARTBEATS_BUCKET}", subject=f"$KV.{HEARTBEATS_BUCKET}.{node_token(node_id)}")
-    except (nats.js.errors.NotFoundError, nats.js.errors.KeyNotFoundError):
-        return None
-    headers = raw.headers or {}
-    if headers.get("KV-Operation") in ("DEL", "PURGE") or raw.time is None:
-        return None
-    at = raw.time if raw.time.tzinfo is not None else raw.time.replace(tzinfo=UTC)
-    return Heartbeat(at=at, seq=int(raw.seq or 0), stopped=not raw.data)
+class MemoryHeartbeats:
+    """`Heartbeats` in memory (no expiry: `forget` is what the bucket's TTL does)."""
+
+    def __init__(self) -> None:
+        self.kept: dict[str, Heartbeat] = {}
+        self._seq = 0
+
+    async def beat(self, node_id: str) -> None:
+        self._put(node_id, stopped=False)
+
+    async def goodbye(self, node_id: str) -> None:
+        self._put(node_id, stopped=True)
+
+    async def last(self, node_id: str) -> Heartbeat | None:
+        return self.kept.get(node_id)
+
+    def forget(self, node_id: str) -> None:
+        self.kept.pop(node_id, None)
+
+    def _put(self, node_id: str, *, stopped: bool) -> None:
+        self._seq += 1
+        self.kept[node_id] = Heartbeat(at=datetime.now(UTC), seq=self._seq, stopped=stopped)
 
 
-async def heartbeat_ages(js: Any, node_ids: list[str]) -> dict[str, float | None]:
+async def heartbeat_ages(beats: Heartbeats, node_ids: list[str]) -> dict[str, float | None]:
     """Seconds since each node's last heartbeat (None: no heartbeat kept, i.e. none for a while)."""
     now = datetime.now(UTC)
     out: dict[str, float | None] = {}
     for node_id in node_ids:
         hb = None
-        with contextlib.suppress(nats.js.errors.APIError):
-            hb = await last_heartbeat(js, node_id)
+        with contextlib.suppress(nats.js.errors.APIError, InfrastructureError):
+            hb = await beats.last(node_id)
         out[node_id] = round(hb.age_s(now), 1) if hb is not None else None
     return out

@@ -15,8 +15,8 @@ folded state, not on single events, so a restart simply re-folds and finishes wh
 What to do is decided by a pure function over the fold (`plan_actions`, controlplane/core/nodeplan.py);
 this module only runs its actions, through the node's `ReplicaRuntime` (dataplane/runtime/ports.py;
 Ray's is dataplane/runtime/ray_adapter.py, tests use an in-memory one). The agent is given its
-parts (the event log, the JetStream context for heartbeats, the runtime); `NodeAgent.open(url)`
-makes them for `ndif agent` and `ndif up`.
+parts (the event log, where its heartbeats go, the runtime); `NodeAgent.open(url)` makes them for
+`ndif agent` and `ndif up`.
 A load onto cards that a leaving replica still occupies waits until that replica is off them.
 On start it adopts the live detached actors of its node (contract names) and reconciles them with
 the fold: an actor the log does not want is killed; a HOT replica whose actor is gone is reported
@@ -36,15 +36,15 @@ from typing import Any
 import structlog
 
 from controlplane.core.nodeplan import Action, Do, Mark, current_marks, plan_actions, plan_adoption
-from controlplane.core.ports import EventLog, Stored
+from controlplane.core.ports import EventLog, Heartbeats, Stored
 from controlplane.core.projections import ClusterState
 from controlplane.core.projections.replica import ReplicaView
-from controlplane.service.clock import observed
+from controlplane.service.clock import observed, utcnow
 from controlplane.service.follow import follow_log
 from controlplane.service.tasks import cancel_and_wait
 from controlplane.store.credentials import Creds, resolve
 from controlplane.store.eventstore import JetStreamEventLog
-from controlplane.store.heartbeats import STALE_S, last_heartbeat
+from controlplane.store.heartbeats import STALE_S, JetStreamHeartbeats
 from dataplane.replica.actor import NAMESPACE, replica_resources
 from dataplane.runtime.ports import Liveness, ReplicaHandle, ReplicaRuntime, ReplicaSpec
 from schemas.errors import InfrastructureError
@@ -62,7 +62,6 @@ from schemas.events import (
     ReplicaUnloaded,
 )
 from schemas.status import Level, ReplicaState
-from schemas.subjects import HEARTBEATS_BUCKET, node_token
 
 logger = structlog.get_logger("ndif.agent")
 SCHEDULE_TIMEOUT_S = 60.0  # a replica actor Ray has not started by then is a failed load
@@ -104,15 +103,15 @@ def default_cpu_cache_bytes() -> int:
 
 
 class NodeAgent:
-    """One node's agent over its parts: `log` (the event log), `js` (the JetStream context its
-    heartbeats go to) and `runtime` (where its replicas run). `owns_log`: `stop()` closes the log."""
+    """One node's agent over its parts: `log` (the event log), `heartbeats` (where it says it is
+    alive) and `runtime` (where its replicas run). `owns_log`: `stop()` closes the log."""
 
-    def __init__(self, log: EventLog, js: Any, runtime: ReplicaRuntime, node_id: str | None = None, *,
+    def __init__(self, log: EventLog, heartbeats: Heartbeats, runtime: ReplicaRuntime, node_id: str | None = None, *,
                  gpus: tuple[GpuInfo, ...] | None = None, cpu_cache_bytes: int | None = None,
                  heartbeat_s: float = 2.0, drain_timeout_s: float = 30.0, health_interval_s: float = 1.0,
                  execution_timeout_s: float = 60.0, hostname: str | None = None, owns_log: bool = False) -> None:
         self.log = log
-        self.js = js
+        self.heartbeats = heartbeats
         self.runtime = runtime
         self.owns_log = owns_log
         self.node_id = node_id or socket.gethostname()
@@ -158,7 +157,7 @@ class NodeAgent:
             runtime = RayRuntime(nats_url=url, nats_creds=creds)
         log = await JetStreamEventLog.open(url, ensure=False, name=f"agent:{node_id}", creds=creds, role="agent",
                                            node_id=node_id)
-        return cls(log, log.js, runtime, node_id, owns_log=True, **kw)
+        return cls(log, JetStreamHeartbeats(log.js), runtime, node_id, owns_log=True, **kw)
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
@@ -192,8 +191,7 @@ class NodeAgent:
             # Goodbye: an empty heartbeat lets an agent started next under this node id take over
             # at once (a live one is refused). Best effort: a dead NATS must not hold up the stop.
             with contextlib.suppress(Exception):
-                kv = await asyncio.wait_for(self.js.key_value(HEARTBEATS_BUCKET), 2)
-                await asyncio.wait_for(kv.put(node_token(self.node_id), b""), 2)
+                await asyncio.wait_for(self.heartbeats.goodbye(self.node_id), 4)
         await self._close_log()
 
     async def halt(self) -> None:
@@ -222,21 +220,21 @@ class NodeAgent:
         new beat means a live agent (refused at once); none means its agent died (taken over).
         """
         try:
-            first = await last_heartbeat(self.js, self.node_id)
+            first = await self.heartbeats.last(self.node_id)
         except Exception as exc:  # noqa: BLE001 - e.g. not allowed to read the bucket: say so, go on
             self.logger.warning("node_id_check_skipped", error=str(exc) or type(exc).__name__)
             return
         if first is None or first.stopped:
             return
         window = max(3 * self.heartbeat_s, STALE_S)
-        age0 = first.age_s()
+        age0 = first.age_s(utcnow())
         deadline = time.monotonic() + max(0.0, window - age0)
         while time.monotonic() < deadline:
             await asyncio.sleep(0.2)
-            now = await last_heartbeat(self.js, self.node_id)
+            now = await self.heartbeats.last(self.node_id)
             if now is not None and now.seq != first.seq:
                 raise NodeIdHeld(
-                    f"node id {self.node_id!r} is held by a live agent (it beat {now.age_s():.1f}s ago): "
+                    f"node id {self.node_id!r} is held by a live agent (it beat {now.age_s(utcnow()):.1f}s ago): "
                     "stop that agent first, or give this one another --node-id")
         if age0 < window:
             self.logger.warning("node_id_taken_over", heartbeat_age_s=round(age0, 1), waited_s=round(window - age0, 1))
@@ -270,8 +268,7 @@ class NodeAgent:
     # ---- the loops ---------------------------------------------------------------------------
 
     async def heartbeat_once(self) -> None:
-        kv = await self.js.key_value(HEARTBEATS_BUCKET)
-        await kv.put(node_token(self.node_id), self.node_id.encode())
+        await self.heartbeats.beat(self.node_id)
 
     def _joined(self) -> NodeJoined:
         assert self.gpus is not None

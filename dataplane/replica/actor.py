@@ -14,8 +14,9 @@ processes than its CPUs and memory allow (2 CPUs: 20 replicas), and Ray leaves a
 run pending, which the agent reports as a failed load (`replica_resources`).
 
 Given the NATS URL (the agent passes its own), the actor also answers `run_batch` on its endpoint
-`ndif.run.<ntok>.<mtok>.<replica_id>` (dataplane/serving/link.py): the dispatcher's fast path
-to it (the node token first: an agent's user may serve its own node's endpoints only).
+`ndif.run.<ntok>.<mtok>.<replica_id>` (dataplane/replica/endpoint.py): the dispatcher's fast path
+to it (the node token first: an agent's user may serve its own node's endpoints only). The call
+and its answers are dataplane/replica/wire.py's.
 """
 
 from __future__ import annotations
@@ -26,13 +27,13 @@ from typing import Any
 
 from dataplane.replica.endpoint import ReplicaEndpoint
 from dataplane.replica.model import LoadError, ModelReplica, ReplicaNotHot, error_text
+from dataplane.replica.wire import Answer, Completed, Failed, NotRun
 from schemas.subjects import replica_call_subject
 
 NAMESPACE = "ndif"
 PREFIX = "ModelActor:"
 REPLICA_CPUS = 0.1
 REPLICA_MEMORY_MB = 256
-OK, FAILED, NOT_RUN = 0, 1, 2  # the kinds of answer of `ModelActor.run_batch`
 
 
 def actor_name(model_key: str, replica_id: int) -> str:
@@ -60,7 +61,7 @@ class ModelActor:
         self.node_id = node_id
         self.replica = ModelReplica(model_key, replica_id, checkpoint, revision=revision, dtype=dtype,
                                     execution_timeout_s=execution_timeout_s)
-        # The request path's endpoint (dataplane/serving/link.py): `run_batch` over NATS as well.
+        # The request path's endpoint (dataplane/replica/endpoint.py): `run_batch` over NATS as well.
         self.endpoint = None if not nats_url else ReplicaEndpoint(
             nats_url, replica_call_subject(model_key, replica_id, node_id), self.run_batch, creds=nats_creds,
             name=f"replica:{model_key}:{replica_id}", model_key=model_key, replica_id=replica_id).start()
@@ -101,30 +102,30 @@ class ModelActor:
         """Which of these endpoint calls this replica still works on (the dispatcher's check)."""
         return self.endpoint.calls_active(replies) if self.endpoint else [False] * len(replies)
 
-    def take_answer(self, reply: str) -> list[Any] | None:
+    def take_answer(self, reply: str) -> list[Answer] | None:
         """An endpoint call's answer too big for NATS, taken through Ray."""
         return self.endpoint.take_answer(reply) if self.endpoint else None
 
     def __call__(self, request: dict[str, Any]) -> dict[str, Any]:
         return self.replica(request)
 
-    def run_batch(self, requests: list[dict[str, Any]]) -> list[tuple[Any, ...]]:
+    def run_batch(self, requests: list[dict[str, Any]]) -> list[Answer]:
         """Requests in one call, run one after the other, each answered on its own (the dispatcher's path).
 
-        Each answer is `(OK, result, seconds)`, `(FAILED, error class, message, seconds)`, or
-        `(NOT_RUN, reason)` for the ones after the replica stopped being HOT (the dispatcher hands
-        those to another replica). A request's error never touches the others.
+        Each answer is `Completed`, `Failed` (the request's own error, which never touches the
+        others), or `NotRun` for the ones after the replica stopped being HOT (the dispatcher hands
+        those to another replica): dataplane/replica/wire.py.
         """
-        out: list[tuple[Any, ...]] = []
+        out: list[Answer] = []
         for i, request in enumerate(requests):
             t = time.perf_counter()
             try:
-                out.append((OK, self.replica(request), time.perf_counter() - t))
+                out.append(Completed(result=self.replica(request), seconds=time.perf_counter() - t))
             except ReplicaNotHot as exc:
-                out += [(NOT_RUN, str(exc))] * (len(requests) - i)
+                out += [NotRun(reason=str(exc))] * (len(requests) - i)
                 break
             except Exception as exc:  # noqa: BLE001 - the request's own failure, reported as its answer
-                out.append((FAILED, type(exc).__name__, error_text(exc), time.perf_counter() - t))
+                out.append(Failed(error=type(exc).__name__, message=error_text(exc), seconds=time.perf_counter() - t))
         return out
 
 

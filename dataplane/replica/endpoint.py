@@ -1,5 +1,6 @@
 """A replica's endpoint: the actor's side of the replica call over NATS (dataplane/serving/link.py
-is the dispatcher's side, and says why the call goes over NATS first, Ray second).
+is the dispatcher's side, and says why the call goes over NATS first, Ray second; the messages are
+dataplane/replica/wire.py's).
 
 Runs inside the replica's process, on a thread and connection of its own.
 """
@@ -21,16 +22,14 @@ from nats.aio.msg import Msg
 
 from controlplane.store.credentials import Creds
 from controlplane.store.eventstore import connect
+from dataplane.replica.wire import HEADROOM_BYTES, Answer, Answers, Parked, decode_call, encode_reply
 
 logger = structlog.get_logger("ndif.replica_endpoint")
 
-ANSWERS, PARKED = 0, 1
-RETRY_S = 5.0  # after "no responders", a replica's endpoint is tried again this much later
+RETRY_S = 5.0  # an endpoint that could not connect tries again this much later (Ray serves meanwhile)
 PARKED_MAX = 16  # answers an actor keeps for the dispatchers to take through Ray (oldest dropped) ...
 PARKED_TTL_S = 60.0  # ... and for how long (a dispatcher takes one at once; one that died never will)
-
-_enc = msgspec.msgpack.Encoder()
-_dec = msgspec.msgpack.Decoder()
+_PARKED = encode_reply(Parked())
 
 
 class ReplicaEndpoint:
@@ -41,7 +40,7 @@ class ReplicaEndpoint:
     connected the dispatchers get "no responders" and use Ray.
     """
 
-    def __init__(self, url: str, subject: str, run_batch: Callable[[list[Any]], list[Any]], *,
+    def __init__(self, url: str, subject: str, run_batch: Callable[[list[dict[str, Any]]], list[Answer]], *,
                  name: str = "ndif-replica", threads: int = 4, max_answer_bytes: int | None = None,
                  creds: Creds | None = None, **log_fields: Any) -> None:
         self.url = url
@@ -54,7 +53,7 @@ class ReplicaEndpoint:
         self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="ndif-endpoint-run")
         self._loop = asyncio.new_event_loop()
         self._active: set[str] = set()  # reply subjects of the calls being answered
-        self._parked: collections.OrderedDict[str, tuple[float, list[Any]]] = collections.OrderedDict()
+        self._parked: collections.OrderedDict[str, tuple[float, list[Answer]]] = collections.OrderedDict()
         self._lock = threading.Lock()
         self._subscribed = threading.Event()
         self._tasks: set[asyncio.Future[Any]] = set()
@@ -103,20 +102,20 @@ class ReplicaEndpoint:
 
     async def _serve(self, msg: Msg) -> None:
         try:
-            requests = _dec.decode(msg.data)
-            answers = await self._loop.run_in_executor(self._pool, self._run_batch, requests)
+            call = decode_call(msg.data)
+            answers = await self._loop.run_in_executor(self._pool, self._run_batch, call.payloads)
             try:
-                body = _enc.encode((ANSWERS, answers))
+                body = encode_reply(Answers(answers=answers))
             except (TypeError, msgspec.EncodeError):
                 body = b""  # not msgpack-able: through Ray (pickle)
-            limit = self.max_answer_bytes or (self.nc.max_payload - 4096)
+            limit = self.max_answer_bytes or (self.nc.max_payload - HEADROOM_BYTES)
             if not body or len(body) > limit:
                 with self._lock:
                     now = time.monotonic()
                     self._parked[msg.reply] = (now, answers)
                     while len(self._parked) > PARKED_MAX or next(iter(self._parked.values()))[0] < now - PARKED_TTL_S:
                         self._parked.popitem(last=False)
-                body = _enc.encode((PARKED, None))
+                body = _PARKED
             await self.nc.publish(msg.reply, body)
         except Exception as exc:  # noqa: BLE001 - unanswered: the dispatcher's check finds it lost
             self.logger.error("replica_endpoint_call_failed", error=str(exc))
@@ -127,7 +126,7 @@ class ReplicaEndpoint:
         """Which of these calls this replica still works on (or keeps a parked answer of)."""
         return [r in self._active or r in self._parked for r in replies]
 
-    def take_answer(self, reply: str) -> list[Any] | None:
+    def take_answer(self, reply: str) -> list[Answer] | None:
         with self._lock:
             kept = self._parked.pop(reply, None)
         return None if kept is None else kept[1]
@@ -142,7 +141,3 @@ class ReplicaEndpoint:
             asyncio.run_coroutine_threadsafe(_close(), self._loop).result(5)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._pool.shutdown(wait=False)
-
-
-def encode_call(payloads: list[Any]) -> bytes:
-    return _enc.encode(payloads)

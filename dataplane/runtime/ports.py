@@ -15,8 +15,9 @@ from typing import Any, Protocol
 
 import msgspec
 
+from dataplane.replica.wire import Answer
+
 ReplicaHandle = Any  # opaque to callers: a Ray actor handle, a fake's object
-Answer = tuple[Any, ...]  # one request's answer of `run_batch` (dataplane/replica/actor.py: OK / FAILED / NOT_RUN)
 
 
 class ReplicaSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -108,7 +109,7 @@ class ReplicaCaller(Protocol):
         """The replica's live process, or None."""
         ...
 
-    def run_batch(self, handle: ReplicaHandle, payloads: list[Any]) -> Awaitable[list[Answer]]:
+    def run_batch(self, handle: ReplicaHandle, payloads: list[dict[str, Any]]) -> Awaitable[list[Answer]]:
         """Start `run_batch` through the runtime itself (not the NATS endpoint)."""
         ...
 

@@ -24,7 +24,8 @@ from ray._private import ray_constants
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from dataplane.replica.actor import NAMESPACE, ModelActor, actor_name, parse_actor_name, replica_resources
-from dataplane.runtime.ports import Answer, Found, Liveness, ReplicaHandle, ReplicaSpec
+from dataplane.replica.wire import Answer
+from dataplane.runtime.ports import Found, Liveness, ReplicaHandle, ReplicaSpec
 
 # ---- the local Ray ---------------------------------------------------------------------------
 
@@ -130,7 +131,7 @@ class _RayModelActor(ModelActor):
         return super().calls_active(replies)
 
     @ray.method(enable_task_events=False)
-    def run_batch(self, requests: list[dict[str, Any]]) -> list[tuple[Any, ...]]:  # type: ignore[override]
+    def run_batch(self, requests: list[dict[str, Any]]) -> list[Answer]:  # type: ignore[override]
         return super().run_batch(requests)
 
 
@@ -272,7 +273,7 @@ class RayCaller:
     def lookup(self, model_key: str, replica_id: int) -> ReplicaHandle | None:
         return get_actor(model_key, replica_id)
 
-    def run_batch(self, handle: ReplicaHandle, payloads: list[Any]) -> Any:
+    def run_batch(self, handle: ReplicaHandle, payloads: list[dict[str, Any]]) -> Any:
         return handle.run_batch.remote(payloads)
 
     def take_answer(self, handle: ReplicaHandle, reply: str) -> Any:
@@ -285,7 +286,7 @@ class RayCaller:
         return actor_gone(exc)
 
 
-__all__ = ["Answer", "RayCaller", "RayRuntime", "RemoteModelActor", "actor_gone", "create_actor", "current_location",
+__all__ = ["RayCaller", "RayRuntime", "RemoteModelActor", "actor_gone", "create_actor", "current_location",
            "gcs_address", "get", "get_actor", "is_initialized", "join", "kill_actor", "list_replica_actors",
            "shutdown", "start_local"]
 

@@ -16,8 +16,9 @@ in charge of the actor's life (create, load, cache, kill) and is the fallback:
   as with a Ray call); a call the actor does not know at two checks in a row lost its answer on the
   way (`ReplyLost`: back to the queue; execution is at-least-once, the terminal status exactly once).
 
-Messages are msgpack (`[payload, ...]` in; `[ANSWERS, [answer, ...]]` or `[PARKED, null]` out) and
-the answers are `ModelActor.run_batch`'s, unchanged.
+Messages are dataplane/replica/wire.py's (msgpack): a `Call` in, a `Reply` out (`Answers`, or
+`Parked`); the answers are `ModelActor.run_batch`'s, unchanged. The fallback is the `ReplicaCaller`
+the link is given (the dispatcher's: the same one its lanes call through).
 """
 
 from __future__ import annotations
@@ -33,14 +34,15 @@ import structlog
 from nats.aio.msg import Msg
 from nats.js import api
 
-from dataplane.replica.endpoint import ANSWERS, PARKED, RETRY_S, _dec, encode_call
+from dataplane.replica.wire import HEADROOM_BYTES, Answer, Parked, decode_reply
 from dataplane.runtime.ports import ReplicaCaller
 
 logger = structlog.get_logger("ndif.replica_link")
 
-__all__ = ["ANSWERS", "PARKED", "NoEndpoint", "ReplicaLink", "ReplyLost", "encode_call"]
+__all__ = ["NoEndpoint", "ReplicaLink", "ReplyLost"]
 
 NO_RESPONDERS = "503"  # the status the server answers a request nobody is subscribed to
+RETRY_S = 5.0  # after "no responders", a replica's endpoint is tried again this much later
 CHECK_S = 1.0  # calls older than this are checked through Ray (is the actor alive, does it know them)
 
 
@@ -58,7 +60,7 @@ class ReplyLost(Exception):
 class _Call:
     __slots__ = ("actor", "fut", "key", "reply", "started", "unknown")
 
-    def __init__(self, key: tuple[str, int], actor: Any, reply: str, fut: asyncio.Future[list[Any]]) -> None:
+    def __init__(self, key: tuple[str, int], actor: Any, reply: str, fut: asyncio.Future[list[Answer]]) -> None:
         self.key = key
         self.actor = actor
         self.reply = reply
@@ -72,16 +74,13 @@ class ReplicaLink:
 
     `call()` returns a future of the batch's answers (or `NoEndpoint`, `RayActorError`, `ReplyLost`).
     Sending goes through `send(subject, body, reply)`, the dispatcher's ordered outbox, so a call
-    never waits on the connection.
+    never waits on the connection. `caller` is the fallback: it takes parked answers and checks
+    whether calls are still known (give it the caller the lanes use).
     """
 
-    def __init__(self, nc: Any, send: Callable[[str, bytes, str], None], caller: ReplicaCaller | None = None) -> None:
+    def __init__(self, nc: Any, send: Callable[[str, bytes, str], None], caller: ReplicaCaller) -> None:
         self.nc = nc
-        if caller is None:
-            from dataplane.runtime.ray_adapter import RayCaller
-
-            caller = RayCaller()
-        self.caller = caller  # the fallback: parked answers, and whether calls are still known
+        self.caller = caller
         self._send = send
         self._prefix = ""
         self._n = 0
@@ -111,17 +110,18 @@ class ReplicaLink:
     def usable(self, key: tuple[str, int], body_len: int) -> bool:
         """Go over NATS? Not while the replica's endpoint was found absent lately, nor for a call
         too big for one message."""
-        return self._off.get(key, 0.0) <= time.monotonic() and body_len < self.nc.max_payload - 4096
+        return self._off.get(key, 0.0) <= time.monotonic() and body_len < self.nc.max_payload - HEADROOM_BYTES
 
     def endpoint_absent(self, key: tuple[str, int]) -> None:
         if self._off.get(key, 0.0) <= time.monotonic():
             logger.info("replica_endpoint_absent", model_key=key[0], replica_id=key[1], retry_s=RETRY_S)
         self._off[key] = time.monotonic() + RETRY_S
 
-    def call(self, key: tuple[str, int], subject: str, actor: Any, body: bytes) -> asyncio.Future[list[Any]]:
+    def call(self, key: tuple[str, int], subject: str, actor: Any, body: bytes) -> asyncio.Future[list[Answer]]:
+        """Send `body` (a wire `Call`) to the replica's endpoint `subject`; the future of its answers."""
         self._n += 1
         token = str(self._n)
-        fut: asyncio.Future[list[Any]] = asyncio.get_running_loop().create_future()
+        fut: asyncio.Future[list[Answer]] = asyncio.get_running_loop().create_future()
         self._calls[token] = _Call(key, actor, self._prefix + token, fut)
         fut.add_done_callback(lambda _f: self._calls.pop(token, None))
         self._send(subject, body, self._prefix + token)
@@ -135,16 +135,16 @@ class ReplicaLink:
             c.fut.set_exception(NoEndpoint(f"no endpoint for replica {c.key[1]} of {c.key[0]}"))
             return
         try:
-            kind, answers = _dec.decode(msg.data)
-        except (msgspec.DecodeError, ValueError, TypeError) as exc:
+            reply = decode_reply(msg.data)
+        except (msgspec.DecodeError, ValueError, TypeError, RecursionError) as exc:
             c.fut.set_exception(ReplyLost(f"unreadable answer from replica {c.key[1]}: {exc}"))
             return
-        if kind == PARKED:
+        if isinstance(reply, Parked):
             t = asyncio.ensure_future(self._take(c))
             self._taking.add(t)
             t.add_done_callback(self._taking.discard)
         else:
-            c.fut.set_result(answers)
+            c.fut.set_result(reply.answers)
 
     async def _take(self, c: _Call) -> None:
         try:

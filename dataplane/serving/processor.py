@@ -21,13 +21,13 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import structlog
-from nats.aio.msg import Msg
 
 from controlplane.core.projections.queue import ModelQueueView, processor_status
-from dataplane.replica.actor import NOT_RUN, OK
 from dataplane.replica.model import ReplicaNotHot, error_text
+from dataplane.replica.wire import Completed, NotRun, encode_call
 from dataplane.runtime.ports import ReplicaCaller
-from dataplane.serving.link import NoEndpoint, ReplicaLink, ReplyLost, encode_call
+from dataplane.serving.link import NoEndpoint, ReplicaLink, ReplyLost
+from dataplane.serving.ports import Delivery
 from schemas.requests import Request
 from schemas.status import ProcessorStatus, RequestStatus
 from schemas.subjects import replica_call_subject, status_key
@@ -39,7 +39,7 @@ R = RequestStatus
 class Pending:
     __slots__ = ("attempt", "cancelled", "msg", "received", "req")
 
-    def __init__(self, req: Request, msg: Msg | None, attempt: int = 1) -> None:
+    def __init__(self, req: Request, msg: Delivery | None, attempt: int = 1) -> None:
         self.req = req
         self.msg = msg
         self.attempt = attempt
@@ -270,7 +270,7 @@ class Processor:
         self._refresh_status()
         return rid, batch, actor, ref
 
-    def _call(self, rid: int, actor: Any, payloads: list[Any]) -> Any:
+    def _call(self, rid: int, actor: Any, payloads: list[dict[str, Any]]) -> Any:
         """Start a replica call: over its NATS endpoint when it has one (dataplane/serving/link.py),
         else a Ray call. Either is awaited for the same answers."""
         link = self.hooks.link
@@ -338,20 +338,20 @@ class Processor:
                 return
             not_run = []
             for p, a in zip(batch, answers, strict=True):
-                if a[0] == NOT_RUN:
+                if isinstance(a, NotRun):
                     not_run.append(p)
                     continue
-                seconds = a[-1]
+                seconds = a.seconds
                 self.exec_s = seconds if self.exec_s is None else 0.8 * self.exec_s + 0.2 * seconds
                 if p.cancelled:
                     continue  # its terminal status (cancelled) is already written
-                if a[0] == OK:
+                if isinstance(a, Completed):
                     self.completed += 1
                     # The replica is free once it answered: the terminal status and the ack go out
                     # while this lane takes the next request.
-                    self.hooks.finish_soon(p, R.COMPLETED, replica_id=rid, result=a[1])
+                    self.hooks.finish_soon(p, R.COMPLETED, replica_id=rid, result=a.result)
                 else:
-                    self._error(p, rid, a[1], a[2])
+                    self._error(p, rid, a.error, a.message)
             if not_run:
                 self._requeue(rid, not_run, "ReplicaNotHot")
         finally:

@@ -100,18 +100,21 @@ def test_corrupt_checkpoint_fails_to_load_with_the_error(ckpts: dict[str, Path],
 def test_run_batch_answers_each_request_on_its_own(ckpts: dict[str, Path]) -> None:
     """The dispatcher's batched call: one request's error never touches the others, and what the
     replica could not run once it left HOT comes back NOT_RUN (the dispatcher hands it on)."""
-    from dataplane.replica.actor import FAILED, NOT_RUN, OK, ModelActor
+    from dataplane.replica.actor import ModelActor
+    from dataplane.replica.wire import Completed, Failed, NotRun
 
     a = ModelActor("k", 0, str(ckpts["gpt2"]))
     a.load([])
     good = {"op": "forward", "input_ids": IDS}
     answers = a.run_batch([good, {"op": "nope"}, {"op": "echo", "data": 7}])
-    assert [x[0] for x in answers] == [OK, FAILED, OK]
-    assert answers[0][1] == a(good) and answers[2][1]["echo"] == 7
-    assert answers[1][1] == "BadRequest" and "unknown op" in answers[1][2]
-    assert all(x[-1] >= 0 for x in answers if x[0] != NOT_RUN)  # run seconds, for the batch budget
+    assert [type(x) for x in answers] == [Completed, Failed, Completed]
+    ok, bad, echo = answers
+    assert isinstance(ok, Completed) and isinstance(bad, Failed) and isinstance(echo, Completed)
+    assert ok.result == a(good) and echo.result["echo"] == 7
+    assert bad.error == "BadRequest" and "unknown op" in bad.message
+    assert min(ok.seconds, bad.seconds, echo.seconds) >= 0  # run seconds, for the batch budget
     a.to_cache()
-    assert [x[0] for x in a.run_batch([good, good])] == [NOT_RUN, NOT_RUN]
+    assert [type(x) for x in a.run_batch([good, good])] == [NotRun, NotRun]
 
 
 def _card_bytes(model, dmap: dict[str, int]) -> dict[int, int]:

@@ -17,7 +17,9 @@ import ray
 
 from controlplane.ops.nats_server import EmbeddedNats
 from controlplane.store.eventstore import connect
-from dataplane.replica.endpoint import ReplicaEndpoint, encode_call
+from dataplane.replica.endpoint import ReplicaEndpoint
+from dataplane.replica.wire import Answer, Completed, encode_call
+from dataplane.runtime.ray_adapter import RayCaller
 from dataplane.serving.link import NoEndpoint, ReplicaLink, ReplyLost
 
 pytestmark = pytest.mark.timeout(120)
@@ -30,11 +32,11 @@ class Host:
     def __init__(self, url: str, subject: str, max_answer_bytes: int) -> None:
         self.endpoint = ReplicaEndpoint(url, subject, self.run_batch, max_answer_bytes=max_answer_bytes).start()
 
-    def run_batch(self, requests: list[dict[str, Any]]) -> list[tuple[Any, ...]]:
-        out = []
+    def run_batch(self, requests: list[dict[str, Any]]) -> list[Answer]:
+        out: list[Answer] = []
         for r in requests:
             time.sleep(r.get("sleep", 0))
-            out.append((0, {"echo": r["data"], "pad": "x" * r.get("pad", 0)}, 0.001))
+            out.append(Completed(result={"echo": r["data"], "pad": "x" * r.get("pad", 0)}, seconds=0.001))
         return out
 
     def ready(self) -> bool:
@@ -57,7 +59,7 @@ async def link(nats_server: EmbeddedNats, local_ray: str) -> AsyncIterator[Repli
         pending.add(t)
         t.add_done_callback(pending.discard)
 
-    lk = await ReplicaLink(nc, send).start()
+    lk = await ReplicaLink(nc, send, RayCaller()).start()
     try:
         yield lk
     finally:
@@ -71,9 +73,10 @@ async def test_answers_over_nats_large_ones_through_ray_and_no_endpoint_at_once(
     assert await host.ready.remote()
     key = ("t1", 0)
     small = await link.call(key, "ndif.run.t1.0", host, encode_call([{"data": 1}, {"data": 2}]))
-    assert [a[1]["echo"] for a in small] == [1, 2] and small[0][0] == 0
-    big = await link.call(key, "ndif.run.t1.0", host, encode_call([{"data": 3, "pad": 5000}]))
-    assert big[0][1]["echo"] == 3 and len(big[0][1]["pad"]) == 5000  # parked in the actor, taken via Ray
+    assert all(isinstance(a, Completed) for a in small) and [a.result["echo"] for a in small] == [1, 2]  # type: ignore[union-attr]
+    (big,) = await link.call(key, "ndif.run.t1.0", host, encode_call([{"data": 3, "pad": 5000}]))
+    assert isinstance(big, Completed)
+    assert big.result["echo"] == 3 and len(big.result["pad"]) == 5000  # parked in the actor, taken via Ray
     t0 = time.monotonic()
     with pytest.raises(NoEndpoint):
         await link.call(("t1", 9), "ndif.run.t1.9", host, encode_call([{"data": 4}]))
@@ -113,3 +116,51 @@ async def test_a_replica_killed_under_a_call_and_a_lost_answer_are_found(
     finally:
         await nc.close()
         ray.kill(alive)
+
+
+def _echo(requests: list[dict[str, Any]]) -> list[Answer]:
+    return [Completed(result={"echo": r["data"], "pad": "x" * r.get("pad", 0)}, seconds=0.001) for r in requests]
+
+
+class _EndpointCaller:
+    """A `ReplicaCaller` whose handles are in-process endpoints; it records what the link asks of it."""
+
+    def __init__(self) -> None:
+        self.asked: list[str] = []
+
+    def lookup(self, model_key: str, replica_id: int) -> Any:
+        return None
+
+    async def run_batch(self, handle: ReplicaEndpoint, payloads: list[dict[str, Any]]) -> list[Answer]:
+        self.asked.append("run_batch")
+        return _echo(payloads)
+
+    async def take_answer(self, handle: ReplicaEndpoint, reply: str) -> list[Answer] | None:
+        self.asked.append("take_answer")
+        return handle.take_answer(reply)
+
+    async def calls_active(self, handle: ReplicaEndpoint, replies: list[str]) -> list[bool]:
+        self.asked.append("calls_active")
+        return handle.calls_active(replies)
+
+    def gone(self, exc: BaseException) -> bool:
+        return False
+
+
+async def test_the_dispatchers_link_takes_parked_answers_through_the_dispatchers_caller(
+        nats_server: EmbeddedNats, event_log: Any) -> None:
+    """A dispatcher given a caller hands that caller to its replica link (no Ray here: the endpoint
+    runs in this process and the caller reaches it directly)."""
+    from dataplane.serving.dispatcher import Dispatcher
+
+    ep = ReplicaEndpoint(nats_server.url, "ndif.run.t3.0", _echo, max_answer_bytes=300).start()
+    caller = _EndpointCaller()
+    try:
+        assert await asyncio.to_thread(ep.ready, 10)
+        async with Dispatcher.from_url(nats_server.url, name="dispatcher:link", caller=caller) as disp:
+            assert disp.link is not None
+            (big,) = await disp.link.call(("t3", 0), "ndif.run.t3.0", ep, encode_call([{"data": 5, "pad": 5000}]))
+            assert isinstance(big, Completed) and big.result["echo"] == 5 and len(big.result["pad"]) == 5000
+            assert caller.asked == ["take_answer"]  # parked, and taken through the dispatcher's caller
+    finally:
+        ep.close()

@@ -297,21 +297,18 @@ async def test_a_clients_large_results_are_its_own(streams: str, auth: LocalAuth
     whose deliver subject permissions cannot see)."""
     import base64
 
-    from dataplane.serving.dispatcher.background import Background
-    from dataplane.serving.dispatcher.statuses import StatusWriter
+    from dataplane.serving.jetstream import JetStreamResults
 
     body = msgspec.json.encode({"output_ids": [[123456] * 512] * 160})  # ~570 KiB: the dispatcher's large path
     assert len(body) > 256 * 1024
     name = f"{status_key('bobs-big', 'bob')}.json"
     lg = await JetStreamEventLog.open(streams, ensure=False, creds=auth.role("dispatcher"), role="dispatcher")
-    # the dispatcher's status writer, as the dispatcher user (what `finish` puts a large result through)
-    writer = StatusWriter(lg.nc, await lg.js.key_value(REQUEST_STATUS_BUCKET), await lg.js.object_store(RESULTS_BUCKET),
-                          Background(), js=lg.js, replicas=lg.replicas)
+    # the dispatcher's results stores, as the dispatcher user (what `finish` puts a large result through)
+    results = JetStreamResults(lg.js, await lg.js.object_store(RESULTS_BUCKET), replicas=lg.replicas)
     bob = await Probe.open(streams, auth.role("client:bob"))
     mallory = await Probe.open(streams, auth.role("client:alice"))
     try:
-        store = await writer.results_store("bob")  # what `finish` puts a large result into
-        await store.put(name, body)
+        await results.put("bob", name, body)  # what `finish` does with a large result
         assert await read_object(bob.nc, results_bucket("bob"), name) == body  # the SDK's read (Job.result)
 
         b = results_bucket("bob")

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-import nats.js.errors
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -15,6 +14,7 @@ from structlog.testing import capture_logs
 
 from controlplane.core.nodeplan import LIVE, Do, current_marks, plan_actions, plan_adoption
 from controlplane.core.projections import ClusterState, fold
+from controlplane.store.heartbeats import MemoryHeartbeats
 from controlplane.store.memlog import MemoryEventLog
 from dataplane.node.agent import NodeAgent
 from dataplane.runtime.ports import ReplicaSpec
@@ -196,28 +196,6 @@ def test_forgetting_the_marks_of_past_states_changes_no_plan(events: list[E.Even
 
 
 # ---- the real agent over the in-memory log and runtime --------------------------------------
-
-
-class _Kv:
-    def __init__(self) -> None:
-        self.data: dict[str, bytes] = {}
-
-    async def put(self, key: str, value: bytes) -> int:
-        self.data[key] = value
-        return len(self.data)
-
-
-class MemoryHeartbeats:
-    """The slice of a JetStream context the agent's heartbeats use (a KV bucket), in memory."""
-
-    def __init__(self) -> None:
-        self.kv = _Kv()
-
-    async def key_value(self, bucket: str) -> _Kv:
-        return self.kv
-
-    async def get_msg(self, stream: str, subject: str) -> Any:
-        raise nats.js.errors.NotFoundError  # no earlier heartbeat of this node
 
 
 def _agent(log: MemoryEventLog, runtime: FakeRuntime) -> NodeAgent:

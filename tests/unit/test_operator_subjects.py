@@ -9,21 +9,14 @@ from schemas import events as E
 from schemas.events import event_subject
 from schemas.keys import canonical_model_key
 from schemas.status import EvictionReason, Level
-from schemas.subjects import node_subject, operator_filters, request_subject
+from schemas.subjects import node_subject, operator_filters, request_subject, subject_matches
 from tests.strategies import T0
 
 GPT2 = canonical_model_key("openai-community/gpt2")
 
 
 def matches(pattern: str, subject: str) -> bool:
-    """NATS subject matching: `*` one token, `>` one or more trailing tokens."""
-    p, s = pattern.split("."), subject.split(".")
-    for i, tok in enumerate(p):
-        if tok == ">":
-            return len(s) > i
-        if i >= len(s) or (tok != "*" and tok != s[i]):
-            return False
-    return len(p) == len(s)
+    return subject_matches(subject, pattern)
 
 
 def test_filters_select_exactly_the_events_of_their_model_replica_and_node():

@@ -1,10 +1,10 @@
 """Intake: requests in, from the work-queue stream to each model's processor, and their time there.
 
-Each model the log knows gets a processor and a durable pull consumer (`proc-<mtok>`); a subject
-of a model the log does not know is triaged without one (its first valid request asks for a
+Each model the log knows gets a processor and a durable consumer (`proc-<mtok>`); a subject of a
+model the log does not know is triaged without one (its first valid request asks for a
 deployment). Held requests are kept alive with in-progress acks, end in ERROR past the queue
-lifetime, and can be killed by their user or an admin. Depends on the status writer and
-provisioning.
+lifetime, and can be killed by their user or an admin. The stream is the `RequestStream` port
+(dataplane/serving/ports.py). Depends on the status writer and provisioning.
 """
 
 from __future__ import annotations
@@ -17,28 +17,21 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 import msgspec
-import nats.errors
-import nats.js.errors
 import structlog
-from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
-from nats.js import api
-from nats.js.client import JetStreamContext
 
 from controlplane.core.projections import ClusterState
 from controlplane.core.projections.queue import queue_view
 from dataplane.serving.dispatcher.background import Background
 from dataplane.serving.dispatcher.provisioning import Provisioner
 from dataplane.serving.dispatcher.statuses import StatusWriter
+from dataplane.serving.ports import Delivery, RequestStream
 from dataplane.serving.processor import Pending, Processor
-from dataplane.serving.pull import PullConsumer
 from schemas import errors as errs
 from schemas.keys import canonical_model_key, display_name
-from schemas.requests import Request, check_request_id, decode_request, encoder
+from schemas.requests import Request, check_request_id, decode_request
 from schemas.status import RequestStatus
 from schemas.subjects import (
-    REQUESTS_ALL,
-    REQUESTS_STREAM,
     model_token,
     request_consumer,
     request_consumer_token,
@@ -59,14 +52,12 @@ MAX_HELD = 10_000  # queued requests a processor holds; the rest wait in the str
 class Intake:
     state: ClusterState  # the dispatcher's fold (read only here)
     processors: dict[str, Processor]  # model token -> processor (shared with the log follower)
-    nc: NatsClient
-    js: JetStreamContext
+    requests: RequestStream
     statuses: StatusWriter
     provisioner: Provisioner
     bg: Background
     make_processor: Callable[[str], Processor]
-    ack_wait_s: float
-    fetch_batch: int
+    ack_wait_s: float  # held requests are kept alive every third of it
     queue_lifetime_s: float
     consumers: dict[str, asyncio.Task[None]] = field(default_factory=dict)  # model token -> its consume task
     _triaging: set[str] = field(default_factory=set)  # unknown model tokens whose requests are being looked at
@@ -95,19 +86,18 @@ class Intake:
             self._triaging.add(token)
             self.bg.spawn(self._triage(token))
 
-    async def on_publish(self, msg: Msg) -> None:
-        token, _ = request_subject_parts(msg.subject)
+    async def on_subject(self, subject: str) -> None:
+        """A request was published on `subject`."""
+        token, _ = request_subject_parts(subject)
         if token:
             self.route(token)
 
     async def route_stored(self) -> None:
         """Route every model subject that holds stored requests (no stream yet: nothing to route)."""
-        with contextlib.suppress(nats.js.errors.NotFoundError):
-            info = await self.js.stream_info(REQUESTS_STREAM, subjects_filter=REQUESTS_ALL)
-            for subject in (info.state.subjects or {}):
-                token, _ = request_subject_parts(subject)
-                if token:
-                    self.route(token)
+        for subject in await self.requests.stored_subjects():
+            token, _ = request_subject_parts(subject)
+            if token:
+                self.route(token)
 
     # ---- triage of models the log does not know ----------------------------------------------
 
@@ -130,9 +120,8 @@ class Intake:
             if token in self.processors or token in self.known_tokens():
                 self.processor(token)
                 return
-            try:
-                raw = await self.js.get_msg(REQUESTS_STREAM, seq=seq + 1, subject=subject, next=True)
-            except nats.js.errors.NotFoundError:
+            raw = await self.requests.next_stored(subject, seq)
+            if raw is None:
                 # Nothing (more) on the subject. The publish that woke us may reach us before the
                 # stream has stored it: look twice more; the sweep finds any later straggler.
                 misses += 1
@@ -141,9 +130,9 @@ class Intake:
                 await asyncio.sleep(0.2 * misses)
                 continue
             misses = 0
-            seq = int(raw.seq or seq + 1)
-            data = raw.data or b""
-            _, user = request_subject_parts(raw.subject or subject)
+            seq = raw.seq
+            data = raw.data
+            _, user = request_subject_parts(raw.subject)
             try:
                 req = decode_request(data)
                 if req.user != user:
@@ -185,8 +174,7 @@ class Intake:
             bogus = Request(request_id=rid, model_key="", payload={}, submitted_at=datetime.now(UTC), user=user)
             with contextlib.suppress(Exception):
                 await self.statuses.finish(Pending(bogus, None), R.ERROR, error=error, message=message)
-        with contextlib.suppress(nats.js.errors.NotFoundError):
-            await self.js.delete_msg(REQUESTS_STREAM, seq)
+        await self.requests.delete(seq)
 
     # ---- consumers ---------------------------------------------------------------------------
 
@@ -208,9 +196,7 @@ class Intake:
             for running in p.in_flight.values():
                 for held in running.values():
                     self.statuses.finish_soon(held, R.ERROR, error="ModelRemoved", message=reason)
-        deleted = False
-        with contextlib.suppress(nats.js.errors.NotFoundError):
-            deleted = bool(await self.js.delete_consumer(REQUESTS_STREAM, request_consumer(token)))
+        deleted = await self.requests.delete_consumer(token)
         logger.info("model_removed", token=token, reason=reason, consumer_deleted=deleted)
         return deleted
 
@@ -218,12 +204,7 @@ class Intake:
         """Delete the durable consumers `proc-<mtok>` of models the log does not know, once seen unknown
         at two sweeps in a row (a model deployed a moment ago may not be in this fold yet)."""
         known = self.known_tokens()
-        unknown: set[str] = set()
-        for info in await self.js.consumers_info(REQUESTS_STREAM):
-            name = info.name or ""
-            token = request_consumer_token(name)
-            if token is not None and token not in known:
-                unknown.add(name)
+        unknown = {request_consumer(t) for t in await self.requests.consumer_tokens() if t not in known}
         gone = sorted(unknown & self._unknown_seen)
         self._unknown_seen = unknown - set(gone)
         for name in gone:
@@ -243,17 +224,10 @@ class Intake:
             await asyncio.sleep(UNKNOWN_CONSUMER_SWEEP_S)
 
     async def _consume(self, p: Processor) -> None:
-        """Take the model's requests as they are stored (a continuous pull on its durable consumer)."""
-        js = self.js
-        durable = request_consumer(p.token)
-        # A user's requests (`ndif.req.<mtok>.<user>`) and userless ones (an open server).
-        filters = request_filters(p.token)
-        cfg = api.ConsumerConfig(durable_name=durable, filter_subjects=filters,
-                                 ack_policy=api.AckPolicy.EXPLICIT, ack_wait=self.ack_wait_s, max_deliver=-1,
-                                 max_ack_pending=100_000, deliver_policy=api.DeliverPolicy.ALL)
+        """Take the model's requests as they are stored (its durable consumer, made on the way)."""
 
-        async def on_msg(m: Msg) -> None:
-            await self._accept(p, m)
+        async def on_delivery(m: Delivery, attempt: int) -> None:
+            await self._accept(p, m, attempt)
 
         while True:
             try:
@@ -264,24 +238,14 @@ class Intake:
                     # Removed (undeployed): never make a consumer for a model the log does not know.
                     self.bg.spawn(self.remove_model(p.token, reason="the model is no longer deployed"))
                     return
-                try:
-                    have = await js.consumer_info(REQUESTS_STREAM, durable)
-                    if (sorted(have.config.filter_subjects or [have.config.filter_subject or ""]) != filters
-                            or (have.config.ack_wait is not None and abs(have.config.ack_wait - self.ack_wait_s) > 0.01)):
-                        await js.add_consumer(REQUESTS_STREAM, cfg)  # made by an older version or another ack wait
-                except nats.js.errors.NotFoundError:
-                    with contextlib.suppress(nats.js.errors.BadRequestError):  # made by a peer meanwhile
-                        await js.add_consumer(REQUESTS_STREAM, cfg)
-                pull = PullConsumer(self.nc, REQUESTS_STREAM, durable, on_msg, batch=self.fetch_batch,
-                                    hold=lambda: len(p.queue) >= MAX_HELD)  # re-checked every heartbeat
-                await pull.run()
+                await self.requests.consume(p.token, on_delivery, hold=lambda: len(p.queue) >= MAX_HELD)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - NATS away or consumer gone: make it again
                 logger.warning("consumer_restarting", token=p.token, error=str(exc) or type(exc).__name__)
                 await asyncio.sleep(1.0)
 
-    async def _accept(self, p: Processor, m: Msg) -> None:
+    async def _accept(self, p: Processor, m: Delivery, attempt: int) -> None:
         _, user = request_subject_parts(m.subject)
         try:
             req = decode_request(m.data)
@@ -306,7 +270,6 @@ class Intake:
             return
         if req.model_key != mk:
             req = msgspec.structs.replace(req, model_key=mk)
-        attempt = int(m.metadata.num_delivered) if m.metadata else 1
         # Only a redelivery can find its terminal status already kept (a first delivery that does,
         # a request id re-sent past the dedup window, runs again and its compare-and-set loses).
         done = await self.statuses.terminal(status_key(req.request_id, user)) if attempt > 1 else None
@@ -314,7 +277,7 @@ class Intake:
             # Finished by an earlier delivery whose dispatcher died before acking: never run twice.
             # It may also have died before publishing, so the kept terminal status is published again
             # (same bytes; clients stop at the first terminal status they see).
-            await self.nc.publish(status_subject(req.request_id, user), encoder.encode(done))
+            await self.statuses.republish(status_subject(req.request_id, user), done)
             await m.ack()
             return
         if p.model_key is None:

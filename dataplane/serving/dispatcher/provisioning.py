@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
 
 import structlog
 
@@ -19,9 +18,9 @@ from controlplane.core.projections import ClusterState
 from controlplane.core.projections.queue import queue_view
 from dataplane.serving.dispatcher.background import Background
 from dataplane.serving.dispatcher.statuses import StatusWriter
+from dataplane.serving.ports import Deploy
 from dataplane.serving.processor import Processor
 from schemas import errors as errs
-from schemas.commands import CommandResult
 from schemas.keys import display_name
 from schemas.status import RequestStatus
 from schemas.units import gib
@@ -34,7 +33,6 @@ TRIAGE_DEPLOYS = 4  # deployments the triage of unknown model subjects asks for 
 PROVISION_RETRY_S = 5.0  # a model the cluster has no room for is deployed again after 5 s, 10 s, ... 60 s
 PROVISION_RETRY_MAX_S = 60.0
 
-Deploy = Callable[[str, int], Awaitable[CommandResult]]  # (model key, replicas) -> the controller's answer
 Refusal = tuple[str, str]  # (error kind, message) a refused request ends with
 
 

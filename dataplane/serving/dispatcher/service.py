@@ -21,6 +21,12 @@ statuses (status writing) <- provisioning <- intake (consumers, triage, queue li
 (the log). Processors get `ProcessorHooks` (callbacks into those parts), never the dispatcher.
 Settings are read at start and handed to the parts (change `intake.queue_lifetime_s` and the like
 on a running dispatcher, not the dispatcher's own copy).
+
+Beyond its event log the parts work through the serving ports (dataplane/serving/ports.py): on
+NATS they are opened on the dispatcher's connection (dataplane/serving/jetstream.py); given
+(`ports=`, e.g. dataplane/serving/memory.py's) the dispatcher runs over any log, the in-memory one
+included. Only with a NATS connection does it also call replicas over their endpoints (else every
+call goes through its `ReplicaCaller`) and answer `ndif.dispatcher.state` and kills.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import asyncio
 import contextlib
 import os
 import socket
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
@@ -40,7 +47,6 @@ from controlplane.core.ports import EventLog
 from controlplane.core.projections import ClusterState
 from controlplane.service.parts import Connect, Parts, connect_url, given, start_or_stop
 from controlplane.service.tasks import cancel_and_wait
-from controlplane.store.admin import AdminClient
 from controlplane.store.credentials import Creds
 from controlplane.store.eventstore import JetStreamEventLog
 from dataplane.runtime.ports import ReplicaCaller
@@ -49,11 +55,12 @@ from dataplane.serving.dispatcher.follower import LogFollower
 from dataplane.serving.dispatcher.intake import Intake
 from dataplane.serving.dispatcher.provisioning import Provisioner
 from dataplane.serving.dispatcher.statuses import StatusWriter
+from dataplane.serving.jetstream import open_ports
 from dataplane.serving.link import ReplicaLink
+from dataplane.serving.ports import ServingPorts
 from dataplane.serving.processor import Processor, ProcessorHooks
 from schemas import errors as errs
-from schemas.commands import CommandResult
-from schemas.subjects import DISPATCHER_STATE, REQUEST_STATUS_BUCKET, REQUESTS_ALL, RESULTS_BUCKET, kill_subject
+from schemas.subjects import DISPATCHER_STATE, kill_subject
 
 logger = structlog.get_logger("ndif.dispatcher")
 # A request held by a dispatcher that dies is redelivered this long after its last in-progress ack
@@ -71,14 +78,17 @@ def _env_int(name: str, default: int) -> int:
 
 class Dispatcher:
     """The serving side's one service: give it its parts (`Parts`, or a `Connect` that opens them on
-    start); `Dispatcher.from_url` opens a JetStream event log on its own connection."""
+    start); `Dispatcher.from_url` opens a JetStream event log on its own connection. `ports`: the
+    serving ports (None: opened on the parts' NATS connection); `caller`: how replicas are called
+    (None: Ray's, made on start); the replica link falls back on the same caller."""
 
     def __init__(self, parts: Parts | Connect, *, name: str | None = None, default_replicas: int | None = None,
                  fetch_batch: int = 64, ack_wait_s: float | None = None,
                  lanes_per_replica: int | None = None, queue_lifetime_s: float | None = None,
-                 caller: ReplicaCaller | None = None) -> None:
+                 caller: ReplicaCaller | None = None, ports: ServingPorts | None = None) -> None:
         self.parts = parts
-        self.caller = caller  # None: Ray calls (the runtime adapter's), made on start
+        self.ports = ports
+        self.caller = caller
         self.name = name or f"dispatcher:{socket.gethostname()}"
         self.default_replicas = default_replicas or _env_int("NDIF_MODEL_REPLICAS_DEFAULT", 1)
         self.fetch_batch = fetch_batch
@@ -112,6 +122,7 @@ class Dispatcher:
         self.bg = Background()
         self._tasks: list[asyncio.Task[None]] = []
         self._subs: list[Any] = []
+        self._unwatch: list[Callable[[], Awaitable[None]]] = []
         # Replica calls over NATS (dataplane/serving/link.py); NDIF_REPLICA_LINK=ray makes them Ray calls.
         self.link: ReplicaLink | None = None
         link = os.environ.get("NDIF_REPLICA_LINK", "nats").strip().lower() or "nats"
@@ -136,41 +147,39 @@ class Dispatcher:
         return await start_or_stop(lambda: self._start(log, nc), self.stop)
 
     async def _start(self, log: EventLog, nc: NatsClient | None) -> Dispatcher:
-        if nc is None or not isinstance(log, JetStreamEventLog):
-            # Its requests and statuses live on NATS, and the deploys it sends over `nc` come back
-            # only through a log on the same server.
-            raise errs.InvalidCommand("the dispatcher needs a NATS connection and the JetStream event log on it")
+        ports = self.ports
+        if ports is None:
+            if nc is None or not isinstance(log, JetStreamEventLog):
+                # Its requests and statuses live on NATS, and the deploys it sends over `nc` come
+                # back only through a log on the same server.
+                raise errs.InvalidCommand("the dispatcher needs a NATS connection and the JetStream event log on "
+                                          "it (or its serving ports given: `ports=`)")
+            ports = await open_ports(nc, log, actor=self.name, ack_wait_s=self.ack_wait_s,
+                                     fetch_batch=self.fetch_batch)
         self.log, self.nc = log, nc
         if self.caller is None:
             from dataplane.runtime.ray_adapter import RayCaller  # the one module that imports ray
 
             self.caller = RayCaller()
-        js = nc.jetstream()
-        admin = AdminClient(JetStreamEventLog(nc), actor=self.name)  # commands only: a request on `nc`
-
-        async def deploy(model_key: str, replicas: int) -> CommandResult:
-            return await admin.deploy(model_key, replicas)
-
-        replicas = log.replicas
-        self.statuses = StatusWriter(nc, await js.key_value(REQUEST_STATUS_BUCKET),
-                                     await js.object_store(RESULTS_BUCKET), self.bg, js=js, replicas=replicas)
-        self.provisioner = Provisioner(state=self.state, deploy=deploy, statuses=self.statuses, bg=self.bg,
+        self.statuses = StatusWriter(ports.publish, ports.statuses, ports.results, self.bg)
+        self.provisioner = Provisioner(state=self.state, deploy=ports.deploy, statuses=self.statuses, bg=self.bg,
                                        default_replicas=self.default_replicas)
-        self.intake = Intake(state=self.state, processors=self.processors, nc=nc, js=js, statuses=self.statuses,
-                             provisioner=self.provisioner, bg=self.bg, make_processor=self._make_processor,
-                             ack_wait_s=self.ack_wait_s, fetch_batch=self.fetch_batch,
+        self.intake = Intake(state=self.state, processors=self.processors, requests=ports.requests,
+                             statuses=self.statuses, provisioner=self.provisioner, bg=self.bg,
+                             make_processor=self._make_processor, ack_wait_s=self.ack_wait_s,
                              queue_lifetime_s=self.queue_lifetime_s)
         self.follower = LogFollower(log=log, state=self.state, processors=self.processors, intake=self.intake,
                                     bg=self.bg, name=self.name)
         await self.follower.catch_up()
-        if self.use_link:
-            self.link = await ReplicaLink(nc, self.statuses.send).start()
+        if self.use_link and nc is not None:
+            self.link = await ReplicaLink(nc, self.statuses.send, self.caller).start()
         # New model subjects are discovered from the publishes themselves; existing ones from the stream.
-        self._subs.append(await nc.subscribe(REQUESTS_ALL, cb=self.intake.on_publish))
-        self._subs.append(await nc.subscribe(DISPATCHER_STATE, cb=self._on_state))
-        self._subs.append(await nc.subscribe(kill_subject(), cb=self.intake.on_kill))
-        # A user's kill (`ndif.dispatcher.kill.<user>`, which only that user may publish): theirs only.
-        self._subs.append(await nc.subscribe(kill_subject("*"), cb=self.intake.on_kill))
+        self._unwatch.append(await ports.requests.watch(self.intake.on_subject))
+        if nc is not None:
+            self._subs.append(await nc.subscribe(DISPATCHER_STATE, cb=self._on_state))
+            self._subs.append(await nc.subscribe(kill_subject(), cb=self.intake.on_kill))
+            # A user's kill (`ndif.dispatcher.kill.<user>`, which only that user may publish): theirs only.
+            self._subs.append(await nc.subscribe(kill_subject("*"), cb=self.intake.on_kill))
         await self.intake.route_stored()
         self._tasks += [asyncio.create_task(self.follower.run(), name="dispatcher-follow"),
                         asyncio.create_task(self.intake.keepalive(), name="dispatcher-keepalive"),
@@ -190,6 +199,9 @@ class Dispatcher:
     async def stop(self) -> None:
         if self.statuses is not None:
             self.statuses.cancel_timers()
+        for unwatch in self._unwatch:
+            with contextlib.suppress(Exception):
+                await unwatch()
         for s in self._subs:
             with contextlib.suppress(Exception):
                 await s.unsubscribe()

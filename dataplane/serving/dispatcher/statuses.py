@@ -3,8 +3,9 @@
 A non-terminal status is published at once and reaches KV within STATUS_KV_DELAY_S (a newer one
 supersedes it); the terminal status is kept by compare-and-set on the key's revision, so a
 redelivered request can never overwrite it, then the request is acked. Large results go to the
-Object Store. Publishes go out in order from one outbox task per loop turn. Of the dispatcher's
-other parts it uses only `background` (the tasks it starts).
+results store. Publishes go out in order from one outbox task per loop turn. It works through the
+serving ports (dataplane/serving/ports.py); of the dispatcher's other parts it uses only
+`background` (the tasks it starts).
 """
 
 from __future__ import annotations
@@ -15,20 +16,14 @@ from datetime import UTC, datetime
 from typing import Any
 
 import msgspec
-import nats.errors
-import nats.js.errors
 import structlog
-from nats.aio.client import Client as NatsClient
-from nats.aio.msg import Msg
-from nats.js import JetStreamContext, api
-from nats.js.kv import KeyValue
-from nats.js.object_store import ObjectStore
 
 from dataplane.serving.dispatcher.background import Background
+from dataplane.serving.ports import Delivery, Publish, ResultStores, ResultsUnavailable, RevisionMoved, StatusKV
 from dataplane.serving.processor import Pending
 from schemas.requests import INLINE_RESULT_BYTES, StatusUpdate, encoder, status_decoder
 from schemas.status import RequestStatus
-from schemas.subjects import results_bucket, status_key, status_subject
+from schemas.subjects import status_key, status_subject
 
 logger = structlog.get_logger("ndif.dispatcher")
 R = RequestStatus
@@ -37,17 +32,13 @@ STATUS_KV_DELAY_S = 0.02  # a non-terminal status reaches KV this late at most (
 
 
 class StatusWriter:
-    """Writes every status of the dispatcher's requests (publish, KV, results bucket)."""
+    """Writes every status of the dispatcher's requests (publish, KV, results store)."""
 
-    def __init__(self, nc: NatsClient, kv: KeyValue, results: ObjectStore, bg: Background, *,
-                 js: JetStreamContext, replicas: int) -> None:
-        self.nc = nc
+    def __init__(self, publish: Publish, kv: StatusKV, results: ResultStores, bg: Background) -> None:
+        self.publish = publish
         self.kv = kv
-        self.results = results  # the open server's shared bucket; users have their own (`results_store`)
+        self.results = results
         self.bg = bg
-        self.js = js
-        self.replicas = replicas  # copies of a user's results bucket made here
-        self._user_results: dict[str, ObjectStore] = {}  # user -> its results bucket, opened or created
         self._rev: dict[str, int] = {}  # request id -> KV revision of our last (non-terminal) status write
         self._writes: dict[str, _Writes] = {}  # request id -> its status writes
         self._outbox: list[tuple[str, bytes, str]] = []
@@ -61,11 +52,11 @@ class StatusWriter:
 
     async def kept(self, request_id: str) -> tuple[StatusUpdate | None, int | None]:
         """The status kept in KV and its revision (None, None when there is none)."""
-        try:
-            e = await self.kv.get(request_id)
-        except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
+        got = await self.kv.get(request_id)
+        if got is None:
             return None, None
-        return (status_decoder.decode(e.value) if e.value else None), e.revision
+        value, revision = got
+        return (status_decoder.decode(value) if value else None), revision
 
     async def terminal(self, request_id: str) -> StatusUpdate | None:
         cur, _ = await self.kept(request_id)
@@ -100,7 +91,7 @@ class StatusWriter:
             while self._outbox:
                 batch, self._outbox = self._outbox, []
                 for subject, data, reply in batch:
-                    await self.nc.publish(subject, data, reply=reply)
+                    await self.publish(subject, data, reply)
         finally:
             self._outbox_task = None
 
@@ -114,17 +105,16 @@ class StatusWriter:
             if len(body) > INLINE_RESULT_BYTES:
                 name = f"{status_key(p.req.request_id, p.req.user)}.json"
                 try:
-                    store = await self.results_store(p.req.user)
-                except nats.errors.Error as exc:
-                    # No bucket for this user and no right to make one (a client user added to
-                    # the server without the config's dispatcher grant): say so, never drop it.
+                    await self.results.put(p.req.user, name, body)
+                except ResultsUnavailable as exc:
+                    # No bucket for this user and no right to make one: say so, never drop it.
+                    why = type(exc.__cause__ or exc).__name__
                     logger.error("results_bucket_unavailable", request_id=p.req.request_id, user=p.req.user,
-                                 error=str(exc) or type(exc).__name__)
+                                 error=str(exc))
                     status, kw = R.ERROR, {k: v for k, v in kw.items() if k != "result"}
                     kw.update(error="ResultNotStored", message=f"the result ({len(body)} bytes) could not be "
-                              f"stored: no results bucket for user {p.req.user!r} ({type(exc).__name__})")
+                              f"stored: no results bucket for user {p.req.user!r} ({why})")
                 else:
-                    await store.put(name, body)
                     kw = {**kw, "result": None, "result_ref": name}
         u = self._update(p, status, **kw)
         wrote = await self._kv_put(u, encoder.encode(u), terminal=True)
@@ -133,25 +123,9 @@ class StatusWriter:
                 await p.msg.ack()
         return wrote
 
-    async def results_store(self, user: str) -> ObjectStore:
-        """The Object Store bucket of `user`'s large results (`ndif_results_<user>`: only that client
-        may read it), created on its first large result; the shared bucket without a user."""
-        if not user:
-            return self.results
-        store = self._user_results.get(user)
-        if store is None:
-            bucket = results_bucket(user)
-            try:
-                store = await self.js.object_store(bucket)
-            except nats.js.errors.NotFoundError:
-                store = await self.js.create_object_store(bucket, config=api.ObjectStoreConfig(
-                    bucket=bucket, replicas=self.replicas, storage=api.StorageType.FILE))
-            self._user_results[user] = store
-        return store
-
     def finish_soon(self, p: Pending, status: RequestStatus, **kw: Any) -> None:
         """`finish` for a lane that goes on at once: the write starts now, the ack follows it from
-        the outbox (no task of its own, unless the result is large and goes to the Object Store)."""
+        the outbox (no task of its own, unless the result is large and goes to the results store)."""
         if self.bg.stopped:
             return  # not acked: redelivered to the next dispatcher
         u = self._update(p, status, **kw)
@@ -164,7 +138,11 @@ class StatusWriter:
         if msg is not None and msg.reply:
             fut.add_done_callback(lambda f: self._ack_after(f, msg))
 
-    def _ack_after(self, fut: asyncio.Future[bool], msg: Msg) -> None:
+    async def republish(self, subject: str, u: StatusUpdate) -> None:
+        """Publish a kept status again on `subject`, as it is (a redelivered request's terminal status)."""
+        await self.publish(subject, encoder.encode(u), "")
+
+    def _ack_after(self, fut: asyncio.Future[bool], msg: Delivery) -> None:
         if fut.cancelled():
             return  # stopping: redelivered
         if fut.exception() is not None:
@@ -233,8 +211,8 @@ class StatusWriter:
         rev = self._rev.pop(key, None)
         for _ in range(20):
             try:
-                new_rev = await (self.kv.create(key, data) if rev is None else self.kv.update(key, data, last=rev))
-            except nats.js.errors.KeyWrongLastSequenceError:
+                new_rev = await (self.kv.create(key, data) if rev is None else self.kv.update(key, data, rev))
+            except RevisionMoved:
                 cur, rev = await self.kept(key)
                 if cur is not None and cur.terminal:
                     return False

@@ -1,0 +1,198 @@
+"""The serving ports (dataplane/serving/ports.py) on NATS JetStream: the work-queue stream
+`NDIF_REQUESTS` with one durable pull consumer per model, the KV bucket of request statuses, the
+Object Store buckets of large results, and commands to the controller over the same connection.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Awaitable, Callable
+
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext, api
+from nats.js.kv import KeyValue
+from nats.js.object_store import ObjectStore
+
+from controlplane.store.admin import AdminClient
+from controlplane.store.eventstore import JetStreamEventLog
+from dataplane.serving.ports import (
+    OnDelivery,
+    ResultsUnavailable,
+    RevisionMoved,
+    ServingPorts,
+    StoredRequest,
+)
+from dataplane.serving.pull import PullConsumer
+from schemas.commands import CommandResult
+from schemas.subjects import (
+    REQUEST_STATUS_BUCKET,
+    REQUESTS_ALL,
+    REQUESTS_STREAM,
+    RESULTS_BUCKET,
+    request_consumer,
+    request_consumer_token,
+    request_filters,
+    results_bucket,
+)
+
+NO_MESSAGE_FOUND = 10057  # the server's error code for a stream message that is not (any more) there
+
+
+class JetStreamRequests:
+    """`RequestStream` on the work-queue stream `NDIF_REQUESTS`: a model's durable consumer
+    (`proc-<mtok>`) acks explicitly, redelivers after `ack_wait_s` and is pulled `fetch_batch` at a time."""
+
+    def __init__(self, nc: NatsClient, js: JetStreamContext, *, ack_wait_s: float, fetch_batch: int) -> None:
+        self.nc = nc
+        self.js = js
+        self.ack_wait_s = ack_wait_s
+        self.fetch_batch = fetch_batch
+
+    async def watch(self, on_subject: Callable[[str], Awaitable[None]]) -> Callable[[], Awaitable[None]]:
+        async def cb(msg: Msg) -> None:
+            await on_subject(msg.subject)
+
+        sub = await self.nc.subscribe(REQUESTS_ALL, cb=cb)
+        return sub.unsubscribe
+
+    async def stored_subjects(self) -> list[str]:
+        try:
+            info = await self.js.stream_info(REQUESTS_STREAM, subjects_filter=REQUESTS_ALL)
+        except nats.js.errors.NotFoundError:
+            return []
+        return list(info.state.subjects or {})
+
+    async def next_stored(self, subject: str, after_seq: int) -> StoredRequest | None:
+        try:
+            raw = await self.js.get_msg(REQUESTS_STREAM, seq=after_seq + 1, subject=subject, next=True)
+        except nats.js.errors.NotFoundError:
+            return None
+        return StoredRequest(seq=int(raw.seq or after_seq + 1), subject=raw.subject or subject, data=raw.data or b"",
+                             headers=raw.headers)
+
+    async def delete(self, seq: int) -> None:
+        try:
+            await self.js.delete_msg(REQUESTS_STREAM, seq)
+        except nats.js.errors.NotFoundError:
+            pass
+        except nats.js.errors.APIError as exc:
+            if exc.err_code != NO_MESSAGE_FOUND:  # deleted already (by another dispatcher's triage)
+                raise
+
+    async def consume(self, token: str, on_delivery: OnDelivery, hold: Callable[[], bool]) -> None:
+        durable = request_consumer(token)
+        # A user's requests (`ndif.req.<mtok>.<user>`) and userless ones (an open server).
+        filters = request_filters(token)
+        cfg = api.ConsumerConfig(durable_name=durable, filter_subjects=filters,
+                                 ack_policy=api.AckPolicy.EXPLICIT, ack_wait=self.ack_wait_s, max_deliver=-1,
+                                 max_ack_pending=100_000, deliver_policy=api.DeliverPolicy.ALL)
+        try:
+            have = await self.js.consumer_info(REQUESTS_STREAM, durable)
+            if (sorted(have.config.filter_subjects or [have.config.filter_subject or ""]) != filters
+                    or (have.config.ack_wait is not None and abs(have.config.ack_wait - self.ack_wait_s) > 0.01)):
+                await self.js.add_consumer(REQUESTS_STREAM, cfg)  # made by an older version or another ack wait
+        except nats.js.errors.NotFoundError:
+            with contextlib.suppress(nats.js.errors.BadRequestError):  # made by a peer meanwhile
+                await self.js.add_consumer(REQUESTS_STREAM, cfg)
+
+        async def on_msg(m: Msg) -> None:
+            await on_delivery(m, int(m.metadata.num_delivered) if m.metadata else 1)
+
+        # `hold` is looked at again every heartbeat of the pull.
+        await PullConsumer(self.nc, REQUESTS_STREAM, durable, on_msg, batch=self.fetch_batch, hold=hold).run()
+
+    async def consumer_tokens(self) -> list[str]:
+        tokens = []
+        for info in await self.js.consumers_info(REQUESTS_STREAM):
+            token = request_consumer_token(info.name or "")
+            if token is not None:
+                tokens.append(token)
+        return tokens
+
+    async def delete_consumer(self, token: str) -> bool:
+        try:
+            return bool(await self.js.delete_consumer(REQUESTS_STREAM, request_consumer(token)))
+        except nats.js.errors.NotFoundError:
+            return False
+
+
+class JetStreamStatusKV:
+    """`StatusKV` on the KV bucket `ndif_request_status` (the server republishes each write on
+    `ndif.status.>`)."""
+
+    def __init__(self, kv: KeyValue) -> None:
+        self.kv = kv
+
+    async def get(self, key: str) -> tuple[bytes, int] | None:
+        try:
+            e = await self.kv.get(key)
+        except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
+            return None
+        return e.value or b"", int(e.revision or 0)
+
+    async def create(self, key: str, data: bytes) -> int:
+        try:
+            return await self.kv.create(key, data)
+        except nats.js.errors.KeyWrongLastSequenceError as exc:
+            raise RevisionMoved(f"{key} exists") from exc
+
+    async def update(self, key: str, data: bytes, last: int) -> int:
+        try:
+            return await self.kv.update(key, data, last=last)
+        except nats.js.errors.KeyWrongLastSequenceError as exc:
+            raise RevisionMoved(f"{key} is past revision {last}") from exc
+
+
+class JetStreamResults:
+    """`ResultStores` on Object Store buckets: `ndif_results_<user>` (only that client may read it),
+    created on its user's first large result with `replicas` copies; `shared` without a user."""
+
+    def __init__(self, js: JetStreamContext, shared: ObjectStore, *, replicas: int) -> None:
+        self.js = js
+        self.shared = shared
+        self.replicas = replicas
+        self._stores: dict[str, ObjectStore] = {}  # user -> its bucket, opened or created
+
+    async def store(self, user: str) -> ObjectStore:
+        """The bucket of `user`'s large results (opened, or created on first use); the shared one for ""."""
+        if not user:
+            return self.shared
+        store = self._stores.get(user)
+        if store is None:
+            bucket = results_bucket(user)
+            try:
+                store = await self.js.object_store(bucket)
+            except nats.js.errors.NotFoundError:
+                store = await self.js.create_object_store(bucket, config=api.ObjectStoreConfig(
+                    bucket=bucket, replicas=self.replicas, storage=api.StorageType.FILE))
+            self._stores[user] = store
+        return store
+
+    async def put(self, user: str, name: str, body: bytes) -> None:
+        try:
+            store = await self.store(user)
+        except nats.errors.Error as exc:
+            # No bucket for this user and no right to make one (a client user added to the server
+            # without the config's dispatcher grant).
+            raise ResultsUnavailable(str(exc) or type(exc).__name__) from exc
+        await store.put(name, body)
+
+
+async def open_ports(nc: NatsClient, log: JetStreamEventLog, *, actor: str, ack_wait_s: float,
+                     fetch_batch: int) -> ServingPorts:
+    """The serving ports on `nc`: the request stream, status bucket and results buckets of the server
+    `log` is on, and commands (`deploy`) to the controllers that append to it."""
+    js = nc.jetstream()
+    admin = AdminClient(JetStreamEventLog(nc), actor=actor)  # commands only: a request on `nc`
+
+    async def deploy(model_key: str, replicas: int) -> CommandResult:
+        return await admin.deploy(model_key, replicas)
+
+    return ServingPorts(
+        requests=JetStreamRequests(nc, js, ack_wait_s=ack_wait_s, fetch_batch=fetch_batch),
+        statuses=JetStreamStatusKV(await js.key_value(REQUEST_STATUS_BUCKET)),
+        results=JetStreamResults(js, await js.object_store(RESULTS_BUCKET), replicas=log.replicas),
+        publish=nc.publish, deploy=deploy)

@@ -1,0 +1,188 @@
+"""The dispatcher over the in-memory log and the in-memory serving ports (dataplane/serving/memory.py),
+with the real controller and node agent beside it (no NATS, no Ray, no torch).
+
+It follows the log, provisions a model its first request asks for, serves it once the agent has
+loaded a replica, keeps the terminal status and acks the request; a model no node could hold ends
+its requests at once; a draining replica with nothing in flight is reported drained by it.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+import msgspec
+import pytest
+import pytest_asyncio
+
+from controlplane.service.controller import Controller
+from controlplane.service.parts import Parts
+from controlplane.store.heartbeats import MemoryHeartbeats
+from controlplane.store.memlog import MemoryEventLog
+from dataplane.node.agent import NodeAgent
+from dataplane.replica.wire import Answer, Completed, NotRun
+from dataplane.serving.dispatcher import Dispatcher
+from dataplane.serving.memory import MemoryServing
+from schemas import errors as errs
+from schemas import events as E
+from schemas.commands import CommandResult, Deploy, Evict
+from schemas.keys import canonical_model_key
+from schemas.requests import Request, StatusUpdate
+from schemas.status import ReplicaState, RequestStatus
+from schemas.subjects import subject_matches
+from tests.fake_runtime import FakeProcess, FakeRuntime
+from tests.strategies import node_joined
+from tests.waiting import until
+
+pytestmark = pytest.mark.timeout(30)
+NODE = "node-a.cluster"
+GB = 10**9
+R = RequestStatus
+
+
+class EchoCaller:
+    """`ReplicaCaller` over tests/fake_runtime.py's processes: a HOT one echoes each payload."""
+
+    def __init__(self, runtime: FakeRuntime) -> None:
+        self.runtime = runtime
+        self.calls = 0
+
+    def lookup(self, model_key: str, replica_id: int) -> FakeProcess | None:
+        return self.runtime.processes.get((model_key, replica_id))
+
+    async def run_batch(self, handle: FakeProcess, payloads: list[dict[str, Any]]) -> list[Answer]:
+        self.calls += 1
+        if handle.level != "HOT":
+            return [NotRun(reason=f"replica is {handle.level}")] * len(payloads)
+        return [Completed(result={"echo": p.get("data"), "replica_id": handle.spec.replica_id}, seconds=0.001)
+                for p in payloads]
+
+    async def take_answer(self, handle: FakeProcess, reply: str) -> list[Answer] | None:
+        raise AssertionError("no replica link without NATS")
+
+    async def calls_active(self, handle: FakeProcess, replies: list[str]) -> list[bool]:
+        raise AssertionError("no replica link without NATS")
+
+    def gone(self, exc: BaseException) -> bool:
+        return False
+
+
+@dataclass
+class Stack:
+    log: MemoryEventLog
+    controller: Controller
+    agent: NodeAgent
+    dispatcher: Dispatcher
+    serving: MemoryServing
+    runtime: FakeRuntime
+    sizes: dict[str, int]  # model key -> the size its deploy registers
+
+    def events(self, cls: type) -> list[Any]:
+        return [e for e in self.log.events() if isinstance(e, cls)]
+
+
+@pytest_asyncio.fixture
+async def stack(tmp_path) -> AsyncIterator[Stack]:
+    log = MemoryEventLog()
+    runtime = FakeRuntime("sim:a")
+    sizes: dict[str, int] = {}
+    ctl = await Controller(Parts(log, None), policy_interval_s=60).start()
+
+    async def deploy(model_key: str, replicas: int) -> CommandResult:
+        """The controller's answer to the dispatcher's deploy, refusals raised as the admin client does."""
+        cmd = Deploy(command_id=f"cmd-{uuid.uuid4().hex[:8]}", actor="dispatcher:unit", model_key=model_key,
+                     replicas=replicas, size_bytes=sizes.get(model_key, GB))
+        res = await ctl.handle(msgspec.json.encode(cmd), verb="deploy")
+        if not res.ok and not res.last_seq:
+            raise getattr(errs, res.error or "", errs.NdifError)(res.message or "refused")
+        return res
+
+    agent = await NodeAgent(log, MemoryHeartbeats(), runtime, NODE, gpus=node_joined(NODE).gpus,
+                            cpu_cache_bytes=2**34, heartbeat_s=0.05, drain_timeout_s=30.0,
+                            health_interval_s=0.05).start()
+    serving = MemoryServing(deploy)
+    disp = await Dispatcher(Parts(log, None), name="dispatcher:unit", caller=EchoCaller(runtime),
+                            ports=serving.ports(), ack_wait_s=1.0).start()
+    try:
+        yield Stack(log, ctl, agent, disp, serving, runtime, sizes)
+    finally:
+        await disp.stop()
+        await agent.stop()
+        await ctl.stop()
+
+
+def checkpoint(root, name: str) -> str:
+    (root / name).mkdir()
+    (root / name / "config.json").write_text("{}")
+    return canonical_model_key(str(root / name), relative=False)
+
+
+def request(model_key: str, data: int, user: str = "") -> Request:
+    return Request(request_id=f"req-{uuid.uuid4().hex[:12]}", model_key=model_key, payload={"op": "echo", "data": data},
+                   submitted_at=datetime.now(UTC), user=user)
+
+
+async def final(stack: Stack, r: Request) -> StatusUpdate:
+    """The request's terminal status, once kept."""
+    await until(lambda: (s := stack.serving.status(r.request_id, r.user)) is not None and s.terminal, timeout=10)
+    done = stack.serving.status(r.request_id, r.user)
+    assert done is not None
+    return done
+
+
+async def test_the_first_request_deploys_the_model_and_is_served_once_a_replica_is_loaded(stack: Stack,
+                                                                                          tmp_path) -> None:
+    mk = checkpoint(tmp_path, "tiny")
+    first = request(mk, 1)
+    await stack.serving.submit(first)
+    done = await final(stack, first)
+    assert done.status is R.COMPLETED and done.result == {"echo": 1, "replica_id": 0}
+    # Deployed by the dispatcher's own deploy, loaded by the agent, served through the caller.
+    (scheduled,) = stack.events(E.ReplicaScheduled)
+    assert scheduled.model_key == mk and scheduled.command_id.startswith("cmd-")
+    assert stack.events(E.ReplicaLoaded) and stack.dispatcher.processors
+    assert stack.serving.requests.stored == {} and stack.serving.requests.settled == [1]  # acked
+    # Statuses went out as published too: the first one while the model was being deployed.
+    published = [msgspec.json.decode(b)["status"] for s, b in stack.serving.published
+                 if subject_matches(s, "ndif.status.*")]
+    assert published[0] == "PROVISIONING" and "COMPLETED" not in published  # the terminal one: the KV's own
+    # A second request and one of another user: the model is known, its processor takes them at once.
+    more = [request(mk, 2), request(mk, 3, user="alice")]
+    for r in more:
+        await stack.serving.submit(r)
+    assert [(await final(stack, r)).result["echo"] for r in more] == [2, 3]
+    assert len(stack.events(E.ReplicaScheduled)) == 1  # deployed once
+
+
+async def test_a_model_no_node_can_hold_ends_its_requests_at_once(stack: Stack, tmp_path) -> None:
+    mk = checkpoint(tmp_path, "huge")
+    stack.sizes[mk] = 10_000 * GB
+    reqs = [request(mk, i) for i in range(3)]
+    for r in reqs:
+        await stack.serving.submit(r)
+    for r in reqs:
+        s = await final(stack, r)
+        assert s.status is R.ERROR and s.error == "PlacementImpossible", s
+    assert not stack.events(E.ReplicaScheduled)
+    await until(lambda: not stack.serving.requests.stored)  # every one acked: nothing redelivered
+
+
+async def test_a_draining_replica_with_nothing_in_flight_is_reported_drained_by_the_dispatcher(stack: Stack,
+                                                                                                tmp_path) -> None:
+    mk = checkpoint(tmp_path, "tiny")
+    r = request(mk, 1)
+    await stack.serving.submit(r)
+    assert (await final(stack, r)).status is R.COMPLETED
+    res = await stack.controller.handle(msgspec.json.encode(Evict(command_id="evict-1", model_key=mk, replica_id=0)),
+                                        verb="evict")
+    assert res.ok, res
+    # The agent waits 30 s for the report; the dispatcher, following the log, sends it at once.
+    await until(lambda: bool(stack.events(E.ReplicaDrained)), timeout=10)
+    (drained,) = stack.events(E.ReplicaDrained)
+    assert drained.actor == "dispatcher:unit" and drained.replica_id == 0
+    await until(lambda: stack.agent.state.replicas[(mk, 0)].state is ReplicaState.CACHED, timeout=10)
+    processor = next(iter(stack.dispatcher.processors.values()))
+    await until(lambda: not processor.ready and not processor.lanes)  # its lanes retired with the replica
