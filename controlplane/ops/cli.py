@@ -314,7 +314,7 @@ async def _replay(a: argparse.Namespace, admin: AdminClient) -> int:
                   f"{last}", file=sys.stderr)
             until_seq = last
     state = await admin.state(until_seq=until_seq, until_time=until_time, strict=a.strict)
-    _show(state, a.json)
+    _show(state, a.json, show_all=True)  # the past in full: every replica, gone ones too
     return 0
 
 
