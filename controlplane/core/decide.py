@@ -549,6 +549,11 @@ def summarize(command_id: str, events: Sequence[Event], first_seq: int, *, dupli
                      "each after the previous is Available again")
     elif rollout is not None and rollout.note:
         parts.append(rollout.note)
+    policy = next((e for e in events if isinstance(e, AutoscalePolicySet)), None)
+    if policy is not None:
+        parts.append("autoscaling off: the replica count stays as it is" if policy.policy is None else
+                     f"autoscaling on: {policy.policy.min_replicas}..{policy.policy.max_replicas} replicas, "
+                     f"{policy.policy.target_queue_per_replica:g} queued per replica")
     if not parts:
         parts.append(head.note if head is not None and head.note else "nothing to do")
     ok = short == 0
