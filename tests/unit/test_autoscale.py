@@ -182,6 +182,14 @@ def test_a_manual_count_stands_until_the_policy_is_set_again():
     assert tick(b.state, figures(queued=100), at(0))[0].rule == "watch"
 
 
+def test_a_dispatchers_provisioning_deploy_is_not_a_manual_count():
+    b = cluster(0, msgspec.structs.replace(POLICY, min_replicas=0))
+    events = decide(b.state, Scale(command_id="p", model_key=M, replicas=1, actor="dispatcher:host"),
+                    DecisionContext(now=at(0), actor="dispatcher:host", command_id="p"))
+    apply(b.state, events)
+    assert not b.state.models[M].autoscale_manual
+
+
 def test_the_policy_bounds_apply_at_once():
     b = cluster(2, msgspec.structs.replace(POLICY, min_replicas=3))
     (head, *_rest) = tick(b.state, figures(queued=0), at(0))

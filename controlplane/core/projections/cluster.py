@@ -272,8 +272,10 @@ class ClusterState(Projection):
                     headroom=m.headroom if ev.headroom is None else ev.headroom,
                     gpus=m.gpus if ev.gpus is None else ev.gpus,
                     # an operator's deploy/scale/scale-down of an autoscaled model: its count stands
+                    # (a dispatcher's provisioning deploy of a model at zero is not an operator's)
                     autoscale_manual=m.autoscale_manual or (m.autoscale is not None
-                                                            and (ev.command_id or "") != m.autoscale_cid))
+                                                            and (ev.command_id or "") != m.autoscale_cid
+                                                            and not ev.actor.startswith("dispatcher:")))
             case AutoscalePolicySet():
                 m = self._model(ev.model_key)
                 self.models[ev.model_key] = _replace(m, autoscale=ev.policy, autoscale_manual=False,
