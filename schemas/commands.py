@@ -13,6 +13,7 @@ from typing import Final, Union
 
 import msgspec
 
+from schemas.autoscale import AutoscalePolicy
 from schemas.errors import InvalidCommand, decode_bounded
 from schemas.status import Level
 
@@ -82,7 +83,18 @@ class Undeploy(Command, frozen=True, kw_only=True, tag="undeploy"):
     model_key: str
 
 
-AnyCommand = Union[Deploy, Scale, ScaleDown, Evict, Restart, Undeploy]
+class Autoscale(Command, frozen=True, kw_only=True, tag="autoscale"):
+    """Set a model's autoscaling policy (`off`: remove it; the replica count then stays as it is).
+
+    Setting a policy again also ends an operator's manual count: after a `scale`/`scale-down` of
+    an autoscaled model the autoscaler leaves its count alone until the next `autoscale`."""
+
+    model_key: str
+    policy: AutoscalePolicy = msgspec.field(default_factory=AutoscalePolicy)
+    off: bool = False
+
+
+AnyCommand = Union[Deploy, Scale, ScaleDown, Evict, Restart, Undeploy, Autoscale]
 VERBS: Final[tuple[str, ...]] = tuple(c.__struct_config__.tag for c in AnyCommand.__args__)  # type: ignore[attr-defined,misc]
 
 # Replica bounds. A controller is configured with its own (`ndif controller --max-replicas-per-model`,
@@ -169,6 +181,8 @@ def validate(cmd: AnyCommand, limits: Limits | None = None) -> AnyCommand:
             raise InvalidCommand("evict: give a model (optionally --replica-id N) or --all")
         if cmd.replica_id is not None and not cmd.model_key:
             raise InvalidCommand("evict: --replica-id needs a model")
+    if isinstance(cmd, Autoscale) and not cmd.off:
+        cmd.policy.check(ABSOLUTE_MAX_REPLICAS if limits is None else limits.max_replicas_per_model)
     rid = getattr(cmd, "replica_id", None)
     if rid is not None and not 0 <= rid <= 2**31:
         raise InvalidCommand(f"--replica-id must be between 0 and 2^31, got {rid}")

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Final, Union
 
 import msgspec
 
+from schemas.autoscale import AutoscalePolicy, QueueFigures
 from schemas.errors import InvalidCommand
 from schemas.keys import model_parts
 from schemas.status import DeploymentOp, EvictionReason, Level
@@ -244,6 +245,35 @@ class RolloutUpdated(Event, frozen=True, kw_only=True, tag="RolloutUpdated"):
     note: str = ""
 
 
+class AutoscalePolicySet(Event, frozen=True, kw_only=True, tag="AutoscalePolicySet"):
+    """`ndif autoscale`: the model's policy from here on (None: autoscaling off). It also ends a
+    manual count an operator set since the last policy."""
+
+    model_key: ModelKey
+    policy: AutoscalePolicy | None = None
+
+
+class AutoscaleDecided(Event, frozen=True, kw_only=True, tag="AutoscaleDecided"):
+    """The autoscaler acted, or started or stopped watching a condition: the first event of its
+    decision, with the figures it saw (summed over dispatchers), the rule that fired and the
+    replica count it computed. With `target` != `current` the decision's placement or eviction
+    events follow (same command id). `condition` is what the autoscaler watches from here on
+    (`up`, `down`, `idle`, or "" for nothing) and `since` when that condition began: a restarted
+    controller reads both from the log, so its delays run on from where they were."""
+
+    model_key: ModelKey
+    rule: str  # queue-above-target | oldest-wait | from-zero | queue-below-target | idle | min | max | watch
+    current: int  # replicas (desired HOT) before the decision
+    target: int
+    figures: QueueFigures | None = None
+    target_queue_per_replica: float = 0.0
+    held_s: float = 0.0  # how long the condition had held when the rule fired
+    condition: str = ""
+    since: datetime | None = None
+    level: Level = Level.COLD  # where replicas leaving go (idle: the policy's idle_to)
+    note: str = ""
+
+
 class CommandDecided(Event, frozen=True, kw_only=True, tag="CommandDecided"):
     """An operator command was decided: the first event of its decision, and the only one when the
     decision changed nothing. It makes every command id durable (a no-op included) and lets a
@@ -357,6 +387,8 @@ AnyEvent = Union[
     ModelUndeployed,
     CommandDecided,
     RolloutUpdated,
+    AutoscalePolicySet,
+    AutoscaleDecided,
 ]
 
 EVENT_TYPES: Final[dict[str, type[Event]]] = {

@@ -33,6 +33,9 @@ REPLICA_CALLS_PREFIX = "ndif.run"
 DISPATCHER_STATE = "ndif.dispatcher.state"  # request/reply: the dispatcher's queue view
 REQUEST_CONSUMER_PREFIX = "proc-"  # + <mtok>: a model's durable consumer on the request stream
 DISPATCHER_KILL = "ndif.dispatcher.kill"  # an admin's kill of a request; `.<user>`: a user's own
+# Queue figures (schemas/autoscale.py QueueFigures), core NATS, not stored: each dispatcher publishes
+# every model's on `ndif.figures.<mtok>` once a second; controllers sum them per model.
+FIGURES_PREFIX = "ndif.figures"
 
 # Wildcard filters (subscriptions and the server's permissions, controlplane/ops/auth.py).
 NODE_EVENTS_ANY = f"{NODE_EVENTS_PREFIX}*"
@@ -42,6 +45,7 @@ COMMAND_EVENTS_ANY = f"{COMMAND_EVENTS_PREFIX}*"
 COMMANDS_ANY = f"{COMMANDS_PREFIX}.*"
 STATUS_ALL = f"{STATUS_PREFIX}.>"
 REPLICA_CALLS_ALL = f"{REPLICA_CALLS_PREFIX}.>"
+FIGURES_ANY = f"{FIGURES_PREFIX}.*"
 
 # Headers on every event message.
 HDR_MSG_ID = "Nats-Msg-Id"
@@ -108,6 +112,11 @@ def replica_call_subject(model_key: str, replica_id: int, node_id: str = "") -> 
 def node_run_subjects(node_id: str) -> str:
     """The replica endpoints of one node: what its agent's user may subscribe to."""
     return f"{REPLICA_CALLS_PREFIX}.{node_token(node_id)}.>"
+
+
+def figures_subject(model_key: str) -> str:
+    """`ndif.figures.<mtok>`: where dispatchers publish a model's queue figures."""
+    return f"{FIGURES_PREFIX}.{model_token(model_key)}"
 
 
 def model_events_filter(model_key: str) -> list[str]:

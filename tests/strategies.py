@@ -13,6 +13,7 @@ from typing import Any
 from hypothesis import strategies as st
 
 from schemas import events as E
+from schemas.autoscale import AutoscalePolicy, QueueFigures
 from schemas.status import DeploymentOp, EvictionReason, Level
 
 NODES = ("node-a.cluster", "node-b.cluster")
@@ -88,6 +89,18 @@ def any_event(draw: st.DrawFn) -> E.Event:
             remaining = tuple(draw(st.lists(st.integers(0, 3), max_size=3, unique=True)))
             return E.RolloutUpdated(**_env(), model_key=m, remaining=remaining,
                                     current=draw(st.one_of(st.none(), st.integers(0, 3))), note=draw(texts))
+        case "AutoscalePolicySet":
+            policy = draw(st.none() | st.builds(AutoscalePolicy, min_replicas=st.integers(0, 2),
+                                                max_replicas=st.integers(2, 4),
+                                                idle_to=st.sampled_from([Level.WARM, Level.COLD])))
+            return E.AutoscalePolicySet(**_env(), model_key=m, policy=policy)
+        case "AutoscaleDecided":
+            figures = QueueFigures(queued=draw(st.integers(0, 50)), running=draw(st.integers(0, 8)))
+            return E.AutoscaleDecided(**_env(), model_key=m, rule=draw(st.sampled_from(["queue-above-target", "idle"])),
+                                      current=draw(st.integers(0, 4)), target=draw(st.integers(0, 4)),
+                                      figures=draw(st.none() | st.just(figures)),
+                                      condition=draw(st.sampled_from(["", "up", "down", "idle"])),
+                                      since=draw(st.none() | st.just(T0)))
         case _:
             return E.EVENT_TYPES[kind](**_env(), **rep)  # type: ignore[call-arg]
 

@@ -29,6 +29,7 @@ from controlplane.core.projections.replica import ReplicaView
 from schemas.commands import (
     MAX_REPLICAS_PER_MODEL,
     AnyCommand,
+    Autoscale,
     CommandResult,
     Deploy,
     Evict,
@@ -42,6 +43,7 @@ from schemas.commands import (
 )
 from schemas.errors import AlreadyDeployed, CommandIdConflict, InvalidCommand, NotFound, UnknownModel
 from schemas.events import (
+    AutoscalePolicySet,
     CommandDecided,
     DeploymentRequested,
     Event,
@@ -118,6 +120,15 @@ def decide(state: ClusterState, cmd: AnyCommand, ctx: DecisionContext, *,
             body = _restart(state, cmd, ctx)
         case Undeploy():
             body = _undeploy(state, cmd, ctx)
+        case Autoscale():
+            _not_undeploying(state, cmd.model_key)
+            _known(state, cmd.model_key)
+            m = state.models[cmd.model_key]
+            if cmd.off and m.autoscale is None:
+                note = f"nothing to do: autoscaling of {display_name(cmd.model_key)} is already off"
+                body = []
+            else:
+                body = [ctx.event(AutoscalePolicySet, model_key=cmd.model_key, policy=None if cmd.off else cmd.policy)]
         case _:
             raise InvalidCommand(f"unknown command {type(cmd).__name__}")
     head = ctx.event(CommandDecided, model_key=getattr(cmd, "model_key", None), verb=str(cmd.__struct_config__.tag),
@@ -219,17 +230,40 @@ def _known(state: ClusterState, model_key: str) -> list[ReplicaView]:
 
 
 def _scale_down(state: ClusterState, cmd: ScaleDown, ctx: DecisionContext) -> list[Event]:
-    hot = [r for r in _known(state, cmd.model_key) if r.desired is Level.HOT]
-    excess = sorted(hot, key=lambda r: r.replica_id, reverse=True)[: max(0, len(hot) - cmd.replicas)]
+    _known(state, cmd.model_key)
+    return shrink(state, cmd.model_key, cmd.replicas, ctx)
+
+
+def shrink(state: ClusterState, model_key: str, keep: int, ctx: DecisionContext, *,
+           to: Level = Level.COLD) -> list[Event]:
+    """At most `keep` HOT replicas: the highest ids leave (drained first when serving) to `to`
+    (WARM where the node's CPU cache holds them, else COLD). Nothing when there are no more."""
+    hot = [r for r in state.model_replicas(model_key) if r.desired is Level.HOT]
+    excess = sorted(hot, key=lambda r: r.replica_id, reverse=True)[: max(0, len(hot) - keep)]
     if not excess:
         return []
-    events: list[Event] = [ctx.event(DeploymentRequested, model_key=cmd.model_key, op=DeploymentOp.SCALE_DOWN,
-                                     replicas=cmd.replicas, target_hot=cmd.replicas)]
+    events: list[Event] = [ctx.event(DeploymentRequested, model_key=model_key, op=DeploymentOp.SCALE_DOWN,
+                                     replicas=keep, target_hot=keep)]
+    pending_cpu: dict[str, int] = {}
     for r in excess:
+        nothing = r.state in (S.LOAD_FAILED, S.FAILED, S.LOST)
+        target = cache_target(state, r, pending_cpu) if to is Level.WARM and not nothing else Level.COLD
         events.append(ctx.event(ReplicaEvictionRequested, model_key=r.model_key, replica_id=r.replica_id,
-                                node_id=r.node_id, reason=EvictionReason.SCALE_DOWN, target=Level.COLD,
+                                node_id=r.node_id, reason=EvictionReason.SCALE_DOWN, target=target,
                                 drain=r.state is S.AVAILABLE))
     return events
+
+
+def grow(state: ClusterState, model_key: str, target: int, ctx: DecisionContext, *,
+         min_deploy_s: float = MIN_DEPLOY_S, headroom: float = PADDING) -> list[Event]:
+    """At least `target` HOT replicas of a registered model, placed as `ndif scale` places them
+    (its recorded headroom, cards and dedication). Nothing when it has as many already."""
+    current = state.replica_count(model_key)
+    if target <= current:
+        return []
+    m = state.models[model_key]
+    return _grow(state, model_key, target - current, target, DeploymentOp.SCALE, target, m.dedicated, ctx, None,
+                 None, min_deploy_s, model_headroom(state, model_key, headroom), m.gpus)
 
 
 def _evict(state: ClusterState, cmd: Evict, ctx: DecisionContext) -> list[Event]:
@@ -515,6 +549,11 @@ def summarize(command_id: str, events: Sequence[Event], first_seq: int, *, dupli
                      "each after the previous is Available again")
     elif rollout is not None and rollout.note:
         parts.append(rollout.note)
+    policy = next((e for e in events if isinstance(e, AutoscalePolicySet)), None)
+    if policy is not None:
+        parts.append("autoscaling off: the replica count stays as it is" if policy.policy is None else
+                     f"autoscaling on: {policy.policy.min_replicas}..{policy.policy.max_replicas} replicas, "
+                     f"{policy.policy.target_queue_per_replica:g} queued per replica")
     if not parts:
         parts.append(head.note if head is not None and head.note else "nothing to do")
     ok = short == 0

@@ -59,6 +59,7 @@ from schemas.subjects import (
     DISPATCHER_STATE,
     EVENTS_ALL,
     EVENTS_STREAM,
+    FIGURES_ANY,
     HEARTBEATS_BUCKET,
     MODEL_EVENTS_ANY,
     NODE_EVENTS_ANY,
@@ -133,7 +134,7 @@ def permissions(role: str, *, name: str = "", node_id: str = "", clients: tuple[
                *_read_stream(_kv(HEARTBEATS_BUCKET)), *_read_stream(_kv(SNAPSHOTS_BUCKET)),
                f"{_API}.STREAM.INFO.{REQUESTS_STREAM}", f"{_API}.STREAM.INFO.{_kv(REQUEST_STATUS_BUCKET)}",
                f"{_API}.STREAM.INFO.{_obj(RESULTS_BUCKET)}", f"{_API}.STREAM.INFO.{_obj(SNAPSHOTS_BUCKET)}"]
-        sub = [COMMANDS_ANY, inbox]
+        sub = [COMMANDS_ANY, FIGURES_ANY, inbox]
     elif role == "agent":
         ntok = node_token(node_id)
         # Events by direct gets only (no consumer: its deliver subject could be anyone's); the event
@@ -146,7 +147,7 @@ def permissions(role: str, *, name: str = "", node_id: str = "", clients: tuple[
                f"{_API}.DIRECT.GET.{_kv(HEARTBEATS_BUCKET)}.$KV.{HEARTBEATS_BUCKET}.{ntok}"]
         sub = [node_run_subjects(node_id), EVENTS_ALL, inbox]
     elif role == "dispatcher":
-        pub = [replica_facts_from(DISPATCHER_SOURCE), command_subject("deploy"), STATUS_ALL, REPLICA_CALLS_ALL,
+        pub = [replica_facts_from(DISPATCHER_SOURCE), command_subject("deploy"), FIGURES_ANY, STATUS_ALL, REPLICA_CALLS_ALL,
                f"$KV.{REQUEST_STATUS_BUCKET}.>", f"$O.{RESULTS_BUCKET}.>", *events,
                *_read_stream(_kv(REQUEST_STATUS_BUCKET)), *_read_stream(_obj(RESULTS_BUCKET)),
                *_read_stream(REQUESTS_STREAM), f"{_API}.CONSUMER.DURABLE.CREATE.{REQUESTS_STREAM}.>",

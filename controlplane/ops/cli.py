@@ -1,6 +1,6 @@
 """The admin commands of `ndif` (NDIF's CLI habits, plus what an event log makes possible).
 
-deploy, scale, scale-down, evict, restart, undeploy, status, events, history, replay, controller.
+deploy, scale, scale-down, evict, restart, undeploy, autoscale, status, events, history, replay, controller.
 Every command takes --nats URL (env NDIF_NATS_URL). Errors print one line to stderr and exit
 non-zero: 2 invalid input, 3 unknown model/replica, 4 conflict, 5 infrastructure (no controller,
 timeout), 6 replay found anomalies (--strict), 7 deploy/scale placed nothing, 8 placed fewer than asked.
@@ -29,6 +29,7 @@ from controlplane.service.logs import configure
 from controlplane.store.admin import AdminClient, resolve_name
 from controlplane.store.heartbeats import JetStreamHeartbeats, heartbeat_ages
 from schemas import errors as errs
+from schemas.autoscale import AutoscalePolicy
 from schemas.commands import MAX_HEADROOM, CommandResult, ReplicaOutcome
 from schemas.events import Event, ReplicaEvent, RolloutUpdated, Skipped, event_tag
 from schemas.keys import canonical_model_key, display_name
@@ -125,6 +126,8 @@ async def _command_on(a: argparse.Namespace, admin: AdminClient) -> int:
             res = await admin.restart(a.model, replica_id=a.replica_id, rolling=not a.all_at_once, command_id=cid)
         case "undeploy":
             res = await admin.undeploy(a.model, command_id=cid)
+        case "autoscale":
+            res = await admin.autoscale(a.model, _policy(a), off=a.off, command_id=cid)
         case _:
             raise errs.InvalidCommand(f"unknown command {a.cmd}")
     _print_result(a.cmd, res, a.json)
@@ -172,6 +175,37 @@ async def _command_on(a: argparse.Namespace, admin: AdminClient) -> int:
         if failed:
             return 1
     return code
+
+
+def duration_arg(text: str) -> float:
+    """A duration: seconds (`300`, `5s`), minutes (`5m`) or hours (`1h`)."""
+    t = text.strip().lower()
+    scale = {"s": 1.0, "m": 60.0, "h": 3600.0}.get(t[-1:], None)
+    try:
+        value = float(t[:-1] if scale is not None else t) * (scale or 1.0)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a duration (e.g. 5s, 2m, 1h or 300)") from None
+    if not 0 <= value < float("inf"):  # also refuses nan; the policy bounds each delay further
+        raise argparse.ArgumentTypeError(f"{text!r}: a duration is 0 or more")
+    return value
+
+
+def _policy(a: argparse.Namespace) -> AutoscalePolicy:
+    d = AutoscalePolicy()
+    wait = a.max_wait
+    return AutoscalePolicy(
+        min_replicas=d.min_replicas if a.min is None else a.min,
+        max_replicas=d.max_replicas if a.max is None else a.max,
+        target_queue_per_replica=a.target_queue_per_replica, upscale_delay_s=a.upscale_delay,
+        downscale_delay_s=a.downscale_delay, idle_to=Level(a.idle_to.upper()), idle_after_s=a.idle_after,
+        max_wait_s=None if wait.strip().lower() == "off" else _duration(wait, "--max-wait"))
+
+
+def _duration(text: str, flag: str) -> float:
+    try:
+        return duration_arg(text)
+    except argparse.ArgumentTypeError as exc:
+        raise errs.InvalidCommand(f"{flag}: {exc}") from None
 
 
 WATCH_TICK_S = 1.5  # `status --watch` redraws at least this often (heartbeat ages move without events)
@@ -388,6 +422,28 @@ def add_admin_commands(sub: Any) -> None:
     p = sub.add_parser("undeploy", help="remove a model: drain and unload every replica, then forget it and its ids")
     p.add_argument("model", help=MODEL_HELP)
     mutating(p, wait=False)
+    d = AutoscalePolicy()
+    p = sub.add_parser("autoscale", help="set a model's autoscaling policy (replicas follow its queue), or --off")
+    p.add_argument("model", help=MODEL_HELP)
+    p.add_argument("--min", type=int, help=f"fewest replicas (0: idle to zero; default {d.min_replicas})")
+    p.add_argument("--max", type=int, help=f"most replicas (default {d.max_replicas})")
+    p.add_argument("--target-queue-per-replica", type=float, default=d.target_queue_per_replica,
+                   help="requests queued or running per replica the autoscaler aims at (default %(default)s)")
+    p.add_argument("--upscale-delay", type=duration_arg, default=d.upscale_delay_s, metavar="DURATION",
+                   help="how long the queue must stay above target before adding replicas (default %(default)ss)")
+    p.add_argument("--downscale-delay", type=duration_arg, default=d.downscale_delay_s, metavar="DURATION",
+                   help="how long it must stay below before removing replicas, and since the last change "
+                        "(default %(default)ss)")
+    p.add_argument("--idle-to", choices=["WARM", "COLD", "warm", "cold"], default=str(d.idle_to),
+                   help="where replicas of an idle model go (default %(default)s; WARM where the node's CPU cache "
+                        "holds them, else COLD)")
+    p.add_argument("--idle-after", type=duration_arg, default=d.idle_after_s, metavar="DURATION",
+                   help="nothing queued or running for this long: down to --min (default %(default)ss)")
+    p.add_argument("--max-wait", default=f"{d.max_wait_s:g}s", metavar="DURATION",
+                   help="add a replica when the oldest queued request has waited longer (default %(default)s; "
+                        "'off': no such signal)")
+    p.add_argument("--off", action="store_true", help="turn autoscaling off (the replica count stays as it is)")
+    mutating(p, wait=False)
     p = sub.add_parser("status", help="nodes, cards, models and replicas, folded from the log; "
                                       "with MODEL: that model, every replica and its recent events")
     p.add_argument("model", nargs="?", help="one model's view: " + MODEL_HELP)
@@ -458,7 +514,7 @@ async def _dashboard(a: argparse.Namespace) -> int:
 
 ADMIN: dict[str, Callable[[argparse.Namespace, AdminClient], Coroutine[Any, Any, int]]] = {
     "deploy": _command, "scale": _command, "scale-down": _command, "evict": _command, "restart": _command,
-    "undeploy": _command, "status": _status, "events": _events, "history": _history, "replay": _replay,
+    "undeploy": _command, "autoscale": _command, "status": _status, "events": _events, "history": _history, "replay": _replay,
 }
 
 

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import msgspec
+
 from controlplane.core.placement import padded
 from controlplane.core.projections import ClusterState, ReplicaView
+from controlplane.core.projections.cluster import ModelView
 from controlplane.store.heartbeats import STALE_S
+from schemas.autoscale import AutoscalePolicy
 from schemas.events import (
+    AutoscaleDecided,
+    AutoscalePolicySet,
     CommandDecided,
     DeploymentRequested,
     Event,
@@ -90,10 +96,10 @@ def render_status(state: ClusterState, heartbeats: dict[str, float | None] | Non
                          str(state.replica_count(mk)), str(m.target_hot), size,
                          gib(charge) if charge is not None else "?",
                          f"{m.headroom:.0%}" if m.headroom is not None else "default",
-                         str(m.gpus) if m.gpus else "auto", "yes" if m.dedicated else "no"])
+                         str(m.gpus) if m.gpus else "auto", "yes" if m.dedicated else "no", autoscale_cell(m)])
         out += ["", "MODELS (hot: on GPU now; replica count: desired HOT; target_hot: of the last deploy/scale)"] + _table(
             rows, ["model", "status", "hot", "replica count", "target_hot", "size", "charge", "headroom", "gpus",
-                   "dedicated"])
+                   "dedicated", "autoscale"])
     live = [r for r in state.replicas.values() if show_all or not gone(r)]
     hidden = len(state.replicas) - len(live)
     if live:
@@ -115,6 +121,14 @@ def render_status(state: ClusterState, heartbeats: dict[str, float | None] | Non
         out += ["", f"ANOMALIES: {state.anomaly_count} (unreadable events: {state.skipped})"]
         out += [f"  seq {a.seq} {a.event_type}: {a.message}" for a in state.anomalies[-5:]]
     return "\n".join(out)
+
+
+def autoscale_cell(m: ModelView) -> str:
+    """A model's autoscaling in a table cell: off, its bounds, or manual (an operator's count stands)."""
+    if m.autoscale is None:
+        return "off"
+    bounds = f"{m.autoscale.min_replicas}..{m.autoscale.max_replicas}"
+    return f"{bounds} manual" if m.autoscale_manual else bounds
 
 
 def _charge(state: ClusterState, model_key: str) -> int | None:
@@ -158,6 +172,8 @@ def status_json(state: ClusterState, heartbeats: dict[str, float | None] | None 
             "checkpoint": m.registration.checkpoint if m.registration else None,
             "next_replica_id": m.next_replica_id,
             "headroom": m.headroom, "charge_bytes": _charge(state, mk), "gpus": m.gpus,
+            "autoscale": msgspec.to_builtins(m.autoscale) if m.autoscale is not None else None,
+            "autoscale_manual": m.autoscale_manual, "autoscale_condition": m.autoscale_condition,
         })
     replicas = [{
         "model_key": r.model_key, "replica_id": r.replica_id, "level": str(r.level), "desired": str(r.desired),
@@ -201,7 +217,42 @@ def event_reason(item: Event) -> str:
             return step + rest + (f" ({item.note})" if item.note else "")
         case NodeLost():
             return f"reason: {item.reason}"
+        case AutoscalePolicySet():
+            return "autoscaling off" if item.policy is None else f"autoscale {policy_text(item.policy)}"
+        case AutoscaleDecided():
+            return autoscale_reason(item)
     return ""
+
+
+def policy_text(p: AutoscalePolicy) -> str:
+    """A policy in one line, as `ndif status` and `ndif history` show it."""
+    wait = f", or oldest wait over {p.max_wait_s:g} s" if p.max_wait_s is not None else ""
+    return (f"{p.min_replicas}..{p.max_replicas} replicas, {p.target_queue_per_replica:g} queued per replica{wait}; "
+            f"up after {p.upscale_delay_s:g} s, down after {p.downscale_delay_s:g} s, idle {p.idle_after_s:g} s "
+            f"-> {p.idle_to}")
+
+
+_CONDITIONS = {"up": "queue above target", "down": "queue below target", "idle": "idle", "": "condition ended"}
+_HELD = {"queue-above-target": "above", "oldest-wait": "oldest wait over the limit", "queue-below-target": "below",
+         "idle": "idle"}
+
+
+def autoscale_reason(e: AutoscaleDecided) -> str:
+    """`scaled 2 -> 4: 37 queued, 2 replicas, target 4 per replica, above for 5.2 s`, or what the
+    autoscaler started or stopped watching."""
+    f = e.figures
+    seen = "no figures" if f is None else f"{f.queued} queued" + (f", {f.running} running" if f.running else "")
+    if f is not None and e.rule == "oldest-wait":
+        seen += f", oldest waited {f.oldest_wait_s:.1f} s"
+    if e.target == e.current:
+        since = f" since {e.since:%H:%M:%S}" if e.since is not None and e.condition else ""
+        return f"watching: {_CONDITIONS.get(e.condition, e.condition)}{since} ({seen}, {e.current} replicas)"
+    held = _HELD.get(e.rule)
+    why = {"from-zero": "from zero", "min": "the policy's minimum", "max": "the policy's maximum"}.get(e.rule)
+    tail = f"{held} for {e.held_s:.1f} s" if held else (why or e.rule)
+    to = f" ({e.rule}, to {e.level})" if e.target < e.current and e.level is not Level.COLD else ""
+    return (f"scaled {e.current} -> {e.target}{to}: {seen}, {e.current} replicas, "
+            f"target {e.target_queue_per_replica:g} per replica, {tail}")
 
 
 def render_model(state: ClusterState, model_key: str, recent: list[tuple[int, Event]]) -> str:
@@ -214,6 +265,11 @@ def render_model(state: ClusterState, model_key: str, recent: list[tuple[int, Ev
            f"{state.replica_count(model_key)}; size {gib(m.registration.size_bytes) if m.registration else '?'}, "
            f"charged {gib(charge) if charge is not None else '?'} per replica; gpus {m.gpus or 'auto'}; "
            f"dedicated {'yes' if m.dedicated else 'no'}"]
+    if m.autoscale is not None:
+        state_text = ("manual: an operator's count stands until `ndif autoscale` again" if m.autoscale_manual else
+                      f"watching {m.autoscale_condition} since {m.autoscale_since:%H:%M:%S}"
+                      if m.autoscale_condition and m.autoscale_since else "steady")
+        out.append(f"  autoscale {policy_text(m.autoscale)} ({state_text})")
     if m.rollout:
         out.append(f"  rolling restart: restarting {m.rollout_current}, then {', '.join(map(str, m.rollout))}")
     if m.last_rejection is not None:

@@ -13,6 +13,7 @@ import contextlib
 import hashlib
 import os
 import socket
+import time
 from collections.abc import Awaitable, Callable, Coroutine
 from datetime import datetime
 from typing import Any
@@ -24,6 +25,7 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
+from controlplane.core.autoscale import decide_autoscale, decision_id, evaluate
 from controlplane.core.context import DecisionContext
 from controlplane.core.decide import (
     MAX_RESTARTS,
@@ -45,9 +47,11 @@ from controlplane.service.follow import follow_log
 from controlplane.service.parts import Connect, Parts, connect_url, given, start_or_stop
 from controlplane.service.tasks import cancel_and_wait
 from controlplane.store.credentials import Creds
+from schemas.autoscale import FIGURES_STALE_S, QueueFigures, decode_figures, sum_figures
 from schemas.commands import AnyCommand, CommandResult, Limits, decode_command
 from schemas.errors import NdifError
 from schemas.events import (
+    AutoscaleDecided,
     Event,
     NodeJoined,
     ReplicaCached,
@@ -60,7 +64,7 @@ from schemas.events import (
 )
 from schemas.keys import canonical_model_key
 from schemas.status import Level, ReplicaState
-from schemas.subjects import COMMANDS_PREFIX, HEARTBEATS_BUCKET, model_token, node_token
+from schemas.subjects import COMMANDS_PREFIX, FIGURES_ANY, HEARTBEATS_BUCKET, model_token, node_token
 
 logger = structlog.get_logger("ndif.controller")
 
@@ -84,7 +88,7 @@ class Controller:
                  max_restarts: int = MAX_RESTARTS, heartbeat_grace_s: float = 20.0,
                  policy_interval_s: float = 2.0, max_inflight: int = 512,
                  headroom: float = PADDING, max_replicas_per_model: int | None = None,
-                 max_replicas_per_command: int | None = None) -> None:
+                 max_replicas_per_command: int | None = None, autoscale_interval_s: float = 0.5) -> None:
         self.parts = parts
         # Replica bounds, checked when a command is decoded (and the per-model one when decided):
         # a count past them is refused before placement runs. Defaults, then env, then arguments.
@@ -112,6 +116,12 @@ class Controller:
         self._placing: asyncio.Task[None] | None = None  # the one unplaced-replica placement at a time
         self._place_again = False
         self.unplaced_placed = 0  # replicas placed by the level-triggered rule (tests, logs)
+        # Queue figures heard from dispatchers: model key -> dispatcher -> (figures, monotonic time
+        # heard). Inputs only: a decision records the sum it acted on.
+        self.autoscale_interval_s = autoscale_interval_s
+        self._figures: dict[str, dict[str, tuple[QueueFigures, float]]] = {}
+        self._figures_sub: Subscription | None = None
+        self.autoscale_decisions = 0  # AutoscaleDecided appended by this controller (tests, logs)
 
     @classmethod
     def from_url(cls, url: str, *, name: str | None = None, creds: Creds | None = None,
@@ -143,15 +153,18 @@ class Controller:
         if self.nc is not None:
             self._tasks.append(asyncio.create_task(self._watch_heartbeats(self.nc), name="controller-heartbeats"))
         self._tasks.append(asyncio.create_task(self._policies(), name="controller-policies"))
+        self._tasks.append(asyncio.create_task(self._autoscale_loop(), name="controller-autoscale"))
         if self.nc is not None:
+            self._figures_sub = await self.nc.subscribe(FIGURES_ANY, cb=self._on_figures)
             self._sub = await self.nc.subscribe(f"{COMMANDS_PREFIX}.*", queue=QUEUE_GROUP, cb=self._on_command)
         logger.info("controller_started", name=self.name, seq=self.state.seq, serving=self.nc is not None)
         return self
 
     async def stop(self) -> None:
-        if self._sub is not None:
-            with contextlib.suppress(Exception):
-                await self._sub.unsubscribe()
+        for sub in (self._sub, self._figures_sub):
+            if sub is not None:
+                with contextlib.suppress(Exception):
+                    await sub.unsubscribe()
         await cancel_and_wait([*self._tasks, *self._bg], owner=self.name)
         self._tasks.clear()
         if self.committer is not None:
@@ -420,6 +433,60 @@ class Controller:
             res = await self.committer.submit(run)
             if res.events:
                 logger.warning("node_lost", node_id=node_id, events=len(res.events))
+
+
+    # ---- autoscaling -------------------------------------------------------------------------
+
+    async def _on_figures(self, msg: Msg) -> None:
+        try:
+            self.observe_figures(decode_figures(msg.data))
+        except Exception as exc:  # noqa: BLE001 - untrusted bytes: this message is dropped, the next read
+            logger.warning("figures_refused", subject=msg.subject[:200], error=str(exc)[:200])
+
+    def observe_figures(self, f: QueueFigures, heard_at: float | None = None) -> None:
+        """One dispatcher's figures of one model (kept until newer ones, or stale after FIGURES_STALE_S)."""
+        self._figures.setdefault(f.model_key, {})[f.dispatcher] = (f, time.monotonic() if heard_at is None else heard_at)
+
+    def figures_of(self, model_key: str, now: float | None = None) -> QueueFigures | None:
+        """The sum of the fresh figures of every dispatcher that serves the model (None: none fresh)."""
+        now = time.monotonic() if now is None else now
+        heard = self._figures.get(model_key, {})
+        for d in [d for d, (_, t) in heard.items() if now - t > FIGURES_STALE_S]:
+            del heard[d]
+        return sum_figures(model_key, [f for f, _ in heard.values()])
+
+    async def _autoscale_loop(self) -> None:
+        """Evaluate every autoscaled model's policy on a tick; a decision is appended through the
+        committer under an id naming the model and the position of its last autoscale event, so
+        several controllers append it once."""
+        while True:
+            await asyncio.sleep(self.autoscale_interval_s)
+            for model_key, m in list(self.state.models.items()):
+                if m.autoscale is not None and not m.autoscale_manual:
+                    with contextlib.suppress(NdifError):
+                        await self.autoscale(model_key)
+
+    async def autoscale(self, model_key: str) -> list[Event]:
+        """One evaluation of a model's policy now; the events appended (none: nothing to do)."""
+        assert self.committer is not None
+        figures = self.figures_of(model_key)
+        now = utcnow()
+        if evaluate(self.state, model_key, figures, now) is None:
+            return []  # the common case, decided without a turn of the committer
+
+        def run(state: ClusterState) -> list[Event]:
+            cid = decision_id(state, model_key, model_token(model_key))
+            ctx = DecisionContext(now=now, actor=self.name, command_id=cid, seed=seed_of(cid))
+            return decide_autoscale(state, model_key, figures, ctx, min_deploy_s=self.min_deploy_s,
+                                    headroom=self.headroom)
+
+        res = await self.committer.submit(run)
+        for e in res.events:
+            if isinstance(e, AutoscaleDecided):
+                self.autoscale_decisions += 1
+                logger.info("autoscale_decided", model_key=model_key, rule=e.rule, current=e.current, target=e.target,
+                            condition=e.condition, first_seq=res.first_seq)
+        return list(res.events)
 
 
 # Events after which a wanted-but-unplaced replica may fit: a node (re)joined, or memory was freed.

@@ -23,7 +23,19 @@ from controlplane.core.projections.base import afold_batches
 from controlplane.store.credentials import Creds
 from controlplane.store.eventstore import JetStreamEventLog
 from schemas import errors as errs
-from schemas.commands import AnyCommand, CommandResult, Deploy, Evict, Restart, Scale, ScaleDown, Undeploy, validate
+from schemas.autoscale import AutoscalePolicy
+from schemas.commands import (
+    AnyCommand,
+    Autoscale,
+    CommandResult,
+    Deploy,
+    Evict,
+    Restart,
+    Scale,
+    ScaleDown,
+    Undeploy,
+    validate,
+)
 from schemas.events import Event, ReplicaEvent
 from schemas.keys import canonical_model_key, display_name
 from schemas.status import ReplicaState
@@ -158,6 +170,12 @@ class AdminClient:
             if asyncio.get_running_loop().time() > deadline:
                 raise TimeoutError(f"the rolling restart of {display_name(model)} did not end within {timeout:g}s")
             await asyncio.sleep(poll_s)
+
+    async def autoscale(self, model: str, policy: AutoscalePolicy | None = None, *, off: bool = False,
+                        command_id: str | None = None) -> CommandResult:
+        """Set the model's autoscaling policy (default: `AutoscalePolicy()`), or turn it `off`."""
+        return await self.command(self._cmd(Autoscale, command_id, model_key=model, off=off,
+                                            policy=policy or AutoscalePolicy()))
 
     async def undeploy(self, model: str, *, command_id: str | None = None) -> CommandResult:
         return await self.command(self._cmd(Undeploy, command_id, model_key=model))

@@ -14,8 +14,11 @@ import msgspec
 
 from controlplane.core.projections.base import Anomaly, Projection
 from controlplane.core.projections.replica import OBSERVED_RULES, ReplicaView, step
+from schemas.autoscale import AutoscalePolicy
 from schemas.events import (
     AGENT_FACTS,
+    AutoscaleDecided,
+    AutoscalePolicySet,
     CommandDecided,
     DeploymentRequested,
     Event,
@@ -111,6 +114,19 @@ class ModelView(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     # A rolling restart under way: replicas still to restart, and the one restarted last.
     rollout: tuple[int, ...] = ()
     rollout_current: int | None = None
+    # Autoscaling: the policy (None: off); `autoscale_manual` once an operator set the count by
+    # hand since the policy was set (the autoscaler then leaves it alone); the autoscaler's own
+    # state, from its last AutoscaleDecided: the condition it watches and since when, the time it
+    # last changed the count, its command id (so its own DeploymentRequested is not taken for
+    # a manual one), and the seq of the last autoscale event (the position its decisions' ids name).
+    autoscale: AutoscalePolicy | None = None
+    autoscale_manual: bool = False
+    autoscale_condition: str = ""
+    autoscale_since: datetime | None = None
+    autoscale_last_at: datetime | None = None
+    autoscale_cid: str = ""
+    autoscale_seq: int = 0
+    autoscale_scaled_seq: int = 0  # seq of its last decision that changed the count
 
 
 class CommandRecord(msgspec.Struct, frozen=True, kw_only=True, gc=False):
@@ -254,7 +270,24 @@ class ClusterState(Projection):
                 self.models[ev.model_key] = _replace(
                     m, target_hot=ev.target_hot, dedicated=ev.dedicated, since_seq=seq,
                     headroom=m.headroom if ev.headroom is None else ev.headroom,
-                    gpus=m.gpus if ev.gpus is None else ev.gpus)
+                    gpus=m.gpus if ev.gpus is None else ev.gpus,
+                    # an operator's deploy/scale/scale-down of an autoscaled model: its count stands
+                    # (a dispatcher's provisioning deploy of a model at zero is not an operator's)
+                    autoscale_manual=m.autoscale_manual or (m.autoscale is not None
+                                                            and (ev.command_id or "") != m.autoscale_cid
+                                                            and not ev.actor.startswith("dispatcher:")))
+            case AutoscalePolicySet():
+                m = self._model(ev.model_key)
+                self.models[ev.model_key] = _replace(m, autoscale=ev.policy, autoscale_manual=False,
+                                                     autoscale_condition="", autoscale_since=None,
+                                                     autoscale_seq=seq)
+            case AutoscaleDecided():
+                m = self._model(ev.model_key)
+                scaled = ev.target != ev.current
+                self.models[ev.model_key] = _replace(
+                    m, autoscale_condition=ev.condition, autoscale_since=ev.since if ev.condition else None,
+                    autoscale_last_at=ev.ts if scaled else m.autoscale_last_at, autoscale_cid=ev.command_id or "",
+                    autoscale_seq=seq, autoscale_scaled_seq=seq if scaled else m.autoscale_scaled_seq)
             case PlacementRejected():
                 m = self._model(ev.model_key)
                 rej = RejectionView(seq=seq, needed_bytes=ev.needed_bytes, free_bytes=ev.free_bytes,

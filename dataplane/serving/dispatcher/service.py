@@ -35,6 +35,7 @@ import asyncio
 import contextlib
 import os
 import socket
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -45,6 +46,7 @@ from nats.aio.msg import Msg
 
 from controlplane.core.ports import EventLog
 from controlplane.core.projections import ClusterState
+from controlplane.service.clock import utcnow
 from controlplane.service.parts import Connect, Parts, connect_url, given, start_or_stop
 from controlplane.service.tasks import cancel_and_wait
 from controlplane.store.credentials import Creds
@@ -60,7 +62,10 @@ from dataplane.serving.link import ReplicaLink
 from dataplane.serving.ports import ServingPorts
 from dataplane.serving.processor import Processor, ProcessorHooks
 from schemas import errors as errs
-from schemas.subjects import DISPATCHER_STATE, kill_subject
+from schemas.autoscale import FIGURES_CADENCE_S, QueueFigures
+from schemas.subjects import DISPATCHER_STATE, figures_subject, kill_subject
+
+_figures_encoder = msgspec.json.Encoder()
 
 logger = structlog.get_logger("ndif.dispatcher")
 # A request held by a dispatcher that dies is redelivered this long after its last in-progress ack
@@ -133,6 +138,7 @@ class Dispatcher:
         self.provisioner: Provisioner | None = None
         self.intake: Intake | None = None
         self.follower: LogFollower | None = None
+        self._last_figures: dict[str, tuple[int, int]] = {}  # model token -> (queued + running, finished)
 
     @classmethod
     def from_url(cls, url: str, *, creds: Creds | None = None, name: str | None = None, **kw: Any) -> Dispatcher:
@@ -185,6 +191,8 @@ class Dispatcher:
                         asyncio.create_task(self.intake.keepalive(), name="dispatcher-keepalive"),
                         asyncio.create_task(self.intake.expire(), name="dispatcher-expire"),
                         asyncio.create_task(self.intake.sweep_loop(), name="dispatcher-sweep")]
+        if nc is not None:
+            self._tasks.append(asyncio.create_task(self._publish_figures(nc), name="dispatcher-figures"))
         logger.info("dispatcher_started", name=self.name, seq=self.state.seq, processors=len(self.processors))
         return self
 
@@ -232,6 +240,36 @@ class Dispatcher:
         """Delete durable consumers of models the log does not know (intake's `sweep_consumers`)."""
         assert self.intake is not None
         return await self.intake.sweep_consumers()
+
+    def figures(self, now_s: float, dt_s: float) -> list[QueueFigures]:
+        """Every served model's queue figures now (`now_s`: monotonic; `dt_s`: since the last call,
+        for the arrival rate: requests finished plus the growth of queued + running, per second)."""
+        out = []
+        stamp = utcnow()
+        for p in self.processors.values():
+            if p.model_key is None:
+                continue
+            queued, running, finished = len(p.queue), p.running(), p.completed + p.errors
+            before = self._last_figures.get(p.token, (queued + running, finished))
+            arrivals = max(0, finished - before[1] + queued + running - before[0])
+            self._last_figures[p.token] = (queued + running, finished)
+            oldest = max(0.0, now_s - min(x.received for x in p.queue)) if p.queue else 0.0
+            out.append(QueueFigures(model_key=p.model_key, queued=queued, running=running, oldest_wait_s=round(oldest, 3),
+                                    arrival_rate=round(arrivals / dt_s, 3) if dt_s > 0 else 0.0, completions=finished,
+                                    dispatcher=self.name, ts=stamp))
+        return out
+
+    async def _publish_figures(self, nc: NatsClient) -> None:
+        """Each model's figures on `ndif.figures.<mtok>` every FIGURES_CADENCE_S (core NATS, not stored:
+        inputs of the autoscaler, whose decisions record what they saw)."""
+        last = time.monotonic()
+        while True:
+            await asyncio.sleep(FIGURES_CADENCE_S)
+            now = time.monotonic()
+            for f in self.figures(now, now - last):
+                with contextlib.suppress(Exception):  # a closed connection: the next tick tries again
+                    await nc.publish(figures_subject(f.model_key), _figures_encoder.encode(f))
+            last = now
 
     def get_state(self) -> list[dict[str, Any]]:
         return [p.state() for p in self.processors.values() if p.model_key is not None]
