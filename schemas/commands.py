@@ -235,7 +235,8 @@ _command_decoder = msgspec.json.Decoder(AnyCommand)
 
 
 def decode_command(data: bytes, limits: Limits | None = None, *, verb: str | None = None) -> AnyCommand:
-    """Decode and validate a command body; malformed input is InvalidCommand, never a crash.
+    """Decode and validate a command body: the command, or InvalidCommand with the reason, whatever
+    the bytes (nothing else is raised).
 
     `verb` is the last token of the subject it came on (`ndif.cmd.<verb>`): the body's verb must be
     the same (an evict sent on `ndif.cmd.scale` is refused, not run as an evict), so a server

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Final, Union
 import msgspec
 
 from schemas.errors import InvalidCommand
+from schemas.guard import MAX_DEPTH, body_problem
 from schemas.keys import model_parts
 from schemas.status import DeploymentOp, EvictionReason, Level
 from schemas.subjects import (
@@ -33,6 +34,7 @@ from schemas.subjects import (
 
 SCHEMA_VERSION: Final = 1
 MAX_BATCH: Final = 1000  # JetStream atomic batch limit (err 10199 above it)
+MAX_EVENT_BYTES: Final = 64 * 1024  # the event stream's `max_msg_size`: no stored event is larger
 
 
 # ---- model keys on the wire -------------------------------------------------------------------
@@ -399,7 +401,13 @@ def decode_event(data: bytes) -> AnyEvent:
 
 
 def decode_or_skip(data: bytes) -> AnyEvent | Skipped:
-    """Decode a stored body; what cannot be used becomes `Skipped` with the reason, never an exception."""
+    """Decode a stored body; what cannot be used becomes `Skipped` with the reason. Never raises,
+    whatever the bytes (size, UTF-8 and nesting are checked before msgspec: schemas/guard.py)."""
+    if not (data.__class__ is bytes and len(data) <= MAX_EVENT_BYTES and data.isascii()
+            and data.count(b"[") + data.count(b"{") <= MAX_DEPTH):  # the usual body passes in ~0.1 us
+        problem = body_problem(data, limit=MAX_EVENT_BYTES)
+        if problem is not None:
+            return Skipped(reason=f"unreadable body: {problem}")
     try:
         event: AnyEvent = _decoder.decode(data)
         return event
@@ -409,8 +417,10 @@ def decode_or_skip(data: bytes) -> AnyEvent | Skipped:
         except msgspec.DecodeError:
             return Skipped(reason=f"malformed body: {exc}")
         if tag is not None and tag not in EVENT_TYPES:
-            return Skipped(reason=f"unknown event type {tag!r} (written by a newer version?)", type=tag)
+            return Skipped(reason=f"unknown event type {tag[:80]!r} (written by a newer version?)", type=tag[:80])
         return Skipped(reason=f"invalid {tag or 'untyped'} event: {exc}", type=tag)
+    except Exception as exc:  # noqa: BLE001 - checked above; whatever else msgspec or the key hook raises
+        return Skipped(reason=f"unreadable body: {type(exc).__name__}: {exc}")
 
 
 def check_batch(events: Sequence[Event]) -> None:

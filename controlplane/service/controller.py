@@ -45,7 +45,8 @@ from controlplane.service.follow import follow_log
 from controlplane.service.parts import Connect, Parts, connect_url, given, start_or_stop
 from controlplane.service.tasks import cancel_and_wait
 from controlplane.store.credentials import Creds
-from schemas.commands import AnyCommand, CommandResult, Limits, decode_command
+from controlplane.store.heartbeats import beat_counts
+from schemas.commands import MAX_COMMAND_BYTES, AnyCommand, CommandResult, Limits, decode_command
 from schemas.errors import NdifError
 from schemas.events import (
     Event,
@@ -58,6 +59,7 @@ from schemas.events import (
     ReplicaUnloaded,
     RolloutUpdated,
 )
+from schemas.guard import decode_any
 from schemas.keys import canonical_model_key
 from schemas.status import Level, ReplicaState
 from schemas.subjects import COMMANDS_PREFIX, HEARTBEATS_BUCKET, model_token, node_token
@@ -368,8 +370,10 @@ class Controller:
                         continue
                     if entry.operation in ("DEL", "PURGE"):
                         self._seen.pop(entry.key, None)  # an agent that says goodbye
-                    else:
+                    elif beat_counts(entry.key, entry.value):
                         self._seen[entry.key] = utcnow()
+                    else:  # junk or another node's id on a node's key: no heartbeat
+                        logger.warning("heartbeat_refused", key=entry.key[:80], bytes=len(entry.value or b""))
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - a broken watch is re-made; nodes are not lost meanwhile
@@ -428,10 +432,8 @@ _ROOM_EVENTS = (NodeJoined, ReplicaUnloaded, ReplicaCached, ReplicaLoadFailed)
 
 def _command_id_of(body: bytes) -> str:
     """The command id of a body that may not decode, so a refusal still names its command."""
-    try:
-        cid = msgspec.json.decode(body).get("command_id", "")
-    except Exception:  # noqa: BLE001 - malformed or not an object: no id to name
-        return ""
+    obj = decode_any(body, limit=MAX_COMMAND_BYTES, what="command")
+    cid = obj.get("command_id", "") if isinstance(obj, dict) else ""
     return cid[:200] if isinstance(cid, str) else ""
 
 

@@ -27,7 +27,7 @@ from controlplane.store.direct import MAX_BATCH, direct_batch
 from controlplane.store.eventstore.connection import stream_seq
 from controlplane.store.eventstore.topology import last_seq
 from schemas.errors import InfrastructureError, InfrastructureTimeout
-from schemas.events import Skipped, decode_or_skip, event_tag, subject_problem
+from schemas.events import AnyEvent, Skipped, decode_or_skip, event_tag, subject_problem
 from schemas.subjects import EVENTS_ALL, EVENTS_STREAM
 
 logger = structlog.get_logger("ndif.eventstore")
@@ -93,6 +93,20 @@ async def seq_at(src: FeedSource, when: datetime) -> int | None:
     return int(body["message"]["seq"])
 
 
+def stored_item(subject: str, data: bytes) -> AnyEvent | Skipped:
+    """One stored message as every reader takes it: the event, or `Skipped` with the reason (an
+    unreadable body, or a body that does not belong on its subject). Never raises, so one message
+    can never stop a feed: the next one is read."""
+    try:
+        item = decode_or_skip(data)
+        problem = subject_problem(subject, item)
+        if problem is not None:
+            return Skipped(reason=problem, type=event_tag(item))  # type: ignore[arg-type]
+        return item
+    except Exception as exc:  # noqa: BLE001 - decode_or_skip never raises; this guard holds if a check does
+        return Skipped(reason=f"unreadable message: {type(exc).__name__}: {str(exc)[:300]}")
+
+
 async def _feed(src: FeedSource, start_seq: int, stop_seq: int | None) -> AsyncIterator[list[Stored]]:
     """Batches of events from `start_seq` to `stop_seq` (or forever): by direct gets or a consumer."""
     feed = _feed_direct if src.direct_reads else _feed_consumer
@@ -121,11 +135,7 @@ async def _feed_direct(src: FeedSource, start_seq: int, stop_seq: int | None) ->
             for m in await direct_batch(src.nc, EVENTS_STREAM, expected, want, timeout=src.timeout):
                 if stop_seq is not None and m.seq > stop_seq:
                     break
-                item = decode_or_skip(m.data)
-                problem = subject_problem(m.subject, item)
-                if problem is not None:
-                    item = Skipped(reason=problem, type=event_tag(item))  # type: ignore[arg-type]
-                batch.append((m.seq, item))
+                batch.append((m.seq, stored_item(m.subject, m.data)))
             if batch:
                 expected = batch[-1][0] + 1
                 yield batch
@@ -174,11 +184,7 @@ async def _feed_consumer(src: FeedSource, start_seq: int, stop_seq: int | None) 
                 return
             else:
                 want[0] = seq + 1
-                item = decode_or_skip(msg.data)
-                problem = subject_problem(msg.subject, item)
-                if problem is not None:
-                    item = Skipped(reason=problem, type=event_tag(item))  # type: ignore[arg-type]
-                buf.append((seq, item))
+                buf.append((seq, stored_item(msg.subject, msg.data)))
             ready.set()
 
         sub = await _subscribe(src, expected, on_msg)

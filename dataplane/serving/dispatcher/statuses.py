@@ -26,7 +26,8 @@ from nats.js.object_store import ObjectStore
 
 from dataplane.serving.dispatcher.background import Background
 from dataplane.serving.processor import Pending
-from schemas.requests import INLINE_RESULT_BYTES, StatusUpdate, encoder, status_decoder
+from schemas.guard import Refused
+from schemas.requests import INLINE_RESULT_BYTES, StatusUpdate, decode_status, encoder
 from schemas.status import RequestStatus
 from schemas.subjects import results_bucket, status_key, status_subject
 
@@ -60,12 +61,17 @@ class StatusWriter:
                 w.timer.cancel()
 
     async def kept(self, request_id: str) -> tuple[StatusUpdate | None, int | None]:
-        """The status kept in KV and its revision (None, None when there is none)."""
+        """The status kept in KV and its revision (None, None when there is none). A kept value that
+        is not a status reads as none (never terminal): the next write replaces it at that revision."""
         try:
             e = await self.kv.get(request_id)
         except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
             return None, None
-        return (status_decoder.decode(e.value) if e.value else None), e.revision
+        u = decode_status(e.value) if e.value else None
+        if u.__class__ is Refused:
+            logger.warning("kept_status_unreadable", key=request_id, reason=u.reason)  # type: ignore[union-attr]
+            return None, e.revision
+        return u, e.revision  # type: ignore[return-value]
 
     async def terminal(self, request_id: str) -> StatusUpdate | None:
         cur, _ = await self.kept(request_id)
