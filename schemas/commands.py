@@ -34,6 +34,10 @@ class Deploy(Command, frozen=True, kw_only=True, tag="deploy"):
     size_bytes: int | None = None  # override the measured size at registration
     headroom: float | None = None  # fraction charged over the size (None: the controller's default)
     gpus: int | None = None  # exactly N cards of one node per replica (None: as few as hold the charge)
+    # Asked for by a user's request (the dispatcher's provisioning), not by the operator: the model
+    # must be one the operator offers (controlplane/service/registry.py). Trusted as sent: only the
+    # operator and the dispatcher may send commands (controlplane/ops/auth.py).
+    for_request: bool = False
 
 
 class Scale(Command, frozen=True, kw_only=True, tag="scale"):
@@ -180,7 +184,7 @@ def validate(cmd: AnyCommand, limits: Limits | None = None) -> AnyCommand:
 # Fields added to a command after commands were first recorded, with their defaults: at the default
 # they are left out of the fingerprint, so a command recorded before a field existed keeps its
 # fingerprint (a resent old command id is still recognised, and old decisions re-decide byte for byte).
-_LATER_FIELDS: dict[str, object] = {"rolling": False}
+_LATER_FIELDS: dict[str, object] = {"rolling": False, "for_request": False}
 
 
 def fingerprint(cmd: AnyCommand) -> str:

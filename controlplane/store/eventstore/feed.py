@@ -27,7 +27,7 @@ from controlplane.store.direct import MAX_BATCH, direct_batch
 from controlplane.store.eventstore.connection import stream_seq
 from controlplane.store.eventstore.topology import last_seq
 from schemas.errors import InfrastructureError, InfrastructureTimeout
-from schemas.events import AnyEvent, Skipped, decode_or_skip, event_tag, subject_problem
+from schemas.events import stored_item
 from schemas.subjects import EVENTS_ALL, EVENTS_STREAM
 
 logger = structlog.get_logger("ndif.eventstore")
@@ -91,20 +91,6 @@ async def seq_at(src: FeedSource, when: datetime) -> int | None:
             return None
         raise InfrastructureError(f"looking up a sequence by time: {body['error'].get('description')}")
     return int(body["message"]["seq"])
-
-
-def stored_item(subject: str, data: bytes) -> AnyEvent | Skipped:
-    """One stored message as every reader takes it: the event, or `Skipped` with the reason (an
-    unreadable body, or a body that does not belong on its subject). Never raises, so one message
-    can never stop a feed: the next one is read."""
-    try:
-        item = decode_or_skip(data)
-        problem = subject_problem(subject, item)
-        if problem is not None:
-            return Skipped(reason=problem, type=event_tag(item))  # type: ignore[arg-type]
-        return item
-    except Exception as exc:  # noqa: BLE001 - decode_or_skip never raises; this guard holds if a check does
-        return Skipped(reason=f"unreadable message: {type(exc).__name__}: {str(exc)[:300]}")
 
 
 async def _feed(src: FeedSource, start_seq: int, stop_seq: int | None) -> AsyncIterator[list[Stored]]:

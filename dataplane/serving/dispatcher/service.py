@@ -150,7 +150,7 @@ class Dispatcher:
         admin = AdminClient(JetStreamEventLog(nc), actor=self.name)  # commands only: a request on `nc`
 
         async def deploy(model_key: str, replicas: int) -> CommandResult:
-            return await admin.deploy(model_key, replicas)
+            return await admin.deploy(model_key, replicas, for_request=True)  # only what the operator offers
 
         replicas = log.replicas
         self.statuses = StatusWriter(nc, await js.key_value(REQUEST_STATUS_BUCKET),
