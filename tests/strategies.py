@@ -85,6 +85,9 @@ def any_event(draw: st.DrawFn) -> E.Event:
             return E.EVENT_TYPES[kind](**_env(), **rep, error=draw(texts))  # type: ignore[call-arg]
         case "ReplicaCached":
             return E.ReplicaCached(**_env(), **rep, cpu_bytes=draw(nbytes))
+        case "RolloutUpdated":
+            return E.RolloutUpdated(**_env(), model_key=m, remaining=tuple(draw(st.lists(rids, max_size=3))),
+                                    current=draw(st.none() | rids))
         case "ModelUndeployed":
             return E.ModelUndeployed(**_env(), model_key=m, replicas=draw(st.integers(0, 4)))
         case "CommandDecided":
