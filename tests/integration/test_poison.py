@@ -319,7 +319,7 @@ async def test_poison_requests_end_and_a_request_delivered_too_often_ends_dead_l
         assert info.config.max_deliver == REQUEST_MAX_DELIVER
 
         # Poison bodies on alice's own request subject of the (now consumed) model: each ends.
-        bodies = {"nested": POISON_NESTED, "utf8": b'{"request_id":"\xff\xfe","model_key":"m"}',
+        bodies = {"nested": b'{"payload":{"a":' + POISON_NESTED + b"}}", "utf8": b'{"request_id":"\xff\xfe","model_key":"m"}',
                   "deep-key": encoder.encode(Request(request_id="deep-key", model_key='C:{"repo_id": ' + "[" * 3000
                                                      + "]" * 3000 + "}", payload={}, submitted_at=datetime.now(UTC)))}
         for rid, body in bodies.items():
