@@ -357,3 +357,39 @@ def test_the_poison_bodies_are_what_the_issue_says() -> None:
     assert len(POISON_NESTED) == 6000 and len(POISON_UTF8) == 36
     with pytest.raises(UnicodeDecodeError):
         msgspec.json.decode(POISON_UTF8)
+
+
+async def test_an_unreadable_kept_status_is_no_terminal_one(url: str, auth: LocalAuth, tmp_path: Path) -> None:
+    """What a write through someone else's reply could leave in a user's kept status (planted here by the
+    admin: closing that path is the accounts' part): the dispatcher reads it as no status and ends the
+    request over it, instead of failing on it (and the request being redelivered forever)."""
+    admin_log = await JetStreamEventLog.open(url, creds=auth.role("admin"), ensure=False)
+    model = checkpoint(tmp_path, "known")
+    await admin_log.append([E.ModelRegistered(event_id="reg", ts=datetime.now(UTC), actor="test", model_key=model,
+                                              checkpoint=str(tmp_path / "known"), size_bytes=GB)], None)
+    kv = await admin_log.js.key_value(REQUEST_STATUS_BUCKET)
+    ctl = await Controller.from_url(url, creds=auth.role("controller"), policy_interval_s=0.2).start()
+    disp = await Dispatcher.from_url(url, creds=auth.role("dispatcher")).start()
+    alice = auth.role("client:alice")
+    mallory = await as_user(url, alice)
+    try:
+        for rid, junk in (("junk-1", b'{"x":' + POISON_NESTED + b"}"), ("junk-2", b"\xff\xfe not a status")):
+            await kv.put(status_key(rid, "alice"), junk)
+            await mallory.jetstream().publish(request_subject(model, "alice"), b'{"payload":{"a":' + POISON_NESTED + b"}}",
+                                              headers={"Nats-Msg-Id": request_msg_id(rid, alice)})
+            async with asyncio.timeout(20):
+                while True:
+                    value = (await kv.get(status_key(rid, "alice"))).value
+                    if value != junk:
+                        break
+                    await asyncio.sleep(0.05)
+            u = status_decoder.decode(value)
+            assert u.status.value == "ERROR" and u.error == "InvalidCommand", u
+        async with asyncio.timeout(20):
+            while (await admin_log.js.stream_info(REQUESTS_STREAM)).state.messages:
+                await asyncio.sleep(0.05)
+    finally:
+        await mallory.close()
+        await bounded(disp.stop(), "dispatcher.stop")
+        await bounded(ctl.stop(), "controller.stop")
+        await admin_log.close()

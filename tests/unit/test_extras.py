@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
+import structlog
 
 from controlplane.ops import extras
 from dataplane.ops.cli import main
@@ -20,7 +21,10 @@ def test_a_missing_module_is_refused_with_the_extra_and_the_install_command(monk
     with pytest.raises(extras.MissingExtra) as exc:
         extras.require("dispatcher")
     assert "missing: ray" in str(exc.value) and "ndif-controlplane[cluster]" in str(exc.value)
-    assert main(["dispatcher"]) == 5
+    try:
+        assert main(["dispatcher"]) == 5
+    finally:
+        structlog.reset_defaults()  # main() sent the logs to capsys's stderr, closed after this test
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "'cluster' extra" in err
 
