@@ -35,6 +35,10 @@ class Deploy(Command, frozen=True, kw_only=True, tag="deploy"):
     size_bytes: int | None = None  # override the measured size at registration
     headroom: float | None = None  # fraction charged over the size (None: the controller's default)
     gpus: int | None = None  # exactly N cards of one node per replica (None: as few as hold the charge)
+    # Asked for by a user's request (the dispatcher's provisioning), not by the operator: the model
+    # must be one the operator offers (controlplane/service/registry.py). Trusted as sent: only the
+    # operator and the dispatcher may send commands (controlplane/ops/auth.py).
+    for_request: bool = False
 
 
 class Scale(Command, frozen=True, kw_only=True, tag="scale"):
@@ -194,7 +198,7 @@ def validate(cmd: AnyCommand, limits: Limits | None = None) -> AnyCommand:
 # Fields added to a command after commands were first recorded, with their defaults: at the default
 # they are left out of the fingerprint, so a command recorded before a field existed keeps its
 # fingerprint (a resent old command id is still recognised, and old decisions re-decide byte for byte).
-_LATER_FIELDS: dict[str, object] = {"rolling": False}
+_LATER_FIELDS: dict[str, object] = {"rolling": False, "for_request": False}
 
 
 def fingerprint(cmd: AnyCommand) -> str:
@@ -249,7 +253,8 @@ _command_decoder = msgspec.json.Decoder(AnyCommand)
 
 
 def decode_command(data: bytes, limits: Limits | None = None, *, verb: str | None = None) -> AnyCommand:
-    """Decode and validate a command body; malformed input is InvalidCommand, never a crash.
+    """Decode and validate a command body: the command, or InvalidCommand with the reason, whatever
+    the bytes (nothing else is raised).
 
     `verb` is the last token of the subject it came on (`ndif.cmd.<verb>`): the body's verb must be
     the same (an evict sent on `ndif.cmd.scale` is refused, not run as an evict), so a server

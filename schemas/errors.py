@@ -10,6 +10,8 @@ from typing import TypeVar
 
 import msgspec
 
+from schemas.guard import Refused, decode_guarded
+
 T = TypeVar("T")
 
 
@@ -119,13 +121,12 @@ class ReplayAnomalyError(NdifError):
 
 
 def decode_bounded(decoder: msgspec.json.Decoder[T], data: bytes, *, limit: int, what: str) -> T:
-    """Decode an untrusted body of at most `limit` bytes: too large or malformed is InvalidCommand, never a crash."""
-    if len(data) > limit:
-        raise InvalidCommand(f"{what} of {len(data)} bytes is over the {limit} byte limit")
-    try:
-        return decoder.decode(data)
-    except msgspec.DecodeError as exc:
-        raise InvalidCommand(f"malformed {what}: {exc}") from None
+    """Decode an untrusted body of at most `limit` bytes: whatever the bytes, the value or
+    InvalidCommand with the reason (schemas/guard.py checks size, UTF-8 and nesting first)."""
+    got = decode_guarded(decoder, data, limit=limit, what=what)
+    if got.__class__ is Refused:
+        raise InvalidCommand(got.reason)  # type: ignore[union-attr]
+    return got  # type: ignore[return-value]
 
 
 def _rebuild(cls: type[NdifError], args: tuple[object, ...], attrs: dict[str, object]) -> NdifError:

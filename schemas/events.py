@@ -17,9 +17,12 @@ import msgspec
 
 from schemas.autoscale import AutoscalePolicy, QueueFigures
 from schemas.errors import InvalidCommand
+from schemas.guard import MAX_DEPTH, body_problem
+from schemas.inventory import NodeInventory
 from schemas.keys import model_parts
 from schemas.status import DeploymentOp, EvictionReason, Level
 from schemas.subjects import (
+    COMMAND_EVENTS_PREFIX,
     HDR_EVENT,
     HDR_MSG_ID,
     HDR_SCHEMA,
@@ -34,6 +37,7 @@ from schemas.subjects import (
 
 SCHEMA_VERSION: Final = 1
 MAX_BATCH: Final = 1000  # JetStream atomic batch limit (err 10199 above it)
+MAX_EVENT_BYTES: Final = 64 * 1024  # the event stream's `max_msg_size`: no stored event is larger
 
 
 # ---- model keys on the wire -------------------------------------------------------------------
@@ -164,7 +168,8 @@ class Event(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", gc=Fals
 class GpuInfo(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     index: int
     memory_bytes: int
-    name: str = ""
+    name: str = ""  # what the node's agent calls the card
+    kind: str = ""  # what the operator's inventory calls it (schemas/inventory.py); "" when none is declared
 
 
 class NodeJoined(Event, frozen=True, kw_only=True, tag="NodeJoined"):
@@ -175,6 +180,16 @@ class NodeJoined(Event, frozen=True, kw_only=True, tag="NodeJoined"):
     cpu_cache_bytes: int
     hostname: str = ""
     ray_node_id: str = ""
+
+
+class NodeDeclared(Event, frozen=True, kw_only=True, tag="NodeDeclared"):
+    """The operator declared what a node may offer (the controller records its inventory file,
+    schemas/inventory.py). From the first declaration on, a node's capacity is what is declared for
+    it: its agent's `NodeJoined` can lower it, never raise it. Stored on the controller's subject
+    `ndif.evt.cmd.<ctok>` (its `command_id`), which no agent may write."""
+
+    node_id: str
+    node: NodeInventory
 
 
 class NodeLost(Event, frozen=True, kw_only=True, tag="NodeLost"):
@@ -370,6 +385,7 @@ class ReplicaFailed(ReplicaEvent, frozen=True, kw_only=True, tag="ReplicaFailed"
 AnyEvent = Union[
     NodeJoined,
     NodeLost,
+    NodeDeclared,
     ModelRegistered,
     DeploymentRequested,
     PlacementRejected,
@@ -431,7 +447,13 @@ def decode_event(data: bytes) -> AnyEvent:
 
 
 def decode_or_skip(data: bytes) -> AnyEvent | Skipped:
-    """Decode a stored body; what cannot be used becomes `Skipped` with the reason, never an exception."""
+    """Decode a stored body; what cannot be used becomes `Skipped` with the reason. Never raises,
+    whatever the bytes (size, UTF-8 and nesting are checked before msgspec: schemas/guard.py)."""
+    if not (data.__class__ is bytes and len(data) <= MAX_EVENT_BYTES and data.isascii()
+            and data.count(b"[") + data.count(b"{") <= MAX_DEPTH):  # the usual body passes in ~0.1 us
+        problem = body_problem(data, limit=MAX_EVENT_BYTES)
+        if problem is not None:
+            return Skipped(reason=f"unreadable body: {problem}")
     try:
         event: AnyEvent = _decoder.decode(data)
         return event
@@ -441,8 +463,10 @@ def decode_or_skip(data: bytes) -> AnyEvent | Skipped:
         except msgspec.DecodeError:
             return Skipped(reason=f"malformed body: {exc}")
         if tag is not None and tag not in EVENT_TYPES:
-            return Skipped(reason=f"unknown event type {tag!r} (written by a newer version?)", type=tag)
+            return Skipped(reason=f"unknown event type {tag[:80]!r} (written by a newer version?)", type=tag[:80])
         return Skipped(reason=f"invalid {tag or 'untyped'} event: {exc}", type=tag)
+    except Exception as exc:  # noqa: BLE001 - checked above; whatever else msgspec or the key hook raises
+        return Skipped(reason=f"unreadable body: {type(exc).__name__}: {exc}")
 
 
 def check_batch(events: Sequence[Event]) -> None:
@@ -512,7 +536,7 @@ def event_subject(event: Event) -> str:
         return base if src is None else f"{base}.{src}"
     if isinstance(event, (NodeJoined, NodeLost)):
         return node_subject(event.node_id)
-    if isinstance(event, CommandDecided) and event.model_key is None:
+    if isinstance(event, NodeDeclared) or (isinstance(event, CommandDecided) and event.model_key is None):
         return command_event_subject(event.command_id or event.event_id)
     if event.model_key is None:
         raise ValueError(f"{event_tag(event)} has no model_key; it has no subject")
@@ -532,8 +556,24 @@ def subject_problem(subject: str, item: AnyEvent | Skipped) -> str | None:
     """
     if item.__class__ is Skipped:
         return None
+    if item.__class__ is NodeDeclared and not subject.startswith(COMMAND_EVENTS_PREFIX):
+        return f"NodeDeclared stored on {subject}: the operator's declarations are stored on {COMMAND_EVENTS_PREFIX}*"
     if subject.startswith(NODE_EVENTS_PREFIX) or (subject.startswith(REPLICA_EVENTS_PREFIX) and subject.count(".") >= 5):
         want = event_subject(item)  # type: ignore[arg-type]
         if want != subject:
             return f"{event_tag(item)} stored on {subject} belongs on {want}"  # type: ignore[arg-type]
     return None
+
+
+def stored_item(subject: str, data: bytes) -> AnyEvent | Skipped:
+    """One stored message as every reader takes it: the event, or `Skipped` with the reason (an
+    unreadable body, or a body that does not belong on its subject). Never raises, so one message
+    can never stop a feed: the next one is read."""
+    try:
+        item = decode_or_skip(data)
+        problem = subject_problem(subject, item)
+        if problem is not None:
+            return Skipped(reason=problem, type=event_tag(item))  # type: ignore[arg-type]
+        return item
+    except Exception as exc:  # noqa: BLE001 - decode_or_skip never raises; the guard holds if a check does
+        return Skipped(reason=f"unreadable message: {type(exc).__name__}: {str(exc)[:300]}")

@@ -13,6 +13,7 @@ import os
 import re
 
 from schemas.errors import InvalidCommand
+from schemas.guard import body_problem
 
 DEFAULT_MODEL_CLASS = "nnsight.modeling.language.LanguageModel"
 
@@ -24,6 +25,20 @@ _NDIF_KEY = re.compile(r"^(?P<cls>[A-Za-z_][\w.]*):(?P<json>\{.*\})$", re.DOTALL
 # no `--`, no `..`; no `.git` at the end. A repo id these refuse crashed the registry's cache
 # lookup before (tests/unit/test_reliability_rules.py checks ours against huggingface_hub's).
 _REPO_ID = re.compile(r"(\b[\w\-.]{1,96}\b/)?\b[\w\-.]{1,96}\b", re.ASCII)
+MAX_KEY_CHARS = 8192  # a class path and a checkpoint path (PATH_MAX is 4096) with room to spare
+_KWARGS_DEPTH = 8  # the kwargs are flat; a key nested deeper is not a model key
+
+
+def _kwargs(text: str, key: str) -> object:
+    """The JSON part of an NDIF key, parsed only once bounded (json.loads raises RecursionError on
+    deep nesting, which a model key from the wire must never reach): InvalidCommand otherwise."""
+    problem = body_problem(text.encode("utf-8", "surrogatepass"), limit=MAX_KEY_CHARS, max_depth=_KWARGS_DEPTH)
+    if problem is not None:
+        raise InvalidCommand(f"model key {key[:120]!r}: its JSON part is refused ({problem})")
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError, a number past int's digit limit
+        raise InvalidCommand(f"model key {key[:120]!r}: its JSON part does not parse ({exc})") from None
 
 
 def check_repo_id(repo_id: str) -> str:
@@ -75,12 +90,11 @@ def canonical_model_key(text: str, *, relative: bool = True) -> str:
     if not isinstance(text, str) or not text.strip():
         raise InvalidCommand("model key is empty: give a repo id, a checkpoint dir or an NDIF key")
     text = text.strip()
+    if len(text) > MAX_KEY_CHARS:
+        raise InvalidCommand(f"model key of {len(text)} characters is over the limit of {MAX_KEY_CHARS}")
     m = _NDIF_KEY.match(text)
     if m:
-        try:
-            kwargs = json.loads(m.group("json"))
-        except json.JSONDecodeError as exc:
-            raise InvalidCommand(f"model key {text!r}: its JSON part does not parse ({exc.msg})") from None
+        kwargs = _kwargs(m.group("json"), text)
         if not isinstance(kwargs, dict) or not isinstance(kwargs.get("repo_id"), str) or not kwargs["repo_id"]:
             raise InvalidCommand(f"model key {text!r}: its JSON part needs a non-empty \"repo_id\"")
         rev = kwargs.get("revision")
@@ -114,10 +128,12 @@ def _abs(path: str, relative: bool = True) -> str:
 
 def model_parts(model_key: str) -> tuple[str, str, str | None]:
     """Split a canonical key into (class path, repo_id, revision)."""
-    m = _NDIF_KEY.match(model_key)
+    m = _NDIF_KEY.match(model_key) if len(model_key) <= MAX_KEY_CHARS else None
     if not m:
-        raise InvalidCommand(f"{model_key!r} is not a canonical model key; pass it through canonical_model_key()")
-    kwargs = json.loads(m.group("json"))
+        raise InvalidCommand(f"{model_key[:120]!r} is not a canonical model key; pass it through canonical_model_key()")
+    kwargs = _kwargs(m.group("json"), model_key)
+    if not isinstance(kwargs, dict) or "repo_id" not in kwargs:
+        raise InvalidCommand(f"{model_key[:120]!r} is not a canonical model key: its JSON part has no \"repo_id\"")
     return m.group("cls"), str(kwargs["repo_id"]), kwargs.get("revision")
 
 

@@ -18,9 +18,11 @@ from typing import Any
 import msgspec
 
 from schemas.errors import InvalidCommand, decode_bounded
+from schemas.guard import Refused, decode_guarded
 from schemas.status import RequestStatus
 
 MAX_REQUEST_BYTES = 1 << 20  # larger payloads are refused (ERROR), not queued
+MAX_STATUS_BYTES = 512 * 1024  # a status holds a result of at most INLINE_RESULT_BYTES inline
 INLINE_RESULT_BYTES = 256 * 1024  # larger results go to the `ndif_results` Object Store
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
 
@@ -56,8 +58,14 @@ class StatusUpdate(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True
 
 
 _request_decoder = msgspec.json.Decoder(Request)
-status_decoder = msgspec.json.Decoder(StatusUpdate)
+_status_decoder = msgspec.json.Decoder(StatusUpdate)
+status_decoder = _status_decoder  # raises on bad bytes: for tests reading what they wrote; services use decode_status
 encoder = msgspec.json.Encoder()
+
+
+def decode_status(data: bytes) -> StatusUpdate | Refused:
+    """A status as published or kept in KV: the update, or `Refused` with the reason. Never raises."""
+    return decode_guarded(_status_decoder, data, limit=MAX_STATUS_BYTES, what="status")
 
 
 def check_request_id(request_id: str) -> str:
@@ -67,7 +75,8 @@ def check_request_id(request_id: str) -> str:
 
 
 def decode_request(data: bytes) -> Request:
-    """Decode and check a request body; malformed input is InvalidCommand, never a crash."""
+    """Decode and check a request body: the request, or InvalidCommand with the reason, whatever the
+    bytes (nothing else is raised)."""
     req = decode_bounded(_request_decoder, data, limit=MAX_REQUEST_BYTES, what="request")
     check_request_id(req.request_id)
     return req

@@ -24,6 +24,9 @@ from schemas.subjects import EVENTS_STREAM, REQUESTS_STREAM
 # (their commands find credentials there): each session gets an empty home of its own.
 os.environ["NDIF_HOME"] = tempfile.mkdtemp(prefix="ndif-test-home-")
 os.environ.pop("NDIF_CREDS", None)
+# The tests' checkpoints live in temp dirs (tmp_path): their controllers offer those to requests. The
+# tests of the model roots themselves give a controller its own (controlplane/service/registry.py).
+os.environ["NDIF_MODEL_ROOTS"] = tempfile.gettempdir()
 
 EXIT_GRACE_S = 120
 _exit_status = 0

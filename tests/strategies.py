@@ -7,13 +7,16 @@ mixed with arbitrary events.
 
 from __future__ import annotations
 
+import json
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import msgspec
 from hypothesis import strategies as st
 
 from schemas import events as E
 from schemas.autoscale import AutoscalePolicy, QueueFigures
+from schemas.inventory import CardGroup, NodeInventory
 from schemas.status import DeploymentOp, EvictionReason, Level
 
 NODES = ("node-a.cluster", "node-b.cluster")
@@ -56,6 +59,10 @@ def any_event(draw: st.DrawFn) -> E.Event:
             return node_joined(node)
         case "NodeLost":
             return E.NodeLost(**_env(), node_id=node)
+        case "NodeDeclared":
+            cards = (CardGroup(count=draw(st.integers(0, 2)), memory_bytes=draw(st.sampled_from([CARD, CARD // 2]))),)
+            return E.NodeDeclared(**{**_env("controller"), "command_id": "inventory"}, node_id=node,
+                                  node=NodeInventory(cards=cards))
         case "ModelRegistered":
             return E.ModelRegistered(**_env(), model_key=m, checkpoint="/ckpt", size_bytes=draw(nbytes))
         case "DeploymentRequested":
@@ -79,6 +86,9 @@ def any_event(draw: st.DrawFn) -> E.Event:
             return E.EVENT_TYPES[kind](**_env(), **rep, error=draw(texts))  # type: ignore[call-arg]
         case "ReplicaCached":
             return E.ReplicaCached(**_env(), **rep, cpu_bytes=draw(nbytes))
+        case "RolloutUpdated":
+            return E.RolloutUpdated(**_env(), model_key=m, remaining=tuple(draw(st.lists(rids, max_size=3))),
+                                    current=draw(st.none() | rids))
         case "ModelUndeployed":
             return E.ModelUndeployed(**_env(), model_key=m, replicas=draw(st.integers(0, 4)))
         case "CommandDecided":
@@ -189,3 +199,75 @@ def scripted_history(replicas: int = 20) -> list[E.Event]:
             out.append(E.ReplicaEvictionRequested(**_env("controller"), **rep, reason=EvictionReason.ADMIN))
             out.append(E.ReplicaUnloaded(**_env("agent"), **rep))
     return out
+
+
+# ---- hostile bytes: what a decoder of untrusted input must survive ------------------------------
+
+BAD_UTF8 = (b"\xff", b"\xc3\x28", b"\xed\xa0\x80", b"\xf8\x88\x80\x80\x80", b"\x80", b"\xe2\x82", b"\xf0\x28\x8c\xbc")
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=12),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=24)
+
+
+@st.composite
+def deep_json(draw: st.DrawFn, *, at_least: int = 100, at_most: int = 20_000) -> bytes:
+    """Nesting deep enough to break a recursive decoder (the 6 KB of nested arrays: 3,000 levels),
+    alone or under a field of a real-looking body, closed or not."""
+    n = draw(st.integers(at_least, at_most))
+    opener, closer = draw(st.sampled_from([(b"[", b"]"), (b'{"a":', b"}"), (b'[{"a":', b"}]")]))
+    core = opener * n + b"1" + closer * n if draw(st.booleans()) else opener * n
+    wrap = draw(st.sampled_from([b"%s", b'{"type":"NodeJoined","x":%s}', b'{"verb":"deploy","command_id":%s}',
+                                 b'{"request_id":"r1","payload":%s}', b'{"request_id":"r1","status":"COMPLETED",'
+                                 b'"ts":"2026-01-01T00:00:00Z","result":%s}', b'{"model_key":%s}']))
+    return wrap.replace(b"%s", core)
+
+
+@st.composite
+def bad_utf8_json(draw: st.DrawFn) -> bytes:
+    """A real-looking body with invalid UTF-8 inside one of its strings (the 36-byte poison event)."""
+    body = draw(st.sampled_from([
+        b'{"type":"NodeJoined","event_id":"\x00"}', b'{"type":"\x00"}', b'{"verb":"deploy","command_id":"\x00"}',
+        b'{"request_id":"\x00","model_key":"m","payload":{},"submitted_at":"2026-01-01T00:00:00Z"}',
+        b'{"request_id":"r1","status":"COMPLETED","ts":"2026-01-01T00:00:00Z","message":"\x00"}',
+        b'{"nodes":{"\x00":{"cards":[]}}}', b'"\x00"']))
+    return body.replace(b"\x00", draw(st.sampled_from(BAD_UTF8)) + draw(st.text(max_size=4)).encode())
+
+
+@st.composite
+def mutated_event(draw: st.DrawFn) -> bytes:
+    """A real stored event body with bytes flipped, cut or inserted."""
+    # the same draw makes the same body (any_event's ids and times come from a counter)
+    body = bytearray(E.encode_event(msgspec.structs.replace(draw(any_event()), event_id="ev-m", ts=T0)))
+    for _ in range(draw(st.integers(1, 4))):
+        i = draw(st.integers(0, len(body)))
+        op = draw(st.sampled_from(["flip", "cut", "insert"]))
+        if op == "flip" and i < len(body):
+            body[i] = draw(st.integers(0, 255))
+        elif op == "cut":
+            del body[i:]
+        else:
+            body[i:i] = draw(st.binary(min_size=1, max_size=8) | st.sampled_from(BAD_UTF8 + (b"[" * 200,)))
+    return bytes(body)
+
+
+@st.composite
+def deep_key_event(draw: st.DrawFn) -> bytes:
+    """A well-formed event whose model key (a string) holds deeply nested JSON: the body passes every
+    check, and whatever reads the key (its subject token, its display name) must not recurse."""
+    n = draw(st.integers(50, 5_000))
+    key = 'nnsight.modeling.language.LanguageModel:{"repo_id": ' + "[" * n + "]" * n + "}"
+    ev = draw(any_event())
+    if ev.model_key is None:
+        return E.encode_event(ev)
+    return E.encode_event(msgspec.structs.replace(ev, model_key=key))
+
+
+hostile_bytes = st.one_of(
+    deep_key_event(),
+    st.binary(max_size=300),
+    json_values.map(lambda v: json.dumps(v).encode()),
+    deep_json(),
+    bad_utf8_json(),
+    mutated_event(),
+)

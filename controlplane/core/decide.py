@@ -49,6 +49,7 @@ from schemas.events import (
     Event,
     ModelRegistered,
     ModelUndeployed,
+    NodeDeclared,
     NodeLost,
     PlacementRejected,
     ReplicaEvictionRequested,
@@ -56,6 +57,7 @@ from schemas.events import (
     ReplicaScheduled,
     RolloutUpdated,
 )
+from schemas.inventory import Inventory, NodeInventory
 from schemas.keys import display_name
 from schemas.status import DeploymentOp, EvictionReason, Level, ReplicaState
 from schemas.units import gib
@@ -421,6 +423,18 @@ def decide_node_lost(state: ClusterState, node_id: str, ctx: DecisionContext, re
     after.apply(state.seq + 1, events[0])  # place against the cluster without that node
     return events + _replace_replicas(after, lost, ctx, EvictionReason.NODE_LOST, min_deploy_s, headroom,
                                       keep_unplaced=True)
+
+
+def decide_inventory(state: ClusterState, inventory: Inventory, ctx: DecisionContext) -> list[Event]:
+    """Record the operator's inventory: a `NodeDeclared` for each node whose declaration changes,
+    and one with no cards for a node declared before and left out now (it offers nothing). An
+    inventory the log already holds decides nothing."""
+    out: list[Event] = []
+    for node_id in sorted(set(inventory.nodes) | set(state.declared)):
+        want = inventory.nodes.get(node_id, NodeInventory())
+        if state.declared.get(node_id) != want:
+            out.append(ctx.event(NodeDeclared, node_id=node_id, node=want))
+    return out
 
 
 def decide_unplaced(state: ClusterState, ctx: DecisionContext, *, headroom: float = PADDING,

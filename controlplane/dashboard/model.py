@@ -22,7 +22,7 @@ from typing import Any
 
 from controlplane.core.projections import ClusterState
 from controlplane.core.projections.replica import ReplicaView
-from schemas.events import EVENT_TYPES, Event, NodeJoined, NodeLost, ReplicaEvent, Skipped, event_tag
+from schemas.events import EVENT_TYPES, Event, NodeDeclared, NodeJoined, NodeLost, ReplicaEvent, Skipped, event_tag
 from schemas.keys import display_name
 from schemas.status import Level
 
@@ -213,7 +213,7 @@ def event_row(seq: int, item: Item) -> dict[str, Any]:
     if isinstance(item, ReplicaEvent):
         row["replica_id"] = item.replica_id
         row["node_id"] = item.node_id
-    elif isinstance(item, (NodeJoined, NodeLost)):
+    elif isinstance(item, (NodeJoined, NodeLost, NodeDeclared)):
         row["node_id"] = item.node_id
     return row
 
@@ -239,8 +239,10 @@ def touched(state_before: ClusterState, item: Item) -> tuple[set[str], set[str]]
             nodes.add(old.node_id)
         if item.node_id:
             nodes.add(item.node_id)
-    elif isinstance(item, (NodeJoined, NodeLost)):
+    elif isinstance(item, (NodeJoined, NodeLost, NodeDeclared)):
         nodes.add(item.node_id)
+        if isinstance(item, NodeDeclared) and not state_before.declared:
+            nodes.update(state_before.nodes)  # the first declaration puts every node under the inventory
         if isinstance(item, NodeLost):
             models.update(r.model_key for r in state_before.replicas.values() if r.node_id == item.node_id)
     return nodes, models

@@ -230,12 +230,15 @@ class Dashboard:
         for seq, item in batch:
             if seq <= m.seq:
                 continue
-            if self.clients:
-                n, mk = touched(m.live, item)
-                self._nodes |= n
-                self._models |= mk
-                self._rows.append(event_row(seq, item))
-            m.add(seq, item)
+            try:  # each event in its own guard: one the page cannot show is logged, the next is read
+                if self.clients:
+                    n, mk = touched(m.live, item)
+                    self._nodes |= n
+                    self._models |= mk
+                    self._rows.append(event_row(seq, item))
+                m.add(seq, item)
+            except Exception as exc:  # noqa: BLE001 - the fold itself never raises (it ran, or ran first)
+                logger.warning("event_not_shown", seq=seq, error=f"{type(exc).__name__}: {str(exc)[:300]}")
         if self._rows and self._flush_at is None:
             self._flush_at = asyncio.get_running_loop().call_later(FLUSH_S, self._flush)
 

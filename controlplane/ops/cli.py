@@ -17,6 +17,7 @@ import sys
 import traceback
 from collections.abc import Callable, Coroutine
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any, NoReturn
 
 import msgspec
@@ -359,10 +360,21 @@ async def _controller(a: argparse.Namespace) -> int:
         raise errs.InvalidCommand(f"--headroom must be between 0 and {MAX_HEADROOM:g}, got {a.headroom}")
     if a.min_deploy_s < 0:
         raise errs.InvalidCommand(f"--min-deploy-s must be 0 or more, got {a.min_deploy_s}")
+    from controlplane.service.registry import ModelRoots
+    from schemas.inventory import decode_inventory
+
+    inventory = None
+    if a.inventory:
+        try:
+            raw = Path(a.inventory).read_bytes()
+        except OSError as exc:
+            raise errs.InvalidCommand(f"--inventory {a.inventory}: {exc.strerror or exc}") from None
+        inventory = decode_inventory(raw)
+    roots = ModelRoots.from_env({**os.environ, **({"NDIF_MODEL_ROOTS": a.model_roots} if a.model_roots else {})})
     await run_controller(a.nats, heartbeat_grace_s=a.heartbeat_grace, max_restarts=a.max_restarts,
                          min_deploy_s=a.min_deploy_s, stream_replicas=a.stream_replicas, headroom=a.headroom,
                          max_replicas_per_model=a.max_replicas_per_model,
-                         max_replicas_per_command=a.max_replicas_per_command)
+                         max_replicas_per_command=a.max_replicas_per_command, inventory=inventory, model_roots=roots)
     return 0
 
 
@@ -482,6 +494,12 @@ def add_admin_commands(sub: Any) -> None:
                    help="most replicas one model may have (env NDIF_MAX_REPLICAS_PER_MODEL; default 128)")
     p.add_argument("--max-replicas-per-command", type=int, default=None,
                    help="most replicas one deploy/scale may ask (env NDIF_MAX_REPLICAS_PER_COMMAND; default 64)")
+    p.add_argument("--inventory", default=os.environ.get("NDIF_INVENTORY") or None,
+                   help="the operator's inventory (JSON: node id -> cards, labels; schemas/inventory.py), recorded "
+                        "in the log; a node then offers only what it declares (env NDIF_INVENTORY)")
+    p.add_argument("--model-roots", default=None,
+                   help="directories (separated by ':') under which a model a request names may live "
+                        "(env NDIF_MODEL_ROOTS; default $NDIF_HOME/models); the operator's own deploys are not limited")
 
 
 def add_dashboard_command(sub: Any) -> None:

@@ -33,6 +33,7 @@ from controlplane.core.decide import (
     already_decided,
     decide,
     decide_failure,
+    decide_inventory,
     decide_node_lost,
     decide_rollout,
     decide_unplaced,
@@ -45,14 +46,17 @@ from controlplane.service.clock import utcnow
 from controlplane.service.committer import GroupCommitter
 from controlplane.service.follow import follow_log
 from controlplane.service.parts import Connect, Parts, connect_url, given, start_or_stop
+from controlplane.service.registry import ModelRoots
 from controlplane.service.tasks import cancel_and_wait
 from controlplane.store.credentials import Creds
+from controlplane.store.heartbeats import beat_counts
 from schemas.autoscale import FIGURES_STALE_S, QueueFigures, decode_figures, sum_figures
-from schemas.commands import AnyCommand, CommandResult, Limits, decode_command
+from schemas.commands import MAX_COMMAND_BYTES, AnyCommand, CommandResult, Limits, decode_command
 from schemas.errors import NdifError
 from schemas.events import (
     AutoscaleDecided,
     Event,
+    NodeDeclared,
     NodeJoined,
     ReplicaCached,
     ReplicaEvent,
@@ -62,6 +66,8 @@ from schemas.events import (
     ReplicaUnloaded,
     RolloutUpdated,
 )
+from schemas.guard import decode_any
+from schemas.inventory import Inventory
 from schemas.keys import canonical_model_key
 from schemas.status import Level, ReplicaState
 from schemas.subjects import COMMANDS_PREFIX, FIGURES_ANY, HEARTBEATS_BUCKET, model_token, node_token
@@ -88,8 +94,15 @@ class Controller:
                  max_restarts: int = MAX_RESTARTS, heartbeat_grace_s: float = 20.0,
                  policy_interval_s: float = 2.0, max_inflight: int = 512,
                  headroom: float = PADDING, max_replicas_per_model: int | None = None,
-                 max_replicas_per_command: int | None = None, autoscale_interval_s: float = 0.5) -> None:
+                 max_replicas_per_command: int | None = None, autoscale_interval_s: float = 0.5,
+                 inventory: Inventory | None = None, model_roots: ModelRoots | None = None) -> None:
         self.parts = parts
+        # The operator's inventory, recorded in the log on start when it differs from the log's
+        # (None: whatever the log holds stands). From the first one on, a node's capacity is what is
+        # declared for it (controlplane/core/inventory.py).
+        self.inventory = inventory
+        # Where a deploy a request asked for (the dispatcher's) may find a checkpoint (registry.py).
+        self.model_roots = model_roots or ModelRoots.from_env(os.environ)
         # Replica bounds, checked when a command is decoded (and the per-model one when decided):
         # a count past them is refused before placement runs. Defaults, then env, then arguments.
         self.limits = Limits.from_env(os.environ, max_replicas_per_model=max_replicas_per_model,
@@ -149,6 +162,8 @@ class Controller:
     async def _start(self) -> Controller:
         assert self.log is not None
         self.committer = await GroupCommitter(self.log, ClusterState()).start()
+        if self.inventory is not None:
+            await self.declare(self.inventory)
         self._tasks.append(asyncio.create_task(self._follow(), name="controller-follow"))
         if self.nc is not None:
             self._tasks.append(asyncio.create_task(self._watch_heartbeats(self.nc), name="controller-heartbeats"))
@@ -276,8 +291,24 @@ class Controller:
             return None
         from controlplane.service.registry import resolve  # torch/transformers: only when a model is new
 
+        # A deploy a user's request asked for resolves only what the operator offers (registry.py).
+        roots = self.model_roots if getattr(cmd, "for_request", False) else None
         async with self._resolve_lock:
-            return await asyncio.to_thread(resolve, mk, getattr(cmd, "size_bytes", None))
+            return await asyncio.to_thread(resolve, mk, getattr(cmd, "size_bytes", None), roots=roots)
+
+    async def declare(self, inventory: Inventory) -> int:
+        """Record the operator's inventory (a `NodeDeclared` per node that changes); returns how many."""
+        assert self.committer is not None
+        digest = hashlib.blake2b(msgspec.json.encode(inventory), digest_size=6).hexdigest()
+        cid = f"inventory-{digest}-{self.state.seq}"
+
+        def run(state: ClusterState) -> list[Event]:
+            return decide_inventory(state, inventory, DecisionContext(now=utcnow(), actor=self.name, command_id=cid))
+
+        res = await self.committer.submit(run)
+        if res.events:
+            logger.info("inventory_declared", nodes=len(res.events), first_seq=res.first_seq)
+        return len(res.events)
 
     # ---- the follower and the policies -------------------------------------------------------
 
@@ -381,8 +412,10 @@ class Controller:
                         continue
                     if entry.operation in ("DEL", "PURGE"):
                         self._seen.pop(entry.key, None)  # an agent that says goodbye
-                    else:
+                    elif beat_counts(entry.key, entry.value):
                         self._seen[entry.key] = utcnow()
+                    else:  # junk or another node's id on a node's key: no heartbeat
+                        logger.warning("heartbeat_refused", key=entry.key[:80], bytes=len(entry.value or b""))
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - a broken watch is re-made; nodes are not lost meanwhile
@@ -490,15 +523,13 @@ class Controller:
 
 
 # Events after which a wanted-but-unplaced replica may fit: a node (re)joined, or memory was freed.
-_ROOM_EVENTS = (NodeJoined, ReplicaUnloaded, ReplicaCached, ReplicaLoadFailed)
+_ROOM_EVENTS = (NodeJoined, NodeDeclared, ReplicaUnloaded, ReplicaCached, ReplicaLoadFailed)
 
 
 def _command_id_of(body: bytes) -> str:
     """The command id of a body that may not decode, so a refusal still names its command."""
-    try:
-        cid = msgspec.json.decode(body).get("command_id", "")
-    except Exception:  # noqa: BLE001 - malformed or not an object: no id to name
-        return ""
+    obj = decode_any(body, limit=MAX_COMMAND_BYTES, what="command")
+    cid = obj.get("command_id", "") if isinstance(obj, dict) else ""
     return cid[:200] if isinstance(cid, str) else ""
 
 

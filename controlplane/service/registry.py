@@ -4,16 +4,54 @@ Only local sources: an absolute checkpoint directory, or the Hugging Face cache.
 (there may be none, and a control plane must not block on one). The size is params + buffers of
 the model built on the meta device (nothing is allocated), in the checkpoint's dtype. torch and
 transformers are imported lazily: the CLI and the projections never pay for them.
+
+An operator's deploy may name any directory of the controller's machine. A deploy a user's
+request asked for (the dispatcher's provisioning) may name only what the operator offers
+(`ModelRoots`): a directory under the model roots, or a repo id in the Hugging Face cache; and its
+refusal is one sentence that says nothing of the filesystem (which paths exist, hold a config,
+or could not be read).
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 from controlplane.core.projections.cluster import Registration
 from schemas.errors import UnknownModel
 from schemas.keys import display_name, model_parts
+
+
+@dataclass(frozen=True)
+class ModelRoots:
+    """The directories under which a request's model may live: NDIF_MODEL_ROOTS (separated by
+    `os.pathsep`), default `$NDIF_HOME/models` (where `ndif up --demo` puts its models). Repo ids
+    are looked up in the Hugging Face cache, which the operator fills (HF_HOME)."""
+
+    roots: tuple[str, ...]
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> ModelRoots:
+        raw = env.get("NDIF_MODEL_ROOTS")
+        if raw is None:
+            home = env.get("NDIF_HOME") or str(Path.home() / ".ndif")
+            paths = [os.path.join(home, "models")]
+        else:
+            paths = [p for p in raw.split(os.pathsep) if p.strip()]
+        return cls(tuple(os.path.normpath(os.path.abspath(os.path.expanduser(p))) for p in paths))
+
+    def holds(self, path: str) -> bool:
+        """Whether `path` (absolute, as a canonical key holds it: no `..` left) is under a root."""
+        p = os.path.normpath(path)
+        return any(p == r or p.startswith(r.rstrip(os.sep) + os.sep) for r in self.roots)
+
+
+def not_offered(model_key: str) -> UnknownModel:
+    """The one refusal of a request's model that is not offered, whatever the reason."""
+    return UnknownModel(f"unknown model {display_name(model_key)}: not a model this service offers (the "
+                        "operator deploys models with `ndif deploy`, or puts them under its model roots)")
 
 
 def find_checkpoint(model_key: str) -> tuple[str, str | None]:
@@ -55,8 +93,23 @@ def measure_size(checkpoint: str) -> tuple[int, str]:
     return int(size), str(dtype).removeprefix("torch.")
 
 
-def resolve(model_key: str, size_bytes: int | None = None) -> Registration:
-    """Registration for an unregistered model; `size_bytes` overrides the measurement."""
+def resolve(model_key: str, size_bytes: int | None = None, *, roots: ModelRoots | None = None) -> Registration:
+    """Registration for an unregistered model; `size_bytes` overrides the measurement.
+
+    With `roots` (a deploy a user's request asked for) only a model the operator offers resolves;
+    anything else is `not_offered`, decided before a path outside the roots is even looked at."""
+    if roots is None:
+        return _resolve(model_key, size_bytes)
+    _, repo, _ = model_parts(model_key)
+    if repo.startswith("/") and not roots.holds(repo):
+        raise not_offered(model_key)
+    try:
+        return _resolve(model_key, size_bytes)
+    except Exception:  # noqa: BLE001 - missing, unreadable or unbuildable: the user learns none of it
+        raise not_offered(model_key) from None
+
+
+def _resolve(model_key: str, size_bytes: int | None) -> Registration:
     checkpoint, revision = find_checkpoint(model_key)
     if size_bytes is not None:
         return Registration(checkpoint=checkpoint, revision=revision, size_bytes=size_bytes, dtype="unknown")

@@ -133,9 +133,12 @@ class AdminClient:
 
     async def deploy(self, model: str, replicas: int = 1, *, dedicated: bool = False, size_bytes: int | None = None,
                      command_id: str | None = None, headroom: float | None = None,
-                     gpus: int | None = None) -> CommandResult:
+                     gpus: int | None = None, for_request: bool = False) -> CommandResult:
+        """`for_request`: asked for by a user's request (the dispatcher), so only a model the operator
+        offers is deployed (controlplane/service/registry.py)."""
         return await self.command(self._cmd(Deploy, command_id, model_key=model, replicas=replicas,
-                                            dedicated=dedicated, size_bytes=size_bytes, headroom=headroom, gpus=gpus))
+                                            dedicated=dedicated, size_bytes=size_bytes, headroom=headroom, gpus=gpus,
+                                            for_request=for_request))
 
     async def scale(self, model: str, replicas: int, *, scale_up: bool = False, dedicated: bool = False,
                     command_id: str | None = None, gpus: int | None = None) -> CommandResult:

@@ -23,6 +23,7 @@ import msgspec
 import nats.errors
 
 from schemas.errors import InfrastructureError, InfrastructureTimeout, NotFound
+from schemas.guard import decode_any
 
 MAX_BATCH = 1000  # messages asked for in one request
 MAX_BATCH_BYTES = 4 * 2**20  # and bytes: the server stops a batch there (at least one message comes)
@@ -85,10 +86,15 @@ async def read_object(nc: Any, bucket: str, name: str, *, timeout: float = 5.0) 
     status = (msg.headers or {}).get("Status")
     if status:
         raise NotFound(f"no object {name} in bucket {bucket} (status {status})")
-    info = msgspec.json.decode(msg.data)
+    info = decode_any(msg.data, limit=64 * 1024, what="object meta")
+    if not isinstance(info, dict):
+        raise InfrastructureError(f"object {name} of {bucket}: its meta cannot be read ({getattr(info, 'reason', info)!r})")
     if info.get("deleted"):
         raise NotFound(f"object {name} in bucket {bucket} was deleted")
-    chunks, size, nuid = int(info.get("chunks") or 0), int(info.get("size") or 0), str(info.get("nuid") or "")
+    try:
+        chunks, size, nuid = int(info.get("chunks") or 0), int(info.get("size") or 0), str(info.get("nuid") or "")
+    except (TypeError, ValueError):
+        raise InfrastructureError(f"object {name} of {bucket}: its meta has no chunk count or size") from None
     chunk_subject = f"$O.{bucket}.C.{nuid}"
     parts: list[bytes] = []
     seq = 1

@@ -5,6 +5,8 @@ Agents put their key every `--heartbeat` seconds (2 by default; the value is the
 stopping cleanly, once more with an empty value (`stopped`); the bucket forgets a key
 `HEARTBEAT_TTL_S` after its last put. `ndif status` shows each node's heartbeat age and marks it
 stale past `STALE_S`; an agent refuses to start under a node id whose heartbeat is still live.
+A value counts as a beat only if it names its key's node and is small (`beat_counts`): anything
+else on a node's key (junk, another node's id, a large body) is no heartbeat.
 """
 
 from __future__ import annotations
@@ -22,6 +24,20 @@ from schemas.subjects import HEARTBEATS_BUCKET, node_token
 __all__ = ["STALE_S", "Heartbeat", "JetStreamHeartbeats", "MemoryHeartbeats", "heartbeat_ages"]
 
 STALE_S = 6.0  # three missed beats at the agents' default 2 s interval
+MAX_BEAT_BYTES = 256  # a node id; a larger value is not a heartbeat
+
+
+def beat_counts(key: str, value: bytes | None) -> bool:
+    """Whether a put of `value` on heartbeat key `key` (a node token) is a beat of that node: the
+    node's id, small, whose token is the key; or empty (the agent's goodbye)."""
+    if not value:
+        return True
+    if len(value) > MAX_BEAT_BYTES:
+        return False
+    try:
+        return node_token(value.decode("utf-8")) == key
+    except UnicodeDecodeError:
+        return False
 
 
 class JetStreamHeartbeats:
@@ -47,6 +63,8 @@ class JetStreamHeartbeats:
         headers = raw.headers or {}
         if headers.get("KV-Operation") in ("DEL", "PURGE") or raw.time is None:
             return None
+        if not beat_counts(node_token(node_id), raw.data):
+            return None  # not a beat of this node (forged, or junk): as if none were kept
         at = raw.time if raw.time.tzinfo is not None else raw.time.replace(tzinfo=UTC)
         return Heartbeat(at=at, seq=int(raw.seq or 0), stopped=not raw.data)
 

@@ -12,7 +12,7 @@ from datetime import UTC, datetime
 
 from controlplane.core.ports import AppendResult, Stored
 from schemas.errors import ConflictError
-from schemas.events import Event, check_batch, decode_event, decode_or_skip, encode_event, event_subject
+from schemas.events import Event, check_batch, decode_event, encode_event, event_subject, stored_item
 
 
 class MemoryEventLog:
@@ -71,7 +71,7 @@ class MemoryEventLog:
             while seq <= stop and self._times[seq - 1] < start_time:
                 seq += 1
         while seq <= stop:
-            yield seq, decode_or_skip(self._bodies[seq - 1])
+            yield seq, stored_item(self._subjects[seq - 1], self._bodies[seq - 1])
             seq += 1
 
     async def read_batches(self, start_seq: int = 1, *, start_time: datetime | None = None,
@@ -93,7 +93,7 @@ class MemoryEventLog:
         seq = max(start_seq, 1)
         while True:
             while seq <= len(self._bodies):
-                yield seq, decode_or_skip(self._bodies[seq - 1])
+                yield seq, stored_item(self._subjects[seq - 1], self._bodies[seq - 1])
                 seq += 1
             async with self._changed:
                 await self._changed.wait_for(lambda: seq <= len(self._bodies))  # noqa: B023 - current seq wanted

@@ -31,7 +31,6 @@ from datetime import UTC, datetime
 from types import TracebackType
 from typing import Any
 
-import msgspec
 import nats.errors
 import nats.js.errors
 import structlog
@@ -40,8 +39,9 @@ from controlplane.store.credentials import Creds, request_msg_id, resolve
 from controlplane.store.direct import read_object
 from controlplane.store.eventstore import JetStreamEventLog
 from schemas import errors as errs
+from schemas.guard import Refused, decode_any
 from schemas.keys import canonical_model_key
-from schemas.requests import MAX_REQUEST_BYTES, Request, StatusUpdate, check_request_id, encoder, status_decoder
+from schemas.requests import MAX_REQUEST_BYTES, Request, StatusUpdate, check_request_id, decode_status, encoder
 from schemas.status import RequestStatus
 from schemas.subjects import (
     REQUEST_STATUS_BUCKET,
@@ -111,10 +111,12 @@ class Job:
 
     async def _listen(self, *, flush: bool = True) -> None:
         async def cb(msg: Any) -> None:
-            with contextlib.suppress(msgspec.DecodeError):
-                self._arrived.append(status_decoder.decode(msg.data))
-                if self._waiter is not None and not self._waiter.done():
-                    self._waiter.set_result(None)
+            u = decode_status(msg.data)  # never raises: what is not a status is passed over, the next is read
+            if u.__class__ is Refused:
+                return
+            self._arrived.append(u)  # type: ignore[arg-type]
+            if self._waiter is not None and not self._waiter.done():
+                self._waiter.set_result(None)
 
         # Live statuses, and the kept ones as the server republishes them when KV stores them (the
         # terminal status only that way: it reaches us the moment it is kept, and only if it was).
@@ -129,7 +131,8 @@ class Job:
             e = await self.client.kv.get(status_key(self.request_id, self.client.user))
         except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
             return None
-        return status_decoder.decode(e.value) if e.value else None
+        u = decode_status(e.value) if e.value else None
+        return None if u is None or u.__class__ is Refused else u  # type: ignore[return-value]
 
     async def statuses(self, timeout: float | None = None) -> AsyncIterator[StatusUpdate]:
         """Every status from now to the terminal one (starting from the latest kept, if newer)."""
@@ -198,7 +201,10 @@ class Job:
             # This user's own bucket, by direct gets (controlplane/store/direct.py): a client may create no consumer.
             data = await read_object(self.client.log.nc, results_bucket(self.client.user), final.result_ref,
                                      timeout=self.client.timeout)
-            return msgspec.json.decode(data)
+            out = decode_any(data, limit=len(data), what="result")
+            if out.__class__ is Refused:
+                raise errs.InfrastructureError(f"the result of {self.request_id} cannot be read: {out.reason}")
+            return out
         return final.result
 
     async def close(self) -> None:
@@ -265,7 +271,9 @@ class Client:
             msg = await self.log.nc.request(subject, check_request_id(request_id).encode(), timeout=self.timeout)
         except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
             raise errs.InfrastructureError("no dispatcher answered the kill (is one running?)") from None
-        out: dict[str, Any] = msgspec.json.decode(msg.data)
+        out = decode_any(msg.data, limit=64 * 1024, what="kill answer")
+        if not isinstance(out, dict):
+            raise errs.InfrastructureError(f"the kill's answer cannot be read: {getattr(out, 'reason', out)!r}")
         return out
 
     async def job(self, request_id: str, model: str = "") -> Job:

@@ -25,6 +25,7 @@ from dataplane.runtime import ray_adapter
 from dataplane.serving.dispatcher import Dispatcher
 from schemas.errors import InfrastructureError
 from schemas.events import GpuInfo
+from schemas.inventory import local_inventory
 
 
 class LocalCluster:
@@ -32,7 +33,9 @@ class LocalCluster:
 
     `auth`: the local users per role (None: an open server). `new_history`: start an empty event
     stream where the rest of a deployment exists. `agent` and `controller`: keyword options of the
-    node agent and the controller. `dispatcher`: run one; `dashboard_port`: run the dashboard
+    node agent and the controller; unless `controller` names an `inventory`, the controller declares
+    this machine's node with `gpus` (schemas/inventory.py), so an agent's report beyond them is
+    never capacity. `dispatcher`: run one; `dashboard_port`: run the dashboard
     there (a free port if taken; None: no dashboard), behind `auth`'s operator token (without
     `auth`, a token made for this process; either way in `dashboard.url`). `die_with_parent`:
     nats-server dies with this process even on SIGKILL (`ndif up` asks it; call `start_nats()` from
@@ -100,8 +103,10 @@ class LocalCluster:
                 self.start_nats()
             await self.ensure_log()
             ray_adapter.start_local(len(self.gpus))
+            options = {"inventory": local_inventory(self.node_id, [(g.memory_bytes, g.name) for g in self.gpus]),
+                       **self.controller_options}
             self.controller = await self._stack.enter_async_context(
-                Controller.from_url(self.url, creds=self.role("controller"), **self.controller_options))
+                Controller.from_url(self.url, creds=self.role("controller"), **options))
             agent = await NodeAgent.open(self.url, self.node_id, gpus=self.gpus, creds=self.role(f"agent:{self.node_id}"),
                                          **self.agent_options)
             self.agent = await self._stack.enter_async_context(agent)

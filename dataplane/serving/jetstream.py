@@ -19,6 +19,7 @@ from nats.js.object_store import ObjectStore
 from controlplane.store.admin import AdminClient
 from controlplane.store.eventstore import JetStreamEventLog
 from dataplane.serving.ports import (
+    REQUEST_MAX_DELIVER,
     OnDelivery,
     ResultsUnavailable,
     RevisionMoved,
@@ -87,12 +88,14 @@ class JetStreamRequests:
         # A user's requests (`ndif.req.<mtok>.<user>`) and userless ones (an open server).
         filters = request_filters(token)
         cfg = api.ConsumerConfig(durable_name=durable, filter_subjects=filters,
-                                 ack_policy=api.AckPolicy.EXPLICIT, ack_wait=self.ack_wait_s, max_deliver=-1,
-                                 max_ack_pending=100_000, deliver_policy=api.DeliverPolicy.ALL)
+                                 ack_policy=api.AckPolicy.EXPLICIT, ack_wait=self.ack_wait_s,
+                                 max_deliver=REQUEST_MAX_DELIVER, max_ack_pending=100_000,
+                                 deliver_policy=api.DeliverPolicy.ALL)
         try:
             have = await self.js.consumer_info(REQUESTS_STREAM, durable)
             if (sorted(have.config.filter_subjects or [have.config.filter_subject or ""]) != filters
-                    or (have.config.ack_wait is not None and abs(have.config.ack_wait - self.ack_wait_s) > 0.01)):
+                    or (have.config.ack_wait is not None and abs(have.config.ack_wait - self.ack_wait_s) > 0.01)
+                    or have.config.max_deliver != REQUEST_MAX_DELIVER):  # an older version's (unbounded)
                 await self.js.add_consumer(REQUESTS_STREAM, cfg)  # made by an older version or another ack wait
         except nats.js.errors.NotFoundError:
             with contextlib.suppress(nats.js.errors.BadRequestError):  # made by a peer meanwhile
@@ -189,7 +192,7 @@ async def open_ports(nc: NatsClient, log: JetStreamEventLog, *, actor: str, ack_
     admin = AdminClient(JetStreamEventLog(nc), actor=actor)  # commands only: a request on `nc`
 
     async def deploy(model_key: str, replicas: int) -> CommandResult:
-        return await admin.deploy(model_key, replicas)
+        return await admin.deploy(model_key, replicas, for_request=True)  # only what the operator offers
 
     return ServingPorts(
         requests=JetStreamRequests(nc, js, ack_wait_s=ack_wait_s, fetch_batch=fetch_batch),

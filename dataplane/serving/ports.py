@@ -22,6 +22,12 @@ Publish = Callable[[str, bytes, str], Awaitable[None]]  # (subject, body, reply 
 Deploy = Callable[[str, int], Awaitable[CommandResult]]  # (model key, replicas) -> the controller's answer
 
 
+# Deliveries of one request before it is ended `DeadLetter` (at the last one, without running): a
+# redelivery means its dispatcher stopped before ending it, so a request that takes its dispatcher
+# down each time cannot come back forever.
+REQUEST_MAX_DELIVER = 5
+
+
 class Delivery(Protocol):
     """A request handed to the dispatcher; it stays the dispatcher's until acked (or terminated).
 

@@ -10,7 +10,7 @@ import pytest
 from controlplane.service.registry import find_checkpoint, resolve
 from dataplane.node.tiny_models import make_tiny_gpt2, make_tiny_llama
 from schemas.errors import UnknownModel
-from schemas.keys import canonical_model_key
+from schemas.keys import canonical_model_key, display_name
 
 
 @pytest.fixture(scope="module")
@@ -58,3 +58,43 @@ def test_unknown_models_are_clear_errors(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(UnknownModel, match="cannot read the config"):
         resolve(canonical_model_key(str(tmp_path)))
+
+
+# ---- a deploy a request asked for: only what the operator offers --------------------------------
+
+
+def test_a_requests_model_resolves_only_under_the_operators_roots(ckpts: Path, tmp_path: Path) -> None:
+    from controlplane.service.registry import ModelRoots
+
+    roots = ModelRoots((str(ckpts),))
+    assert resolve(canonical_model_key(str(ckpts / "gpt2")), roots=roots).checkpoint == str(ckpts / "gpt2")
+    elsewhere = tmp_path / "elsewhere"
+    make_tiny_gpt2(elsewhere / "gpt2")  # a real checkpoint, not under the roots
+    (tmp_path / "empty").mkdir()
+    asked = [str(elsewhere / "gpt2"), str(tmp_path / "empty"), str(tmp_path / "missing"), "/etc", "/",
+             str(ckpts / "missing"), str(ckpts / ".." / "elsewhere"), str(ckpts) + "-sibling/gpt2"]
+    answers = []
+    for path in asked:
+        key = canonical_model_key(path)
+        with pytest.raises(UnknownModel) as exc:
+            resolve(key, roots=roots)
+        answers.append(str(exc.value).replace(display_name(key), "<model>"))
+    # One answer, whatever exists: nothing about which directories exist or hold a config.
+    assert len(set(answers)) == 1, answers
+    assert "not a model this service offers" in answers[0]
+    for word in ("exist", "config", "directory", "cache"):
+        assert word not in answers[0]
+    # The operator's own deploy is not limited to the roots, and says why a path does not resolve.
+    assert resolve(canonical_model_key(str(elsewhere / "gpt2"))).checkpoint == str(elsewhere / "gpt2")
+    with pytest.raises(UnknownModel, match=r"has no config\.json"):
+        resolve(canonical_model_key(str(tmp_path / "empty")))
+
+
+def test_the_model_roots_come_from_the_environment(tmp_path: Path) -> None:
+    from controlplane.service.registry import ModelRoots
+
+    assert ModelRoots.from_env({"NDIF_HOME": str(tmp_path)}).roots == (str(tmp_path / "models"),)
+    two = ModelRoots.from_env({"NDIF_MODEL_ROOTS": f"{tmp_path / 'a'}:{tmp_path / 'b'}/"})
+    assert two.roots == (str(tmp_path / "a"), str(tmp_path / "b"))
+    assert two.holds(str(tmp_path / "b" / "m")) and not two.holds(str(tmp_path / "bb" / "m"))
+    assert not two.holds(str(tmp_path))

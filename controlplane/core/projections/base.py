@@ -51,7 +51,8 @@ class Projection(abc.ABC):
         self.unreadable: list[Anomaly] = []
 
     def apply(self, seq: int, item: Event | Skipped) -> Self:
-        """Fold one stored item at `seq`. Never raises for any decodable input."""
+        """Fold one stored item at `seq`. Never raises: a reducer that fails on an event leaves an
+        anomaly (`not folded: ...`) and the fold goes on past it."""
         if seq <= self.seq:
             return self  # redelivery by the consumer
         self.seq = seq
@@ -64,7 +65,10 @@ class Projection(abc.ABC):
         if eid in ids:
             return self  # the same event appended again after the dedup window
         ids.add(eid)
-        self._evolve(seq, item)
+        try:
+            self._evolve(seq, item)
+        except Exception as exc:  # noqa: BLE001 - one event no rule can fold is recorded; the next is read
+            self._anomaly(seq, item, f"not folded: {type(exc).__name__}: {str(exc)[:300]}")  # type: ignore[arg-type]
         return self
 
     @abc.abstractmethod

@@ -12,6 +12,7 @@ from typing import NamedTuple, Self
 
 import msgspec
 
+from controlplane.core.inventory import admit
 from controlplane.core.projections.base import Anomaly, Projection
 from controlplane.core.projections.replica import OBSERVED_RULES, ReplicaView, step
 from schemas.autoscale import AutoscalePolicy
@@ -25,6 +26,7 @@ from schemas.events import (
     GpuInfo,
     ModelRegistered,
     ModelUndeployed,
+    NodeDeclared,
     NodeJoined,
     NodeLost,
     PlacementRejected,
@@ -36,6 +38,7 @@ from schemas.events import (
     RolloutUpdated,
     author_problem,
 )
+from schemas.inventory import NodeInventory
 from schemas.status import Level, ModelStatus, ReplicaState
 from schemas.units import gib
 
@@ -51,6 +54,9 @@ _AUTHORED = AGENT_FACTS | {ReplicaDrained}
 
 
 class NodeView(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+    """A node as placement sees it: `gpus` and `cpu_cache_bytes` are its capacity, what was admitted of
+    its agent's report (controlplane/core/inventory.py)."""
+
     node_id: str
     gpus: tuple[GpuInfo, ...]
     cpu_cache_bytes: int
@@ -59,6 +65,11 @@ class NodeView(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     alive: bool = True
     joined_at: datetime | None = None
     since_seq: int = 0
+    labels: dict[str, str] = {}  # the operator's, from its inventory
+    # The agent's own report, kept while an inventory is in force so that a later declaration is
+    # checked against it again (None: no inventory when it joined; `gpus` is the report, bounded).
+    reported: tuple[GpuInfo, ...] | None = None
+    reported_cpu_cache_bytes: int | None = None
 
     @property
     def max_card_bytes(self) -> int:
@@ -169,13 +180,14 @@ class ClusterSnapshot(msgspec.Struct, frozen=True, kw_only=True):
     anomaly_count: int
     event_ids: list[str]
     undeployed: list[str] = []  # models forgotten by `ndif undeploy` (late events of theirs are ignored)
+    declared: dict[str, NodeInventory] = {}  # the operator's inventory (`NodeDeclared`), by node id
 
 
 class ClusterState(Projection):
     """Fold of NDIF_EVENTS into the cluster placement view."""
 
     __slots__ = ("_by_model", "_card_leaving", "_card_totals", "_cards", "_cpu", "_cpu_pending", "_node_free",
-                 "commands", "models", "nodes", "replicas", "undeployed")
+                 "commands", "declared", "models", "nodes", "replicas", "undeployed")
 
     def __init__(self) -> None:
         super().__init__()
@@ -184,6 +196,9 @@ class ClusterState(Projection):
         self.replicas: dict[RKey, ReplicaView] = {}
         self.commands: dict[str, CommandRecord] = {}
         self.undeployed: set[str] = set()  # models forgotten by undeploy (until deployed again)
+        # The operator's inventory, node id -> what it may offer; empty: none declared yet, so the
+        # agents' reports are capacity as they are (bounded).
+        self.declared: dict[str, NodeInventory] = {}
         # Derived indexes (not in snapshots): replica -> bytes per card and per node CPU cache.
         self._cards: dict[CardKey, dict[RKey, int]] = {}
         self._card_totals: dict[CardKey, int] = {}  # sum of _cards[k], kept alongside for O(1) reads
@@ -240,10 +255,22 @@ class ClusterState(Projection):
         match ev:
             case NodeJoined():
                 self._node_free.pop(ev.node_id, None)  # a node may re-join with other cards
+                enforced = bool(self.declared)
+                got = admit(ev.node_id, tuple(ev.gpus), ev.cpu_cache_bytes, self.declared.get(ev.node_id), enforced)
+                if got.problems:
+                    self._anomaly(seq, ev, f"inventory of {ev.node_id!r}: {'; '.join(got.problems)}")
                 self.nodes[ev.node_id] = NodeView(
-                    node_id=ev.node_id, gpus=tuple(ev.gpus), cpu_cache_bytes=ev.cpu_cache_bytes,
+                    node_id=ev.node_id, gpus=got.gpus, cpu_cache_bytes=got.cpu_cache_bytes,
                     hostname=ev.hostname, ray_node_id=ev.ray_node_id, alive=True, joined_at=ev.ts, since_seq=seq,
+                    labels=got.labels, reported=tuple(ev.gpus) if enforced else None,
+                    reported_cpu_cache_bytes=ev.cpu_cache_bytes if enforced else None,
                 )
+            case NodeDeclared():
+                first = not self.declared
+                self.declared[ev.node_id] = ev.node
+                # The first declaration puts every node under the inventory; a later one, its own node.
+                for node_id in (sorted(self.nodes) if first else [ev.node_id] if ev.node_id in self.nodes else []):
+                    self._readmit(seq, ev, node_id)
             case NodeLost():
                 node = self.nodes.get(ev.node_id)
                 if node is None:
@@ -351,6 +378,18 @@ class ClusterState(Projection):
             self._by_model.pop(model_key, None)
             del self.models[model_key]
             self.undeployed.add(model_key)
+
+    def _readmit(self, seq: int, ev: Event, node_id: str) -> None:
+        """Check a joined node's report again against the inventory as it is now."""
+        node = self.nodes[node_id]
+        gpus = node.reported if node.reported is not None else node.gpus
+        cpu = node.reported_cpu_cache_bytes if node.reported_cpu_cache_bytes is not None else node.cpu_cache_bytes
+        got = admit(node_id, gpus, cpu, self.declared.get(node_id), True)
+        if got.problems:
+            self._anomaly(seq, ev, f"inventory of {node_id!r}: {'; '.join(got.problems)}")
+        self._node_free.pop(node_id, None)
+        self.nodes[node_id] = _replace(node, gpus=got.gpus, cpu_cache_bytes=got.cpu_cache_bytes, labels=got.labels,
+                                       reported=gpus, reported_cpu_cache_bytes=cpu)
 
     def _check_placement(self, ev: ReplicaScheduled) -> str | None:
         node = self.nodes.get(ev.node_id)
@@ -547,6 +586,7 @@ class ClusterState(Projection):
             anomaly_count=self.anomaly_count,
             event_ids=sorted(self.event_ids),
             undeployed=sorted(self.undeployed),
+            declared={k: self.declared[k] for k in sorted(self.declared)},
         )
 
     @classmethod
@@ -559,6 +599,7 @@ class ClusterState(Projection):
         s.anomalies, s.anomaly_count = list(snap.anomalies), snap.anomaly_count
         s.event_ids = set(snap.event_ids)
         s.undeployed = set(snap.undeployed)
+        s.declared = dict(snap.declared)
         for r in snap.replicas:
             s._put(r.key, r)
         return s
@@ -569,6 +610,7 @@ class ClusterState(Projection):
         c.nodes, c.models, c.replicas = dict(self.nodes), dict(self.models), dict(self.replicas)
         c.commands = dict(self.commands)
         c.undeployed = set(self.undeployed)
+        c.declared = dict(self.declared)
         c._cards = {k: dict(v) for k, v in self._cards.items()}
         c._card_totals = dict(self._card_totals)
         c._card_leaving = dict(self._card_leaving)

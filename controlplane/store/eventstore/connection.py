@@ -15,6 +15,8 @@ from nats.aio.msg import Msg
 
 from controlplane.store.credentials import Creds
 from schemas.errors import InfrastructureError, InvalidCommand
+from schemas.events import MAX_EVENT_BYTES
+from schemas.requests import MAX_STATUS_BYTES
 
 logger = structlog.get_logger("ndif.eventstore")
 
@@ -22,9 +24,10 @@ logger = structlog.get_logger("ndif.eventstore")
 # An event is a few hundred bytes (a failure's error text is cut at 500 characters); a request body is
 # at most MAX_REQUEST_BYTES (1 MiB) and gets headers' room; a kept status holds a result of at most
 # INLINE_RESULT_BYTES (256 KiB) inline. Anything larger is refused by JetStream at the publish.
-EVENT_MAX_MSG_BYTES = 64 * 1024
+# The readers refuse the same sizes (schemas/guard.py).
+EVENT_MAX_MSG_BYTES = MAX_EVENT_BYTES
 REQUEST_MAX_MSG_BYTES = (1 << 20) + 64 * 1024
-STATUS_MAX_VALUE_BYTES = 512 * 1024
+STATUS_MAX_VALUE_BYTES = MAX_STATUS_BYTES
 
 
 def stream_seq(msg: Msg) -> int:

@@ -27,7 +27,7 @@ from controlplane.store.direct import MAX_BATCH, direct_batch
 from controlplane.store.eventstore.connection import stream_seq
 from controlplane.store.eventstore.topology import last_seq
 from schemas.errors import InfrastructureError, InfrastructureTimeout
-from schemas.events import Skipped, decode_or_skip, event_tag, subject_problem
+from schemas.events import stored_item
 from schemas.subjects import EVENTS_ALL, EVENTS_STREAM
 
 logger = structlog.get_logger("ndif.eventstore")
@@ -121,11 +121,7 @@ async def _feed_direct(src: FeedSource, start_seq: int, stop_seq: int | None) ->
             for m in await direct_batch(src.nc, EVENTS_STREAM, expected, want, timeout=src.timeout):
                 if stop_seq is not None and m.seq > stop_seq:
                     break
-                item = decode_or_skip(m.data)
-                problem = subject_problem(m.subject, item)
-                if problem is not None:
-                    item = Skipped(reason=problem, type=event_tag(item))  # type: ignore[arg-type]
-                batch.append((m.seq, item))
+                batch.append((m.seq, stored_item(m.subject, m.data)))
             if batch:
                 expected = batch[-1][0] + 1
                 yield batch
@@ -174,11 +170,7 @@ async def _feed_consumer(src: FeedSource, start_seq: int, stop_seq: int | None) 
                 return
             else:
                 want[0] = seq + 1
-                item = decode_or_skip(msg.data)
-                problem = subject_problem(msg.subject, item)
-                if problem is not None:
-                    item = Skipped(reason=problem, type=event_tag(item))  # type: ignore[arg-type]
-                buf.append((seq, item))
+                buf.append((seq, stored_item(msg.subject, msg.data)))
             ready.set()
 
         sub = await _subscribe(src, expected, on_msg)

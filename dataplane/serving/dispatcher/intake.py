@@ -25,11 +25,12 @@ from controlplane.core.projections.queue import queue_view
 from dataplane.serving.dispatcher.background import Background
 from dataplane.serving.dispatcher.provisioning import Provisioner
 from dataplane.serving.dispatcher.statuses import StatusWriter
-from dataplane.serving.ports import Delivery, RequestStream
+from dataplane.serving.ports import REQUEST_MAX_DELIVER, Delivery, RequestStream
 from dataplane.serving.processor import Pending, Processor
 from schemas import errors as errs
+from schemas.guard import decode_any
 from schemas.keys import canonical_model_key, display_name
-from schemas.requests import Request, check_request_id, decode_request
+from schemas.requests import MAX_REQUEST_BYTES, Request, check_request_id, decode_request
 from schemas.status import RequestStatus
 from schemas.subjects import (
     model_token,
@@ -131,17 +132,11 @@ class Intake:
                 continue
             misses = 0
             seq = raw.seq
-            data = raw.data
+            data = raw.data or b""
             _, user = request_subject_parts(raw.subject)
-            try:
-                req = decode_request(data)
-                if req.user != user:
-                    req = msgspec.structs.replace(req, user=user)  # the owner is the subject's
-                mk = canonical_model_key(req.model_key, relative=False)  # the SDK sends it absolute
-                if model_token(mk) != token:
-                    raise errs.InvalidCommand(f"request for {req.model_key[:200]!r} arrived on another model's "
-                                              "subject")
-            except errs.NdifError as exc:
+            try:  # whatever the bytes: a request to deploy for, or one that ends here
+                req, mk = _checked(data, user, token)
+            except Exception as exc:  # noqa: BLE001 - InvalidCommand, or anything a check did not foresee
                 await self._refuse_stored(seq, data, raw.headers, type(exc).__name__, str(exc), user)
                 continue
             refused = self.provisioner.refusal(mk)
@@ -168,9 +163,9 @@ class Intake:
                              message: str, user: str = "") -> None:
         """End a stored request that will never run: ERROR under its id (if it has a valid one), then
         delete it from the work queue (nothing else would ever take it)."""
-        rid = _request_id_of(data) or _valid_id((headers or {}).get("Nats-Msg-Id", "").rsplit(".", 1)[-1])
+        rid = _id_of(data, headers)
         logger.warning("request_refused", request_id=rid, error=error, message=message[:300])
-        if rid:
+        if rid and _valid_user(user):
             bogus = Request(request_id=rid, model_key="", payload={}, submitted_at=datetime.now(UTC), user=user)
             with contextlib.suppress(Exception):
                 await self.statuses.finish(Pending(bogus, None), R.ERROR, error=error, message=message)
@@ -246,27 +241,43 @@ class Intake:
                 await asyncio.sleep(1.0)
 
     async def _accept(self, p: Processor, m: Delivery, attempt: int) -> None:
+        """One delivered request, in its own guard: whatever its bytes and however often it was
+        delivered, it is queued, or it ends (ERROR with the reason, where a status key can be formed)
+        and leaves the queue. Nothing stays to be redelivered forever or to hold up the model."""
         _, user = request_subject_parts(m.subject)
         try:
-            req = decode_request(m.data)
-            if req.user != user:
-                req = msgspec.structs.replace(req, user=user)  # the owner is the subject's, never the body's
-            mk = canonical_model_key(req.model_key, relative=False)  # the SDK sends it absolute
-            if model_token(mk) != p.token:
-                raise errs.InvalidCommand(f"request for {req.model_key!r} arrived on another model's subject")
+            await self._accept_one(p, m, user, attempt)
+        except Exception as exc:  # a request this code did not foresee ends; the next is read
+            logger.exception("request_unhandled", error=f"{type(exc).__name__}: {str(exc)[:300]}")
+            await self._end_delivered(m, user, type(exc).__name__, f"the dispatcher could not take this request: {exc}")
+
+    async def _end_delivered(self, m: Delivery, user: str, error: str, message: str) -> None:
+        """End a delivered request that will not run: ERROR under its key when one can be formed (the
+        kept status's write acks it), else terminated (nobody can be told; never redelivered)."""
+        rid = _id_of(m.data, m.headers)
+        logger.warning("request_refused", request_id=rid, error=error, message=message[:300])
+        if rid and _valid_user(user):
+            bogus = Request(request_id=rid, model_key="", payload={}, submitted_at=datetime.now(UTC), user=user)
+            try:
+                await self.statuses.finish(Pending(bogus, m), R.ERROR, error=error, message=message)
+                return
+            except Exception as werr:  # noqa: BLE001 - its status could not be kept: end it anyway
+                logger.warning("request_refused_unrecorded", request_id=rid, error=str(werr))
+        with contextlib.suppress(Exception):
+            await m.term()
+
+    async def _accept_one(self, p: Processor, m: Delivery, user: str, attempt: int) -> None:
+        if attempt >= REQUEST_MAX_DELIVER:
+            # The server delivers no more after this: end it now, before anything of it runs again
+            # (each earlier delivery's dispatcher stopped without ending it, perhaps because of it).
+            await self._end_delivered(m, user, "DeadLetter",
+                                      f"delivered {attempt} times without ending (each time its dispatcher "
+                                      "stopped first); it is not run again: submit it again")
+            return
+        try:
+            req, mk = _checked(m.data, user, p.token)
         except errs.NdifError as exc:
-            rid = _request_id_of(m.data) or _valid_id((m.headers or {}).get("Nats-Msg-Id", "").rsplit(".", 1)[-1])
-            logger.warning("request_refused", request_id=rid, error=str(exc)[:300])
-            if rid:
-                bogus = Request(request_id=rid, model_key="", payload={}, submitted_at=datetime.now(UTC), user=user)
-                try:
-                    await self.statuses.finish(Pending(bogus, m), R.ERROR, error=type(exc).__name__, message=str(exc))
-                    return
-                except Exception as werr:  # noqa: BLE001 - its status could not be kept: end it anyway
-                    logger.warning("request_refused_unrecorded", request_id=rid, error=str(werr))
-            # No id a status could be kept under: nobody can be told, so it is terminated (never redelivered).
-            with contextlib.suppress(Exception):
-                await m.term()
+            await self._end_delivered(m, user, type(exc).__name__, str(exc))
             return
         if req.model_key != mk:
             req = msgspec.structs.replace(req, model_key=mk)
@@ -331,19 +342,38 @@ class Intake:
                                                                           "here (finished, or never submitted)"}))
 
 
-def _valid_id(rid: str) -> str | None:
+def _checked(data: bytes, user: str, token: str) -> tuple[Request, str]:
+    """A request body from the stream as the dispatcher takes it: the request (owned by the user of
+    its subject) and its canonical model key, or InvalidCommand with the reason."""
+    if not _valid_user(user):
+        raise errs.InvalidCommand(f"request subject's user {user[:80]!r} is not a user name ([A-Za-z0-9_-])")
+    req = decode_request(data)
+    if req.user != user:
+        req = msgspec.structs.replace(req, user=user)  # the owner is the subject's, never the body's
+    mk = canonical_model_key(req.model_key, relative=False)  # the SDK sends it absolute
+    if model_token(mk) != token:
+        raise errs.InvalidCommand(f"request for {req.model_key[:200]!r} arrived on another model's subject")
+    return req, mk
+
+
+def _valid_user(user: str) -> bool:
+    """A subject's user token a status key can be formed with ("" on an open server)."""
+    return not user or _valid_id(user) is not None
+
+
+def _valid_id(rid: object) -> str | None:
     try:
-        return check_request_id(rid)
+        return check_request_id(rid)  # type: ignore[arg-type]
     except errs.InvalidCommand:
         return None
 
 
-def _request_id_of(data: bytes) -> str | None:
-    try:
-        rid = msgspec.json.decode(data).get("request_id")
-    except Exception:  # noqa: BLE001 - malformed bodies have no id
-        return None
-    try:
-        return check_request_id(rid)
-    except errs.InvalidCommand:
-        return None
+def _id_of(data: bytes, headers: dict[str, str] | None) -> str | None:
+    """The request id of a body that may not decode: from the body, else from its `Nats-Msg-Id`
+    (`[<user>.<mac>.]<request id>`); None when neither is one a status key can be formed with."""
+    body = decode_any(data, limit=MAX_REQUEST_BYTES, what="request")
+    rid = _valid_id(body.get("request_id")) if isinstance(body, dict) else None
+    if rid is None:
+        header = (headers or {}).get("Nats-Msg-Id", "")
+        rid = _valid_id(header.rsplit(".", 1)[-1]) if isinstance(header, str) else None
+    return rid

@@ -21,7 +21,8 @@ import structlog
 from dataplane.serving.dispatcher.background import Background
 from dataplane.serving.ports import Delivery, Publish, ResultStores, ResultsUnavailable, RevisionMoved, StatusKV
 from dataplane.serving.processor import Pending
-from schemas.requests import INLINE_RESULT_BYTES, StatusUpdate, encoder, status_decoder
+from schemas.guard import Refused
+from schemas.requests import INLINE_RESULT_BYTES, StatusUpdate, decode_status, encoder
 from schemas.status import RequestStatus
 from schemas.subjects import status_key, status_subject
 
@@ -51,12 +52,17 @@ class StatusWriter:
                 w.timer.cancel()
 
     async def kept(self, request_id: str) -> tuple[StatusUpdate | None, int | None]:
-        """The status kept in KV and its revision (None, None when there is none)."""
+        """The status kept in KV and its revision (None, None when there is none). A kept value that
+        is not a status reads as none (never terminal): the next write replaces it at that revision."""
         got = await self.kv.get(request_id)
         if got is None:
             return None, None
         value, revision = got
-        return (status_decoder.decode(value) if value else None), revision
+        u = decode_status(value) if value else None
+        if u.__class__ is Refused:
+            logger.warning("kept_status_unreadable", key=request_id, reason=u.reason)  # type: ignore[union-attr]
+            return None, revision
+        return u, revision  # type: ignore[return-value]
 
     async def terminal(self, request_id: str) -> StatusUpdate | None:
         cur, _ = await self.kept(request_id)

@@ -1,0 +1,395 @@
+"""Trust that holds from outside: each attack with the attacker role's real credentials, on a real
+nats-server run with the config `ndif up` generates; the legitimate roles still do their jobs.
+
+- poison events on a node agent's own subject stop no reader (controller, agents, dashboard, `ndif status`);
+- junk on a node's heartbeat key keeps no node alive;
+- a node agent cannot announce capacity the operator did not declare;
+- a request may name only a model the operator offers, and learns nothing of the filesystem;
+- poison requests end (ERROR, or terminated when no status key can be formed), and a request
+  delivered REQUEST_MAX_DELIVER times ends `DeadLetter` without running.
+
+Agents run over the in-memory runtime (tests/fake_runtime.py): no replica runs here;
+tests/dataplane/test_poison_requests.py serves through real replicas.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import nats
+import nats.js.errors
+import pytest
+import pytest_asyncio
+
+from controlplane.dashboard import Dashboard
+from controlplane.ops.auth import LocalAuth, ensure_local
+from controlplane.ops.nats_server import EmbeddedNats
+from controlplane.service.controller import Controller
+from controlplane.service.registry import ModelRoots
+from controlplane.store.admin import AdminClient
+from controlplane.store.credentials import Creds, request_msg_id
+from controlplane.store.eventstore import JetStreamEventLog
+from dataplane.client import Client, RequestFailed
+from dataplane.node.agent import NodeAgent, declared_gpus
+from dataplane.serving.dispatcher import Dispatcher
+from dataplane.serving.dispatcher.intake import REQUEST_MAX_DELIVER
+from schemas import events as E
+from schemas.inventory import CardGroup, Inventory, NodeInventory
+from schemas.keys import canonical_model_key, display_name
+from schemas.requests import Request, encoder, status_decoder
+from schemas.status import ReplicaState
+from schemas.subjects import (
+    HEARTBEATS_BUCKET,
+    REQUEST_STATUS_BUCKET,
+    REQUESTS_STREAM,
+    command_event_subject,
+    model_token,
+    node_subject,
+    node_token,
+    request_consumer,
+    request_subject,
+    status_key,
+)
+from tests.conftest import bounded
+from tests.fake_runtime import FakeRuntime
+from tests.integration.cluster import ndif
+from tests.waiting import until, until_state
+
+pytestmark = pytest.mark.timeout(180)
+NODE_A, NODE_B = "node-a.cluster", "node-b.cluster"
+GB = 10**9
+TWO_80 = NodeInventory(cards=(CardGroup(count=2, memory_bytes=80 * GB, kind="H100"),))
+INVENTORY = Inventory(nodes={NODE_A: TWO_80, NODE_B: TWO_80})
+POISON_NESTED = b"[" * 3000 + b"]" * 3000  # 6 KB of nested arrays
+POISON_UTF8 = b'{"type":"NodeJoined","event_id":"\xff"}'  # 36 bytes, invalid UTF-8 inside a string
+
+
+@pytest.fixture
+def home(tmp_path: Path) -> Path:
+    return tmp_path / "home"
+
+
+@pytest.fixture
+def auth(home: Path) -> LocalAuth:
+    return ensure_local([NODE_A, NODE_B], clients=["alice", "bob"], home=home)
+
+
+@pytest_asyncio.fixture
+async def url(auth: LocalAuth, tmp_path: Path) -> AsyncIterator[str]:
+    with EmbeddedNats(tmp_path / "nats", config_file=auth.config_path) as srv:
+        lg = await JetStreamEventLog.open(srv.url, creds=auth.role("admin"))  # what `ndif up` does first
+        await lg.close()
+        yield srv.url
+
+
+def checkpoint(root: Path, name: str) -> str:
+    """A checkpoint dir with only a config (its size comes with the deploy): enough for placement."""
+    d = root / name
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "config.json").write_text("{}")
+    return canonical_model_key(str(d))
+
+
+async def as_user(url: str, creds: Creds) -> Any:
+    return await nats.connect(url, max_reconnect_attempts=1, **creds.connect_options())
+
+
+async def append_raw(nc: Any, subject: str, body: bytes, msg_id: str) -> int:
+    """What any holder of a subject can store there: a body of its choosing."""
+    ack = await nc.jetstream().publish(subject, body, headers={"Nats-Msg-Id": msg_id})
+    return int(ack.seq)
+
+
+async def agent(url: str, auth: LocalAuth, node: str, **kw: Any) -> NodeAgent:
+    return await (await NodeAgent.open(url, node, creds=auth.role(f"agent:{node}"), runtime=FakeRuntime(f"sim:{node}"),
+                                       gpus=declared_gpus(2, 80 * GB), cpu_cache_bytes=10 * GB, heartbeat_s=0.3,
+                                       health_interval_s=0.3, drain_timeout_s=0.0, **kw)).start()
+
+
+async def status_json(url: str, home: Path) -> dict[str, Any]:
+    ran = await ndif(url, "status", "--json", timeout=30, env={"NDIF_HOME": str(home)})
+    assert ran.rc == 0, ran.err
+    out: dict[str, Any] = json.loads(ran.out)
+    return out
+
+
+# ---- poison events ---------------------------------------------------------------------------
+
+
+async def test_poison_events_on_an_agents_own_subject_stop_no_reader(url: str, auth: LocalAuth, home: Path,
+                                                                     tmp_path: Path) -> None:
+    ctl = await Controller.from_url(url, creds=auth.role("controller"), policy_interval_s=0.2).start()
+    legit = await agent(url, auth, NODE_B)
+    dash = await Dashboard.from_url(url, port=0, creds=auth.role("dashboard")).start()
+    mallory = await as_user(url, auth.role(f"agent:{NODE_A}"))  # node A's agent, on its own subject
+    admin = await AdminClient.open(url, timeout=10, creds=auth.role("admin"))
+    try:
+        for i, body in enumerate((POISON_NESTED, POISON_UTF8, b'{"x":' + POISON_NESTED + b"}")):
+            last = await append_raw(mallory, node_subject(NODE_A), body, f"poison-{i}")
+        # The controller still answers commands and decides past the poison; the agent loads what it asks.
+        model = checkpoint(tmp_path, "m")
+        res = await asyncio.wait_for(admin.deploy(model, 1, size_bytes=GB), 15)
+        assert res.ok and res.replicas and res.replicas[0].node_id == NODE_B, res
+        assert res.first_seq > last
+        await until(lambda: (r := legit.state.replicas.get((model, 0))) is not None
+                    and r.state is ReplicaState.AVAILABLE, timeout=15)
+        await until(lambda: dash.model.seq >= res.last_seq, timeout=15)
+        for st in (ctl.state, legit.state, dash.model.live):
+            assert st.skipped == 3, st.skipped
+        status = await status_json(url, home)  # `ndif status` answers, the poison counted as skipped
+        assert status["skipped"] == 3 and [m["model_key"] for m in status["models"]] == [model]
+    finally:
+        await mallory.close()
+        await admin.close()
+        await bounded(dash.stop(), "dashboard.stop")
+        await bounded(legit.stop(), "agent.stop")
+        await bounded(ctl.stop(), "controller.stop")
+
+
+# ---- heartbeats --------------------------------------------------------------------------------
+
+
+async def test_junk_on_a_heartbeat_key_keeps_no_node_alive(url: str, auth: LocalAuth, home: Path) -> None:
+    ctl = await Controller.from_url(url, creds=auth.role("controller"), policy_interval_s=0.2,
+                                    heartbeat_grace_s=2.0).start()
+    legit = await agent(url, auth, NODE_B)
+    mallory = await as_user(url, auth.role(f"agent:{NODE_A}"))
+    try:
+        joined = E.NodeJoined(event_id="a-joined", ts=datetime.now(UTC), actor=f"agent:{NODE_A}", node_id=NODE_A,
+                              gpus=declared_gpus(1, GB), cpu_cache_bytes=0)
+        await append_raw(mallory, node_subject(NODE_A), E.encode_event(joined), "a-joined")
+        key = f"$KV.{HEARTBEATS_BUCKET}.{node_token(NODE_A)}"
+        junk = [b"x" * 600_000, NODE_B.encode(), b"\xff\xfe", NODE_A.encode() + b" " * 300]
+
+        async def beat_junk() -> None:
+            while True:
+                for body in junk:
+                    await mallory.publish(key, body)
+                await asyncio.sleep(0.2)
+
+        beating = asyncio.create_task(beat_junk())
+        try:
+            await until(lambda: NODE_A in ctl.state.nodes and not ctl.state.nodes[NODE_A].alive, timeout=15)
+        finally:
+            beating.cancel()
+        assert ctl.state.nodes[NODE_B].alive  # the honest agent's beats count
+        status = await status_json(url, home)
+        hb = {n["node_id"]: n["heartbeat_age_s"] for n in status["nodes"]}
+        assert hb[NODE_A] is None and hb[NODE_B] is not None  # junk is no heartbeat to `ndif status` either
+    finally:
+        await mallory.close()
+        await bounded(legit.stop(), "agent.stop")
+        await bounded(ctl.stop(), "controller.stop")
+
+
+# ---- inventory ---------------------------------------------------------------------------------
+
+
+async def test_an_agent_cannot_announce_capacity_it_was_not_given(url: str, auth: LocalAuth, home: Path,
+                                                                  tmp_path: Path) -> None:
+    ctl = await Controller.from_url(url, creds=auth.role("controller"), policy_interval_s=0.2,
+                                    inventory=INVENTORY).start()
+    legit = await agent(url, auth, NODE_B)
+    mallory = await as_user(url, auth.role(f"agent:{NODE_A}"))
+    admin = await AdminClient.open(url, timeout=10, creds=auth.role("admin"))
+    try:
+        for i, mem in enumerate((10**12, 400 * GB)):  # the issue's 8 x 1 TB, then 8 x 400 GB
+            ev = E.NodeJoined(event_id=f"a-joined-{i}", ts=datetime.now(UTC), actor=f"agent:{NODE_A}",
+                              node_id=NODE_A, gpus=declared_gpus(8, mem), cpu_cache_bytes=10 * GB)
+            await append_raw(mallory, node_subject(NODE_A), E.encode_event(ev), ev.event_id)
+        # Nor can it declare itself: on its own subject it is skipped; the controller's is refused.
+        forged = E.NodeDeclared(event_id="a-declared", ts=datetime.now(UTC), actor="controller:x", node_id=NODE_A,
+                                command_id="x", node=NodeInventory(cards=(CardGroup(count=8, memory_bytes=400 * GB),)))
+        await append_raw(mallory, node_subject(NODE_A), E.encode_event(forged), forged.event_id)
+        with pytest.raises((nats.js.errors.APIError, nats.errors.TimeoutError, nats.errors.NoRespondersError)):
+            await mallory.jetstream().publish(command_event_subject("x"), E.encode_event(forged), timeout=1)
+        state = await until_state(admin, lambda s: NODE_A in s.nodes and s.skipped >= 1)
+        assert [(g.index, g.memory_bytes) for g in state.nodes[NODE_A].gpus] == [(0, 80 * GB), (1, 80 * GB)]
+        big = checkpoint(tmp_path, "big")  # 500 GB: fits 8 x 400 GB, not anything declared
+        res = await admin.deploy(big, 1, size_bytes=500 * GB)
+        assert not res.replicas and res.rejections and res.error == "PlacementError", res
+        ok = await admin.deploy(checkpoint(tmp_path, "small"), 2, size_bytes=60 * GB)  # the operator's job
+        assert ok.ok and {r.node_id for r in ok.replicas} <= {NODE_A, NODE_B}, ok
+        status = await status_json(url, home)
+        said = [a["message"] for a in status["anomalies"]]
+        assert any(m.startswith(f"inventory of {NODE_A!r}") and "400000000000 bytes" in m for m in said), said
+    finally:
+        await mallory.close()
+        await admin.close()
+        await bounded(legit.stop(), "agent.stop")
+        await bounded(ctl.stop(), "controller.stop")
+
+
+# ---- models ------------------------------------------------------------------------------------
+
+
+async def test_a_request_names_only_a_model_the_operator_offers(url: str, auth: LocalAuth, tmp_path: Path) -> None:
+    from dataplane.node.tiny_models import make_tiny_gpt2
+
+    root = tmp_path / "models"
+    offered = canonical_model_key(str(make_tiny_gpt2(root / "tiny")))
+    outside = make_tiny_gpt2(tmp_path / "private" / "tiny")  # a real checkpoint on the controller's machine
+    (tmp_path / "private" / "empty").mkdir()
+    ctl = await Controller.from_url(url, creds=auth.role("controller"), model_roots=ModelRoots((str(root),))).start()
+    disp = await Dispatcher.from_url(url, creds=auth.role("dispatcher")).start()
+    admin = await AdminClient.open(url, timeout=30, creds=auth.role("admin"))
+    try:
+        async with Client(url, creds=auth.role("client:alice")) as alice:
+            answers = []
+            for path in (outside, tmp_path / "private" / "empty", tmp_path / "private" / "missing", Path("/etc"),
+                         root / ".." / "private" / "tiny"):
+                job = await alice.submit(str(path), {"op": "forward", "input_ids": [[1]]})
+                with pytest.raises(RequestFailed) as exc:
+                    await job.result(timeout=30)
+                assert exc.value.error == "UnknownModel", exc.value
+                answers.append(str(exc.value).replace(display_name(canonical_model_key(str(path))), "<model>"))
+            assert len(set(answers)) == 1 and "not a model this service offers" in answers[0], answers
+            state = await admin.state()
+            assert not state.models  # nothing of them was registered or deployed
+            # A model under the roots is deployed for a request (it waits for a node: none runs here).
+            job = await alice.submit(offered, {"op": "forward", "input_ids": [[1]]})
+            await until_state(admin, lambda s: offered in s.models and s.models[offered].registration is not None)
+            await job.close()
+        res = await admin.deploy(str(outside), 1)  # the operator's own deploy is not limited to the roots
+        assert res.first_seq and res.error == "PlacementError", res  # registered; no node to place it on
+    finally:
+        await admin.close()
+        await bounded(disp.stop(), "dispatcher.stop")
+        await bounded(ctl.stop(), "controller.stop")
+
+
+# ---- requests ----------------------------------------------------------------------------------
+
+
+async def test_poison_requests_end_and_a_request_delivered_too_often_ends_dead_letter(
+        url: str, auth: LocalAuth, tmp_path: Path) -> None:
+    admin_log = await JetStreamEventLog.open(url, creds=auth.role("admin"), ensure=False)
+    model = checkpoint(tmp_path, "known")
+    await admin_log.append([E.ModelRegistered(event_id="reg", ts=datetime.now(UTC), actor="test", model_key=model,
+                                              checkpoint=str(tmp_path / "known"), size_bytes=GB)], None)
+    tok = model_token(model)
+    alice = auth.role("client:alice")
+    mallory = await as_user(url, alice)
+    js = mallory.jetstream()
+    ack_wait = 0.5
+    kv = await admin_log.js.key_value(REQUEST_STATUS_BUCKET)
+
+    async def kept(rid: str) -> Any:
+        async with asyncio.timeout(20):
+            while True:
+                try:
+                    u = status_decoder.decode((await kv.get(status_key(rid, "alice"))).value)
+                    if u.terminal:
+                        return u
+                except nats.js.errors.KeyNotFoundError:
+                    pass
+                await asyncio.sleep(0.05)
+
+    # A request delivered REQUEST_MAX_DELIVER - 1 times already (each time its dispatcher "died"):
+    # the dispatcher's consumer, as it makes it, pulled and never acked by the test.
+    from nats.js import api
+
+    ok = Request(request_id="tired", model_key=model, payload={"op": "forward", "input_ids": [[1]]},
+                 submitted_at=datetime.now(UTC))
+    await js.publish(request_subject(model, "alice"), encoder.encode(ok), headers={"Nats-Msg-Id": request_msg_id("tired", alice)})
+    cfg = api.ConsumerConfig(durable_name=request_consumer(tok), filter_subjects=sorted([f"ndif.req.{tok}", f"ndif.req.{tok}.*"]),
+                             ack_policy=api.AckPolicy.EXPLICIT, ack_wait=ack_wait, max_deliver=REQUEST_MAX_DELIVER,
+                             max_ack_pending=100_000, deliver_policy=api.DeliverPolicy.ALL)
+    await admin_log.js.add_consumer(REQUESTS_STREAM, cfg)
+    sub = await admin_log.js.pull_subscribe_bind(durable=request_consumer(tok), stream=REQUESTS_STREAM)
+    for n in range(1, REQUEST_MAX_DELIVER):
+        (m,) = await sub.fetch(1, timeout=5)
+        assert m.metadata.num_delivered == n
+        await asyncio.sleep(ack_wait + 0.2)  # not acked: the server redelivers it
+    await sub.unsubscribe()
+
+    ctl = await Controller.from_url(url, creds=auth.role("controller"), policy_interval_s=0.2).start()
+    disp = await Dispatcher.from_url(url, creds=auth.role("dispatcher"), ack_wait_s=ack_wait).start()
+    try:
+        u = await kept("tired")
+        assert u.error == "DeadLetter" and f"delivered {REQUEST_MAX_DELIVER} times" in u.message, u
+        info = await admin_log.js.consumer_info(REQUESTS_STREAM, request_consumer(tok))
+        assert info.config.max_deliver == REQUEST_MAX_DELIVER
+
+        # Poison bodies on alice's own request subject of the (now consumed) model: each ends.
+        bodies = {"nested": b'{"payload":{"a":' + POISON_NESTED + b"}}", "utf8": b'{"request_id":"\xff\xfe","model_key":"m"}',
+                  "deep-key": encoder.encode(Request(request_id="deep-key", model_key='C:{"repo_id": ' + "[" * 3000
+                                                     + "]" * 3000 + "}", payload={}, submitted_at=datetime.now(UTC)))}
+        for rid, body in bodies.items():
+            await js.publish(request_subject(model, "alice"), body, headers={"Nats-Msg-Id": request_msg_id(rid, alice)})
+            u = await kept(rid)
+            assert u.status.value == "ERROR" and u.error == "InvalidCommand" and u.message, u
+        # No id a status could be kept under, in body or header: terminated, never redelivered.
+        await js.publish(request_subject(model, "alice"), b'{"request_id": "not a key!"}',
+                         headers={"Nats-Msg-Id": "alice.x.also not a key"})
+        async with asyncio.timeout(20):
+            while (await admin_log.js.stream_info(REQUESTS_STREAM)).state.messages:
+                await asyncio.sleep(0.05)
+        # bob's request for the same model is taken at once (no replica runs here: it waits for one).
+        async with Client(url, creds=auth.role("client:bob")) as bob:
+            job = await bob.submit(model, {"op": "forward", "input_ids": [[1]]})
+            async with asyncio.timeout(20):
+                while (k := await job.latest()) is None or k.status.value == "RECEIVED":
+                    await asyncio.sleep(0.05)
+            assert not k.terminal, k
+            await job.close()
+    finally:
+        await mallory.close()
+        await bounded(disp.stop(), "dispatcher.stop")
+        await bounded(ctl.stop(), "controller.stop")
+        await admin_log.close()
+
+
+@pytest.fixture(autouse=True)
+def _no_host_model_roots(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("NDIF_INVENTORY", raising=False)
+    assert os.environ.get("NDIF_MODEL_ROOTS")  # tests/conftest.py: the tests' temp dirs (overridden above)
+
+
+def test_the_poison_bodies_are_what_the_issue_says() -> None:
+    assert len(POISON_NESTED) == 6000 and len(POISON_UTF8) == 36
+    with pytest.raises(UnicodeDecodeError):
+        msgspec.json.decode(POISON_UTF8)
+
+
+async def test_an_unreadable_kept_status_is_no_terminal_one(url: str, auth: LocalAuth, tmp_path: Path) -> None:
+    """What a write through someone else's reply could leave in a user's kept status (planted here by the
+    admin: closing that path is the accounts' part): the dispatcher reads it as no status and ends the
+    request over it, instead of failing on it (and the request being redelivered forever)."""
+    admin_log = await JetStreamEventLog.open(url, creds=auth.role("admin"), ensure=False)
+    model = checkpoint(tmp_path, "known")
+    await admin_log.append([E.ModelRegistered(event_id="reg", ts=datetime.now(UTC), actor="test", model_key=model,
+                                              checkpoint=str(tmp_path / "known"), size_bytes=GB)], None)
+    kv = await admin_log.js.key_value(REQUEST_STATUS_BUCKET)
+    ctl = await Controller.from_url(url, creds=auth.role("controller"), policy_interval_s=0.2).start()
+    disp = await Dispatcher.from_url(url, creds=auth.role("dispatcher")).start()
+    alice = auth.role("client:alice")
+    mallory = await as_user(url, alice)
+    try:
+        for rid, junk in (("junk-1", b'{"x":' + POISON_NESTED + b"}"), ("junk-2", b"\xff\xfe not a status")):
+            await kv.put(status_key(rid, "alice"), junk)
+            await mallory.jetstream().publish(request_subject(model, "alice"), b'{"payload":{"a":' + POISON_NESTED + b"}}",
+                                              headers={"Nats-Msg-Id": request_msg_id(rid, alice)})
+            async with asyncio.timeout(20):
+                while True:
+                    value = (await kv.get(status_key(rid, "alice"))).value
+                    if value != junk:
+                        break
+                    await asyncio.sleep(0.05)
+            u = status_decoder.decode(value)
+            assert u.status.value == "ERROR" and u.error == "InvalidCommand", u
+        async with asyncio.timeout(20):
+            while (await admin_log.js.stream_info(REQUESTS_STREAM)).state.messages:
+                await asyncio.sleep(0.05)
+    finally:
+        await mallory.close()
+        await bounded(disp.stop(), "dispatcher.stop")
+        await bounded(ctl.stop(), "controller.stop")
+        await admin_log.close()
