@@ -152,7 +152,7 @@ async def test_a_user_past_its_queued_limit_is_refused_at_once_with_the_limit_an
     assert refused and all(s.error == "QueueLimitExceeded" and s.limit == 5 and s.count == 5 for s in refused)
     assert "limit is 5" in refused[0].message
     assert sum(s.status is R.COMPLETED for s in finals) >= 5
-    other = request(mk, "other:1", user="other")  # another user is not limited by it
+    other = request(mk, "other:1", user="other")  # type: ignore[arg-type]  # another user is not limited by it
     await stack.serving.submit(other)
     assert (await final(stack, other)).status is R.COMPLETED
     await until(lambda: not stack.serving.requests.stored)  # all acked
