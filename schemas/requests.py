@@ -45,12 +45,15 @@ class StatusUpdate(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True
     model_key: str = ""
     message: str = ""
     queue_position: int | None = None  # QUEUED: 0 = next
+    wait_estimate_s: float | None = None  # QUEUED: seconds until it starts, by recent run times (None: unknown)
     replica_id: int | None = None  # DISPATCHED / RUNNING / COMPLETED: which replica
     result: Any = None  # COMPLETED, when small
     result_ref: str | None = None  # COMPLETED, when large: object name in `ndif_results`
     error: str | None = None  # ERROR: the error class (BadRequest, UnknownModel, ...)
     attempt: int = 1  # > 1 after a redelivery or a replica lost mid-request
     user: str = ""  # the request's owner (its status key is `<user>.<request_id>`)
+    limit: int | None = None  # ERROR QueueLimitExceeded: the user's limit of queued requests for the model
+    count: int | None = None  # ERROR QueueLimitExceeded: the user's requests queued when it arrived
 
     @property
     def terminal(self) -> bool:

@@ -10,7 +10,8 @@ A request is durable once `submit` returns (stored in the `NDIF_REQUESTS` stream
 id re-submitted within the dedup window is stored once). Statuses arrive live on
 `ndif.status.<user>.<id>` (`ndif.status.<id>` on an open server); a client that connects later (or reconnects) first reads the latest one kept in
 KV, and a job that has been quiet for a while re-reads it, so a live status lost on the way (core
-NATS is at-most-once) never leaves a user waiting for a terminal status that is already kept. `result()` raises `RequestFailed` for an ERROR.
+NATS is at-most-once) never leaves a user waiting for a terminal status that is already kept. `result()` raises `RequestFailed` for an ERROR
+(`QueueLimitExceeded`, its subclass, when the user already had its limit of requests queued).
 
 The SDK never writes to the user's stdout or stderr on its own: its logs go to the standard
 `logging` loggers `ndif.*` (silent unless the program configures logging), and when the program
@@ -94,6 +95,19 @@ class RequestFailed(errs.NdifError):
     @property
     def status(self) -> StatusUpdate | None:
         return self._status  # type: ignore[attr-defined,no-any-return]
+
+
+class QueueLimitExceeded(RequestFailed):
+    """Refused at once: the user already had `count` requests queued for the model, its limit is
+    `limit` (the operator's NDIF_FAIRNESS). Nothing ran; submit again once some have finished."""
+
+    @property
+    def limit(self) -> int | None:
+        return self.status.limit if self.status is not None else None
+
+    @property
+    def count(self) -> int | None:
+        return self.status.count if self.status is not None else None
 
 
 class Job:
@@ -196,7 +210,8 @@ class Job:
                 final = u
         assert final is not None
         if final.status is RequestStatus.ERROR:
-            raise RequestFailed(f"{final.error or 'error'}: {final.message}", error=final.error, status=final)
+            kind = QueueLimitExceeded if final.error == "QueueLimitExceeded" else RequestFailed
+            raise kind(f"{final.error or 'error'}: {final.message}", error=final.error, status=final)
         if final.result_ref:
             # This user's own bucket, by direct gets (controlplane/store/direct.py): a client may create no consumer.
             data = await read_object(self.client.log.nc, results_bucket(self.client.user), final.result_ref,

@@ -226,6 +226,8 @@ async def _submit(a: argparse.Namespace) -> int:
                 print(msgspec.json.encode(s).decode(), flush=True)
                 continue
             extra = f" (position {s.queue_position})" if s.queue_position is not None else ""
+            if s.wait_estimate_s is not None:
+                extra += f" (about {s.wait_estimate_s:g}s to wait)"
             extra += f" on replica {s.replica_id}" if s.replica_id is not None and not s.terminal else ""
             print(f"  {time.perf_counter() - t0:6.2f}s  {s.status}{extra}" + (f"  {s.message}" if s.message else ""),
                   flush=True)
@@ -276,6 +278,10 @@ async def _queue(a: argparse.Namespace) -> int:
               f"serving {p.get('serving_replicas', p.get('workers'))} (ready {p['ready_replicas']}, draining {p['draining_replicas']}, "
               f"starting {p['starting_replicas']}), {p['completed']} completed, {p['errors']} errors; "
               f"{p.get('replica_calls', 0)} replica calls, {p.get('endpoint_calls', 0)} of them over NATS")
+        users = p.get("users") or {}
+        if users:
+            print("    per user: " + ", ".join(f"{u or '(open)'} {c['queued']} queued / {c['running']} running"
+                                          for u, c in users.items()))
     return 0
 
 

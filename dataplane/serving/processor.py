@@ -1,5 +1,9 @@
 """One model's processor (as in NDIF): one shared queue, and the lanes of every ready replica competing on it.
 
+The queue is fair over users (controlplane/core/fairness.py: weights, priority bands, a running
+limit per user; a user past its queued limit is refused at once with ERROR QueueLimitExceeded), and
+queued requests are told their position and wait estimate as they move (`positions`).
+
 A lane is one call at a time to one replica; each ready replica gets `lanes_per_replica` of them
 (NDIF_REPLICA_LANES). The replica set is not the processor's own: `sync(view)` is called with the
 queue view folded from the event log every time an event arrives, so `ReplicaLoaded` starts a
@@ -17,11 +21,12 @@ import asyncio
 import collections
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import structlog
 
+from controlplane.core.fairness import FairnessPolicy, FairQueue, position_update_due, wait_estimate_s
 from controlplane.core.projections.queue import ModelQueueView, processor_status
 from dataplane.replica.model import ReplicaNotHot, error_text
 from dataplane.replica.wire import Completed, NotRun, encode_call
@@ -37,7 +42,7 @@ R = RequestStatus
 
 
 class Pending:
-    __slots__ = ("attempt", "cancelled", "msg", "received", "req")
+    __slots__ = ("attempt", "cancelled", "msg", "received", "req", "sent_at", "sent_position")
 
     def __init__(self, req: Request, msg: Delivery | None, attempt: int = 1) -> None:
         self.req = req
@@ -45,6 +50,8 @@ class Pending:
         self.attempt = attempt
         self.received = time.monotonic()
         self.cancelled = False
+        self.sent_position: int | None = None  # the queue position its last QUEUED status said
+        self.sent_at = 0.0
 
 
 class StatusOut(Protocol):
@@ -64,6 +71,8 @@ class ProcessorHooks:
     lanes_per_replica: int  # calls a replica is handed at once (NDIF_REPLICA_LANES)
     batch_max: int  # short requests one call may carry
     batch_budget_s: float  # ... as many as run in this long, by the model's recent run times
+    fairness: FairnessPolicy = field(default_factory=FairnessPolicy)  # shares, bands, limits per user (NDIF_FAIRNESS)
+    position_every_s: float = 1.0  # a queued request hears of its new position at most this often
 
 
 _Call = tuple[int, list[Pending], Any, Any]  # replica id, its requests, its actor, the call (or why it could not start)
@@ -82,7 +91,7 @@ class Processor:
         self.token = token
         self.model_key: str | None = None
         self.hooks = hooks
-        self.queue: collections.deque[Pending] = collections.deque()
+        self.queue: FairQueue[Pending] = FairQueue(hooks.fairness, lambda p: p.req.user)
         self.view: ModelQueueView | None = None
         self.lanes: dict[int, list[asyncio.Task[None]]] = {}  # replica id -> its lane tasks
         # replica id -> `<user>.<request id>` (status_key: ids are each user's own) -> request
@@ -142,32 +151,59 @@ class Processor:
 
     # ---- requests ----------------------------------------------------------------------------
 
-    def enqueue(self, p: Pending, *, head: bool = False) -> None:
-        if not self.queue:
-            # A lane is waiting: the call to its replica starts now (the request never queued, so
-            # no QUEUED), and the lane only waits for the answer.
-            while self._idle:
-                rid, fut = self._idle.popleft()
-                if fut.done():
-                    continue
-                if rid not in self.ready:
-                    fut.set_result(None)  # that lane's replica left: let it retire, try the next
-                    continue
-                fut.set_result(self._submit(rid, [p]))
+    def enqueue(self, p: Pending) -> None:
+        """A request taken from the stream: queued fairly, or refused at once when its user already
+        holds its limit of queued requests here (a redelivery is never refused: it was admitted)."""
+        if p.attempt == 1:
+            refused = self.queue.admit(p.req.user)
+            if refused is not None:
+                self.hooks.finish_soon(p, R.ERROR, error="QueueLimitExceeded", message=refused.message(
+                    self.model_key or "this model"), limit=refused.limit, count=refused.count)
                 return
-        if head:
-            self.queue.appendleft(p)
-        else:
-            self.queue.append(p)
-        self.hooks.status(p, R.QUEUED, queue_position=0 if head else len(self.queue) - 1)
+        self.queue.push(p)
+        # Lanes waiting: the calls to their replicas start now (the request this lane takes may be
+        # another user's, by fair share); a request taken at once never queued, so no QUEUED.
+        while self._idle and self.queue.ready():
+            rid, fut = self._idle.popleft()
+            if fut.done():
+                continue
+            if rid not in self.ready:
+                fut.set_result(None)  # that lane's replica left: let it retire, try the next
+                continue
+            nxt = self.queue.pop()
+            assert nxt is not None
+            fut.set_result(self._submit(rid, [nxt]))
+        pos = self.queue.position(p)
+        if pos is not None:
+            self._tell_position(p, pos, time.monotonic())
         self._refresh_status()
         self._notify()
+
+    def _tell_position(self, p: Pending, pos: int, now: float) -> None:
+        p.sent_position, p.sent_at = pos, now
+        self.hooks.status(p, R.QUEUED, queue_position=pos,
+                          wait_estimate_s=wait_estimate_s(pos, self.exec_s, len(self.ready)))
+
+    def positions(self, now: float, budget: int = 1000) -> int:
+        """Tell queued requests whose position moved enough (rate-limited per request, at most
+        `budget` statuses per call); returns how many were sent."""
+        sent = 0
+        if not self.queue or self.status not in (ProcessorStatus.READY, ProcessorStatus.BUSY):
+            return 0  # waiting for a replica: their status says so (PROVISIONING / DEPLOYING)
+        for pos, p in enumerate(self.queue):
+            if sent >= budget:
+                break
+            if position_update_due(p.sent_position, pos, now - p.sent_at, self.hooks.position_every_s):
+                self._tell_position(p, pos, now)
+                sent += 1
+        return sent
 
     def cancel(self, request_id: str, user: str | None = None) -> Pending | None:
         """Take a queued request out, or mark a running one cancelled; `user`: only if it is theirs."""
         for p in list(self.queue):
             if p.req.request_id == request_id and (user is None or p.req.user == user):
                 self.queue.remove(p)
+                self._notify()
                 return p
         for running in self.in_flight.values():
             for r in running.values():
@@ -177,8 +213,8 @@ class Processor:
         return None
 
     def fail_all(self, error: str, message: str) -> None:
-        while self.queue:
-            p = self.queue.popleft()
+        for p in list(self.queue):
+            self.queue.remove(p)
             self.hooks.finish_soon(p, R.ERROR, error=error, message=message)
 
     def held(self) -> list[Pending]:
@@ -189,7 +225,7 @@ class Processor:
 
     def _notify(self, *, everyone: bool = False) -> None:
         """Wake as many idle lanes as there are queued requests (all of them when the set changed)."""
-        n = len(self._idle) if everyone else min(len(self.queue), len(self._idle))
+        n = len(self._idle) if everyone else (min(len(self.queue), len(self._idle)) if self.queue.ready() else 0)
         for _ in range(n):
             _, fut = self._idle.popleft()
             if not fut.done():
@@ -218,11 +254,12 @@ class Processor:
     async def _next(self, rid: int) -> _Call | None:
         """The lane's next call, started: from the queue, or handed over by `enqueue`."""
         while rid in self.ready:
-            if self.queue:
-                batch = [self.queue.popleft()]
+            first = self.queue.pop()
+            if first is not None:
+                batch = [first]
                 limit = self._batch_limit()
-                while len(batch) < limit and self.queue:
-                    batch.append(self.queue.popleft())
+                while len(batch) < limit and (nxt := self.queue.pop()) is not None:
+                    batch.append(nxt)
                 call = self._submit(rid, batch)
                 if call is not None:
                     return call
@@ -254,8 +291,8 @@ class Processor:
             running[status_key(p.req.request_id, p.req.user)] = p
         actor = self._actors.get(rid) or self.caller.lookup(self.model_key, rid)
         if actor is None:
+            self._requeue(rid, batch, "RayActorError")  # first: back in its place, no longer running
             self._release(rid, batch)
-            self._requeue(rid, batch, "RayActorError")
             return None
         self._actors[rid] = actor
         try:
@@ -288,21 +325,23 @@ class Processor:
         running = self.in_flight.get(rid, {})
         for p in batch:
             running.pop(status_key(p.req.request_id, p.req.user), None)
+            self.queue.release(p)  # nothing when it went back to the queue
         if not running and rid in self.in_flight:
             del self.in_flight[rid]
         if rid in self.draining and not self.in_flight.get(rid):
             self.hooks.drained(self.model_key or "", rid)
         self._refresh_status()
+        self._notify()  # a user held back by its running limit may go now
 
     def _requeue(self, rid: int, batch: list[Pending], reason: str, *, replica_left: bool = True) -> None:
-        """The replica left under these requests (or lost their answers): back to the head of the
-        queue, in order."""
+        """The replica left under these requests (or lost their answers): back to the queue, each in
+        the place its fair-share tag gives it (ahead of its user's later requests)."""
         if replica_left:
             self._actors.pop(rid, None)
             self.ready.discard(rid)  # until the log says otherwise
-        for p in reversed(batch):
+        for p in batch:
             p.attempt += 1
-            self.queue.appendleft(p)
+            self.queue.push_back(p)
             self.logger.info("request_requeued", request_id=p.req.request_id, replica_id=rid, reason=reason)
         self._notify(everyone=True)
 
@@ -369,5 +408,8 @@ class Processor:
             "endpoint_calls": self.link_calls,
             "run_ms": round(self.exec_s * 1000, 3) if self.exec_s is not None else None, "provisioning": self.provisioning,
             # Seconds the longest-held queued request has waited here (since this dispatcher took it).
+            # Per user: requests queued and running here (the 50 holding most).
+            "users": {u: {"queued": q, "running": r} for u, (q, r) in sorted(
+                self.queue.users().items(), key=lambda kv: -sum(kv[1]))[:50]},
             "oldest_wait_s": round(time.monotonic() - min(p.received for p in self.queue), 3) if self.queue else None,
         }

@@ -44,6 +44,7 @@ import structlog
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 
+from controlplane.core.fairness import FairnessPolicy, decode_policy
 from controlplane.core.ports import EventLog
 from controlplane.core.projections import ClusterState
 from controlplane.service.clock import utcnow
@@ -74,6 +75,26 @@ ACK_WAIT_S = 4.0
 QUEUE_LIFETIME_S = 600.0  # a request still queued this long after a dispatcher took it ends in ERROR
 
 
+POSITIONS_EVERY_S = 1.0  # queued requests' positions are looked at this often (each told at most this often)
+
+
+def fairness_from_env() -> FairnessPolicy:
+    """NDIF_FAIRNESS: the fairness policy as JSON, or `@path` of a JSON file (docs/cli.md); unset:
+    every user weight 1, band 0, the default limits. A bad policy stops the dispatcher at start."""
+    raw = os.environ.get("NDIF_FAIRNESS", "").strip()
+    if not raw:
+        return FairnessPolicy()
+    if raw.startswith("@"):
+        try:
+            with open(raw[1:], "rb") as f:
+                data = f.read(2 << 20)
+        except OSError as exc:
+            raise errs.InvalidCommand(f"NDIF_FAIRNESS names {raw[1:]!r}, which cannot be read: {exc}") from None
+    else:
+        data = raw.encode()
+    return decode_policy(data)
+
+
 def _env_int(name: str, default: int) -> int:
     try:
         return max(1, int(os.environ.get(name, default)))
@@ -90,7 +111,8 @@ class Dispatcher:
     def __init__(self, parts: Parts | Connect, *, name: str | None = None, default_replicas: int | None = None,
                  fetch_batch: int = 64, ack_wait_s: float | None = None,
                  lanes_per_replica: int | None = None, queue_lifetime_s: float | None = None,
-                 caller: ReplicaCaller | None = None, ports: ServingPorts | None = None) -> None:
+                 caller: ReplicaCaller | None = None, ports: ServingPorts | None = None,
+                 fairness: FairnessPolicy | None = None) -> None:
         self.parts = parts
         self.ports = ports
         self.caller = caller
@@ -119,6 +141,8 @@ class Dispatcher:
             raise errs.InvalidCommand("NDIF_REQUEST_QUEUE_LIFETIME_S takes seconds, e.g. 600") from None
         if not self.queue_lifetime_s > 0:
             raise errs.InvalidCommand(f"NDIF_REQUEST_QUEUE_LIFETIME_S must be > 0 (got {self.queue_lifetime_s})")
+        # Fair share, priority bands and limits per user within each model's queue (NDIF_FAIRNESS).
+        self.fairness = fairness if fairness is not None else fairness_from_env()
         self.state = ClusterState()
         self.processors: dict[str, Processor] = {}  # model token -> processor
         self.log: EventLog | None = None
@@ -190,7 +214,8 @@ class Dispatcher:
         self._tasks += [asyncio.create_task(self.follower.run(), name="dispatcher-follow"),
                         asyncio.create_task(self.intake.keepalive(), name="dispatcher-keepalive"),
                         asyncio.create_task(self.intake.expire(), name="dispatcher-expire"),
-                        asyncio.create_task(self.intake.sweep_loop(), name="dispatcher-sweep")]
+                        asyncio.create_task(self.intake.sweep_loop(), name="dispatcher-sweep"),
+                        asyncio.create_task(self._positions(), name="dispatcher-positions")]
         if nc is not None:
             self._tasks.append(asyncio.create_task(self._publish_figures(nc), name="dispatcher-figures"))
         logger.info("dispatcher_started", name=self.name, seq=self.state.seq, processors=len(self.processors))
@@ -202,7 +227,18 @@ class Dispatcher:
         return Processor(token, ProcessorHooks(
             status=self.statuses.status, finish_soon=self.statuses.finish_soon,
             provision=self.provisioner.maybe_provision, drained=self.follower.report_drained, link=self.link, caller=self.caller,
-            lanes_per_replica=self.lanes_per_replica, batch_max=self.batch_max, batch_budget_s=self.batch_budget_s))
+            lanes_per_replica=self.lanes_per_replica, batch_max=self.batch_max, batch_budget_s=self.batch_budget_s,
+            fairness=self.fairness, position_every_s=POSITIONS_EVERY_S))
+
+    async def _positions(self) -> None:
+        """Queued requests hear of their new position and wait estimate as they move (rate-limited)."""
+        while True:
+            await asyncio.sleep(POSITIONS_EVERY_S)
+            for p in list(self.processors.values()):
+                try:
+                    p.positions(time.monotonic())
+                except Exception as exc:  # noqa: BLE001 - one model's trouble never stops the others'
+                    logger.warning("positions_failed", token=p.token, error=str(exc))
 
     async def stop(self) -> None:
         if self.statuses is not None:

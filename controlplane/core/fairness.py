@@ -1,0 +1,286 @@
+"""Fair serving rules: which queued request of a model runs next, and how many one user may hold.
+
+Pure (no clock, no I/O): start-time fair queueing over users within one model's queue. Each user
+has a weight and a priority band (operator-set per user or per tier, `FairnessPolicy`); a request
+gets a virtual start tag `max(V, F_user)` and the user's finish tag moves on by `1 / weight`. The
+next request is the one with the highest band, then the smallest start tag (ties: arrival). So a
+user's share of dispatches while several are backlogged is its weight over the band's total, a
+newcomer's first request starts at the band's virtual time (never behind another's backlog), and a
+user's own requests keep their order. Running limits make a user ineligible (its requests wait,
+others go); queued limits refuse a new request at once, with the limit and the count.
+"""
+
+from __future__ import annotations
+
+import heapq
+from bisect import bisect_right
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Annotated, Any, Final, Generic, TypeVar
+
+import msgspec
+
+from schemas.errors import InvalidCommand, decode_bounded
+
+T = TypeVar("T")
+
+DEFAULT_MAX_QUEUED: Final = 5_000  # requests one user may have queued per model at one dispatcher
+DEFAULT_MAX_RUNNING: Final = 64  # requests of one user running at once per model at one dispatcher
+MAX_POLICY_BYTES: Final = 1 << 20
+
+Weight = Annotated[float, msgspec.Meta(gt=0, le=1_000_000)]
+Band = Annotated[int, msgspec.Meta(ge=-1_000, le=1_000)]
+Limit = Annotated[int, msgspec.Meta(ge=0, le=10_000_000)]
+
+
+class Share(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """What a user (or tier) gets; a field left out falls back to the tier's, then the default's."""
+
+    weight: Weight | None = None  # share of dispatches while backlogged, relative to others in the band
+    band: Band | None = None  # higher goes first; within a band, fair share
+    max_queued: Limit | None = None  # past it, a new request ends ERROR QueueLimitExceeded at once
+    max_running: Annotated[int, msgspec.Meta(ge=1, le=10_000_000)] | None = None  # its others wait
+
+
+class FairnessPolicy(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The operator's fairness settings (NDIF_FAIRNESS, docs/cli.md): a user's share is its own
+    entry, else its tier's (`user_tiers`), else `default`, field by field."""
+
+    default: Share = Share()
+    tiers: dict[str, Share] = {}
+    user_tiers: dict[str, str] = {}
+    users: dict[str, Share] = {}
+
+    def share(self, user: str) -> Resolved:
+        """The user's settings, every field filled."""
+        tier = self.tiers.get(self.user_tiers.get(user, ""), Share())
+        own = self.users.get(user, Share())
+
+        def pick(name: str, fallback: float) -> float:
+            for s in (own, tier, self.default):
+                v = getattr(s, name)
+                if v is not None:
+                    return float(v)
+            return fallback
+
+        return Resolved(weight=pick("weight", 1.0), band=int(pick("band", 0)),
+                        max_queued=int(pick("max_queued", DEFAULT_MAX_QUEUED)),
+                        max_running=int(pick("max_running", DEFAULT_MAX_RUNNING)))
+
+
+@dataclass(frozen=True, slots=True)
+class Resolved:
+    weight: float
+    band: int
+    max_queued: int
+    max_running: int
+
+
+_policy_decoder = msgspec.json.Decoder(FairnessPolicy)
+
+
+def decode_policy(data: bytes) -> FairnessPolicy:
+    """An operator's policy (JSON); InvalidCommand says what is wrong, never another exception."""
+    policy = decode_bounded(_policy_decoder, data, limit=MAX_POLICY_BYTES, what="fairness policy")
+    missing = sorted(set(policy.user_tiers.values()) - set(policy.tiers))
+    if missing:
+        raise InvalidCommand(f"fairness policy: user_tiers names tiers that are not defined: {missing[:5]}")
+    return policy
+
+
+@dataclass(frozen=True, slots=True)
+class LimitReached:
+    """A request refused because its user already holds `count` queued requests (the limit `limit`)."""
+
+    user: str
+    limit: int
+    count: int
+
+    def message(self, model: str) -> str:
+        return (f"user {self.user!r} has {self.count} requests queued for {model}, the limit is {self.limit}: "
+                "wait for some to finish, then submit again")
+
+
+_Tag = tuple[int, float, int]  # (-band, virtual start, arrival): the dispatch order
+
+
+class FairQueue(Generic[T]):
+    """One model's queued requests, fair over users (`user_of`); it also counts each user's running
+    ones (taken by `pop`, given back by `release` or `push_back`)."""
+
+    def __init__(self, policy: FairnessPolicy, user_of: Callable[[T], str]) -> None:
+        self.policy = policy
+        self.user_of = user_of
+        self._queues: dict[str, deque[tuple[_Tag, T]]] = {}  # user -> its queued requests, in tag order
+        self._finish: dict[str, float] = {}  # user -> finish tag of its last request
+        self._vtime: dict[int, float] = {}  # band -> start tag of the last request dispatched in it
+        self._out: dict[int, tuple[str, _Tag]] = {}  # id(item) of a running request -> (user, its tag)
+        self._running: dict[str, int] = {}
+        self._shares: dict[str, Resolved] = {}
+        self._seq = 0
+        self._len = 0
+
+    # ---- what is held ------------------------------------------------------------------------
+
+    def share(self, user: str) -> Resolved:
+        s = self._shares.get(user)
+        if s is None:
+            s = self._shares[user] = self.policy.share(user)
+        return s
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __bool__(self) -> bool:
+        return self._len > 0
+
+    def __iter__(self) -> Iterator[T]:
+        """The queued requests in dispatch order (running limits aside)."""
+        return (item for _, item in heapq.merge(*self._queues.values(), key=lambda e: e[0]))
+
+    def queued(self, user: str) -> int:
+        q = self._queues.get(user)
+        return len(q) if q else 0
+
+    def running(self, user: str) -> int:
+        return self._running.get(user, 0)
+
+    def users(self) -> dict[str, tuple[int, int]]:
+        """user -> (queued, running), for every user holding either."""
+        names = {u for u, q in self._queues.items() if q} | {u for u, n in self._running.items() if n}
+        return {u: (self.queued(u), self.running(u)) for u in sorted(names)}
+
+    def admit(self, user: str) -> LimitReached | None:
+        """May `user` queue one more request? None, or why not."""
+        limit, count = self.share(user).max_queued, self.queued(user)
+        return LimitReached(user=user, limit=limit, count=count) if count >= limit else None
+
+    def position(self, item: T) -> int | None:
+        """How many queued requests go before `item` (0: next), running limits aside; None if not queued."""
+        user = self.user_of(item)
+        mine = self._queues.get(user)
+        if not mine:
+            return None
+        tag = next((t for t, it in mine if it is item), None)
+        if tag is None:
+            return None
+        # Tags are unique (arrival breaks ties): what sorts at or before it, less itself.
+        return sum(bisect_right(_Keys(q), tag) for q in self._queues.values()) - 1
+
+    # ---- in and out --------------------------------------------------------------------------
+
+    def push(self, item: T) -> None:
+        """A new request, behind its user's others."""
+        user = self.user_of(item)
+        s = self.share(user)
+        start = max(self._vtime.get(s.band, 0.0), self._finish.get(user, 0.0))
+        self._finish[user] = start + 1.0 / s.weight
+        self._seq += 1
+        self._queues.setdefault(user, deque()).append(((-s.band, start, self._seq), item))
+        self._len += 1
+
+    def push_back(self, item: T) -> None:
+        """A request taken by `pop` that did not run (its replica left): back where its tag puts it,
+        ahead of its user's later ones; no longer running."""
+        got = self._out.pop(id(item), None)
+        if got is None:
+            self.push(item)
+            return
+        user, tag = got
+        self._dec(user)
+        q = self._queues.setdefault(user, deque())
+        i = bisect_right(_Keys(q), tag)
+        q.insert(i, (tag, item))
+        self._len += 1
+
+    def pop(self) -> T | None:
+        """The next request to run: highest band, then smallest start tag, among users under their
+        running limit (None: nothing such). It counts as running until `release` or `push_back`."""
+        best: tuple[_Tag, str] | None = None
+        for user, q in self._queues.items():
+            if q and self.running(user) < self.share(user).max_running and (best is None or q[0][0] < best[0]):
+                best = (q[0][0], user)
+        if best is None:
+            return None
+        tag, user = best
+        _, item = self._queues[user].popleft()
+        self._len -= 1
+        self._vtime[-tag[0]] = max(self._vtime.get(-tag[0], 0.0), tag[1])
+        self._out[id(item)] = (user, tag)
+        self._running[user] = self.running(user) + 1
+        return item
+
+    def ready(self) -> bool:
+        """Would `pop` give a request?"""
+        return any(q and self.running(u) < self.share(u).max_running for u, q in self._queues.items())
+
+    def release(self, item: T) -> None:
+        """A request taken by `pop` is done (answered, failed or cancelled)."""
+        got = self._out.pop(id(item), None)
+        if got is not None:
+            self._dec(got[0])
+
+    def remove(self, item: T) -> bool:
+        """Take a queued request out (cancelled, expired); whether it was queued."""
+        user = self.user_of(item)
+        q = self._queues.get(user)
+        if not q:
+            return False
+        for i, (_, it) in enumerate(q):
+            if it is item:
+                del q[i]
+                self._len -= 1
+                # A request that never ran leaves no debt: the user's next one starts where its
+                # last queued one finishes (or where the band is, when none is left).
+                s = self.share(user)
+                self._finish[user] = q[-1][0][1] + 1.0 / s.weight if q else self._vtime.get(s.band, 0.0)
+                self._forget(user)
+                return True
+        return False
+
+    def _dec(self, user: str) -> None:
+        n = self._running.get(user, 0) - 1
+        if n > 0:
+            self._running[user] = n
+        else:
+            self._running.pop(user, None)
+        self._forget(user)
+
+    def _forget(self, user: str) -> None:
+        # Users holding nothing leave no state behind (the finish tag stays: bounded by users seen).
+        if not self._queues.get(user) and user not in self._running:
+            self._queues.pop(user, None)
+
+
+class _Keys:
+    """A user's queue seen as its tags, for bisect."""
+
+    __slots__ = ("q",)
+
+    def __init__(self, q: deque[tuple[_Tag, Any]]) -> None:
+        self.q = q
+
+    def __len__(self) -> int:
+        return len(self.q)
+
+    def __getitem__(self, i: int) -> _Tag:
+        return self.q[i][0]
+
+
+def wait_estimate_s(position: int, run_s: float | None, parallel: int) -> float | None:
+    """Seconds until a request `position` places from the head starts: the requests ahead of it and
+    itself, at `parallel` at a time, each `run_s` long (None when either is unknown)."""
+    if run_s is None or parallel <= 0:
+        return None
+    return round((position + 1) * run_s / parallel, 1)
+
+
+def position_update_due(last: int | None, now: int, since_s: float, min_interval_s: float) -> bool:
+    """Send a QUEUED status again? When the position moved, at most every `min_interval_s`, and only
+    when the move tells the user something: near the head, or by a tenth of the position or more."""
+    if last is None:
+        return True
+    if now == last or since_s < min_interval_s:
+        return False
+    return now < 10 or abs(now - last) * 10 >= last

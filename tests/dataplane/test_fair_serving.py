@@ -1,0 +1,83 @@
+"""Fair serving on a real stack (nats-server, local Ray, controller, agent, dispatcher, a tiny gpt2):
+one user's flood of requests does not hold up another user's few.
+
+Requests are stored as the SDK stores them, on each user's own subject `ndif.req.<mtok>.<user>`
+(the server is open here, so the test publishes there itself; the dispatcher takes the owner from
+the subject, as on an authenticated server).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytest_asyncio
+
+from controlplane.ops.nats_server import EmbeddedNats
+from schemas.keys import canonical_model_key
+from schemas.requests import Request, encoder, status_decoder
+from schemas.status import RequestStatus
+from schemas.subjects import model_token, request_subject
+from tests.dataplane.conftest import running_service
+
+pytestmark = pytest.mark.timeout(300)
+HEAVY = 2000
+LIGHT = 10
+
+
+@pytest_asyncio.fixture
+async def service(nats_server: EmbeddedNats, local_ray: str) -> AsyncIterator[dict[str, Any]]:
+    async with running_service(nats_server.url, local_ray, drain_timeout_s=30) as parts:
+        yield parts
+
+
+async def test_a_light_users_requests_complete_while_a_heavy_users_backlog_is_still_large(
+        service: dict[str, Any], models: dict[str, Path]) -> None:
+    admin, log, disp = service["admin"], service["log"], service["dispatcher"]
+    await admin.wait(await admin.deploy(str(models["gpt2"]), 1), timeout=120)
+    mk = canonical_model_key(str(models["gpt2"]), relative=False)
+    done: dict[str, dict[str, RequestStatus]] = {"heavy": {}, "light": {}}
+    heavy_done_when_light_done: list[int] = []
+
+    async def on_status(msg: Any) -> None:
+        s = status_decoder.decode(msg.data)
+        if s.terminal and s.user in done:
+            done[s.user][s.request_id] = s.status
+            if s.user == "light" and len(done["light"]) == LIGHT and not heavy_done_when_light_done:
+                heavy_done_when_light_done.append(len(done["heavy"]))
+
+    sub = await log.nc.subscribe("ndif.status.>", cb=on_status)
+
+    async def submit(user: str, i: int) -> None:
+        rid = f"{user}-{i}-{uuid.uuid4().hex[:8]}"
+        req = Request(request_id=rid, model_key=mk, payload={"op": "forward", "input_ids": [[1 + i % 50, 2, 3]]},
+                      submitted_at=datetime.now(UTC), user=user)
+        await log.js.publish(request_subject(mk, user), encoder.encode(req), headers={"Nats-Msg-Id": rid})
+
+    try:
+        for i in range(HEAVY):
+            await submit("heavy", i)
+        proc = disp.processors[model_token(mk)]
+        async with asyncio.timeout(60):  # the dispatcher holds the flood (it pulls as requests are stored)
+            while proc.queue.queued("heavy") < HEAVY // 2:
+                await asyncio.sleep(0.05)
+        for i in range(LIGHT):
+            await submit("light", i)
+        async with asyncio.timeout(60):
+            while len(done["light"]) < LIGHT:
+                await asyncio.sleep(0.05)
+        assert set(done["light"].values()) == {RequestStatus.COMPLETED}
+        # The light user's requests finished while most of the flood still waited.
+        assert heavy_done_when_light_done[0] < HEAVY // 2, heavy_done_when_light_done
+        assert proc.state()["users"]["heavy"]["queued"] > 0
+        async with asyncio.timeout(240):  # and the flood is served too, every request of it
+            while len(done["heavy"]) < HEAVY:
+                await asyncio.sleep(0.2)
+        assert set(done["heavy"].values()) == {RequestStatus.COMPLETED}
+    finally:
+        await sub.unsubscribe()

@@ -1,0 +1,158 @@
+"""Fair dispatch through the whole dispatcher over the in-memory log and serving ports, with the real
+controller and node agent (tests/unit/test_dispatcher_memlog.py's stack, a replica that takes 10 ms
+a request): a light user is not queued behind a heavy user's backlog, a user past its queued limit
+is refused at once with the limit and the count, queued requests hear of their moving position."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+import pytest
+import pytest_asyncio
+
+from controlplane.core.fairness import FairnessPolicy, Share
+from controlplane.service.controller import Controller
+from controlplane.service.parts import Parts
+from controlplane.store.heartbeats import MemoryHeartbeats
+from controlplane.store.memlog import MemoryEventLog
+from dataplane.node.agent import NodeAgent
+from dataplane.replica.wire import Answer, Completed, NotRun
+from dataplane.serving.dispatcher import Dispatcher
+from dataplane.serving.memory import MemoryServing
+from schemas import errors as errs
+from schemas.commands import CommandResult, Deploy
+from schemas.status import RequestStatus
+from schemas.subjects import subject_matches
+from tests.fake_runtime import FakeProcess, FakeRuntime
+from tests.strategies import node_joined
+from tests.unit.test_dispatcher_memlog import GB, NODE, EchoCaller, Stack, checkpoint, final, request
+from tests.waiting import until
+
+pytestmark = pytest.mark.timeout(60)
+R = RequestStatus
+RUN_S = 0.01
+
+
+class SlowCaller(EchoCaller):
+    """Each request takes RUN_S on the replica (one at a time per replica), so a backlog builds."""
+
+    def __init__(self, runtime: FakeRuntime) -> None:
+        super().__init__(runtime)
+        self.order: list[str] = []  # users, in the order their requests ran
+        self._busy: dict[int, asyncio.Lock] = {}
+
+    async def run_batch(self, handle: FakeProcess, payloads: list[dict[str, Any]]) -> list[Answer]:
+        if handle.level != "HOT":
+            return [NotRun(reason=f"replica is {handle.level}")] * len(payloads)
+        out: list[Answer] = []
+        async with self._busy.setdefault(handle.spec.replica_id, asyncio.Lock()):
+            for p in payloads:
+                await asyncio.sleep(RUN_S)
+                self.order.append(str(p.get("data", "")).split(":")[0])
+                out.append(Completed(result={"echo": p.get("data")}, seconds=RUN_S))
+        return out
+
+
+async def make_stack(tmp_path: Any, policy: FairnessPolicy) -> AsyncIterator[tuple[Stack, SlowCaller]]:
+    log = MemoryEventLog()
+    runtime = FakeRuntime("sim:a")
+    ctl = await Controller(Parts(log, None), policy_interval_s=60).start()
+
+    async def deploy(model_key: str, replicas: int) -> CommandResult:
+        cmd = Deploy(command_id=f"cmd-{uuid.uuid4().hex[:8]}", actor="dispatcher:unit", model_key=model_key,
+                     replicas=replicas, size_bytes=GB)
+        res = await ctl.handle(msgspec.json.encode(cmd), verb="deploy")
+        if not res.ok and not res.last_seq:
+            raise getattr(errs, res.error or "", errs.NdifError)(res.message or "refused")
+        return res
+
+    agent = await NodeAgent(log, MemoryHeartbeats(), runtime, NODE, gpus=node_joined(NODE).gpus,
+                            cpu_cache_bytes=2**34, heartbeat_s=0.05, drain_timeout_s=30.0,
+                            health_interval_s=0.05).start()
+    serving = MemoryServing(deploy)
+    caller = SlowCaller(runtime)
+    disp = await Dispatcher(Parts(log, None), name="dispatcher:unit", caller=caller, ports=serving.ports(),
+                            ack_wait_s=1.0, fairness=policy).start()
+    try:
+        yield Stack(log, ctl, agent, disp, serving, runtime, {}), caller
+    finally:
+        await disp.stop()
+        await agent.stop()
+        await ctl.stop()
+
+
+@pytest_asyncio.fixture
+async def fair(tmp_path: Any) -> AsyncIterator[tuple[Stack, SlowCaller]]:
+    async for s in make_stack(tmp_path, FairnessPolicy()):
+        yield s
+
+
+@pytest_asyncio.fixture
+async def limited(tmp_path: Any) -> AsyncIterator[tuple[Stack, SlowCaller]]:
+    async for s in make_stack(tmp_path, FairnessPolicy(users={"heavy": Share(max_queued=5)})):
+        yield s
+
+
+def queued_positions(stack: Stack, request_id: str) -> list[int]:
+    out = []
+    for subject, body in stack.serving.published:
+        if subject_matches(subject, "ndif.status.>") and subject.endswith(request_id):
+            s = msgspec.json.decode(body)
+            if s["status"] == "QUEUED":
+                out.append(s["queue_position"])
+    return out
+
+
+async def test_a_light_user_is_served_while_a_heavy_users_backlog_is_still_large(fair: tuple[Stack, SlowCaller],
+                                                                                 tmp_path: Any) -> None:
+    stack, caller = fair
+    mk = checkpoint(tmp_path, "tiny")
+    warm = request(mk, 0, user="heavy")
+    await stack.serving.submit(warm)
+    assert (await final(stack, warm)).status is R.COMPLETED
+    heavy = [request(mk, f"heavy:{i}", user="heavy") for i in range(400)]  # type: ignore[arg-type]
+    for r in heavy:
+        await stack.serving.submit(r)
+    proc = next(iter(stack.dispatcher.processors.values()))
+    await until(lambda: proc.queue.queued("heavy") > 300, timeout=10)
+    light = [request(mk, f"light:{i}", user="light") for i in range(10)]  # type: ignore[arg-type]
+    for r in light:
+        await stack.serving.submit(r)
+    for r in light:
+        assert (await final(stack, r)).status is R.COMPLETED
+    assert proc.queue.queued("heavy") > 200  # the light user's requests did not wait for the backlog
+    # Once the light user had a request queued, it never waited behind more than one heavy request.
+    first_light = caller.order.index("light")
+    assert caller.order[first_light:first_light + 20].count("light") == 10
+    state = stack.dispatcher.get_state()[0]
+    assert state["users"]["heavy"]["queued"] > 0
+    # A queued heavy request heard of its position as it moved, not once.
+    last = heavy[-1]
+    assert (await final(stack, last)).status is R.COMPLETED
+    moves = queued_positions(stack, last.request_id)
+    assert len(moves) >= 3 and moves == sorted(moves, reverse=True) and moves[-1] < moves[0]
+
+
+async def test_a_user_past_its_queued_limit_is_refused_at_once_with_the_limit_and_count(
+        limited: tuple[Stack, SlowCaller], tmp_path: Any) -> None:
+    stack, _ = limited
+    mk = checkpoint(tmp_path, "tiny")
+    warm = request(mk, 0, user="other")
+    await stack.serving.submit(warm)
+    assert (await final(stack, warm)).status is R.COMPLETED
+    reqs = [request(mk, f"heavy:{i}", user="heavy") for i in range(30)]  # type: ignore[arg-type]
+    for r in reqs:
+        await stack.serving.submit(r)
+    finals = [await final(stack, r) for r in reqs]  # every one ends: nothing dropped
+    refused = [s for s in finals if s.status is R.ERROR]
+    assert refused and all(s.error == "QueueLimitExceeded" and s.limit == 5 and s.count == 5 for s in refused)
+    assert "limit is 5" in refused[0].message
+    assert sum(s.status is R.COMPLETED for s in finals) >= 5
+    other = request(mk, "other:1", user="other")  # type: ignore[arg-type]  # another user is not limited by it
+    await stack.serving.submit(other)
+    assert (await final(stack, other)).status is R.COMPLETED
+    await until(lambda: not stack.serving.requests.stored)  # all acked
