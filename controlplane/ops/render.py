@@ -12,17 +12,19 @@ from schemas.events import (
     NodeLost,
     PlacementRejected,
     ReplicaCached,
+    ReplicaDrained,
     ReplicaEvent,
     ReplicaEvictionRequested,
     ReplicaFailed,
     ReplicaLoaded,
     ReplicaLoadFailed,
     ReplicaScheduled,
+    ReplicaServed,
     RolloutUpdated,
     event_tag,
 )
 from schemas.keys import display_name
-from schemas.status import Level, ReplicaState
+from schemas.status import DrainReason, Level, ReplicaState
 from schemas.units import GiB, gib
 
 
@@ -172,6 +174,13 @@ def status_json(state: ClusterState, heartbeats: dict[str, float | None] | None 
             "anomaly_count": state.anomaly_count, "skipped": state.skipped}
 
 
+_DRAINED = {
+    DrainReason.IDLE: "idle: nothing of its dispatcher's in flight",
+    DrainReason.UNSERVED: "at once: no dispatcher calls it, nothing in flight",
+    DrainReason.TIMEOUT: "timed out: a dispatcher that calls it did not say it was idle within the agent's drain timeout",
+}
+
+
 def event_reason(item: Event) -> str:
     """What an event says beyond its type, for people: the verb of a command, the error of a failed
     load, needed vs free of a refused placement, why and where to an eviction went, a rollout's step."""
@@ -195,6 +204,10 @@ def event_reason(item: Event) -> str:
             return f"in {item.load_seconds:.2f}s"
         case ReplicaCached():
             return f"{gib(item.cpu_bytes)} in the CPU cache"
+        case ReplicaDrained():
+            return _DRAINED[item.reason]
+        case ReplicaServed():
+            return f"called by {item.actor}"
         case RolloutUpdated():
             step = f"restarting {item.current}" if item.current is not None else "rollout ended"
             rest = f", then {', '.join(map(str, item.remaining))}" if item.remaining else ""

@@ -16,6 +16,7 @@ from controlplane.core.projections.base import Anomaly, Projection
 from controlplane.core.projections.replica import OBSERVED_RULES, ReplicaView, step
 from schemas.events import (
     AGENT_FACTS,
+    DISPATCHER_FACTS,
     CommandDecided,
     DeploymentRequested,
     Event,
@@ -26,7 +27,6 @@ from schemas.events import (
     NodeLost,
     PlacementRejected,
     ReplicaCached,
-    ReplicaDrained,
     ReplicaEvent,
     ReplicaEvictionRequested,
     ReplicaScheduled,
@@ -44,7 +44,7 @@ _LIVE = frozenset({ReplicaState.AVAILABLE})
 _DEAD = frozenset({ReplicaState.FAILED, ReplicaState.LOAD_FAILED})
 
 
-_AUTHORED = AGENT_FACTS | {ReplicaDrained}
+_AUTHORED = AGENT_FACTS | DISPATCHER_FACTS
 
 
 class NodeView(msgspec.Struct, frozen=True, kw_only=True, gc=False):
