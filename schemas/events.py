@@ -20,7 +20,7 @@ from schemas.errors import InvalidCommand
 from schemas.guard import MAX_DEPTH, body_problem
 from schemas.inventory import NodeInventory
 from schemas.keys import model_parts
-from schemas.status import DeploymentOp, EvictionReason, Level
+from schemas.status import DeploymentOp, DrainReason, EvictionReason, Level
 from schemas.subjects import (
     COMMAND_EVENTS_PREFIX,
     HDR_EVENT,
@@ -359,7 +359,18 @@ class ReplicaLoadFailed(ReplicaEvent, frozen=True, kw_only=True, tag="ReplicaLoa
 
 
 class ReplicaDrained(ReplicaEvent, frozen=True, kw_only=True, tag="ReplicaDrained"):
-    """The dispatcher saw the draining replica go idle."""
+    """A draining replica has nothing in flight, as far as its author knows: a dispatcher that serves
+    it saw it idle (`idle`), or its agent found no dispatcher serving it (`unserved`) or gave up
+    waiting (`timeout`). The replica is let go once every dispatcher that serves it said so, or on a
+    timeout (controlplane/core/projections/replica.py)."""
+
+    reason: DrainReason = DrainReason.IDLE
+
+
+class ReplicaServed(ReplicaEvent, frozen=True, kw_only=True, tag="ReplicaServed"):
+    """A dispatcher (the actor) calls this Available replica from now on: appended before its first
+    call, so a drain waits for that dispatcher's `ReplicaDrained`; kept until the replica is
+    scheduled anew."""
 
 
 class ReplicaCached(ReplicaEvent, frozen=True, kw_only=True, tag="ReplicaCached"):
@@ -405,6 +416,7 @@ AnyEvent = Union[
     RolloutUpdated,
     AutoscalePolicySet,
     AutoscaleDecided,
+    ReplicaServed,
 ]
 
 EVENT_TYPES: Final[dict[str, type[Event]]] = {
@@ -488,26 +500,30 @@ def event_tag(event: Event) -> str:
 AGENT_FACTS: Final = frozenset({NodeJoined, ReplicaLoading, ReplicaLoaded, ReplicaLoadFailed, ReplicaCached,
                                 ReplicaUnloaded, ReplicaRestarted, ReplicaFailed})
 DISPATCHER_SOURCE: Final = "dispatcher"  # the source token of the dispatcher's observed replica facts
+# Facts a dispatcher observes (and may append); an agent may also say a replica drained.
+DISPATCHER_FACTS: Final = frozenset({ReplicaDrained, ReplicaServed})
 
 
 def author_problem(event: Event) -> str | None:
     """Why an observed fact's author may not state it (None: it may).
 
     An agent's fact is accepted from `agent:<the node it is about>` only; `ReplicaDrained` also from
-    a `dispatcher:...`. An actor without a `kind:` prefix (events written before authors were
+    a `dispatcher:...`; `ReplicaServed` from a `dispatcher:...` only. An actor without a `kind:` prefix (events written before authors were
     checked, test fixtures) is not checked; the server's per-node subject permissions cover those.
     """
     cls = event.__class__
-    if cls not in AGENT_FACTS and cls is not ReplicaDrained:
+    if cls not in AGENT_FACTS and cls not in DISPATCHER_FACTS:
         return None
     actor = event.actor
     kind, sep, _ = actor.partition(":")
     if not sep:
         return None
-    node_id = event.node_id  # type: ignore[attr-defined]
-    if actor == f"agent:{node_id}":
+    if cls in DISPATCHER_FACTS and kind == DISPATCHER_SOURCE:
         return None
-    if cls is ReplicaDrained and kind == DISPATCHER_SOURCE:
+    node_id = event.node_id  # type: ignore[attr-defined]
+    if cls is ReplicaServed:
+        return f"ReplicaServed about node {node_id!r} appended by {actor!r}: only a dispatcher may state it"
+    if actor == f"agent:{node_id}":
         return None
     return f"{event_tag(event)} about node {node_id!r} appended by {actor!r}: only that node's agent may state it"
 
@@ -515,7 +531,7 @@ def author_problem(event: Event) -> str | None:
 def _source_token(event: ReplicaEvent) -> str | None:
     """The last subject token of an observed replica fact: its node's token, or `dispatcher`."""
     kind, sep, _ = event.actor.partition(":")
-    if event.__class__ in AGENT_FACTS or event.__class__ is ReplicaDrained:
+    if event.__class__ in AGENT_FACTS or event.__class__ in DISPATCHER_FACTS:
         if kind == "agent" and sep and event.node_id:
             return node_token(event.node_id)
         if kind == DISPATCHER_SOURCE and sep:

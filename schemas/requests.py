@@ -23,6 +23,9 @@ from schemas.status import RequestStatus
 
 MAX_REQUEST_BYTES = 1 << 20  # larger payloads are refused (ERROR), not queued
 MAX_STATUS_BYTES = 512 * 1024  # a status holds a result of at most INLINE_RESULT_BYTES inline
+MAX_BATCH_TOKENS = 1 << 16  # a request's input_ids may hold at most this many tokens
+MAX_NEW_TOKENS = 1024
+OPS = ("forward", "generate", "echo")
 INLINE_RESULT_BYTES = 256 * 1024  # larger results go to the `ndif_results` Object Store
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
 
@@ -83,3 +86,47 @@ def decode_request(data: bytes) -> Request:
     req = decode_bounded(_request_decoder, data, limit=MAX_REQUEST_BYTES, what="request")
     check_request_id(req.request_id)
     return req
+
+
+def _int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def payload_problem(payload: object) -> str | None:
+    """Why a replica would refuse this payload whatever model runs it (None: nothing it can tell
+    without the model). The replica applies these rules first (dataplane/replica/model.py) and then
+    its model's own (vocabulary, context length, a tokenizer for `prompt`, module names); `ndif
+    submit` applies them before anything is sent."""
+    if not isinstance(payload, dict):
+        return "the payload must be a JSON object"
+    op = payload.get("op", "forward")
+    if op not in OPS:
+        return f"unknown op {op!r}: use 'forward', 'generate' or 'echo'"
+    if op == "echo":
+        return None
+    ids = payload.get("input_ids")
+    if ids is None:
+        if "prompt" not in payload:
+            return "request needs input_ids (a list of token ids, or a list of such lists) or prompt"
+        if not isinstance(payload["prompt"], str) or not payload["prompt"]:
+            return "prompt must be a non-empty string"
+    else:
+        rows = [ids] if isinstance(ids, list) and ids and _int(ids[0]) else ids
+        if (not isinstance(rows, list) or not rows or not all(isinstance(row, list) and row for row in rows)
+                or len({len(row) for row in rows}) != 1):
+            return "input_ids must be a non-empty list of equally long, non-empty lists of ints"
+        if sum(len(row) for row in rows) > MAX_BATCH_TOKENS:
+            return f"input_ids hold more than {MAX_BATCH_TOKENS} tokens"
+        if any(not _int(t) or t < 0 for row in rows for t in row):
+            return "input_ids must be ints in [0, the model's vocabulary size)"
+    if op == "generate":
+        n = payload.get("max_new_tokens", 16)
+        if not _int(n) or not 1 <= n <= MAX_NEW_TOKENS:
+            return f"max_new_tokens must be an int in [1, {MAX_NEW_TOKENS}]"
+    modules = payload.get("modules")
+    if modules is not None and (not isinstance(modules, list) or not all(isinstance(m, str) for m in modules)):
+        return "modules must be a list of module names"
+    top_k = payload.get("top_k")
+    if top_k is not None and not _int(top_k):
+        return "top_k must be an int"
+    return None

@@ -83,6 +83,15 @@ class EvictionReason(enum.StrEnum):
     FAILURE = "failure"  # failed past `max_restarts`: ended here, replaced elsewhere (decide_failure)
 
 
+class DrainReason(enum.StrEnum):
+    """Why a draining replica was let go (`ReplicaDrained.reason`). A new value is unreadable to
+    older readers (msgspec refuses an unknown enum value): they skip such an event."""
+
+    IDLE = "idle"  # a dispatcher that serves the replica has nothing in flight on it
+    UNSERVED = "unserved"  # its agent: no dispatcher serves it (or every one that does said idle)
+    TIMEOUT = "timeout"  # its agent: not every dispatcher that serves it said idle within the drain timeout
+
+
 class DeploymentOp(enum.StrEnum):
     DEPLOY = "deploy"
     SCALE = "scale"

@@ -7,7 +7,9 @@ clock or randomness: the same inputs give the same plan (tests/unit/test_agent_p
 
     LoadRequested / Loading -> LOAD (create or reuse the process, load or from_cache), once per scheduling;
                                not while a leaving replica of this node still holds one of its cards
-    Draining                -> DRAIN_TIMER (report the drain if the dispatcher has not, after a timeout)
+    Draining, nobody serving it -> DRAINED (no dispatcher calls it, or every one that does said idle:
+                               nothing can be in flight, the drain is reported at once)
+    Draining                -> DRAIN_TIMER (report the drain if the dispatchers have not, after a timeout)
     UnloadRequested         -> UNLOAD (to_cache when desired WARM, else kill)
     Restarting              -> RESTART
     Cached, no process      -> CHECK_WARM (the weights are gone: unloaded, unless the process is found)
@@ -37,6 +39,7 @@ LIVE = frozenset({S.LOAD_REQUESTED, S.LOADING, S.AVAILABLE, S.DRAINING, S.UNLOAD
 class Do(enum.StrEnum):
     LOAD = "load"
     DRAIN_TIMER = "drain"
+    DRAINED = "drained"
     UNLOAD = "unload"
     RESTART = "restart"
     CHECK_WARM = "check-warm"
@@ -85,6 +88,8 @@ def _step(r: ReplicaView, has_actor: bool, leaving: list[ReplicaView]) -> tuple[
                 return None  # the leaving replica's unload comes first; its event plans again
             return Do.LOAD, r.scheduled_at
         case S.DRAINING:
+            if all(d in r.drained_by for d in r.served_by):
+                return Do.DRAINED, r.since_seq
             return Do.DRAIN_TIMER, r.since_seq
         case S.UNLOAD_REQUESTED:
             return Do.UNLOAD, r.since_seq

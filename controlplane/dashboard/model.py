@@ -22,7 +22,17 @@ from typing import Any
 
 from controlplane.core.projections import ClusterState
 from controlplane.core.projections.replica import ReplicaView
-from schemas.events import EVENT_TYPES, Event, NodeDeclared, NodeJoined, NodeLost, ReplicaEvent, Skipped, event_tag
+from schemas.events import (
+    EVENT_TYPES,
+    Event,
+    NodeDeclared,
+    NodeJoined,
+    NodeLost,
+    ReplicaDrained,
+    ReplicaEvent,
+    Skipped,
+    event_tag,
+)
 from schemas.keys import display_name
 from schemas.status import Level
 
@@ -205,7 +215,8 @@ def event_type(item: Item) -> str:
 
 
 def event_row(seq: int, item: Item) -> dict[str, Any]:
-    """One event as the page shows it: sequence, time, type, actor, command id, who it is about."""
+    """One event as the page shows it: sequence, time, type, actor, command id, who it is about (and
+    why a drain ended)."""
     if isinstance(item, Skipped):
         return {"seq": seq, "type": "Skipped", "reason": item.reason, "skipped_type": item.type}
     row: dict[str, Any] = {"seq": seq, "ts": item.ts.isoformat(), "type": event_tag(item), "actor": item.actor,
@@ -213,6 +224,8 @@ def event_row(seq: int, item: Item) -> dict[str, Any]:
     if isinstance(item, ReplicaEvent):
         row["replica_id"] = item.replica_id
         row["node_id"] = item.node_id
+        if isinstance(item, ReplicaDrained):
+            row["drain"] = str(item.reason)  # idle (a dispatcher said so), unserved, or timeout
     elif isinstance(item, (NodeJoined, NodeLost, NodeDeclared)):
         row["node_id"] = item.node_id
     return row

@@ -25,7 +25,7 @@ import msgspec
 from controlplane.core.placement import PADDING
 from controlplane.core.projections import ClusterState
 from controlplane.ops.extras import require
-from controlplane.ops.render import event_reason, render_model, render_status, status_json
+from controlplane.ops.render import event_reason, explain_decision, render_model, render_status, status_json
 from controlplane.service.logs import configure
 from controlplane.store.admin import AdminClient, resolve_name
 from controlplane.store.heartbeats import JetStreamHeartbeats, heartbeat_ages
@@ -69,7 +69,7 @@ def _out(obj: object) -> None:
     sys.stdout.write(json.dumps(obj, sort_keys=True, default=str) + "\n")
 
 
-def _print_result(verb: str, res: CommandResult, as_json: bool) -> None:
+def _print_result(verb: str, res: CommandResult, as_json: bool, why: dict[tuple[str, int], str] | None = None) -> None:
     if as_json:
         sys.stdout.write(_json.encode(res).decode() + "\n")
         return
@@ -77,6 +77,9 @@ def _print_result(verb: str, res: CommandResult, as_json: bool) -> None:
     for r in res.replicas:
         cards = f"gpus {list(r.gpu_indices)}" if r.gpu_indices else "(its cards)"
         print(f"  replica {r.replica_id} of {display_name(r.model_key)}: {r.action} on {r.node_id or '-'} {cards}")
+        reason = (why or {}).get((r.model_key, r.replica_id))
+        if reason:
+            print(f"      why: {reason}")
     for r in res.evictions:
         print(f"  replica {r.replica_id} of {display_name(r.model_key)}: {r.action} -> {r.level}")
     for j in res.rejections:
@@ -131,7 +134,14 @@ async def _command_on(a: argparse.Namespace, admin: AdminClient) -> int:
             res = await admin.autoscale(a.model, _policy(a), off=a.off, command_id=cid)
         case _:
             raise errs.InvalidCommand(f"unknown command {a.cmd}")
-    _print_result(a.cmd, res, a.json)
+    why = None
+    if a.cmd in ("deploy", "scale") and not a.json and res.last_seq and any(r.node_id for r in res.replicas):
+        # Where each replica went and why, from the decision's own events and the cluster before them.
+        before = await admin.state(until_seq=res.first_seq - 1) if res.first_seq > 1 else ClusterState()
+        decision = [(seq, e) async for seq, e in admin.log.read(res.first_seq, stop_seq=res.last_seq)
+                    if isinstance(e, Event)]
+        why = explain_decision(before, decision)
+    _print_result(a.cmd, res, a.json, why)
     code = 0
     if not res.ok:  # placed fewer than asked: the decision stands, the exit code says it fell short
         code = EXIT_PLACED_NONE if res.placed == 0 else EXIT_PLACED_SOME

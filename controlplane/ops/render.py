@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Sequence
+
 import msgspec
 
 from controlplane.core.placement import padded
@@ -18,17 +21,19 @@ from schemas.events import (
     NodeLost,
     PlacementRejected,
     ReplicaCached,
+    ReplicaDrained,
     ReplicaEvent,
     ReplicaEvictionRequested,
     ReplicaFailed,
     ReplicaLoaded,
     ReplicaLoadFailed,
     ReplicaScheduled,
+    ReplicaServed,
     RolloutUpdated,
     event_tag,
 )
 from schemas.keys import display_name
-from schemas.status import Level, ReplicaState
+from schemas.status import DrainReason, Level, ReplicaState
 from schemas.units import GiB, gib
 
 
@@ -188,6 +193,13 @@ def status_json(state: ClusterState, heartbeats: dict[str, float | None] | None 
             "anomaly_count": state.anomaly_count, "skipped": state.skipped}
 
 
+_DRAINED = {
+    DrainReason.IDLE: "idle: nothing of its dispatcher's in flight",
+    DrainReason.UNSERVED: "at once: no dispatcher calls it, nothing in flight",
+    DrainReason.TIMEOUT: "timed out: a dispatcher that calls it did not say it was idle within the agent's drain timeout",
+}
+
+
 def event_reason(item: Event) -> str:
     """What an event says beyond its type, for people: the verb of a command, the error of a failed
     load, needed vs free of a refused placement, why and where to an eviction went, a rollout's step."""
@@ -211,6 +223,10 @@ def event_reason(item: Event) -> str:
             return f"in {item.load_seconds:.2f}s"
         case ReplicaCached():
             return f"{gib(item.cpu_bytes)} in the CPU cache"
+        case ReplicaDrained():
+            return _DRAINED[item.reason]
+        case ReplicaServed():
+            return f"called by {item.actor}"
         case RolloutUpdated():
             step = f"restarting {item.current}" if item.current is not None else "rollout ended"
             rest = f", then {', '.join(map(str, item.remaining))}" if item.remaining else ""
@@ -253,6 +269,42 @@ def autoscale_reason(e: AutoscaleDecided) -> str:
     to = f" ({e.rule}, to {e.level})" if e.target < e.current and e.level is not Level.COLD else ""
     return (f"scaled {e.current} -> {e.target}{to}: {seen}, {e.current} replicas, "
             f"target {e.target_queue_per_replica:g} per replica, {tail}")
+def explain_decision(state: ClusterState, decision: Sequence[tuple[int, Event]]) -> dict[tuple[str, int], str]:
+    """Why each replica a decision placed went where it did, read off the decision's events and the
+    cluster as it was just before them (`state`, which this folds forward through them): a WARM copy
+    reused, the evictions that made room for it, the fit on its cards (needed vs free there), and
+    the spread (how many replicas of the model the node and each of its cards held)."""
+    victims: dict[tuple[str, int], list[str]] = {}
+    for _, e in decision:
+        if isinstance(e, ReplicaEvictionRequested) and e.by_model_key is not None and e.by_replica_id is not None:
+            victims.setdefault((e.by_model_key, e.by_replica_id), []).append(
+                f"{display_name(e.model_key)}#{e.replica_id} ({e.reason} -> {e.target})")
+    out: dict[tuple[str, int], str] = {}
+    for seq, e in decision:
+        if isinstance(e, ReplicaScheduled):
+            out[(e.model_key, e.replica_id)] = _why_here(state, e, victims.get((e.model_key, e.replica_id), []))
+        state.apply(seq, e)
+    return out
+
+
+def _why_here(state: ClusterState, e: ReplicaScheduled, victims: list[str]) -> str:
+    cards = {c.index: c for c in state.node_cards(e.node_id)}
+    per_card: Counter[int] = Counter()
+    on_node = 0
+    for r in state.model_replicas(e.model_key):
+        if r.node_id == e.node_id and r.on_gpu and r.desired is Level.HOT and r.replica_id != e.replica_id:
+            on_node += 1
+            per_card.update(r.gpu_indices)
+    parts = []
+    if e.source is Level.WARM:
+        parts.append(f"WARM reuse: its weights were in {e.node_id}'s CPU cache")
+    if victims:
+        parts.append("room made by evicting " + ", ".join(victims))
+    free = ", ".join(f"card {g} had {gib(cards[g].free_bytes)} free" for g in e.gpu_indices if g in cards)
+    parts.append(f"fit: needs {gib(e.bytes_per_gpu)} on each of {len(e.gpu_indices)} card(s), {free}")
+    spread = ", ".join(f"card {i}: {per_card[i]}" for i in sorted(cards))
+    parts.append(f"spread: {on_node} other replica(s) of the model on {e.node_id} ({spread})")
+    return "; ".join(parts)
 
 
 def render_model(state: ClusterState, model_key: str, recent: list[tuple[int, Event]]) -> str:

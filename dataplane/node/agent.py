@@ -6,8 +6,9 @@ folded state, not on single events, so a restart simply re-folds and finishes wh
 
     LoadRequested / Loading -> create the actor (or `from_cache` a WARM one), `ReplicaLoading`,
                                `ReplicaLoaded` with load seconds, or `ReplicaLoadFailed` with the error
-    Draining                -> wait for the dispatcher's `ReplicaDrained`; after `drain_timeout_s`
-                               the agent appends it itself
+    Draining                -> no dispatcher serves the replica (`ReplicaServed`): `ReplicaDrained`
+                               (unserved) at once; else wait for the dispatchers' `ReplicaDrained`,
+                               and after `drain_timeout_s` append it itself (timeout)
     UnloadRequested         -> `to_cache` + `ReplicaCached` (desired WARM) or kill + `ReplicaUnloaded`
     Restarting              -> kill, re-create with the same id and cards, load, `ReplicaRestarted`
     an actor that died      -> `ReplicaFailed` (the controller's policy restarts or replaces it)
@@ -61,7 +62,7 @@ from schemas.events import (
     ReplicaRestarted,
     ReplicaUnloaded,
 )
-from schemas.status import Level, ReplicaState
+from schemas.status import DrainReason, Level, ReplicaState
 
 logger = structlog.get_logger("ndif.agent")
 SCHEDULE_TIMEOUT_S = 60.0  # a replica actor Ray has not started by then is a failed load
@@ -359,6 +360,8 @@ class NodeAgent:
             if action.do is Do.DRAIN_TIMER:
                 self._done.add(action.mark)
                 self._drain_timers[action.key] = asyncio.create_task(self._drain_timer(action.replica))
+            elif action.do is Do.DRAINED:
+                self._start(action.key, action.mark, self._drained(action.replica))
             else:
                 self._start(action.key, action.mark, self._run(action))
 
@@ -452,13 +455,22 @@ class NodeAgent:
             execution_timeout_s=self.execution_timeout_s))
 
     async def _drain_timer(self, r: ReplicaView) -> None:
-        """The dispatcher reports the drain; if it has not within the timeout, the agent does."""
+        """The dispatchers that serve the replica report the drain; if they have not within the
+        timeout, the agent does, saying so (`timeout`)."""
         await asyncio.sleep(self.drain_timeout_s)
         now = self.state.replicas.get(r.key)
         if now is not None and now.state is S.DRAINING and now.since_seq == r.since_seq:
-            self.logger.info("drain_timeout", model_key=r.model_key, replica_id=r.replica_id,
-                             seconds=self.drain_timeout_s)
-            await self._append(observed(ReplicaDrained, **self._kw(r)))
+            waiting = [d for d in now.served_by if d not in now.drained_by]
+            self.logger.warning("drain_timeout", model_key=r.model_key, replica_id=r.replica_id,
+                                seconds=self.drain_timeout_s, waiting_for=waiting)
+            await self._append(observed(ReplicaDrained, reason=DrainReason.TIMEOUT, **self._kw(r)))
+
+    async def _drained(self, r: ReplicaView) -> None:
+        """No dispatcher calls the replica (or every one that does said it is idle): nothing can be in
+        flight on it, so its drain is over now. The fold lets it go only if that still holds at this
+        event's place in the log (a dispatcher's `ReplicaServed` landing first keeps it draining)."""
+        self.logger.info("drained_unserved", model_key=r.model_key, replica_id=r.replica_id)
+        await self._append(observed(ReplicaDrained, reason=DrainReason.UNSERVED, **self._kw(r)))
 
     async def _unload(self, r: ReplicaView) -> None:
         key = r.key

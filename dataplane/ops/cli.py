@@ -24,6 +24,8 @@ from typing import Any
 from controlplane.ops.cli import build_parser, gib_arg, json_error
 from controlplane.ops.cli import main as admin_main
 from schemas import errors as errs
+from schemas.keys import display_name
+from schemas.requests import payload_problem
 from schemas.subjects import DISPATCHER_STATE, kill_subject
 from schemas.units import GiB
 
@@ -216,6 +218,9 @@ async def _submit(a: argparse.Namespace) -> int:
             raise errs.InvalidCommand("--input-ids takes comma-separated integers, e.g. 1,2,3") from None
     else:
         raise errs.InvalidCommand("give --prompt TEXT or --input-ids 1,2,3")
+    problem = payload_problem(payload)  # the replica's own rules: refused here, nothing is queued
+    if problem is not None:
+        raise errs.InvalidCommand(f"invalid request: {problem}")
     async with Client(a.nats) as c:
         job = await c.submit(a.model, payload)
         t0 = time.perf_counter()
@@ -256,6 +261,23 @@ async def _admin_nc(url: str) -> Any:
     return await connect(url, name="ndif-cli", creds=resolve("admin", url=url))
 
 
+def queue_lines(state: dict[str, Any]) -> list[str]:
+    """`ndif queue` for people: each processor's model by its short name (as every other verb names
+    a model; the full key is in --json) and its state."""
+    out = [f"dispatcher {state['dispatcher']}"]
+    for p in state["processors"]:
+        out.append(f"  {display_name(p['model_key'])}\n    {p['status']}: {p['queued']} queued, {p['in_flight']} running, "
+                   f"serving {p.get('serving_replicas', p.get('workers'))} (ready {p['ready_replicas']}, draining "
+                   f"{p['draining_replicas']}, starting {p['starting_replicas']}), {p['completed']} completed, "
+                   f"{p['errors']} errors; {p.get('replica_calls', 0)} replica calls, "
+                   f"{p.get('endpoint_calls', 0)} of them over NATS")
+        users = p.get("users") or {}
+        if users:
+            out.append("    per user: " + ", ".join(f"{u or '(open)'} {c['queued']} queued / {c['running']} running"
+                                                for u, c in users.items()))
+    return out
+
+
 async def _queue(a: argparse.Namespace) -> int:
     import json
 
@@ -272,16 +294,7 @@ async def _queue(a: argparse.Namespace) -> int:
     if a.json:
         print(json.dumps(state, sort_keys=True))
         return 0
-    print(f"dispatcher {state['dispatcher']}")
-    for p in state["processors"]:
-        print(f"  {p['model_key']}\n    {p['status']}: {p['queued']} queued, {p['in_flight']} running, "
-              f"serving {p.get('serving_replicas', p.get('workers'))} (ready {p['ready_replicas']}, draining {p['draining_replicas']}, "
-              f"starting {p['starting_replicas']}), {p['completed']} completed, {p['errors']} errors; "
-              f"{p.get('replica_calls', 0)} replica calls, {p.get('endpoint_calls', 0)} of them over NATS")
-        users = p.get("users") or {}
-        if users:
-            print("    per user: " + ", ".join(f"{u or '(open)'} {c['queued']} queued / {c['running']} running"
-                                          for u, c in users.items()))
+    print("\n".join(queue_lines(state)))
     return 0
 
 

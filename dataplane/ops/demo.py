@@ -23,6 +23,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,16 @@ class Progress:
         self.failed += 0 if ok else 1
         self.draw()
 
+    def say(self, text: str) -> None:
+        """Print `text` on lines of its own above the bar, which is drawn again below it (never
+        written over, never written into)."""
+        if self.tty:
+            print("\r" + " " * 110 + "\r" + text, flush=True)
+            if self.done < self.total:
+                self.draw()
+        else:
+            print(text, flush=True)
+
     def draw(self, note: str = "") -> None:
         frac = self.done / self.total
         bar = "#" * int(frac * 30) + "." * (30 - int(frac * 30))
@@ -62,9 +73,14 @@ class Progress:
             print(line, flush=True)
 
 
-async def run_cli(url: str, *args: str) -> str:
-    """Run the real CLI and show it, as an operator would type it."""
-    print(f"$ ndif {' '.join(args)}", flush=True)
+def _print(text: str) -> None:
+    print(text, flush=True)
+
+
+async def run_cli(url: str, *args: str, show: Callable[[str], None] = _print) -> str:
+    """Run the real CLI and show it (through `show`: a progress bar's `say` while one is drawn), as
+    an operator would type it."""
+    show(f"$ ndif {' '.join(args)}")
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "dataplane.ops.cli", *args,
         env={**os.environ, "NDIF_NATS_URL": url, "NDIF_LOG_LEVEL": "WARNING"},
@@ -72,7 +88,7 @@ async def run_cli(url: str, *args: str) -> str:
     out, _ = await proc.communicate()
     text = out.decode()
     if text.strip():
-        print("  " + text.rstrip().replace("\n", "\n  "), flush=True)
+        show("  " + text.rstrip().replace("\n", "\n  "))
     if proc.returncode:
         raise SystemExit(f"demo: `ndif {' '.join(args)}` exited {proc.returncode}")
     return text
@@ -100,7 +116,7 @@ async def _burst(client: Any, model: str, n: int, label: str, *, during: Any = N
             outputs.add(str(result.get("text")))
         except RequestFailed as exc:
             ok = False
-            print(f"\n  {job.request_id}: {exc}", flush=True)
+            bar.say(f"  {job.request_id}: {exc}")
         latencies.append(time.perf_counter() - t0)
         last = job.last
         if last is not None and last.replica_id is not None:
@@ -109,7 +125,7 @@ async def _burst(client: Any, model: str, n: int, label: str, *, during: Any = N
             requeued += 1
         bar.update(ok=ok)
         if during is not None and side is None and bar.done >= during_at:
-            side = asyncio.create_task(during())
+            side = asyncio.create_task(during(bar))
 
     t0 = time.perf_counter()
     await asyncio.gather(*(one() for _ in range(n)))
@@ -183,10 +199,9 @@ async def run_demo(*, port: int | None, store: Path | None, gpus: tuple[Any, ...
             await run_cli(url, "scale", gpt2, "--replicas", "3", "--wait")
             before_evict = (await admin.state()).seq
 
-            async def evict() -> None:
-                bar_note = "evicting replica 0 while requests flow"
-                print(f"\n  ({bar_note})", flush=True)
-                await run_cli(url, "evict", gpt2, "--replica-id", "0")
+            async def evict(bar: Progress) -> None:
+                bar.say("  (evicting replica 0 while requests flow)")
+                await run_cli(url, "evict", gpt2, "--replica-id", "0", show=bar.say)
 
             say(f"A second burst of {requests}; replica 0 is evicted once a quarter of it is done")
             outcome["burst2"] = b2 = await _burst(client, gpt2, requests, "burst 2", during=evict,

@@ -31,13 +31,12 @@ from typing import Any
 import structlog
 
 from schemas.errors import NdifError
+from schemas.requests import MAX_BATCH_TOKENS, MAX_NEW_TOKENS, payload_problem
 from schemas.status import Level
 from schemas.units import gib
 
 logger = structlog.get_logger("ndif.model")
 
-MAX_BATCH_TOKENS = 1 << 16  # a request's input_ids may hold at most this many tokens
-MAX_NEW_TOKENS = 1024
 
 
 def error_text(exc: BaseException) -> str:
@@ -248,8 +247,9 @@ class ModelReplica:
         op = request.get("op", "forward")
         if op == "echo":  # no model work: health checks and the dispatch benchmark's no-op replicas
             return {"echo": request.get("data"), "replica_id": self.replica_id}
-        if op not in ("forward", "generate"):
-            raise BadRequest(f"unknown op {op!r}: use 'forward', 'generate' or 'echo'")
+        problem = payload_problem(request)  # the rules `ndif submit` checks before sending
+        if problem is not None:
+            raise BadRequest(problem)
         # One run at a time on the replica; the timeout counts from the start of this run (a request
         # handed over while another runs waits its turn first, at most one more timeout).
         started = threading.Event()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
+import logging
 import os
 import secrets
 import shutil
@@ -35,6 +36,7 @@ from dataplane.runtime.ports import Found, Liveness, ReplicaHandle, ReplicaSpec
 # this variable turns on (Ray's own name for it speaks of macOS and Windows; on Linux it does the same).
 _SINGLE_MACHINE_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 _TOKEN_ENVS = ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
+_TOKEN_SETUP_LOGGER = "ray._private.authentication.authentication_token_setup"
 _loopback_set: tuple[str | None, bool] | None = None  # what start_local changed, put back by shutdown
 _token_dir: Path | None = None
 
@@ -53,8 +55,10 @@ def _private_token() -> None:
     """Ray's token auth (on by default for a new local cluster) saves its token in ~/.ray/auth_token
     with the process's umask (0644 in a 0755 directory): any local user could read it and run code on
     the cluster. Give Ray this process's own token instead, 0600 in a 0700 directory, through
-    RAY_AUTH_TOKEN_PATH (which Ray's processes, and joining ones started from here, inherit). A token
-    or a mode the operator set is theirs and kept."""
+    RAY_AUTH_TOKEN_PATH (which Ray's processes, and joining ones started from here, inherit). Ray
+    then warns on every start that it turned token auth on by itself, which is what we asked for and
+    names nothing to do: that one warning is dropped (`_QuietTokenNotice`). A token or a mode the
+    operator set is theirs and kept, and so are Ray's warnings about them."""
     global _token_dir
     if os.environ.get("RAY_AUTH_MODE", "").lower() == "disabled" or any(os.environ.get(v) for v in _TOKEN_ENVS):
         return
@@ -65,6 +69,16 @@ def _private_token() -> None:
             f.write(secrets.token_hex(32))  # Ray's own token format
         atexit.register(shutil.rmtree, _token_dir, True)
     os.environ["RAY_AUTH_TOKEN_PATH"] = str(_token_dir / "auth_token")
+    setup = logging.getLogger(_TOKEN_SETUP_LOGGER)
+    if not any(isinstance(f, _QuietTokenNotice) for f in setup.filters):
+        setup.addFilter(_QuietTokenNotice())
+
+
+class _QuietTokenNotice(logging.Filter):
+    """Drops Ray's "Token authentication is enabled for this Ray cluster" notice (the token is ours)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Token authentication is enabled")
 
 
 def start_local(num_gpus: int, *, num_cpus: int | None = None) -> str:

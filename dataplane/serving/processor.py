@@ -8,7 +8,8 @@ A lane is one call at a time to one replica; each ready replica gets `lanes_per_
 (NDIF_REPLICA_LANES). The replica set is not the processor's own: `sync(view)` is called with the
 queue view folded from the event log every time an event arrives, so `ReplicaLoaded` starts a
 replica's lanes and an eviction, drain or failure retires them at once, without touching the
-other replicas' lanes. A lane takes a request from the head of the queue (with what waits behind
+other replicas' lanes. A dispatcher calls a replica only once the log says it does
+(`ReplicaServed`, appended through `serve` and folded back): a drain then knows whom to wait for. A lane takes a request from the head of the queue (with what waits behind
 it, when requests are short), calls its replica, and writes the terminal status (exactly once);
 if the replica went away under it (WARM, COLD, dead) the request goes back to the head of the
 queue for another lane. A draining replica takes nothing new and, once idle, is reported
@@ -73,6 +74,10 @@ class ProcessorHooks:
     batch_budget_s: float  # ... as many as run in this long, by the model's recent run times
     fairness: FairnessPolicy = field(default_factory=FairnessPolicy)  # shares, bands, limits per user (NDIF_FAIRNESS)
     position_every_s: float = 1.0  # a queued request hears of its new position at most this often
+    # (model key, replica id): say in the log that this dispatcher (`name`) calls the replica; its
+    # lanes start once the fold holds that. None: every Available replica is called at once.
+    serve: Callable[[str, int], None] | None = None
+    name: str = ""
 
 
 _Call = tuple[int, list[Pending], Any, Any]  # replica id, its requests, its actor, the call (or why it could not start)
@@ -119,6 +124,12 @@ class Processor:
     def sync(self, view: ModelQueueView) -> None:
         self.view = view
         ready = set(view.ready)
+        if self.hooks.serve is not None:
+            # Called only once the log says so: a drain waits for this dispatcher from then on.
+            claimed = {rid for rid, by in view.served_by if self.hooks.name in by}
+            for rid in sorted(ready - claimed):
+                self.hooks.serve(self.model_key or "", rid)
+            ready &= claimed
         self.draining = set(view.draining)
         gone = self.ready - ready
         self.ready = ready

@@ -91,8 +91,10 @@ def test_the_embedded_ray_listens_on_loopback_only_and_its_token_is_private(tmp_
     assert wide == [], f"listening beyond loopback: {wide}"
     assert got["gcs"].startswith("127.0.0.1:"), got["gcs"]
 
-    # Its token: a file of this user's only, and nothing readable by others under ~/.ray.
+    # Its token: a file of this user's only, and nothing readable by others under ~/.ray. Token mode
+    # is said outright, so Ray does not warn that it turned token auth on by itself.
     assert got["auth_mode"] == "token"
+    assert "Token authentication is enabled" not in proc.stderr + proc.stdout
     token = Path(got["token_path"])
     file_mode, dir_mode = got["token_modes"]
     assert stat.S_IMODE(file_mode) == 0o600 and stat.S_IMODE(dir_mode) == 0o700, got["token_modes"]

@@ -20,7 +20,7 @@ from dataplane.node.agent import NodeAgent
 from dataplane.runtime.ports import ReplicaSpec
 from schemas import events as E
 from schemas.errors import InfrastructureError
-from schemas.status import EvictionReason, Level, ReplicaState
+from schemas.status import DrainReason, EvictionReason, Level, ReplicaState
 from tests.fake_runtime import FakeRuntime
 from tests.strategies import MODELS, NODES, _env, histories, node_joined, numbered
 from tests.waiting import until
@@ -64,14 +64,52 @@ def kinds(actions: list[Any]) -> list[tuple[int, Do]]:
 # ---- unit cases ------------------------------------------------------------------------------
 
 
+def served(rid: int, by: str) -> E.ReplicaServed:
+    return E.ReplicaServed(**_env(by), **rep(rid))
+
+
 def test_each_state_asks_its_action() -> None:
-    events = start() + [scheduled(0, (0,))] + hot(1, (1,)) + [evict(1, drain=True)]
+    events = start() + [scheduled(0, (0,))] + hot(1, (1,)) + [served(1, "dispatcher:a"), evict(1, drain=True)]
     st_ = state_of(events)
     assert st_.replicas[(M, 1)].state is S.DRAINING
     assert kinds(plan_actions(st_, NODE, set(), set())) == [(0, Do.LOAD), (1, Do.DRAIN_TIMER)]
-    st_ = state_of(events + [E.ReplicaDrained(**_env("dispatcher"), **rep(1))])
+    st_ = state_of(events + [E.ReplicaDrained(**_env("dispatcher:a"), **rep(1))])
     assert kinds(plan_actions(st_, NODE, {(M, 1)}, set())) == [(0, Do.LOAD), (1, Do.UNLOAD)]
     assert plan_actions(st_, NODES[1], set(), set()) == []  # another node's replicas are not ours
+
+
+def test_a_drain_no_dispatcher_serves_is_over_at_once_and_one_served_waits_for_every_server() -> None:
+    base = start() + hot(0, (0,))
+    # Never served: nothing can be in flight, the agent reports the drain now.
+    st_ = state_of(base + [evict(0, drain=True)])
+    assert st_.replicas[(M, 0)].state is S.DRAINING
+    assert kinds(plan_actions(st_, NODE, {(M, 0)}, set())) == [(0, Do.DRAINED)]
+    # Served by two dispatchers: one saying idle is not enough; both are.
+    two = base + [served(0, "dispatcher:a"), served(0, "dispatcher:b"), evict(0, drain=True)]
+    a_idle = E.ReplicaDrained(**_env("dispatcher:a"), **rep(0))
+    st_ = state_of(two + [a_idle])
+    assert st_.replicas[(M, 0)].state is S.DRAINING and st_.replicas[(M, 0)].drained_by == ("dispatcher:a",)
+    assert kinds(plan_actions(st_, NODE, {(M, 0)}, set())) == [(0, Do.DRAIN_TIMER)]
+    # The agent's "unserved" landing while b still serves it changes nothing; b's report ends it.
+    unserved = E.ReplicaDrained(**_env(f"agent:{NODE}"), **rep(0), reason=DrainReason.UNSERVED)
+    assert state_of(two + [a_idle, unserved]).replicas[(M, 0)].state is S.DRAINING
+    b_idle = E.ReplicaDrained(**_env("dispatcher:b"), **rep(0))
+    assert state_of(two + [a_idle, b_idle]).replicas[(M, 0)].state is S.UNLOAD_REQUESTED
+    # A timeout lets it go whoever has not answered.
+    timeout = E.ReplicaDrained(**_env(f"agent:{NODE}"), **rep(0), reason=DrainReason.TIMEOUT)
+    assert state_of(two + [a_idle, timeout]).replicas[(M, 0)].state is S.UNLOAD_REQUESTED
+    # A claim on a replica already draining is not a caller (its dispatcher sees it draining there).
+    late = base + [evict(0, drain=True), served(0, "dispatcher:a")]
+    assert state_of(late).replicas[(M, 0)].served_by == ()
+    # Scheduled anew: the old callers are forgotten.
+    again = two + [unserved, b_idle, a_idle, E.ReplicaUnloaded(**_env(f"agent:{NODE}"), **rep(0)), scheduled(0, (0,))]
+    assert state_of(again).replicas[(M, 0)].served_by == ()
+
+
+def test_only_a_dispatcher_may_say_it_serves_a_replica() -> None:
+    forged = E.ReplicaServed(**_env(f"agent:{NODE}"), **rep(0))
+    st_ = state_of(start() + hot(0, (0,)) + [forged])
+    assert st_.replicas[(M, 0)].served_by == () and st_.anomalies
 
 
 def test_a_load_waits_for_the_leaving_replica_on_its_card() -> None:
@@ -306,3 +344,25 @@ async def test_an_append_the_log_refuses_for_a_while_is_retried() -> None:
             await agent.stop()
     retries = [e for e in logs if e["event"] == "append_retry"]
     assert len(retries) == 2 and retries[0]["event_type"] == "NodeJoined", retries
+
+
+@pytest.mark.timeout(30)
+async def test_a_drain_that_timed_out_says_so_in_the_log_in_history_and_on_the_dashboard() -> None:
+    """A dispatcher that serves the replica never answers (it died): the agent ends the drain after
+    its timeout with reason `timeout`, which history and the dashboard show as such."""
+    from controlplane.dashboard.model import event_row
+    from controlplane.ops.render import event_reason
+
+    log = MemoryEventLog()
+    await log.append(start() + hot(0, (0,)) + [served(0, "dispatcher:gone"), evict(0, Level.COLD, drain=True)], None)
+    agent = await _agent(log, FakeRuntime("sim:a")).start()
+    try:
+        await until(lambda: agent.state.replicas[(M, 0)].state is S.UNLOADED)
+    finally:
+        await agent.stop()
+    (drained,) = [e for e in log.events() if isinstance(e, E.ReplicaDrained)]
+    assert drained.reason is DrainReason.TIMEOUT and drained.actor == f"agent:{NODE}"
+    assert event_reason(drained).startswith("timed out")
+    assert event_row(9, drained)["drain"] == "timeout"
+    idle = E.ReplicaDrained(**_env("dispatcher:a"), **rep(0))
+    assert not event_reason(idle).startswith("timed out") and event_row(9, idle)["drain"] == "idle"

@@ -8,6 +8,7 @@ its requests at once; a draining replica with nothing in flight is reported drai
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -31,7 +32,7 @@ from schemas import events as E
 from schemas.commands import CommandResult, Deploy, Evict
 from schemas.keys import canonical_model_key
 from schemas.requests import Request, StatusUpdate
-from schemas.status import ReplicaState, RequestStatus
+from schemas.status import DrainReason, ReplicaState, RequestStatus
 from schemas.subjects import subject_matches
 from tests.fake_runtime import FakeProcess, FakeRuntime
 from tests.strategies import node_joined
@@ -186,3 +187,40 @@ async def test_a_draining_replica_with_nothing_in_flight_is_reported_drained_by_
     await until(lambda: stack.agent.state.replicas[(mk, 0)].state is ReplicaState.CACHED, timeout=10)
     processor = next(iter(stack.dispatcher.processors.values()))
     await until(lambda: not processor.ready and not processor.lanes)  # its lanes retired with the replica
+
+
+async def test_a_replica_no_dispatcher_serves_drains_at_once_not_after_the_drain_timeout(stack: Stack,
+                                                                                        tmp_path) -> None:
+    """A model deployed but never requested: no dispatcher calls its replica, so nothing can be in
+    flight; evicting it is over in well under the agent's 30 s drain timeout, and says why."""
+    mk = checkpoint(tmp_path, "never-asked")
+    res = await stack.controller.handle(msgspec.json.encode(Deploy(command_id="d-quiet", model_key=mk, size_bytes=GB)),
+                                        verb="deploy")
+    assert res.ok, res
+    await until(lambda: (r := stack.agent.state.replicas.get((mk, 0))) is not None and r.state is ReplicaState.AVAILABLE,
+                timeout=10)
+    t0 = time.monotonic()
+    res = await stack.controller.handle(msgspec.json.encode(Evict(command_id="evict-q", model_key=mk, replica_id=0)),
+                                        verb="evict")
+    assert res.ok, res
+    await until(lambda: stack.agent.state.replicas[(mk, 0)].state is ReplicaState.CACHED, timeout=10)
+    assert time.monotonic() - t0 < 5  # the drain timeout is 30 s
+    (drained,) = [e for e in stack.events(E.ReplicaDrained) if e.model_key == mk]
+    assert drained.actor == f"agent:{NODE}" and drained.reason is DrainReason.UNSERVED
+    assert not [e for e in stack.events(E.ReplicaServed) if e.model_key == mk]
+
+
+async def test_a_replica_a_dispatcher_serves_waits_for_it_and_its_claim_comes_before_its_first_call(
+        stack: Stack, tmp_path) -> None:
+    mk = checkpoint(tmp_path, "asked")
+    r = request(mk, 1)
+    await stack.serving.submit(r)
+    assert (await final(stack, r)).status is R.COMPLETED
+    (claim,) = stack.events(E.ReplicaServed)
+    assert claim.actor == "dispatcher:unit" and claim.replica_id == 0
+    assert stack.agent.state.replicas[(mk, 0)].served_by == ("dispatcher:unit",)
+    await stack.controller.handle(msgspec.json.encode(Evict(command_id="evict-a", model_key=mk, replica_id=0)),
+                                  verb="evict")
+    await until(lambda: stack.agent.state.replicas[(mk, 0)].state is ReplicaState.CACHED, timeout=10)
+    (drained,) = stack.events(E.ReplicaDrained)
+    assert drained.actor == "dispatcher:unit" and drained.reason is DrainReason.IDLE

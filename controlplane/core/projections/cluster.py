@@ -18,6 +18,7 @@ from controlplane.core.projections.replica import OBSERVED_RULES, ReplicaView, s
 from schemas.autoscale import AutoscalePolicy
 from schemas.events import (
     AGENT_FACTS,
+    DISPATCHER_FACTS,
     AutoscaleDecided,
     AutoscalePolicySet,
     CommandDecided,
@@ -31,7 +32,6 @@ from schemas.events import (
     NodeLost,
     PlacementRejected,
     ReplicaCached,
-    ReplicaDrained,
     ReplicaEvent,
     ReplicaEvictionRequested,
     ReplicaScheduled,
@@ -50,7 +50,7 @@ _LIVE = frozenset({ReplicaState.AVAILABLE})
 _DEAD = frozenset({ReplicaState.FAILED, ReplicaState.LOAD_FAILED})
 
 
-_AUTHORED = AGENT_FACTS | {ReplicaDrained}
+_AUTHORED = AGENT_FACTS | DISPATCHER_FACTS
 
 
 class NodeView(msgspec.Struct, frozen=True, kw_only=True, gc=False):

@@ -26,6 +26,7 @@ class ModelQueueView(msgspec.Struct, frozen=True, kw_only=True):
     failed: tuple[int, ...]  # desired HOT but failed to load or died
     rejected: bool = False  # the last placement for it could not be satisfied
     nodes: tuple[tuple[int, str], ...] = ()  # (replica id, node id) of each placed replica: its endpoint's node
+    served_by: tuple[tuple[int, tuple[str, ...]], ...] = ()  # (replica id, dispatchers that call it) of ready ones
 
 
 def queue_view(state: ClusterState, model_key: str) -> ModelQueueView:
@@ -41,6 +42,7 @@ def queue_view(state: ClusterState, model_key: str) -> ModelQueueView:
         failed=tuple(r.replica_id for r in hot if r.state in (S.FAILED, S.LOAD_FAILED)),
         rejected=m is not None and m.last_rejection is not None and m.last_rejection.seq >= m.since_seq,
         nodes=tuple((r.replica_id, r.node_id) for r in rs if r.node_id),
+        served_by=tuple((r.replica_id, r.served_by) for r in rs if r.state is S.AVAILABLE),
     )
 
 

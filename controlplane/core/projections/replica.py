@@ -26,9 +26,10 @@ from schemas.events import (
     ReplicaRestarted,
     ReplicaRestartRequested,
     ReplicaScheduled,
+    ReplicaServed,
     ReplicaUnloaded,
 )
-from schemas.status import Level, ReplicaState
+from schemas.status import DrainReason, Level, ReplicaState
 
 S = ReplicaState
 
@@ -60,6 +61,10 @@ class ReplicaView(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     error: str | None = None
     since_seq: int = 0  # seq of the event that set `state`
     cause: str | None = None  # command_id of the last desired change
+    # The dispatchers that call it (`ReplicaServed`, since its scheduling) and those of them that
+    # said it is idle in its current drain: a drain completes when the first holds no other name.
+    served_by: tuple[str, ...] = ()
+    drained_by: tuple[str, ...] = ()
 
     @property
     def key(self) -> tuple[str, int]:
@@ -142,7 +147,7 @@ def _on_load_failed(r: ReplicaView, ev: ReplicaLoadFailed, seq: int, st: Replica
 def _on_eviction(r: ReplicaView, ev: ReplicaEvictionRequested, seq: int, st: ReplicaState) -> tuple[ReplicaView, str | None]:
     r = _replace(r, desired=ev.target, cause=ev.command_id)
     if st is S.AVAILABLE:
-        return _moved(r, S.DRAINING if ev.drain else S.UNLOAD_REQUESTED, seq), None
+        return _moved(r, S.DRAINING if ev.drain else S.UNLOAD_REQUESTED, seq, drained_by=()), None
     if st is S.DRAINING:
         return (r, None) if ev.drain else (_moved(r, S.UNLOAD_REQUESTED, seq), None)
     if st in (S.LOAD_REQUESTED, S.LOADING, S.RESTARTING, S.FAILED, S.LOAD_FAILED):
@@ -156,10 +161,25 @@ def _on_eviction(r: ReplicaView, ev: ReplicaEvictionRequested, seq: int, st: Rep
 
 def _on_drained(r: ReplicaView, ev: ReplicaDrained, seq: int, st: ReplicaState) -> tuple[ReplicaView, str | None]:
     if st is S.DRAINING:
-        return _moved(r, S.UNLOAD_REQUESTED, seq), None
+        if ev.reason is DrainReason.TIMEOUT:
+            return _moved(r, S.UNLOAD_REQUESTED, seq, drained_by=()), None
+        drained = r.drained_by
+        if ev.reason is DrainReason.IDLE and ev.actor not in drained:
+            drained = (*drained, ev.actor)
+        if all(d in drained for d in r.served_by):  # nobody who calls it has anything left on it
+            return _moved(r, S.UNLOAD_REQUESTED, seq, drained_by=()), None  # the drain is over
+        return _replace(r, drained_by=drained), None
     if st in (S.UNLOAD_REQUESTED, S.CACHED, S.UNLOADED):
         return r, None  # drain escalated or timed out before the dispatcher said so
     return r, f"ReplicaDrained while {st}"
+
+
+def _on_served(r: ReplicaView, ev: ReplicaServed, seq: int, st: ReplicaState) -> tuple[ReplicaView, str | None]:
+    # Only an Available replica gains a caller: a dispatcher whose claim lands later sees the
+    # replica's state at its claim and calls it only if it is Available there.
+    if st is S.AVAILABLE and ev.actor not in r.served_by:
+        return _replace(r, served_by=(*r.served_by, ev.actor)), None
+    return r, None
 
 
 def _on_cached(r: ReplicaView, ev: ReplicaCached, seq: int, st: ReplicaState) -> tuple[ReplicaView, str | None]:
@@ -216,6 +236,7 @@ _RULES: dict[type, Rule] = {
     ReplicaLoadFailed: _on_load_failed,
     ReplicaEvictionRequested: _on_eviction,
     ReplicaDrained: _on_drained,
+    ReplicaServed: _on_served,
     ReplicaCached: _on_cached,
     ReplicaUnloaded: _on_unloaded,
     ReplicaRestartRequested: _on_restart_requested,
@@ -244,6 +265,8 @@ def _schedule(r: ReplicaView, ev: ReplicaScheduled, seq: int) -> ReplicaView:
         error=None,
         since_seq=seq,
         cause=ev.command_id,
+        served_by=(),
+        drained_by=(),
     )
 
 # The rules a known replica's observed/desired events (all but scheduling) go through.

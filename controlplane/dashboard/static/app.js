@@ -73,7 +73,7 @@ function modelRow(m) {
 function eventRow(e) {
   if (e.type === "Skipped") return `<tr><td>${e.seq}</td><td></td><td>Skipped</td><td colspan="5">${esc(e.reason)}</td></tr>`;
   return `<tr data-seq="${e.seq}"><td>${e.seq}</td><td>${esc((e.ts || "").replace("T", " ").slice(0, 23))}</td>
-    <td>${esc(e.type)}</td><td title="${esc(e.model_key)}">${esc(shortName(e.model_key))}</td><td>${e.replica_id ?? ""}</td>
+    <td>${esc(e.type)}${e.drain ? ` (${esc(e.drain)})` : ""}</td><td title="${esc(e.model_key)}">${esc(shortName(e.model_key))}</td><td>${e.replica_id ?? ""}</td>
     <td>${esc(e.node_id ?? "")}</td><td>${esc(e.actor)}</td><td>${esc(e.command_id ?? "")}</td></tr>`;
 }
 

@@ -2,12 +2,14 @@
 
 Every batch of events is folded with the same reducer as every component; each processor is then
 handed its model's queue view. A model undeployed while requests wait ends them; a processor of a
-model the log no longer knows is removed (through intake). A draining replica that went idle is
-reported here, as `ReplicaDrained`, the one event the dispatcher appends. Depends on intake.
+model the log no longer knows is removed (through intake). The two facts the dispatcher appends go
+out from here: `ReplicaServed` before it first calls a replica, and `ReplicaDrained` once a draining
+replica has nothing of its in flight. Depends on intake.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import structlog
@@ -20,7 +22,7 @@ from controlplane.service.follow import follow_log
 from dataplane.serving.dispatcher.background import Background
 from dataplane.serving.dispatcher.intake import KNOWN_GRACE_S, Intake
 from dataplane.serving.processor import Processor
-from schemas.events import ModelUndeployed, ReplicaDrained
+from schemas.events import Event, ModelUndeployed, ReplicaDrained, ReplicaServed
 from schemas.keys import display_name
 from schemas.status import ReplicaState
 
@@ -37,6 +39,7 @@ class LogFollower:
         self.bg = bg
         self.name = name
         self._drained: set[tuple[str, int, int]] = set()
+        self._served: set[tuple[str, int, int]] = set()
 
     async def catch_up(self) -> None:
         """Fold the whole log as it is now (before anything is served)."""
@@ -81,7 +84,36 @@ class LogFollower:
         mark = (model_key, replica_id, r.since_seq)
         if mark in self._drained:
             return
+        self._drained = self._current(self._drained)
         self._drained.add(mark)
         ev = observed(ReplicaDrained, actor=self.name, model_key=model_key, replica_id=replica_id, node_id=r.node_id)
-        self.bg.spawn(self.log.append([ev], None))
+        self.bg.spawn(self._append(ev, self._drained, mark))
         logger.info("replica_drained", model_key=model_key, replica_id=replica_id)
+
+    def report_served(self, model_key: str, replica_id: int) -> None:
+        """This dispatcher is about to call an Available replica: append `ReplicaServed` (once per
+        state of the replica); its processor calls the replica once the fold holds it."""
+        r = self.state.replicas.get((model_key, replica_id))
+        if r is None or r.state != ReplicaState.AVAILABLE or self.name in r.served_by:
+            return
+        mark = (model_key, replica_id, r.since_seq)
+        if mark in self._served:
+            return
+        self._served = self._current(self._served)
+        self._served.add(mark)
+        ev = observed(ReplicaServed, actor=self.name, model_key=model_key, replica_id=replica_id, node_id=r.node_id)
+        self.bg.spawn(self._append(ev, self._served, mark))
+
+    def _current(self, marks: set[tuple[str, int, int]]) -> set[tuple[str, int, int]]:
+        """The marks still stamped with their replica's state (no other one is met again)."""
+        return {m for m in marks if (r := self.state.replicas.get(m[:2])) is not None and r.since_seq == m[2]}
+
+    async def _append(self, ev: Event, marks: set[tuple[str, int, int]], mark: tuple[str, int, int]) -> None:
+        for attempt in range(8):
+            try:
+                await self.log.append([ev], None)
+                return
+            except Exception as exc:  # noqa: BLE001 - NATS away for a moment: try again, then let the next event retry
+                logger.warning("append_retry", event_type=type(ev).__name__, attempt=attempt, error=str(exc))
+                await asyncio.sleep(min(0.1 * 2**attempt, 2.0))
+        marks.discard(mark)

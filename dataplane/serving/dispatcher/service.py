@@ -14,7 +14,8 @@
 - The first request for a model with no replicas sends `deploy` with NDIF_MODEL_REPLICAS_DEFAULT
   replicas; requests are served from the first replica that is ready. If the last replica goes
   while requests wait, it provisions again and tells the waiting users.
-- A draining replica takes no new request; once idle the dispatcher appends `ReplicaDrained`.
+- A replica is called only after the dispatcher said so in the log (`ReplicaServed`); a draining
+  replica takes no new request, and once idle the dispatcher appends `ReplicaDrained`.
 
 This module holds the settings and wires the parts, each one concern, dependencies one way:
 statuses (status writing) <- provisioning <- intake (consumers, triage, queue lifetime) <- follower
@@ -228,7 +229,8 @@ class Dispatcher:
             status=self.statuses.status, finish_soon=self.statuses.finish_soon,
             provision=self.provisioner.maybe_provision, drained=self.follower.report_drained, link=self.link, caller=self.caller,
             lanes_per_replica=self.lanes_per_replica, batch_max=self.batch_max, batch_budget_s=self.batch_budget_s,
-            fairness=self.fairness, position_every_s=POSITIONS_EVERY_S))
+            fairness=self.fairness, position_every_s=POSITIONS_EVERY_S, serve=self.follower.report_served,
+            name=self.name))
 
     async def _positions(self) -> None:
         """Queued requests hear of their new position and wait estimate as they move (rate-limited)."""
