@@ -34,9 +34,9 @@ from controlplane.service.logs import configure
 configure("ERROR")
 
 import msgspec  # noqa: E402
+import nats  # noqa: E402
 from nats.aio.msg import Msg  # noqa: E402
 
-import nats  # noqa: E402
 from controlplane.ops.nats_server import EmbeddedNats  # noqa: E402
 from controlplane.service.controller import Controller  # noqa: E402
 from controlplane.store.admin import AdminClient  # noqa: E402
