@@ -35,6 +35,7 @@ configure("ERROR")
 
 import msgspec  # noqa: E402
 import nats  # noqa: E402
+from nats.aio.client import Client as NatsClient  # noqa: E402
 from nats.aio.msg import Msg  # noqa: E402
 
 from controlplane.ops.nats_server import EmbeddedNats  # noqa: E402
@@ -54,7 +55,7 @@ class Figures:
     """A dispatcher's figures for one model, `load` = (queued, running), published every 0.2 s;
     `changed` is when the load last changed (perf_counter), taken as it is published."""
 
-    def __init__(self, nc: nats.NATS, model_key: str) -> None:
+    def __init__(self, nc: NatsClient, model_key: str) -> None:
         self.nc, self.model_key = nc, model_key
         self.load = (0, 0)
         self.changed = 0.0
