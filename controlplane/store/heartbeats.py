@@ -29,10 +29,25 @@ class Heartbeat(msgspec.Struct, frozen=True, kw_only=True):
         return max(0.0, ((now or datetime.now(UTC)) - self.at).total_seconds())
 
 
-async def last_heartbeat(js: Any, node_id: str) -> Heartbeat | None:
-    """The last heartbeat of `node_id` still kept in KV, or None (never beat, or expired)."""
+def heartbeat_subject(node_id: str) -> str:
+    """`$KV.ndif_heartbeats.<ntok>`: where a node's agent puts its heartbeat (the bucket's key)."""
+    return f"$KV.{HEARTBEATS_BUCKET}.{node_token(node_id)}"
+
+
+async def beat(js: Any, node_id: str, *, stopped: bool = False) -> None:
+    """Put a node's heartbeat (its node id; empty: it stopped cleanly). A plain JetStream publish on
+    the key's subject, so an agent needs no grant on the bucket's stream API (its info would list
+    every node's key)."""
+    await js.publish(heartbeat_subject(node_id), b"" if stopped else node_id.encode())
+
+
+async def last_heartbeat(js: Any, node_id: str, *, direct: bool = False) -> Heartbeat | None:
+    """The last heartbeat of `node_id` still kept in KV, or None (never beat, or expired).
+
+    `direct`: by a direct get that names the key in the API subject (what a node's agent may do for
+    its own key only); else by a stored get."""
     try:
-        raw = await js.get_msg(f"KV_{HEARTBEATS_BUCKET}", subject=f"$KV.{HEARTBEATS_BUCKET}.{node_token(node_id)}")
+        raw = await js.get_msg(f"KV_{HEARTBEATS_BUCKET}", subject=heartbeat_subject(node_id), direct=direct)
     except (nats.js.errors.NotFoundError, nats.js.errors.KeyNotFoundError):
         return None
     headers = raw.headers or {}

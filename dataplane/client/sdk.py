@@ -33,11 +33,10 @@ from typing import Any
 
 import msgspec
 import nats.errors
-import nats.js.errors
 import structlog
 
 from controlplane.store.credentials import Creds, request_msg_id, resolve
-from controlplane.store.direct import read_object
+from controlplane.store.direct import last_by_subject, read_object
 from controlplane.store.eventstore import JetStreamEventLog
 from schemas import errors as errs
 from schemas.keys import canonical_model_key
@@ -74,6 +73,7 @@ def quiet_library_logs() -> None:
 
 
 quiet_library_logs()
+logger = structlog.get_logger("ndif.client")
 
 # While a job is quiet its kept status is re-read from KV, first after 2 s, backing off to 30 s.
 KV_POLL_FIRST_S = 2.0
@@ -109,10 +109,27 @@ class Job:
         self._sub: Any = None
         self._live_from_start = False  # submitted by us, listened to before it was sent: nothing to catch up
 
+    def _accept(self, data: bytes, where: str) -> StatusUpdate | None:
+        """A status of this job, or None: unreadable, or about another request or another user.
+
+        The server lets only the dispatcher write a user's statuses; this check is the SDK's own, so
+        that whatever else reaches this job's subject or key is never taken for its outcome."""
+        try:
+            u = status_decoder.decode(data)
+        except (msgspec.DecodeError, ValueError, RecursionError):  # invalid UTF-8 is a ValueError
+            logger.warning("status_unreadable", request_id=self.request_id, where=where, size=len(data))
+            return None
+        if u.request_id != self.request_id or u.user != self.client.user:
+            logger.warning("status_not_ours", request_id=self.request_id, where=where,
+                           got_request_id=u.request_id[:128], got_user=u.user[:64])
+            return None
+        return u
+
     async def _listen(self, *, flush: bool = True) -> None:
         async def cb(msg: Any) -> None:
-            with contextlib.suppress(msgspec.DecodeError):
-                self._arrived.append(status_decoder.decode(msg.data))
+            u = self._accept(msg.data, "live")
+            if u is not None:
+                self._arrived.append(u)
                 if self._waiter is not None and not self._waiter.done():
                     self._waiter.set_result(None)
 
@@ -124,12 +141,15 @@ class Job:
         await self.client.log.nc.flush()
 
     async def latest(self) -> StatusUpdate | None:
-        """The latest status kept in KV (what a reconnecting client starts from)."""
-        try:
-            e = await self.client.kv.get(status_key(self.request_id, self.client.user))
-        except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
+        """The latest status kept in KV (what a reconnecting client starts from), by a direct get of
+        this job's own key (the only read of the status bucket a client may make)."""
+        key = status_key(self.request_id, self.client.user)
+        got = await last_by_subject(self.client.log.nc, f"KV_{REQUEST_STATUS_BUCKET}",
+                                    f"$KV.{REQUEST_STATUS_BUCKET}.{key}", timeout=self.client.timeout,
+                                    api=self.client.log.api)
+        if got is None or not got.data or got.headers.get("KV-Operation") in ("DEL", "PURGE"):
             return None
-        return status_decoder.decode(e.value) if e.value else None
+        return self._accept(got.data, "kept")
 
     async def statuses(self, timeout: float | None = None) -> AsyncIterator[StatusUpdate]:
         """Every status from now to the terminal one (starting from the latest kept, if newer)."""
@@ -195,9 +215,14 @@ class Job:
         if final.status is RequestStatus.ERROR:
             raise RequestFailed(f"{final.error or 'error'}: {final.message}", error=final.error, status=final)
         if final.result_ref:
+            # The dispatcher names a large result after its status key: any other name is not this job's.
+            want = f"{status_key(self.request_id, self.client.user)}.json"
+            if final.result_ref != want:
+                raise RequestFailed(f"the result of {self.request_id} names object {final.result_ref[:200]!r}, "
+                                    f"not {want!r}: not taken", error="ResultNotOurs", status=final)
             # This user's own bucket, by direct gets (controlplane/store/direct.py): a client may create no consumer.
             data = await read_object(self.client.log.nc, results_bucket(self.client.user), final.result_ref,
-                                     timeout=self.client.timeout)
+                                     timeout=self.client.timeout, api=self.client.log.api)
             return msgspec.json.decode(data)
         return final.result
 
@@ -223,12 +248,10 @@ class Client:
         self.creds = creds if creds is not None else resolve("client", url=self.url)
         self.user = self.creds.name if self.creds is not None and self.creds.role == "client" else ""
         self.log: JetStreamEventLog = None  # type: ignore[assignment]
-        self.kv: Any = None
 
     async def __aenter__(self) -> Client:
         self.log = await JetStreamEventLog.open(self.url, ensure=False, name=self.name, timeout=self.timeout,
                                                 creds=self.creds, role="client")
-        self.kv = await self.log.js.key_value(REQUEST_STATUS_BUCKET)
         return self
 
     async def __aexit__(self, t: type[BaseException] | None, e: BaseException | None,

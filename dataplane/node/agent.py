@@ -44,7 +44,7 @@ from controlplane.service.follow import follow_log
 from controlplane.service.tasks import cancel_and_wait
 from controlplane.store.credentials import Creds, resolve
 from controlplane.store.eventstore import JetStreamEventLog
-from controlplane.store.heartbeats import STALE_S, last_heartbeat
+from controlplane.store.heartbeats import STALE_S, beat, last_heartbeat
 from dataplane.replica.actor import NAMESPACE, replica_resources
 from dataplane.runtime.ports import Liveness, ReplicaHandle, ReplicaRuntime, ReplicaSpec
 from schemas.errors import InfrastructureError
@@ -62,7 +62,6 @@ from schemas.events import (
     ReplicaUnloaded,
 )
 from schemas.status import Level, ReplicaState
-from schemas.subjects import HEARTBEATS_BUCKET, node_token
 
 logger = structlog.get_logger("ndif.agent")
 SCHEDULE_TIMEOUT_S = 60.0  # a replica actor Ray has not started by then is a failed load
@@ -192,8 +191,7 @@ class NodeAgent:
             # Goodbye: an empty heartbeat lets an agent started next under this node id take over
             # at once (a live one is refused). Best effort: a dead NATS must not hold up the stop.
             with contextlib.suppress(Exception):
-                kv = await asyncio.wait_for(self.js.key_value(HEARTBEATS_BUCKET), 2)
-                await asyncio.wait_for(kv.put(node_token(self.node_id), b""), 2)
+                await asyncio.wait_for(beat(self.js, self.node_id, stopped=True), 2)
         await self._close_log()
 
     async def halt(self) -> None:
@@ -222,7 +220,7 @@ class NodeAgent:
         new beat means a live agent (refused at once); none means its agent died (taken over).
         """
         try:
-            first = await last_heartbeat(self.js, self.node_id)
+            first = await last_heartbeat(self.js, self.node_id, direct=True)
         except Exception as exc:  # noqa: BLE001 - e.g. not allowed to read the bucket: say so, go on
             self.logger.warning("node_id_check_skipped", error=str(exc) or type(exc).__name__)
             return
@@ -233,7 +231,7 @@ class NodeAgent:
         deadline = time.monotonic() + max(0.0, window - age0)
         while time.monotonic() < deadline:
             await asyncio.sleep(0.2)
-            now = await last_heartbeat(self.js, self.node_id)
+            now = await last_heartbeat(self.js, self.node_id, direct=True)
             if now is not None and now.seq != first.seq:
                 raise NodeIdHeld(
                     f"node id {self.node_id!r} is held by a live agent (it beat {now.age_s():.1f}s ago): "
@@ -270,8 +268,7 @@ class NodeAgent:
     # ---- the loops ---------------------------------------------------------------------------
 
     async def heartbeat_once(self) -> None:
-        kv = await self.js.key_value(HEARTBEATS_BUCKET)
-        await kv.put(node_token(self.node_id), self.node_id.encode())
+        await beat(self.js, self.node_id)
 
     def _joined(self) -> NodeJoined:
         assert self.gpus is not None
