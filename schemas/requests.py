@@ -22,6 +22,9 @@ from schemas.status import RequestStatus
 
 MAX_REQUEST_BYTES = 1 << 20  # larger payloads are refused (ERROR), not queued
 INLINE_RESULT_BYTES = 256 * 1024  # larger results go to the `ndif_results` Object Store
+# A status holds at most an inline result and its fields: anything larger is not one (the status
+# bucket's value limit, controlplane/store/eventstore/connection.py, is 512 KiB).
+STATUS_MAX_BYTES = 512 * 1024
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
 
 
@@ -71,3 +74,14 @@ def decode_request(data: bytes) -> Request:
     req = decode_bounded(_request_decoder, data, limit=MAX_REQUEST_BYTES, what="request")
     check_request_id(req.request_id)
     return req
+
+
+def status_or_none(data: bytes) -> StatusUpdate | None:
+    """A status from bytes someone else wrote (a kept KV value, a live message), or None when they are
+    not one: malformed, invalid UTF-8 (a ValueError), nested past the parser's depth. Never raises."""
+    if len(data) > STATUS_MAX_BYTES:
+        return None
+    try:
+        return status_decoder.decode(data)
+    except (msgspec.DecodeError, ValueError, RecursionError):
+        return None

@@ -26,6 +26,7 @@ from typing import Any
 
 import structlog
 
+from controlplane.store.credentials import SYSTEM_ACCOUNT
 from schemas.errors import InfrastructureError
 
 logger = structlog.get_logger("ndif.nats_server")
@@ -126,6 +127,7 @@ class EmbeddedNats:
         if self.proc is not None and self.proc.poll() is None:
             return self
         self.store_dir.mkdir(parents=True, exist_ok=True)
+        self._move_account_store()
         # Settings with no command-line flag, and the users and their permissions when there are
         # any (0600: it holds their passwords; nats-server reads one config file).
         conf = self.store_dir / "server.conf"
@@ -141,6 +143,25 @@ class EmbeddedNats:
         self._wait_ready()
         logger.info("nats_server_started", url=self.url, store_dir=str(self.store_dir), pid=self.proc.pid)
         return self
+
+    @property
+    def jetstream_account(self) -> str:
+        """The account whose streams this server keeps: the system's with the generated users and
+        accounts (controlplane/ops/auth.py), the global account `$G` on an open server."""
+        return SYSTEM_ACCOUNT if self.config_file is not None else "$G"
+
+    def _move_account_store(self) -> None:
+        """JetStream keeps each account's streams in a directory named after the account. A store made
+        under the other mode (an open server's `$G`, or the system's account) is moved to this one's,
+        while no server runs, so that switching modes never starts an empty history beside the old
+        one. A store that already has this account's directory is left alone."""
+        root = self.store_dir / "jetstream" / "jetstream"
+        want = self.jetstream_account
+        other = "$G" if want == SYSTEM_ACCOUNT else SYSTEM_ACCOUNT
+        src, dst = root / other, root / want
+        if src.is_dir() and not dst.exists() and (src / "streams").is_dir():
+            src.rename(dst)
+            logger.warning("jetstream_store_moved", source_account=other, account=want, path=str(dst))
 
     def _wait_ready(self) -> None:
         assert self.proc is not None

@@ -123,6 +123,22 @@ def request_msg_id(request_id: str, creds: Creds | None) -> str:
     return f"{creds.name}.{mac}.{request_id}"
 
 
+def msg_id_problem(msg_id: str, *, user: str, request_id: str) -> str | None:
+    """Why a stored request's dedup id is not one its owner would send, or None.
+
+    The server checks no header, so a client may store its own request under any `Nats-Msg-Id`.
+    With a user the id must name that user (the subject's) and the request: `<user>.<mac>.<request
+    id>` (`request_msg_id`; the mac is not checkable without the owner's password). A request without
+    one, or on an open server (no user), is not refused here."""
+    if not msg_id or not user:
+        return None
+    parts = msg_id.split(".")
+    if len(parts) != 3 or parts[0] != user or parts[2] != request_id:
+        return (f"the request's dedup id (Nats-Msg-Id {msg_id[:200]!r}) does not name its user {user!r} and "
+                f"request id {request_id!r} as <user>.<mac>.<request id>")
+    return None
+
+
 # ---- files under $NDIF_HOME ---------------------------------------------------------------------
 
 

@@ -40,7 +40,7 @@ from controlplane.store.direct import last_by_subject, read_object
 from controlplane.store.eventstore import JetStreamEventLog
 from schemas import errors as errs
 from schemas.keys import canonical_model_key
-from schemas.requests import MAX_REQUEST_BYTES, Request, StatusUpdate, check_request_id, encoder, status_decoder
+from schemas.requests import MAX_REQUEST_BYTES, Request, StatusUpdate, check_request_id, encoder, status_or_none
 from schemas.status import RequestStatus
 from schemas.subjects import (
     REQUEST_STATUS_BUCKET,
@@ -114,9 +114,8 @@ class Job:
 
         The server lets only the dispatcher write a user's statuses; this check is the SDK's own, so
         that whatever else reaches this job's subject or key is never taken for its outcome."""
-        try:
-            u = status_decoder.decode(data)
-        except (msgspec.DecodeError, ValueError, RecursionError):  # invalid UTF-8 is a ValueError
+        u = status_or_none(data)
+        if u is None:
             logger.warning("status_unreadable", request_id=self.request_id, where=where, size=len(data))
             return None
         if u.request_id != self.request_id or u.user != self.client.user:

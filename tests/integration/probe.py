@@ -78,6 +78,15 @@ class Spy:
         self._subs.append(await self.nc.subscribe(subject, cb=cb))
         await self.nc.flush()
 
+    async def saw(self, subject: str, data: bytes, timeout: float = 3.0) -> bool:
+        """Whether `data` arrives on `subject` within `timeout` seconds."""
+        deadline = asyncio.get_running_loop().time() + timeout
+        while (subject, data) not in self.got:
+            if asyncio.get_running_loop().time() > deadline:
+                return False
+            await asyncio.sleep(0.02)
+        return True
+
     async def settle(self, seconds: float = 0.3) -> list[tuple[str, bytes]]:
         """What arrived so far, after `seconds` more for anything in flight."""
         await asyncio.sleep(seconds)

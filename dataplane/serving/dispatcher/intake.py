@@ -27,6 +27,7 @@ from nats.js.client import JetStreamContext
 
 from controlplane.core.projections import ClusterState
 from controlplane.core.projections.queue import queue_view
+from controlplane.store.credentials import msg_id_problem
 from dataplane.serving.dispatcher.background import Background
 from dataplane.serving.dispatcher.provisioning import Provisioner
 from dataplane.serving.dispatcher.statuses import StatusWriter
@@ -287,6 +288,10 @@ class Intake:
             req = decode_request(m.data)
             if req.user != user:
                 req = msgspec.structs.replace(req, user=user)  # the owner is the subject's, never the body's
+            # Deduplication is stream-wide: an id that does not name its owner is not the SDK's
+            problem = msg_id_problem((m.headers or {}).get("Nats-Msg-Id", ""), user=user, request_id=req.request_id)
+            if problem is not None:
+                raise errs.InvalidCommand(problem)
             mk = canonical_model_key(req.model_key, relative=False)  # the SDK sends it absolute
             if model_token(mk) != p.token:
                 raise errs.InvalidCommand(f"request for {req.model_key!r} arrived on another model's subject")

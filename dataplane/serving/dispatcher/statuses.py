@@ -26,7 +26,7 @@ from nats.js.object_store import ObjectStore
 
 from dataplane.serving.dispatcher.background import Background
 from dataplane.serving.processor import Pending
-from schemas.requests import INLINE_RESULT_BYTES, StatusUpdate, encoder, status_decoder
+from schemas.requests import INLINE_RESULT_BYTES, StatusUpdate, encoder, status_or_none
 from schemas.status import RequestStatus
 from schemas.subjects import results_bucket, status_key, status_subject
 
@@ -59,16 +59,26 @@ class StatusWriter:
             if w.timer is not None:
                 w.timer.cancel()
 
-    async def kept(self, request_id: str) -> tuple[StatusUpdate | None, int | None]:
-        """The status kept in KV and its revision (None, None when there is none)."""
+    async def kept(self, key: str) -> tuple[StatusUpdate | None, int | None]:
+        """The status kept in KV under `key` (`<user>.<request id>`) and its revision (None, None when
+        there is none). A value that is not a status, or one of another request or user than its key
+        names, was not written by a dispatcher: it is returned as no status (never terminal) with its
+        revision, so the next compare-and-set replaces it."""
         try:
-            e = await self.kv.get(request_id)
+            e = await self.kv.get(key)
         except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
             return None, None
-        return (status_decoder.decode(e.value) if e.value else None), e.revision
+        if not e.value:
+            return None, e.revision
+        cur = status_or_none(e.value)
+        if cur is None or status_key(cur.request_id, cur.user) != key:
+            logger.warning("kept_status_not_ours", key=key, readable=cur is not None, revision=e.revision)
+            return None, e.revision
+        return cur, e.revision
 
-    async def terminal(self, request_id: str) -> StatusUpdate | None:
-        cur, _ = await self.kept(request_id)
+    async def terminal(self, key: str) -> StatusUpdate | None:
+        """The terminal status kept under `key`, or None (none, not terminal, or not a status of that key)."""
+        cur, _ = await self.kept(key)
         return cur if cur is not None and cur.terminal else None
 
     def _update(self, p: Pending, status: RequestStatus, **kw: Any) -> StatusUpdate:
