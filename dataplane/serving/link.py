@@ -33,7 +33,7 @@ import structlog
 from nats.aio.msg import Msg
 from nats.js import api
 
-from dataplane.replica.endpoint import ANSWERS, PARKED, RETRY_S, _dec, encode_call
+from dataplane.replica.endpoint import ANSWERS, CALL_HEADER, PARKED, RETRY_S, _dec, encode_call
 from dataplane.runtime.ports import ReplicaCaller
 
 logger = structlog.get_logger("ndif.replica_link")
@@ -71,11 +71,12 @@ class ReplicaLink:
     """A dispatcher's calls to replica endpoints: one inbox subscription, answers matched by token.
 
     `call()` returns a future of the batch's answers (or `NoEndpoint`, `RayActorError`, `ReplyLost`).
-    Sending goes through `send(subject, body, reply)`, the dispatcher's ordered outbox, so a call
-    never waits on the connection.
+    Sending goes through `send(subject, body, reply, headers)`, the dispatcher's ordered outbox, so a
+    call never waits on the connection.
     """
 
-    def __init__(self, nc: Any, send: Callable[[str, bytes, str], None], caller: ReplicaCaller | None = None) -> None:
+    def __init__(self, nc: Any, send: Callable[[str, bytes, str, dict[str, str] | None], None],
+                 caller: ReplicaCaller | None = None) -> None:
         self.nc = nc
         if caller is None:
             from dataplane.runtime.ray_adapter import RayCaller
@@ -124,7 +125,8 @@ class ReplicaLink:
         fut: asyncio.Future[list[Any]] = asyncio.get_running_loop().create_future()
         self._calls[token] = _Call(key, actor, self._prefix + token, fut)
         fut.add_done_callback(lambda _f: self._calls.pop(token, None))
-        self._send(subject, body, self._prefix + token)
+        # The id travels in a header: across accounts the replica sees another reply subject.
+        self._send(subject, body, self._prefix + token, {CALL_HEADER: self._prefix + token})
         return fut
 
     async def _on_reply(self, msg: Msg) -> None:

@@ -50,7 +50,7 @@ class StatusWriter:
         self._user_results: dict[str, ObjectStore] = {}  # user -> its results bucket, opened or created
         self._rev: dict[str, int] = {}  # request id -> KV revision of our last (non-terminal) status write
         self._writes: dict[str, _Writes] = {}  # request id -> its status writes
-        self._outbox: list[tuple[str, bytes, str]] = []
+        self._outbox: list[tuple[str, bytes, str, dict[str, str] | None]] = []
         self._outbox_task: asyncio.Task[None] | None = None
 
     def cancel_timers(self) -> None:
@@ -98,9 +98,9 @@ class StatusWriter:
         if status in KV_STATUSES:
             self._kv_put(u, data, terminal=False).add_done_callback(_retrieve)
 
-    def send(self, subject: str, data: bytes, reply: str = "") -> None:
+    def send(self, subject: str, data: bytes, reply: str = "", headers: dict[str, str] | None = None) -> None:
         """Publish without holding up the caller: in order, from one outbox task per loop turn."""
-        self._outbox.append((subject, data, reply))
+        self._outbox.append((subject, data, reply, headers))
         if self._outbox_task is None:
             self._outbox_task = asyncio.create_task(self._flush_outbox())
             self.bg.track(self._outbox_task)
@@ -109,8 +109,8 @@ class StatusWriter:
         try:
             while self._outbox:
                 batch, self._outbox = self._outbox, []
-                for subject, data, reply in batch:
-                    await self.nc.publish(subject, data, reply=reply)
+                for subject, data, reply, headers in batch:
+                    await self.nc.publish(subject, data, reply=reply, headers=headers)
         finally:
             self._outbox_task = None
 
