@@ -247,7 +247,8 @@ class NatsCluster:
     """
 
     def __init__(self, base_dir: str | os.PathLike[str] | None = None, *, size: int = 3, name: str = "ndif",
-                 ready_timeout: float = 20.0, max_payload: int = MAX_PAYLOAD) -> None:
+                 ready_timeout: float = 20.0, max_payload: int = MAX_PAYLOAD,
+                 config_file: str | os.PathLike[str] | None = None) -> None:
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
         if base_dir is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="ndif-nats-cluster-")
@@ -260,6 +261,9 @@ class NatsCluster:
         self.ports = [free_port() for _ in range(size)]
         self.route_ports = [free_port() for _ in range(size)]
         self.procs: list[subprocess.Popen[bytes] | None] = [None] * size
+        # The users and accounts (controlplane/ops/auth.py), the same on every server as
+        # deploy/nats/*.conf include them; None: open.
+        self.config_file = None if config_file is None else Path(config_file)
 
     @property
     def urls(self) -> list[str]:
@@ -278,7 +282,8 @@ class NatsCluster:
                 f"max_payload: {int(self.max_payload)}\n"
                 f"jetstream {{\n  store_dir: {json.dumps(str(store))}\n}}\n"
                 f"cluster {{\n  name: {self.name}\n  listen: 127.0.0.1:{self.route_ports[i]}\n"
-                f"  routes: [\n{routes}\n  ]\n}}\n")
+                f"  routes: [\n{routes}\n  ]\n}}\n"
+                + (self.config_file.read_text() if self.config_file is not None else ""))
 
     def start(self, i: int | None = None) -> NatsCluster:
         for j in range(self.size) if i is None else (i,):
@@ -288,6 +293,8 @@ class NatsCluster:
             d = self.base / f"n{j + 1}"
             d.mkdir(parents=True, exist_ok=True)
             conf = d / "server.conf"
+            conf.touch(mode=0o600)  # it may hold the users' passwords
+            conf.chmod(0o600)
             conf.write_text(self.config(j))
             self.procs[j] = subprocess.Popen(
                 [find_nats_server(), "-c", str(conf), "-l", str(d / "nats-server.log")],
