@@ -24,6 +24,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import nats.errors
+import nats.js.errors
 import pytest
 import pytest_asyncio
 
@@ -160,15 +161,20 @@ def _asks(c: Creds) -> list[tuple[str, bytes, bool]]:
     return [*reads, (f"{api}.CONSUMER.LIST.{REQUESTS_STREAM}", b"{}", True), ("ndif.dispatcher.state", b"", False)]
 
 
-async def _kept(url: str, auth: LocalAuth) -> dict[str, int]:
-    """How many messages each target's stream keeps on its subject (as the admin)."""
+async def _kept(url: str, auth: LocalAuth) -> dict[str, tuple[int, int]]:
+    """For each target's stream: how many messages it keeps on the target's subject, and the sequence
+    of the last one (a KV bucket keeps one per key: a write shows in the sequence), as the admin."""
     nc = await nats.connect(url, **auth.role("admin").connect_options())
     try:
         js = nc.jetstream()
         out = {}
         for name, stream in KEPT_IN.items():
             info = await js.stream_info(stream, subjects_filter=TARGETS[name])
-            out[name] = int((info.state.subjects or {}).get(TARGETS[name], 0))
+            try:
+                last = int((await js.get_msg(stream, subject=TARGETS[name])).seq or 0)
+            except nats.js.errors.NotFoundError:
+                last = 0
+            out[name] = (int((info.state.subjects or {}).get(TARGETS[name], 0)), last)
         return out
     finally:
         await nc.close()
