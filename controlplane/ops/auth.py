@@ -37,8 +37,9 @@ stream info of the status bucket (which would list every user's request ids).
 `ndif up` generates a password per user on first start (`ensure_local`), keeps the credentials
 under `$NDIF_HOME/auth/` (0600) and writes the server's config from them; every local command
 finds its role's file there (`resolve`). Server-config users and accounts rather than decentralised
-JWTs: one file, no operator/account keys to manage, and a reload (`nats-server --signal reload`)
-adds a node or a client.
+JWTs: one file, no operator/account keys to manage. A node or a client is added by making the file
+again and restarting the server (each in turn in a cluster): nats-server 2.15 does not wire the
+imports of an account that a config reload adds (observed: its requests get "no responders").
 """
 
 from __future__ import annotations

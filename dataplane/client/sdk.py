@@ -33,6 +33,7 @@ from typing import Any
 
 import msgspec
 import nats.errors
+import nats.js.errors
 import structlog
 
 from controlplane.store.credentials import Creds, request_msg_id, resolve
@@ -271,9 +272,10 @@ class Client:
         try:
             await self.log.js.publish(request_subject(mk, self.user), body,
                                       headers={"Nats-Msg-Id": request_msg_id(rid, self.creds)}, timeout=self.timeout)
-        except nats.errors.NoRespondersError:
+        except (nats.errors.NoRespondersError, nats.js.errors.NoStreamResponseError):  # nats-py raises the latter
             await job.close()
-            raise errs.InfrastructureError("no NDIF_REQUESTS stream: start the service (`ndif up`)") from None
+            raise errs.InfrastructureError("no stream took the request (no NDIF_REQUESTS stream, or none reachable "
+                                           "now): start the service (`ndif up`), or submit again") from None
         except nats.errors.TimeoutError:
             await job.close()
             raise errs.InfrastructureTimeout(
