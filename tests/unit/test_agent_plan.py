@@ -182,25 +182,17 @@ def test_after_a_restart_running_processes_are_adopted_not_duplicated(sit: Any) 
 # ---- the real agent over the in-memory log and runtime --------------------------------------
 
 
-class _Kv:
+class MemoryHeartbeats:
+    """The slice of a JetStream context the agent's heartbeats use (a publish on its key's subject,
+    a direct get of its last one), in memory."""
+
     def __init__(self) -> None:
         self.data: dict[str, bytes] = {}
 
-    async def put(self, key: str, value: bytes) -> int:
-        self.data[key] = value
-        return len(self.data)
+    async def publish(self, subject: str, payload: bytes = b"", **_: Any) -> None:
+        self.data[subject] = payload
 
-
-class MemoryHeartbeats:
-    """The slice of a JetStream context the agent's heartbeats use (a KV bucket), in memory."""
-
-    def __init__(self) -> None:
-        self.kv = _Kv()
-
-    async def key_value(self, bucket: str) -> _Kv:
-        return self.kv
-
-    async def get_msg(self, stream: str, subject: str) -> Any:
+    async def get_msg(self, stream: str, subject: str, direct: bool = False) -> Any:
         raise nats.js.errors.NotFoundError  # no earlier heartbeat of this node
 
 
