@@ -27,6 +27,8 @@ MAX_BATCH_TOKENS = 1 << 16  # a request's input_ids may hold at most this many t
 MAX_NEW_TOKENS = 1024
 OPS = ("forward", "generate", "echo")
 INLINE_RESULT_BYTES = 256 * 1024  # larger results go to the `ndif_results` Object Store
+# A status holds at most an inline result and its fields: anything larger is not one (the status
+# bucket's value limit, controlplane/store/eventstore/connection.py, is 512 KiB).
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
 
 
@@ -130,3 +132,10 @@ def payload_problem(payload: object) -> str | None:
     if top_k is not None and not _int(top_k):
         return "top_k must be an int"
     return None
+
+
+def status_or_none(data: bytes) -> StatusUpdate | None:
+    """A status from bytes someone else wrote (a kept KV value, a live message), or None when they are
+    not one (`decode_status`'s refusal). Never raises."""
+    u = decode_status(data)
+    return None if isinstance(u, Refused) else u

@@ -49,7 +49,7 @@ class ScriptedAgent:
 
     async def start(self) -> ScriptedAgent:
         log = await JetStreamEventLog.open(self.url, ensure=False, name=f"agent:{self.node_id}")
-        self.beats = JetStreamHeartbeats(log.js)
+        self.beats = JetStreamHeartbeats(log.js, direct=True)
         self.agent = NodeAgent(log, self.beats, self.runtime, self.node_id, gpus=self.gpus,
                                cpu_cache_bytes=self.cpu_cache_bytes, heartbeat_s=self.heartbeat_s, drain_timeout_s=0.0,
                                health_interval_s=0.1, hostname="sim", owns_log=True)

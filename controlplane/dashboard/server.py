@@ -42,7 +42,7 @@ from controlplane.dashboard.model import (
 from controlplane.service.follow import follow_log
 from controlplane.service.parts import Connect, Parts, connect_url, given, start_or_stop
 from controlplane.service.tasks import cancel_and_wait
-from controlplane.store.credentials import Creds
+from controlplane.store.credentials import JS_API, Creds
 from schemas import errors as errs
 from schemas.subjects import DISPATCHER_STATE, REQUESTS_STREAM, model_token, request_consumer_token
 
@@ -303,9 +303,11 @@ class Dashboard:
         # Every model's work-queue consumer in a few listing requests (256 a page), not one request each.
         pending: dict[str, tuple[int, int]] = {}
         listed = 0  # consumers listed so far, ours or not: the next page's offset
+        # The JetStream API as this user reaches it (the dashboard's account imports it under another prefix).
+        js = self.nc.jetstream(prefix=getattr(self.log, "api", JS_API))
         with contextlib.suppress(nats.js.errors.NotFoundError):
             while listed < MAX_QUEUE_CONSUMERS:
-                page = await self.nc.jetstream().consumers_info(REQUESTS_STREAM, offset=listed or None)
+                page = await js.consumers_info(REQUESTS_STREAM, offset=listed or None)
                 listed += len(page)
                 for info in page:
                     token = request_consumer_token(info.name or "")

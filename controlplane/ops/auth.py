@@ -1,32 +1,45 @@
-"""Roles as NATS users with subject permissions: who may publish and subscribe to what.
+"""Roles as NATS users in NATS accounts: who may publish and subscribe to what, and where an answer can go.
 
-One user per role in the server's config (`authorization { users = [...] }`), each with an allow
-list of publish and subscribe subjects and its own inbox prefix (`_INBOX_<user>.>`), so no user can
-read another's replies:
+Accounts close a whole class of hole: nats-server delivers every answer (a JetStream API response,
+a publish ack, a direct get's messages, a service's reply) to whatever reply subject the asker
+named, and checks that subject against no permission. Inside one account a reply subject can
+therefore be any subject the account's streams capture. So the streams, buckets and services live
+in the system's account and every untrusted role has an account of its own:
 
-- admin: everything (commands, every stream's API, the only one who may create, update or delete streams);
-- controller: appends decisions (`ndif.evt.model.*`, `ndif.evt.replica.<m>.<r>`, `ndif.evt.node.*`),
-  reads events and heartbeats, answers `ndif.cmd.*`;
-- agent (one user per node): appends observed facts of its own node only
-  (`ndif.evt.node.<ntok>`, `ndif.evt.replica.*.*.<ntok>`), its own heartbeat key, serves its own
-  node's replica endpoints only (`ndif.run.<ntok>.>`), reads events by direct gets (no consumer);
-- dispatcher: requests, the status bucket and subjects, every user's results bucket
-  (`ndif_results_<user>`, which it creates), `ndif.run.>`, `ndif.cmd.deploy` (provisioning) and
-  its drain reports (`ndif.evt.replica.*.*.dispatcher`);
-- client (one user per person): publishes requests on `ndif.req.*.<user>`, reads only
-  `ndif.status.<user>.>`, its own keys of the status bucket and its own results bucket (by direct
-  gets), kills only through `ndif.dispatcher.kill.<user>`;
-- dashboard: reads events (direct gets, no consumer), stream info and the dispatcher's state;
-  writes nothing.
+- `NDIF` (the system's, JetStream on): admin (everything; the only one who may create, update or
+  delete streams), controller (appends decisions, reads events and heartbeats, answers
+  `ndif.cmd.*`), dispatcher (requests, statuses, results buckets, replica calls, its drain reports);
+- one account per client, named by the client's user name: publishes requests on
+  `ndif.req.*.<user>`, kills through `ndif.dispatcher.kill.<user>`, receives `ndif.status.<user>.>`,
+  reads its own keys of the status bucket and its own results bucket by direct gets;
+- one account per node agent, named by the node's token: appends its own node's observed facts
+  (`ndif.evt.node.<ntok>`, `ndif.evt.replica.*.*.<ntok>`) and heartbeat key, reads the log by direct
+  gets (its wake-up is the `ndif.evt.>` stream import), and exports its replica endpoints
+  `ndif.run.<ntok>.>` to the system, which imports each node's;
+- `NDIF_DASHBOARD`: reads the log by direct gets, the dispatcher's state and the request
+  consumers' list; writes nothing.
 
-Neither a read-only role nor an agent may create a consumer: a consumer's deliver subject is in
-the request body, beyond what subject permissions see, so whoever creates one can make the server
-publish a stream's messages on any subject. Those roles read by direct gets (controlplane/store/direct.py).
+An account reaches the system only through what `NDIF` exports and it imports: services (a request
+goes into `NDIF`, its answer comes back through the import's response map to the asking account,
+and only there) and streams (messages flow out of `NDIF`, never in). Whatever reply subject a client,
+agent or dashboard names, the answer is delivered inside its own account, where no stream listens
+and whose imports are only what it may publish anyway. Exports that carry an account's own token
+(`ndif.req.*.<user>`, `ndif.status.<user>.>`, a node's event subjects, its heartbeat key, its own
+keys' direct gets) are exported with `account_token_position`: the server itself refuses a config
+that imports another account's token. Results buckets are exported privately to their owner.
+The system's JetStream API is imported under `$JS.NDIF.API` (controlplane/store/credentials.py
+`IMPORTED_JS_API`): every account also has the server's own `$JS.API.>`.
+
+Within each account, each user still has an allow list of publish and subscribe subjects and its own
+inbox prefix (`_INBOX_<user>.>`). No role outside the system account may create a consumer or read
+stream info of the status bucket (which would list every user's request ids).
 
 `ndif up` generates a password per user on first start (`ensure_local`), keeps the credentials
-(and the dashboard's operator token) under `$NDIF_HOME/auth/` (0600) and writes the server's config
-from them; every local command finds its role's file there (`resolve`). Server-config users rather than decentralised JWTs: one
-file, no operator/account keys to manage, and a reload (`nats-server --signal reload`) adds a node.
+(and the dashboard's operator token) under `$NDIF_HOME/auth/` (0600) and writes the server's config from them; every local command
+finds its role's file there (`resolve`). Server-config users and accounts rather than decentralised
+JWTs: one file, no operator/account keys to manage. A node or a client is added by making the file
+again and restarting the server (each in turn in a cluster): nats-server 2.15 does not wire the
+imports of an account that a config reload adds (observed: its requests get "no responders").
 """
 
 from __future__ import annotations
@@ -35,11 +48,15 @@ import json
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from controlplane.store.credentials import (
+    DASHBOARD_ACCOUNT,
+    IMPORTED_JS_API,
+    JS_API,
+    SYSTEM_ACCOUNT,
     Creds,
-    _check_name,
+    _check_client_name,
     _write_private,
     auth_dir,
     creds_file,
@@ -72,6 +89,7 @@ from schemas.subjects import (
     RESULTS_BUCKET,
     SNAPSHOTS_BUCKET,
     STATUS_ALL,
+    STATUS_PREFIX,
     command_subject,
     kill_subject,
     node_run_subjects,
@@ -85,9 +103,9 @@ from schemas.subjects import (
 ROLES = ("admin", "controller", "agent", "dispatcher", "client", "dashboard")
 
 
-# ---- permissions -------------------------------------------------------------------------------
+# ---- permissions and accounts -------------------------------------------------------------------
 
-_API = "$JS.API"
+_API = JS_API
 
 
 def _read_stream(stream: str) -> list[str]:
@@ -106,11 +124,6 @@ def _obj(bucket: str) -> str:
     return f"OBJ_{bucket}"
 
 
-def _direct_read(stream: str) -> list[str]:
-    """Reading a stream by direct gets only (its info, gets by sequence, batch or last by subject)."""
-    return [f"{_API}.STREAM.INFO.{stream}", f"{_API}.DIRECT.GET.{stream}", f"{_API}.DIRECT.GET.{stream}.>"]
-
-
 def _results_writer(user: str) -> list[str]:
     """What the dispatcher needs on one user's results bucket: create it, put objects (nats-py's put
     reads an object's last meta and purges a replaced object's chunks)."""
@@ -119,8 +132,104 @@ def _results_writer(user: str) -> list[str]:
             f"{_API}.DIRECT.GET.{_obj(b)}.>", f"{_API}.STREAM.PURGE.{_obj(b)}", f"$O.{b}.>"]
 
 
+class Import(NamedTuple):
+    """One subject an account takes from the system's: a service (requests in, answers back to the
+    asker only) or a stream (messages out of the system). `to`: the subject in the importing account
+    (the system's JetStream API under `$JS.NDIF.API`); "" when it is the same."""
+
+    kind: str  # "service" | "stream"
+    subject: str  # as the system's account has it
+    to: str = ""
+
+    @property
+    def local(self) -> str:
+        return self.to or self.subject
+
+
+def _api_import(api_subject: str) -> Import:
+    """A JetStream API subject of the system's account, imported under `$JS.NDIF.API`."""
+    assert api_subject.startswith(f"{JS_API}.")
+    return Import("service", api_subject, IMPORTED_JS_API + api_subject[len(JS_API):])
+
+
+def system_subject(local: str) -> str:
+    """Where a subject published in an importing account arrives in the system's (`$JS.NDIF.API.x` -> `$JS.API.x`)."""
+    if local.startswith(f"{IMPORTED_JS_API}."):
+        return JS_API + local[len(IMPORTED_JS_API):]
+    return local
+
+
+def _log_reader_imports() -> list[Import]:
+    """Reading the event log without a consumer: direct gets (by batch, by subject), its info, a
+    lookup by time; the event subjects themselves as a follower's wake-up."""
+    ev = EVENTS_STREAM
+    return [Import("stream", EVENTS_ALL),
+            *(_api_import(f"{JS_API}.{x}") for x in (f"DIRECT.GET.{ev}", f"DIRECT.GET.{ev}.>", f"STREAM.INFO.{ev}",
+                                                      f"STREAM.MSG.GET.{ev}"))]
+
+
+def imports(role: str, *, name: str = "", node_id: str = "") -> list[Import]:
+    """What the account of a client, an agent or the dashboard imports from the system's ([] for its own roles)."""
+    st, hb = REQUEST_STATUS_BUCKET, HEARTBEATS_BUCKET
+    if role == "client":
+        me = _check_client_name(name)
+        res = _obj(results_bucket(me))
+        return [Import("service", user_requests(me)), Import("service", kill_subject(me)),
+                Import("stream", user_statuses(me)),
+                _api_import(f"{JS_API}.DIRECT.GET.{_kv(st)}.$KV.{st}.{me}.>"),
+                # Large results: its own bucket, by direct gets (a meta get, then its chunks)
+                _api_import(f"{JS_API}.DIRECT.GET.{res}"), _api_import(f"{JS_API}.DIRECT.GET.{res}.>")]
+    if role == "agent":
+        ntok = node_token(node_id)
+        return [Import("service", f"{NODE_EVENTS_PREFIX}{ntok}"), Import("service", replica_facts_from(ntok)),
+                Import("service", f"$KV.{hb}.{ntok}"),
+                # its own node's last heartbeat (a node id held by a live agent is not taken twice)
+                _api_import(f"{JS_API}.DIRECT.GET.{_kv(hb)}.$KV.{hb}.{ntok}"), *_log_reader_imports()]
+    if role == "dashboard":
+        # the queue view: the dispatcher's state, each model's work-queue consumer (pending counts)
+        return [*_log_reader_imports(), Import("service", DISPATCHER_STATE),
+                _api_import(f"{JS_API}.CONSUMER.LIST.{REQUESTS_STREAM}")]
+    return []
+
+
+def _exports(clients: list[str], readers: list[str]) -> list[dict[str, Any]]:
+    """The system account's exports. Those that carry the importer's token in a subject require it
+    there (`account_token_position`, 1-based): the server refuses an import of another account's."""
+    st, hb, ev = REQUEST_STATUS_BUCKET, HEARTBEATS_BUCKET, EVENTS_STREAM
+    out: list[dict[str, Any]] = [
+        {"service": user_requests("*"), "account_token_position": 4},  # ndif.req.<mtok>.<user>
+        {"service": kill_subject("*"), "account_token_position": 4},  # ndif.dispatcher.kill.<user>
+        {"stream": f"{STATUS_PREFIX}.*.>", "account_token_position": 3},  # ndif.status.<user>.<id>
+        {"service": f"{JS_API}.DIRECT.GET.{_kv(st)}.$KV.{st}.*.>", "account_token_position": 8},
+        {"service": f"{NODE_EVENTS_PREFIX}*", "account_token_position": 4},  # ndif.evt.node.<ntok>
+        {"service": replica_facts_from("*"), "account_token_position": 6},  # ndif.evt.replica.<m>.<r>.<ntok>
+        {"service": f"$KV.{hb}.*", "account_token_position": 3},
+        {"service": f"{JS_API}.DIRECT.GET.{_kv(hb)}.$KV.{hb}.*", "account_token_position": 8},
+    ]
+    # An export with an empty account list would be public: each is written only with its accounts.
+    if readers:
+        out += [{"stream": EVENTS_ALL, "accounts": readers},
+                {"service": f"{JS_API}.DIRECT.GET.{ev}", "response_type": "stream", "accounts": readers},
+                {"service": f"{JS_API}.DIRECT.GET.{ev}.>", "accounts": readers},
+                {"service": f"{JS_API}.STREAM.INFO.{ev}", "accounts": readers},
+                {"service": f"{JS_API}.STREAM.MSG.GET.{ev}", "accounts": readers}]
+    if DASHBOARD_ACCOUNT in readers:
+        out += [{"service": DISPATCHER_STATE, "accounts": [DASHBOARD_ACCOUNT]},
+                {"service": f"{JS_API}.CONSUMER.LIST.{REQUESTS_STREAM}", "accounts": [DASHBOARD_ACCOUNT]}]
+    for c in clients:  # a bucket per user: private exports (its name is no subject token of its own)
+        res = _obj(results_bucket(c))
+        out += [{"service": f"{JS_API}.DIRECT.GET.{res}", "response_type": "stream", "accounts": [c]},
+                {"service": f"{JS_API}.DIRECT.GET.{res}.>", "accounts": [c]}]
+    return out
+
+
+# A replica call's answer may come long after the call (a long generation); the server keeps the
+# way back to the dispatcher this long (its default is 2 minutes).
+REPLICA_CALL_RESPONSE_THRESHOLD = "30m"
+
+
 def permissions(role: str, *, name: str = "", node_id: str = "", clients: tuple[str, ...] = ()) -> dict[str, Any]:
-    """The server-side permissions of one user (nats-server `permissions` block).
+    """The server-side permissions of one user inside its account (nats-server `permissions` block).
 
     `clients`: every client user's name (the dispatcher gets the results bucket of each)."""
     inbox = f"_INBOX_{user_name(role, name=name, node_id=node_id)}.>"
@@ -135,17 +244,6 @@ def permissions(role: str, *, name: str = "", node_id: str = "", clients: tuple[
                f"{_API}.STREAM.INFO.{REQUESTS_STREAM}", f"{_API}.STREAM.INFO.{_kv(REQUEST_STATUS_BUCKET)}",
                f"{_API}.STREAM.INFO.{_obj(RESULTS_BUCKET)}", f"{_API}.STREAM.INFO.{_obj(SNAPSHOTS_BUCKET)}"]
         sub = [COMMANDS_ANY, FIGURES_ANY, inbox]
-    elif role == "agent":
-        ntok = node_token(node_id)
-        # Events by direct gets only (no consumer: its deliver subject could be anyone's); the event
-        # subjects themselves are its follower's wake-up.
-        pub = [f"{NODE_EVENTS_PREFIX}{ntok}", replica_facts_from(ntok), f"$KV.{HEARTBEATS_BUCKET}.{ntok}",
-               f"{_API}.STREAM.INFO.{_kv(HEARTBEATS_BUCKET)}", *_direct_read(EVENTS_STREAM),
-               f"{_API}.STREAM.MSG.GET.{EVENTS_STREAM}",
-               # its own node's last heartbeat (a node id held by a live agent is not taken twice)
-               f"{_API}.STREAM.MSG.GET.{_kv(HEARTBEATS_BUCKET)}",
-               f"{_API}.DIRECT.GET.{_kv(HEARTBEATS_BUCKET)}.$KV.{HEARTBEATS_BUCKET}.{ntok}"]
-        sub = [node_run_subjects(node_id), EVENTS_ALL, inbox]
     elif role == "dispatcher":
         pub = [replica_facts_from(DISPATCHER_SOURCE), command_subject("deploy"), FIGURES_ANY, STATUS_ALL, REPLICA_CALLS_ALL,
                f"$KV.{REQUEST_STATUS_BUCKET}.>", f"$O.{RESULTS_BUCKET}.>", *events,
@@ -154,41 +252,75 @@ def permissions(role: str, *, name: str = "", node_id: str = "", clients: tuple[
                f"{_API}.CONSUMER.MSG.NEXT.{REQUESTS_STREAM}.>", f"$JS.ACK.{REQUESTS_STREAM}.>",
                # requests for models the log does not know: refused ones deleted, stale consumers swept
                f"{_API}.STREAM.MSG.DELETE.{REQUESTS_STREAM}", f"{_API}.CONSUMER.LIST.{REQUESTS_STREAM}",
-               *(x for c in clients for x in _results_writer(_check_name(c, "client name")))]
+               *(x for c in clients for x in _results_writer(_check_client_name(c)))]
         sub = [REQUESTS_ALL, DISPATCHER_STATE, DISPATCHER_KILL, kill_subject("*"), inbox]
-    elif role == "client":
-        me = _check_name(name, "client name")
-        st = _kv(REQUEST_STATUS_BUCKET)
-        pub = [user_requests(me), kill_subject(me),
-               f"{_API}.STREAM.INFO.{st}", f"{_API}.DIRECT.GET.{st}.$KV.{REQUEST_STATUS_BUCKET}.{me}.>",
-               # Large results: its own bucket only, read by direct gets (a meta get, then its chunks).
-               *_direct_read(_obj(results_bucket(me)))]
-        sub = [user_statuses(me), inbox]
-    elif role == "dashboard":
-        # Events by direct gets (no consumer: its deliver subject could be anyone's), a lookup by
-        # time (a stored get), and the event subjects themselves as a follower's wake-up.
-        pub = [*_direct_read(EVENTS_STREAM), f"{_API}.STREAM.MSG.GET.{EVENTS_STREAM}",
-               f"{_API}.STREAM.INFO.*", f"{_API}.STREAM.NAMES", f"{_API}.STREAM.LIST",
-               f"{_API}.INFO", DISPATCHER_STATE,
-               # the queue view: each model's work-queue consumer (pending counts), listed a page at a time
-               f"{_API}.CONSUMER.LIST.{REQUESTS_STREAM}", f"{_API}.CONSUMER.INFO.{REQUESTS_STREAM}.*"]
-        sub = [EVENTS_ALL, inbox]
+    elif role in ("client", "agent", "dashboard"):
+        # Exactly what its account imports: services to publish to, streams to subscribe to.
+        got = imports(role, name=name, node_id=node_id)
+        pub = [i.local for i in got if i.kind == "service"]
+        sub = [i.local for i in got if i.kind == "stream"] + [inbox]
+        if role == "agent":
+            sub.insert(0, node_run_subjects(node_id))  # its own node's replica endpoints, which it exports
     else:
         raise InvalidCommand(f"unknown role {role!r}: one of {', '.join(ROLES)}")
-    return {"publish": {"allow": pub}, "subscribe": {"allow": sub}, "allow_responses": role != "dashboard"}
+    # Only the roles that answer requests publish on the reply subjects they are given.
+    return {"publish": {"allow": pub}, "subscribe": {"allow": sub},
+            "allow_responses": role in ("controller", "dispatcher", "agent")}
+
+
+def accounts(users: list[Creds]) -> dict[str, Any]:
+    """The `accounts` block of the server config: the system's account (JetStream, exports, each
+    node's replica endpoints imported) and one account per client, per node agent, for the dashboard."""
+    for c in users:
+        if c.role not in ROLES:
+            raise InvalidCommand(f"user {c.user}: unknown role {c.role!r}")
+    clients = sorted({c.name for c in users if c.role == "client"})
+    by_account: dict[str, list[Creds]] = {}
+    for c in users:
+        by_account.setdefault(c.account, []).append(c)
+    for acc, members in by_account.items():
+        kinds = {(c.role, c.name, c.node_id) for c in members}
+        if acc != SYSTEM_ACCOUNT and len(kinds) > 1:  # e.g. a client named like a node's token
+            raise InvalidCommand(f"account {acc!r} would hold {', '.join(sorted(c.user for c in members))}: "
+                                 "give the client another name")
+    readers = sorted(a for a, ms in by_account.items() if ms[0].role in ("agent", "dashboard"))
+
+    def user_entry(c: Creds) -> dict[str, Any]:
+        return {"user": c.user, "password": c.password,
+                "permissions": permissions(c.role, name=c.name, node_id=c.node_id, clients=tuple(clients))}
+
+    agents = sorted((c for c in users if c.role == "agent"), key=lambda c: c.account)
+    system: dict[str, Any] = {
+        "jetstream": "enabled",
+        "users": [user_entry(c) for c in by_account.get(SYSTEM_ACCOUNT, [])],
+        "exports": _exports(clients, readers),
+        "imports": [{"service": {"account": c.account, "subject": node_run_subjects(c.node_id)}}
+                    for c in {a.account: a for a in agents}.values()],
+    }
+    out: dict[str, Any] = {SYSTEM_ACCOUNT: system}
+    for acc, members in sorted(by_account.items()):
+        if acc == SYSTEM_ACCOUNT:
+            continue
+        first = members[0]
+        entry: dict[str, Any] = {"users": [user_entry(c) for c in members]}
+        entry["imports"] = [{i.kind: {"account": SYSTEM_ACCOUNT, "subject": i.subject}, **({"to": i.to} if i.to else {})}
+                            for i in imports(first.role, name=first.name, node_id=first.node_id)]
+        if first.role == "agent":
+            entry["exports"] = [{"service": node_run_subjects(first.node_id), "accounts": [SYSTEM_ACCOUNT],
+                                 "response_threshold": REPLICA_CALL_RESPONSE_THRESHOLD}]
+        out[acc] = entry
+    return out
 
 
 def server_config(users: list[Creds]) -> str:
-    """The `authorization` block of a nats-server config (the payload limit is the server's own setting).
+    """The `accounts` block of a nats-server config (the payload limit is the server's own setting).
 
     Values are JSON (which nats-server's config format reads), so subjects such as `$JS.API.>` are
     quoted strings, never variables. Usable as the whole config (`-c`) or `include`d by another.
     """
-    clients = tuple(sorted({c.name for c in users if c.role == "client"}))
-    entries = [{"user": c.user, "password": c.password,
-                "permissions": permissions(c.role, name=c.name, node_id=c.node_id, clients=clients)} for c in users]
-    return (f"# Generated by ndif (controlplane/ops/auth.py): one user per role. Keep it private (0600).\n"
-            f"authorization: {json.dumps({'users': entries}, indent=2)}\n")
+    return (f"# Generated by ndif (controlplane/ops/auth.py): one user per role, the system's account and one\n"
+            f"# account per client, node agent and the dashboard. Keep it private (0600).\n"
+            f"accounts: {json.dumps(accounts(users), indent=2)}\n")
 
 
 def make_creds(role: str, *, name: str = "", node_id: str = "") -> Creds:
@@ -217,7 +349,7 @@ def ensure_local(node_ids: list[str], *, clients: list[str] | None = None, home:
     dashboard's operator token (`auth/dashboard.token`), all 0600 in a 0700 directory."""
     clients = clients or [local_client_name()]
     wanted: list[tuple[str, str, str]] = [(r, "", "") for r in ("admin", "controller", "dispatcher", "dashboard")]
-    wanted += [("client", _check_name(c, "client name"), "") for c in clients]
+    wanted += [("client", _check_client_name(c), "") for c in clients]
     wanted += [("agent", "", n) for n in node_ids]
     users: dict[str, Creds] = {}
     for role, name, node_id in wanted:

@@ -26,6 +26,7 @@ from typing import Any
 
 import structlog
 
+from controlplane.store.credentials import SYSTEM_ACCOUNT
 from schemas.errors import InfrastructureError
 
 logger = structlog.get_logger("ndif.nats_server")
@@ -175,6 +176,7 @@ class EmbeddedNats:
             return self
         self.store_dir.mkdir(parents=True, exist_ok=True)
         lock_fd = self._lock.acquire(self.port)  # before anything in the store is opened
+        self._move_account_store()
         # Settings with no command-line flag, and the users and their permissions when there are
         # any (0600: it holds their passwords; nats-server reads one config file).
         conf = self.store_dir / "server.conf"
@@ -190,6 +192,25 @@ class EmbeddedNats:
         self._wait_ready()
         logger.info("nats_server_started", url=self.url, store_dir=str(self.store_dir), pid=self.proc.pid)
         return self
+
+    @property
+    def jetstream_account(self) -> str:
+        """The account whose streams this server keeps: the system's with the generated users and
+        accounts (controlplane/ops/auth.py), the global account `$G` on an open server."""
+        return SYSTEM_ACCOUNT if self.config_file is not None else "$G"
+
+    def _move_account_store(self) -> None:
+        """JetStream keeps each account's streams in a directory named after the account. A store made
+        under the other mode (an open server's `$G`, or the system's account) is moved to this one's,
+        while no server runs, so that switching modes never starts an empty history beside the old
+        one. A store that already has this account's directory is left alone."""
+        root = self.store_dir / "jetstream" / "jetstream"
+        want = self.jetstream_account
+        other = "$G" if want == SYSTEM_ACCOUNT else SYSTEM_ACCOUNT
+        src, dst = root / other, root / want
+        if src.is_dir() and not dst.exists() and (src / "streams").is_dir():
+            src.rename(dst)
+            logger.warning("jetstream_store_moved", source_account=other, account=want, path=str(dst))
 
     def _wait_ready(self) -> None:
         assert self.proc is not None
@@ -277,7 +298,8 @@ class NatsCluster:
     """
 
     def __init__(self, base_dir: str | os.PathLike[str] | None = None, *, size: int = 3, name: str = "ndif",
-                 ready_timeout: float = 20.0, max_payload: int = MAX_PAYLOAD) -> None:
+                 ready_timeout: float = 20.0, max_payload: int = MAX_PAYLOAD,
+                 config_file: str | os.PathLike[str] | None = None) -> None:
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
         if base_dir is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="ndif-nats-cluster-")
@@ -290,6 +312,9 @@ class NatsCluster:
         self.ports = [free_port() for _ in range(size)]
         self.route_ports = [free_port() for _ in range(size)]
         self.procs: list[subprocess.Popen[bytes] | None] = [None] * size
+        # The users and accounts (controlplane/ops/auth.py), the same on every server as
+        # deploy/nats/*.conf include them; None: open.
+        self.config_file = None if config_file is None else Path(config_file)
 
     @property
     def urls(self) -> list[str]:
@@ -308,7 +333,8 @@ class NatsCluster:
                 f"max_payload: {int(self.max_payload)}\n"
                 f"jetstream {{\n  store_dir: {json.dumps(str(store))}\n}}\n"
                 f"cluster {{\n  name: {self.name}\n  listen: 127.0.0.1:{self.route_ports[i]}\n"
-                f"  routes: [\n{routes}\n  ]\n}}\n")
+                f"  routes: [\n{routes}\n  ]\n}}\n"
+                + (self.config_file.read_text() if self.config_file is not None else ""))
 
     def start(self, i: int | None = None) -> NatsCluster:
         for j in range(self.size) if i is None else (i,):
@@ -318,6 +344,8 @@ class NatsCluster:
             d = self.base / f"n{j + 1}"
             d.mkdir(parents=True, exist_ok=True)
             conf = d / "server.conf"
+            conf.touch(mode=0o600)  # it may hold the users' passwords
+            conf.chmod(0o600)
             conf.write_text(self.config(j))
             self.procs[j] = subprocess.Popen(
                 [find_nats_server(), "-c", str(conf), "-l", str(d / "nats-server.log")],

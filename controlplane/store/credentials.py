@@ -3,6 +3,11 @@
 A `Creds` is one NATS user (role, user name, password, subject token). `ndif up` makes them
 (controlplane/ops/auth.py, with the server config); services, the CLI and the SDK only read them:
 `resolve(role, url=...)` finds the file a local command of that role uses.
+
+Each user lives in a NATS account (controlplane/ops/auth.py): the system's (`NDIF`: admin,
+controller, dispatcher), which holds the streams, or one of its own (each client, each node's
+agent, the dashboard), which reaches the system's JetStream API only under the imported prefix
+`$JS.NDIF.API` (`Creds.js_api`).
 """
 
 from __future__ import annotations
@@ -23,6 +28,18 @@ from schemas.subjects import node_token
 
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
+SYSTEM_ACCOUNT = "NDIF"  # the streams, buckets and services, and the roles that run them
+DASHBOARD_ACCOUNT = "NDIF_DASHBOARD"
+SYSTEM_ROLES = frozenset({"admin", "controller", "dispatcher"})
+# Names a client may not take (its account is named by it): the system's accounts, and the
+# dispatcher's source token on replica facts. Account names are case-sensitive.
+RESERVED_NAMES = frozenset({SYSTEM_ACCOUNT, DASHBOARD_ACCOUNT, "dispatcher"})
+JS_API = "$JS.API"  # the JetStream API in the account that has JetStream (and on an open server)
+# The system's JetStream API as the other accounts import it: every account also has the server's own
+# `$JS.API.>` (which answers "JetStream not enabled for account"), so an import under the same
+# name would race that answer.
+IMPORTED_JS_API = f"$JS.{SYSTEM_ACCOUNT}.API"
+
 
 class Creds(msgspec.Struct, frozen=True, kw_only=True):
     """One user's credentials: `name` is its subject token (client users, agent node tokens)."""
@@ -40,6 +57,42 @@ class Creds(msgspec.Struct, frozen=True, kw_only=True):
     def connect_options(self) -> dict[str, Any]:
         return {"user": self.user, "password": self.password, "inbox_prefix": self.inbox_prefix}
 
+    @property
+    def account(self) -> str:
+        """The NATS account this user is in (the server config puts it there)."""
+        return account_name(self.role, name=self.name, node_id=self.node_id)
+
+    @property
+    def js_api(self) -> str:
+        """The JetStream API prefix this user reaches the system's streams under."""
+        return JS_API if self.role in SYSTEM_ROLES else IMPORTED_JS_API
+
+
+def js_api(creds: Creds | None) -> str:
+    """The JetStream API prefix of `creds` (`$JS.API` without a user: an open server)."""
+    return JS_API if creds is None else creds.js_api
+
+
+def account_name(role: str, *, name: str = "", node_id: str = "") -> str:
+    """The account of a role's user: `NDIF` (the system's), `NDIF_DASHBOARD`, a client's own name,
+    a node's token. A client's and a node's account is named by the subject token that the system's
+    exports require in that position (`account_token_position`), so the server itself checks that an
+    account imports only its own subjects."""
+    if role in SYSTEM_ROLES:
+        return SYSTEM_ACCOUNT
+    if role == "dashboard":
+        return DASHBOARD_ACCOUNT
+    if role == "agent":
+        return node_token(node_id)
+    return _check_client_name(name)
+
+
+def _check_client_name(name: str) -> str:
+    _check_name(name, "client name")
+    if name in RESERVED_NAMES:
+        raise InvalidCommand(f"client name {name!r} is reserved (one of {', '.join(sorted(RESERVED_NAMES))})")
+    return name
+
 
 def _check_name(name: str, what: str) -> str:
     if not _NAME.match(name):
@@ -51,7 +104,7 @@ def user_name(role: str, *, name: str = "", node_id: str = "") -> str:
     if role == "agent":
         return f"agent-{node_token(node_id)}"
     if role == "client":
-        return f"client-{_check_name(name, 'client name')}"
+        return f"client-{_check_client_name(name)}"
     return role
 
 
@@ -69,6 +122,22 @@ def request_msg_id(request_id: str, creds: Creds | None) -> str:
         return request_id
     mac = hmac.new(creds.password.encode(), f"{creds.user}.{request_id}".encode(), hashlib.sha256).hexdigest()[:32]
     return f"{creds.name}.{mac}.{request_id}"
+
+
+def msg_id_problem(msg_id: str, *, user: str, request_id: str) -> str | None:
+    """Why a stored request's dedup id is not one its owner would send, or None.
+
+    The server checks no header, so a client may store its own request under any `Nats-Msg-Id`.
+    With a user the id must name that user (the subject's) and the request: `<user>.<mac>.<request
+    id>` (`request_msg_id`; the mac is not checkable without the owner's password). A request without
+    one, or on an open server (no user), is not refused here."""
+    if not msg_id or not user:
+        return None
+    parts = msg_id.split(".")
+    if len(parts) != 3 or parts[0] != user or parts[2] != request_id:
+        return (f"the request's dedup id (Nats-Msg-Id {msg_id[:200]!r}) does not name its user {user!r} and "
+                f"request id {request_id!r} as <user>.<mac>.<request id>")
+    return None
 
 
 # ---- files under $NDIF_HOME ---------------------------------------------------------------------

@@ -10,6 +10,9 @@ asker's own reply inbox.
 One request `{"seq": s, "batch": n}` (optionally `"next_by_subj"`) is answered with up to `n`
 messages, each with `Nats-Sequence` / `Nats-Subject` headers, then an end-of-batch message
 (status 204 `EOB`), or a single status 404 when nothing is at or after `s`.
+
+`api` is the JetStream API prefix of the asking user: `$JS.API` in the system's account,
+`$JS.NDIF.API` in an account that imports it (controlplane/store/credentials.py).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from typing import Any
 import msgspec
 import nats.errors
 
+from controlplane.store.credentials import JS_API
 from schemas.errors import InfrastructureError, InfrastructureTimeout, NotFound
 from schemas.guard import decode_any
 
@@ -33,10 +37,31 @@ class DirectMsg(msgspec.Struct, frozen=True):
     seq: int
     subject: str
     data: bytes
+    headers: dict[str, str] = msgspec.field(default_factory=dict)
+
+
+async def last_by_subject(nc: Any, stream: str, subject: str, *, timeout: float = 5.0,
+                          api: str = JS_API) -> DirectMsg | None:
+    """The last message of `stream` on `subject`, by a direct get that names the subject in the API
+    subject (so a permission can be one key); None when there is none."""
+    try:
+        msg = await nc.request(f"{api}.DIRECT.GET.{stream}.{subject}", b"", timeout=timeout)
+    except nats.errors.NoRespondersError:
+        raise InfrastructureError(f"no stream {stream} answers direct gets of {subject}") from None
+    except nats.errors.TimeoutError:
+        raise InfrastructureTimeout(f"direct get of {subject} from {stream} timed out") from None
+    h = dict(msg.headers or {})
+    status = h.get("Status")
+    if status == "404":
+        return None
+    if status:
+        raise InfrastructureError(f"direct get of {subject} from {stream}: status {status}")
+    return DirectMsg(seq=int(h.get("Nats-Sequence", "0") or 0), subject=h.get("Nats-Subject", ""), data=msg.data,
+                     headers=h)
 
 
 async def direct_batch(nc: Any, stream: str, seq: int, batch: int = MAX_BATCH, *, next_by_subj: str | None = None,
-                       timeout: float = 5.0) -> list[DirectMsg]:
+                       timeout: float = 5.0, api: str = JS_API) -> list[DirectMsg]:
     """Up to `batch` messages of `stream` from `seq` on (of `next_by_subj` only, if given); [] when none."""
     req: dict[str, Any] = {"seq": max(int(seq), 1), "batch": max(1, min(int(batch), MAX_BATCH)),
                            "max_bytes": MAX_BATCH_BYTES}
@@ -57,7 +82,7 @@ async def direct_batch(nc: Any, stream: str, seq: int, batch: int = MAX_BATCH, *
     inbox = nc.new_inbox()
     sub = await nc.subscribe(inbox, cb=on_msg)
     try:
-        await nc.publish(f"$JS.API.DIRECT.GET.{stream}", msgspec.json.encode(req), reply=inbox)
+        await nc.publish(f"{api}.DIRECT.GET.{stream}", msgspec.json.encode(req), reply=inbox)
         try:
             status = await asyncio.wait_for(done, timeout)
         except TimeoutError:
@@ -72,13 +97,13 @@ async def direct_batch(nc: Any, stream: str, seq: int, batch: int = MAX_BATCH, *
     return out
 
 
-async def read_object(nc: Any, bucket: str, name: str, *, timeout: float = 5.0) -> bytes:
+async def read_object(nc: Any, bucket: str, name: str, *, timeout: float = 5.0, api: str = JS_API) -> bytes:
     """An Object Store object (nats-py's layout) by direct gets: its meta (the last message on
     `$O.<bucket>.M.<base64url(name)>`), then its chunks (`$O.<bucket>.C.<nuid>`), digest checked."""
     stream = f"OBJ_{bucket}"
     meta_subject = f"$O.{bucket}.M.{base64.urlsafe_b64encode(name.encode()).decode()}"
     try:
-        msg = await nc.request(f"$JS.API.DIRECT.GET.{stream}.{meta_subject}", b"", timeout=timeout)
+        msg = await nc.request(f"{api}.DIRECT.GET.{stream}.{meta_subject}", b"", timeout=timeout)
     except nats.errors.NoRespondersError:
         raise InfrastructureError(f"no bucket {bucket} answers direct gets") from None
     except nats.errors.TimeoutError:
@@ -99,7 +124,8 @@ async def read_object(nc: Any, bucket: str, name: str, *, timeout: float = 5.0) 
     parts: list[bytes] = []
     seq = 1
     while len(parts) < chunks:
-        got = await direct_batch(nc, stream, seq, chunks - len(parts), next_by_subj=chunk_subject, timeout=timeout)
+        got = await direct_batch(nc, stream, seq, chunks - len(parts), next_by_subj=chunk_subject, timeout=timeout,
+                                 api=api)
         if not got:
             break
         parts.extend(m.data for m in got)

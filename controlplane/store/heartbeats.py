@@ -40,24 +40,33 @@ def beat_counts(key: str, value: bytes | None) -> bool:
         return False
 
 
-class JetStreamHeartbeats:
-    """`Heartbeats` in the KV bucket `ndif_heartbeats` (key: the node's token)."""
+def heartbeat_subject(node_id: str) -> str:
+    """`$KV.ndif_heartbeats.<ntok>`: where a node's agent puts its heartbeat (the bucket's key)."""
+    return f"$KV.{HEARTBEATS_BUCKET}.{node_token(node_id)}"
 
-    def __init__(self, js: JetStreamContext) -> None:
+
+class JetStreamHeartbeats:
+    """`Heartbeats` in the KV bucket `ndif_heartbeats` (key: the node's token).
+
+    A beat is a plain JetStream publish on the key's subject, so an agent needs no grant on the
+    bucket's stream API (its info would list every node's key). `direct`: reads by a direct get that
+    names the key in the API subject (what a node's agent may do, for its own key only); else by a
+    stored get (the controller, the CLI)."""
+
+    def __init__(self, js: JetStreamContext, *, direct: bool = False) -> None:
         self.js = js
+        self.direct = direct
 
     async def beat(self, node_id: str) -> None:
-        kv = await self.js.key_value(HEARTBEATS_BUCKET)
-        await kv.put(node_token(node_id), node_id.encode())
+        await self.js.publish(heartbeat_subject(node_id), node_id.encode())
 
     async def goodbye(self, node_id: str) -> None:
-        kv = await self.js.key_value(HEARTBEATS_BUCKET)
-        await kv.put(node_token(node_id), b"")
+        await self.js.publish(heartbeat_subject(node_id), b"")
 
     async def last(self, node_id: str) -> Heartbeat | None:
         try:
-            raw = await self.js.get_msg(f"KV_{HEARTBEATS_BUCKET}",
-                                        subject=f"$KV.{HEARTBEATS_BUCKET}.{node_token(node_id)}")
+            raw = await self.js.get_msg(f"KV_{HEARTBEATS_BUCKET}", subject=heartbeat_subject(node_id),
+                                        direct=self.direct)
         except (nats.js.errors.NotFoundError, nats.js.errors.KeyNotFoundError):
             return None
         headers = raw.headers or {}

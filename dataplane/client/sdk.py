@@ -37,12 +37,12 @@ import nats.js.errors
 import structlog
 
 from controlplane.store.credentials import Creds, request_msg_id, resolve
-from controlplane.store.direct import read_object
+from controlplane.store.direct import last_by_subject, read_object
 from controlplane.store.eventstore import JetStreamEventLog
 from schemas import errors as errs
 from schemas.guard import Refused, decode_any
 from schemas.keys import canonical_model_key
-from schemas.requests import MAX_REQUEST_BYTES, Request, StatusUpdate, check_request_id, decode_status, encoder
+from schemas.requests import MAX_REQUEST_BYTES, Request, StatusUpdate, check_request_id, encoder, status_or_none
 from schemas.status import RequestStatus
 from schemas.subjects import (
     REQUEST_STATUS_BUCKET,
@@ -75,6 +75,7 @@ def quiet_library_logs() -> None:
 
 
 quiet_library_logs()
+logger = structlog.get_logger("ndif.client")
 
 # While a job is quiet its kept status is re-read from KV, first after 2 s, backing off to 30 s.
 KV_POLL_FIRST_S = 2.0
@@ -123,14 +124,28 @@ class Job:
         self._sub: Any = None
         self._live_from_start = False  # submitted by us, listened to before it was sent: nothing to catch up
 
+    def _accept(self, data: bytes, where: str) -> StatusUpdate | None:
+        """A status of this job, or None: unreadable, or about another request or another user.
+
+        The server lets only the dispatcher write a user's statuses; this check is the SDK's own, so
+        that whatever else reaches this job's subject or key is never taken for its outcome."""
+        u = status_or_none(data)
+        if u is None:
+            logger.warning("status_unreadable", request_id=self.request_id, where=where, size=len(data))
+            return None
+        if u.request_id != self.request_id or u.user != self.client.user:
+            logger.warning("status_not_ours", request_id=self.request_id, where=where,
+                           got_request_id=u.request_id[:128], got_user=u.user[:64])
+            return None
+        return u
+
     async def _listen(self, *, flush: bool = True) -> None:
         async def cb(msg: Any) -> None:
-            u = decode_status(msg.data)  # never raises: what is not a status is passed over, the next is read
-            if u.__class__ is Refused:
-                return
-            self._arrived.append(u)  # type: ignore[arg-type]
-            if self._waiter is not None and not self._waiter.done():
-                self._waiter.set_result(None)
+            u = self._accept(msg.data, "live")
+            if u is not None:
+                self._arrived.append(u)
+                if self._waiter is not None and not self._waiter.done():
+                    self._waiter.set_result(None)
 
         # Live statuses, and the kept ones as the server republishes them when KV stores them (the
         # terminal status only that way: it reaches us the moment it is kept, and only if it was).
@@ -140,13 +155,15 @@ class Job:
         await self.client.log.nc.flush()
 
     async def latest(self) -> StatusUpdate | None:
-        """The latest status kept in KV (what a reconnecting client starts from)."""
-        try:
-            e = await self.client.kv.get(status_key(self.request_id, self.client.user))
-        except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
+        """The latest status kept in KV (what a reconnecting client starts from), by a direct get of
+        this job's own key (the only read of the status bucket a client may make)."""
+        key = status_key(self.request_id, self.client.user)
+        got = await last_by_subject(self.client.log.nc, f"KV_{REQUEST_STATUS_BUCKET}",
+                                    f"$KV.{REQUEST_STATUS_BUCKET}.{key}", timeout=self.client.timeout,
+                                    api=self.client.log.api)
+        if got is None or not got.data or got.headers.get("KV-Operation") in ("DEL", "PURGE"):
             return None
-        u = decode_status(e.value) if e.value else None
-        return None if u is None or u.__class__ is Refused else u  # type: ignore[return-value]
+        return self._accept(got.data, "kept")
 
     async def statuses(self, timeout: float | None = None) -> AsyncIterator[StatusUpdate]:
         """Every status from now to the terminal one (starting from the latest kept, if newer)."""
@@ -213,9 +230,14 @@ class Job:
             kind = QueueLimitExceeded if final.error == "QueueLimitExceeded" else RequestFailed
             raise kind(f"{final.error or 'error'}: {final.message}", error=final.error, status=final)
         if final.result_ref:
+            # The dispatcher names a large result after its status key: any other name is not this job's.
+            want = f"{status_key(self.request_id, self.client.user)}.json"
+            if final.result_ref != want:
+                raise RequestFailed(f"the result of {self.request_id} names object {final.result_ref[:200]!r}, "
+                                    f"not {want!r}: not taken", error="ResultNotOurs", status=final)
             # This user's own bucket, by direct gets (controlplane/store/direct.py): a client may create no consumer.
             data = await read_object(self.client.log.nc, results_bucket(self.client.user), final.result_ref,
-                                     timeout=self.client.timeout)
+                                     timeout=self.client.timeout, api=self.client.log.api)
             out = decode_any(data, limit=len(data), what="result")
             if out.__class__ is Refused:
                 raise errs.InfrastructureError(f"the result of {self.request_id} cannot be read: {out.reason}")
@@ -244,12 +266,10 @@ class Client:
         self.creds = creds if creds is not None else resolve("client", url=self.url)
         self.user = self.creds.name if self.creds is not None and self.creds.role == "client" else ""
         self.log: JetStreamEventLog = None  # type: ignore[assignment]
-        self.kv: Any = None
 
     async def __aenter__(self) -> Client:
         self.log = await JetStreamEventLog.open(self.url, ensure=False, name=self.name, timeout=self.timeout,
                                                 creds=self.creds, role="client")
-        self.kv = await self.log.js.key_value(REQUEST_STATUS_BUCKET)
         return self
 
     async def __aexit__(self, t: type[BaseException] | None, e: BaseException | None,
@@ -270,9 +290,10 @@ class Client:
         try:
             await self.log.js.publish(request_subject(mk, self.user), body,
                                       headers={"Nats-Msg-Id": request_msg_id(rid, self.creds)}, timeout=self.timeout)
-        except nats.errors.NoRespondersError:
+        except (nats.errors.NoRespondersError, nats.js.errors.NoStreamResponseError):  # nats-py raises the latter
             await job.close()
-            raise errs.InfrastructureError("no NDIF_REQUESTS stream: start the service (`ndif up`)") from None
+            raise errs.InfrastructureError("no stream took the request (no NDIF_REQUESTS stream, or none reachable "
+                                           "now): start the service (`ndif up`), or submit again") from None
         except nats.errors.TimeoutError:
             await job.close()
             raise errs.InfrastructureTimeout(

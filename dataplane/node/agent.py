@@ -158,7 +158,7 @@ class NodeAgent:
             runtime = RayRuntime(nats_url=url, nats_creds=creds)
         log = await JetStreamEventLog.open(url, ensure=False, name=f"agent:{node_id}", creds=creds, role="agent",
                                            node_id=node_id)
-        return cls(log, JetStreamHeartbeats(log.js), runtime, node_id, owns_log=True, **kw)
+        return cls(log, JetStreamHeartbeats(log.js, direct=True), runtime, node_id, owns_log=True, **kw)
 
     # ---- lifecycle ---------------------------------------------------------------------------
 

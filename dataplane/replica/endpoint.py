@@ -26,6 +26,11 @@ from dataplane.replica.wire import HEADROOM_BYTES, Answer, Answers, Parked, deco
 
 logger = structlog.get_logger("ndif.replica_endpoint")
 
+# The call's id, as the dispatcher knows it (its reply subject). The endpoint's own view of the reply
+# subject is not it: a call that crosses from the system's account into a node agent's (its
+# export, controlplane/ops/auth.py) arrives with a reply subject the server made up for the way back.
+# Parked answers and "is this call still active" go by this id.
+CALL_HEADER = "Ndif-Call"
 RETRY_S = 5.0  # an endpoint that could not connect tries again this much later (Ray serves meanwhile)
 PARKED_MAX = 16  # answers an actor keeps for the dispatchers to take through Ray (oldest dropped) ...
 PARKED_TTL_S = 60.0  # ... and for how long (a dispatcher takes one at once; one that died never will)
@@ -52,7 +57,7 @@ class ReplicaEndpoint:
         self._run_batch = run_batch
         self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="ndif-endpoint-run")
         self._loop = asyncio.new_event_loop()
-        self._active: set[str] = set()  # reply subjects of the calls being answered
+        self._active: set[str] = set()  # ids of the calls being answered (CALL_HEADER)
         self._parked: collections.OrderedDict[str, tuple[float, list[Answer]]] = collections.OrderedDict()
         self._lock = threading.Lock()
         self._subscribed = threading.Event()
@@ -95,15 +100,16 @@ class ReplicaEndpoint:
     async def _on_call(self, msg: Msg) -> None:
         if not msg.reply:
             return
-        self._active.add(msg.reply)
-        t = asyncio.ensure_future(self._serve(msg))
+        call = (msg.headers or {}).get(CALL_HEADER) or msg.reply
+        self._active.add(call)
+        t = asyncio.ensure_future(self._serve(msg, call))
         self._tasks.add(t)
         t.add_done_callback(self._tasks.discard)
 
-    async def _serve(self, msg: Msg) -> None:
+    async def _serve(self, msg: Msg, call: str) -> None:
         try:
-            call = decode_call(msg.data)
-            answers = await self._loop.run_in_executor(self._pool, self._run_batch, call.payloads)
+            batch = decode_call(msg.data)
+            answers = await self._loop.run_in_executor(self._pool, self._run_batch, batch.payloads)
             try:
                 body = encode_reply(Answers(answers=answers))
             except (TypeError, msgspec.EncodeError):
@@ -112,7 +118,7 @@ class ReplicaEndpoint:
             if not body or len(body) > limit:
                 with self._lock:
                     now = time.monotonic()
-                    self._parked[msg.reply] = (now, answers)
+                    self._parked[call] = (now, answers)
                     while len(self._parked) > PARKED_MAX or next(iter(self._parked.values()))[0] < now - PARKED_TTL_S:
                         self._parked.popitem(last=False)
                 body = _PARKED
@@ -120,10 +126,11 @@ class ReplicaEndpoint:
         except Exception as exc:  # noqa: BLE001 - unanswered: the dispatcher's check finds it lost
             self.logger.error("replica_endpoint_call_failed", error=str(exc))
         finally:
-            self._active.discard(msg.reply)
+            self._active.discard(call)
 
     def calls_active(self, replies: list[str]) -> list[bool]:
-        """Which of these calls this replica still works on (or keeps a parked answer of)."""
+        """Which of these calls (by id: the dispatcher's reply subject) this replica still works on
+        (or keeps a parked answer of)."""
         return [r in self._active or r in self._parked for r in replies]
 
     def take_answer(self, reply: str) -> list[Answer] | None:

@@ -34,6 +34,7 @@ import structlog
 from nats.aio.msg import Msg
 from nats.js import api
 
+from dataplane.replica.endpoint import CALL_HEADER
 from dataplane.replica.wire import HEADROOM_BYTES, Answer, Parked, decode_reply
 from dataplane.runtime.ports import ReplicaCaller
 
@@ -73,12 +74,13 @@ class ReplicaLink:
     """A dispatcher's calls to replica endpoints: one inbox subscription, answers matched by token.
 
     `call()` returns a future of the batch's answers (or `NoEndpoint`, `RayActorError`, `ReplyLost`).
-    Sending goes through `send(subject, body, reply)`, the dispatcher's ordered outbox, so a call
+    Sending goes through `send(subject, body, reply, headers)`, the dispatcher's ordered outbox, so a call
     never waits on the connection. `caller` is the fallback: it takes parked answers and checks
     whether calls are still known (give it the caller the lanes use).
     """
 
-    def __init__(self, nc: Any, send: Callable[[str, bytes, str], None], caller: ReplicaCaller) -> None:
+    def __init__(self, nc: Any, send: Callable[[str, bytes, str, dict[str, str] | None], None],
+                 caller: ReplicaCaller) -> None:
         self.nc = nc
         self.caller = caller
         self._send = send
@@ -124,7 +126,9 @@ class ReplicaLink:
         fut: asyncio.Future[list[Answer]] = asyncio.get_running_loop().create_future()
         self._calls[token] = _Call(key, actor, self._prefix + token, fut)
         fut.add_done_callback(lambda _f: self._calls.pop(token, None))
-        self._send(subject, body, self._prefix + token)
+        # The id travels in a header: across accounts the replica sees another reply subject.
+        # The id travels in a header: across accounts the replica sees another reply subject.
+        self._send(subject, body, self._prefix + token, {CALL_HEADER: self._prefix + token})
         return fut
 
     async def _on_reply(self, msg: Msg) -> None:

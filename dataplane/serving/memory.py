@@ -173,7 +173,7 @@ class MemoryServing:
         return ServingPorts(requests=self.requests, statuses=self.statuses, results=self.results,
                             publish=self.publish, deploy=self.deploy)
 
-    async def publish(self, subject: str, data: bytes, reply: str) -> None:
+    async def publish(self, subject: str, data: bytes, reply: str, headers: dict[str, str] | None = None) -> None:
         seq = self.requests.is_ack(subject)
         if seq is not None:
             self.requests.settle(seq)

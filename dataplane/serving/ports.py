@@ -18,7 +18,7 @@ import msgspec
 from schemas.commands import CommandResult
 from schemas.errors import NdifError
 
-Publish = Callable[[str, bytes, str], Awaitable[None]]  # (subject, body, reply subject or "")
+Publish = Callable[[str, bytes, str, dict[str, str] | None], Awaitable[None]]  # (subject, body, reply or "", headers)
 Deploy = Callable[[str, int], Awaitable[CommandResult]]  # (model key, replicas) -> the controller's answer
 
 

@@ -108,6 +108,20 @@ async def test_the_whole_stack_runs_with_auth_on(models: dict[str, str], stack: 
         out = await job.result(timeout=120)
         assert job.last is not None and job.last.result_ref and job.last.result is None
         assert len(out["output_ids"]) == 1024 and len(out["output_ids"][0]) == 128
+        # Her own request, stored under a dedup id that names another user (the server checks no
+        # header; the id is stream-wide): the dispatcher ends it ERROR and says why.
+        from datetime import UTC, datetime
+
+        from schemas.keys import canonical_model_key
+        from schemas.requests import Request, encoder
+        from schemas.subjects import request_subject
+
+        mk = canonical_model_key(model)
+        body = encoder.encode(Request(request_id="named-bob", model_key=mk, payload={"op": "forward", "input_ids": [[1]]},
+                                      submitted_at=datetime.now(UTC)))
+        await alice.log.js.publish(request_subject(mk, "alice"), body, headers={"Nats-Msg-Id": f"bob.{'0' * 32}.named-bob"})
+        with pytest.raises(RequestFailed, match="dedup id"):
+            await (await alice.job("named-bob", model)).result(timeout=60)
     rc, out, err = await ndif_as(home, url, "submit", model, "--input-ids", "1,2", "--max-new-tokens", "2")
     assert rc == 0, (out, err)
     rc, out, err = await ndif_as(home, url, "queue", "--json")

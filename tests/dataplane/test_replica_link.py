@@ -1,7 +1,8 @@
 """The dispatcher <-> replica link (dataplane/serving/link.py) on a real nats-server and real Ray actors.
 
 Answers over NATS; an answer too big for one message taken through Ray; no endpoint -> NoEndpoint at
-once; a replica killed under a call -> RayActorError; an answer that never comes -> ReplyLost.
+once; a replica killed under a call -> RayActorError; an answer that never comes -> ReplyLost; the
+same across accounts (the replica in a node agent's account, the dispatcher in the system's).
 """
 
 from __future__ import annotations
@@ -9,18 +10,21 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 import pytest_asyncio
 import ray
 
+from controlplane.ops.auth import ensure_local
 from controlplane.ops.nats_server import EmbeddedNats
 from controlplane.store.eventstore import connect
 from dataplane.replica.endpoint import ReplicaEndpoint
 from dataplane.replica.wire import Answer, Completed, encode_call
 from dataplane.runtime.ray_adapter import RayCaller
 from dataplane.serving.link import NoEndpoint, ReplicaLink, ReplyLost
+from schemas.subjects import replica_call_subject
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -29,8 +33,9 @@ pytestmark = pytest.mark.timeout(120)
 class Host:
     """A replica-like actor: its `run_batch` answers over NATS through a `ReplicaEndpoint`."""
 
-    def __init__(self, url: str, subject: str, max_answer_bytes: int) -> None:
-        self.endpoint = ReplicaEndpoint(url, subject, self.run_batch, max_answer_bytes=max_answer_bytes).start()
+    def __init__(self, url: str, subject: str, max_answer_bytes: int, creds: Any = None) -> None:
+        self.endpoint = ReplicaEndpoint(url, subject, self.run_batch, max_answer_bytes=max_answer_bytes,
+                                        creds=creds).start()
 
     def run_batch(self, requests: list[dict[str, Any]]) -> list[Answer]:
         out: list[Answer] = []
@@ -52,19 +57,21 @@ class Host:
 @pytest_asyncio.fixture
 async def link(nats_server: EmbeddedNats, local_ray: str) -> AsyncIterator[ReplicaLink]:
     nc = await connect(nats_server.url)
-    pending: set[asyncio.Task[None]] = set()
-
-    def send(subject: str, body: bytes, reply: str) -> None:
-        t = asyncio.create_task(nc.publish(subject, body, reply=reply))
-        pending.add(t)
-        t.add_done_callback(pending.discard)
-
-    lk = await ReplicaLink(nc, send, RayCaller()).start()
+    lk = await ReplicaLink(nc, _sender(nc, set()), RayCaller()).start()
     try:
         yield lk
     finally:
         await lk.stop()
         await nc.close()
+
+
+def _sender(nc: Any, pending: set[asyncio.Task[None]]) -> Any:
+    def send(subject: str, body: bytes, reply: str, headers: dict[str, str] | None) -> None:
+        t = asyncio.create_task(nc.publish(subject, body, reply=reply, headers=headers))
+        pending.add(t)
+        t.add_done_callback(pending.discard)
+
+    return send
 
 
 async def test_answers_over_nats_large_ones_through_ray_and_no_endpoint_at_once(
@@ -164,3 +171,26 @@ async def test_the_dispatchers_link_takes_parked_answers_through_the_dispatchers
             assert caller.asked == ["take_answer"]  # parked, and taken through the dispatcher's caller
     finally:
         ep.close()
+
+
+async def test_across_accounts_a_call_is_known_by_its_id(local_ray: str, tmp_path: Path) -> None:
+    """With users in accounts (controlplane/ops/auth.py) the dispatcher's call crosses into the node
+    agent's account, where the replica sees a reply subject the server made for the way back: a call
+    still running and a parked answer are found by the call's id (a header), not by that subject."""
+    auth = ensure_local(["node-x"], clients=["alice"], home=tmp_path / "home")
+    with EmbeddedNats(tmp_path / "nats", config_file=auth.config_path) as srv:
+        nc = await connect(srv.url, creds=auth.role("dispatcher"))
+        lk = await ReplicaLink(nc, _sender(nc, set()), RayCaller()).start()
+        subject = replica_call_subject("m", 0, "node-x")
+        host = Host.remote(srv.url, subject, 300, auth.role("agent:node-x"))  # type: ignore[attr-defined]
+        try:
+            assert await host.ready.remote()
+            key = ("m", 0)
+            slow = await asyncio.wait_for(lk.call(key, subject, host, encode_call([{"data": 1, "sleep": 3.5}])), 20)
+            assert isinstance(slow[0], Completed) and slow[0].result["echo"] == 1  # checked active over 3 rounds, never taken for lost
+            big = await asyncio.wait_for(lk.call(key, subject, host, encode_call([{"data": 2, "pad": 5000}])), 20)
+            assert isinstance(big[0], Completed) and big[0].result["echo"] == 2 and len(big[0].result["pad"]) == 5000  # parked, taken through Ray by its id
+        finally:
+            ray.kill(host)
+            await lk.stop()
+            await nc.close()

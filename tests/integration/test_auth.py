@@ -18,11 +18,11 @@ import nats
 import pytest
 import pytest_asyncio
 
-from controlplane.ops.auth import LocalAuth, ensure_local, permissions
+from controlplane.ops.auth import LocalAuth, ensure_local, permissions, system_subject
 from controlplane.ops.nats_server import EmbeddedNats
 from controlplane.service.controller import Controller
 from controlplane.store.admin import AdminClient
-from controlplane.store.credentials import Creds, request_msg_id, resolve
+from controlplane.store.credentials import request_msg_id, resolve
 from controlplane.store.direct import read_object
 from controlplane.store.eventstore import JetStreamEventLog, connect
 from dataplane.node.tiny_models import make_tiny_gpt2
@@ -44,6 +44,7 @@ from schemas.subjects import (
     status_key,
     status_subject,
 )
+from tests.integration.probe import Probe, Spy
 
 pytestmark = pytest.mark.timeout(120)
 NODE_A, NODE_B = "node-a.cluster", "node-b.cluster"
@@ -68,42 +69,6 @@ async def streams(secured: EmbeddedNats, auth: LocalAuth) -> AsyncIterator[str]:
     lg = await JetStreamEventLog.open(secured.url, creds=auth.role("admin"))
     await lg.close()
     yield secured.url
-
-
-class Probe:
-    """A raw connection as one user that records the server's permission errors."""
-
-    def __init__(self, nc: Any, errors: list[str]) -> None:
-        self.nc = nc
-        self.errors = errors
-
-    @classmethod
-    async def open(cls, url: str, creds: Creds) -> Probe:
-        errors: list[str] = []
-
-        async def error_cb(e: Exception) -> None:
-            errors.append(str(e))
-
-        nc = await nats.connect(url, error_cb=error_cb, max_reconnect_attempts=1, **creds.connect_options())
-        return cls(nc, errors)
-
-    async def _refused(self, what: str) -> bool:
-        await self.nc.flush()
-        await asyncio.sleep(0.05)  # the -ERR is read before the PONG; its callback runs just after
-        return any("permissions violation" in e.lower() and what.lower() in e.lower() for e in self.errors)
-
-    async def can_publish(self, subject: str, data: bytes = b"{}", headers: dict[str, str] | None = None) -> bool:
-        await self.nc.publish(subject, data, headers=headers)
-        return not await self._refused(f"Publish to \"{subject}\"")
-
-    async def can_subscribe(self, subject: str) -> bool:
-        sub = await self.nc.subscribe(subject)
-        ok = not await self._refused(f"Subscription to \"{subject}\"")
-        await sub.unsubscribe()
-        return ok
-
-    async def close(self) -> None:
-        await self.nc.close()
 
 
 def _env(actor: str) -> dict[str, Any]:
@@ -309,24 +274,27 @@ async def test_a_clients_large_results_are_its_own(streams: str, auth: LocalAuth
     mallory = await Probe.open(streams, auth.role("client:alice"))
     try:
         await results.put("bob", name, body)  # what `finish` does with a large result
-        assert await read_object(bob.nc, results_bucket("bob"), name) == body  # the SDK's read (Job.result)
+        # the SDK's read (Job.result), through its account's import of the JetStream API
+        assert await read_object(bob.nc, results_bucket("bob"), name, api=bob.api) == body
 
         b = results_bucket("bob")
         meta = f"$O.{b}.M.{base64.urlsafe_b64encode(name.encode()).decode()}"
-        tried = [f"$JS.API.DIRECT.GET.OBJ_{b}.{meta}", f"$JS.API.DIRECT.GET.OBJ_{b}", f"$JS.API.STREAM.MSG.GET.OBJ_{b}",
-                 f"$JS.API.CONSUMER.CREATE.OBJ_{b}", f"$JS.API.CONSUMER.CREATE.OBJ_{b}.spy.$O.{b}.C.>",
-                 f"$JS.API.CONSUMER.DURABLE.CREATE.OBJ_{b}.spy", f"$JS.API.STREAM.INFO.OBJ_{b}",
-                 # her own bucket: no consumer either (it could deliver anywhere)
-                 f"$JS.API.CONSUMER.CREATE.OBJ_{results_bucket('alice')}",
-                 # the shared bucket of an open server
-                 f"$JS.API.DIRECT.GET.OBJ_{RESULTS_BUCKET}", f"$JS.API.CONSUMER.CREATE.OBJ_{RESULTS_BUCKET}"]
-        for subject in tried:
-            assert not await mallory.can_publish(subject, b'{"seq": 1, "batch": 10}'), subject
+        for api in ("$JS.API", mallory.api):  # the system's own API subjects, and hers as she imports them
+            tried = [f"{api}.DIRECT.GET.OBJ_{b}.{meta}", f"{api}.DIRECT.GET.OBJ_{b}", f"{api}.STREAM.MSG.GET.OBJ_{b}",
+                     f"{api}.CONSUMER.CREATE.OBJ_{b}", f"{api}.CONSUMER.CREATE.OBJ_{b}.spy.$O.{b}.C.>",
+                     f"{api}.CONSUMER.DURABLE.CREATE.OBJ_{b}.spy", f"{api}.STREAM.INFO.OBJ_{b}",
+                     # her own bucket: no consumer either (it could deliver anywhere)
+                     f"{api}.CONSUMER.CREATE.OBJ_{results_bucket('alice')}",
+                     # the shared bucket of an open server
+                     f"{api}.DIRECT.GET.OBJ_{RESULTS_BUCKET}", f"{api}.CONSUMER.CREATE.OBJ_{RESULTS_BUCKET}"]
+            for subject in tried:
+                assert not await mallory.can_publish(subject, b'{"seq": 1, "batch": 10}'), subject
         assert not await mallory.can_subscribe(f"$O.{b}.>")
         assert not await mallory.can_publish(f"$O.{b}.M.x", b"{}")  # nor write into it
-        with pytest.raises(errs.InfrastructureTimeout):  # the SDK's own read, as her: nothing answers
-            await read_object(mallory.nc, b, name, timeout=1.0)
-        assert await read_object(bob.nc, b, name) == body  # still there, unchanged
+        for api in ("$JS.API", mallory.api):
+            with pytest.raises(errs.InfrastructureTimeout):  # the SDK's own read, as her: nothing answers
+                await read_object(mallory.nc, b, name, timeout=1.0, api=api)
+        assert await read_object(bob.nc, b, name, api=bob.api) == body  # still there, unchanged
     finally:
         await mallory.close()
         await bob.close()
@@ -490,18 +458,49 @@ TABLE = _table()
 
 
 async def test_each_role_does_its_job_and_nothing_else(streams: str, auth: LocalAuth) -> None:
+    """Each row: the user's permissions, and for an allowed one that it crosses the account boundary
+    (a publish arrives in the system's account, a subscriber gets what is published there)."""
     wrong = []
     probes: dict[str, Probe] = {}
+    spy = await Spy.open(streams, auth.role("admin"), [])
     try:
-        for user, kind, subject, allowed in TABLE:
+        for i, (user, kind, subject, allowed) in enumerate(TABLE):
             p = probes.get(user) or await Probe.open(streams, auth.role(user))
             probes[user] = p
-            got = await (p.can_publish(subject) if kind == "pub" else p.can_subscribe(subject))
+            marker = msgspec.json.encode({"matrix_row": i})
+            if kind == "pub":
+                arrives_as = system_subject(subject)
+                await spy.watch(arrives_as)
+                got = await p.can_publish(subject, marker)
+                if got and allowed and not await spy.saw(arrives_as, marker):
+                    wrong.append((user, kind, subject, "permitted, but nothing arrived in the system's account"))
+                    continue
+            else:
+                seen: list[bytes] = []
+
+                async def cb(m: Any, seen: list[bytes] = seen) -> None:
+                    seen.append(m.data)
+
+                sub = await p.nc.subscribe(subject, cb=cb)
+                got = not await p._refused(f"Subscription to \"{subject}\"")
+                if got and allowed:
+                    await spy.nc.publish(subject.replace(">", "x").replace("*", "x"), marker)
+                    await spy.nc.flush()
+                    for _ in range(150):  # up to 3 s
+                        if marker in seen:
+                            break
+                        await asyncio.sleep(0.02)
+                    if marker not in seen:
+                        wrong.append((user, kind, subject, "permitted, but nothing from the system's account came"))
+                await sub.unsubscribe()
+                if got and allowed:
+                    continue
             if got != allowed:
                 wrong.append((user, kind, subject, "allowed" if got else "refused"))
     finally:
         for p in probes.values():
             await p.close()
+        await spy.close()
     assert wrong == []
 
 

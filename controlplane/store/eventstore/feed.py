@@ -38,6 +38,7 @@ class FeedSource(Protocol):
 
     nc: NatsClient
     js: JetStreamContext
+    api: str  # the JetStream API prefix the connection's user reaches the streams under
     timeout: float
     pending_msgs_limit: int  # a consumer's client-side buffer, in messages
     pending_bytes_limit: int  # and in bytes
@@ -82,7 +83,7 @@ async def seq_at(src: FeedSource, when: datetime) -> int | None:
     """Sequence of the first event stored at or after `when` (None if there is none)."""
     req = msgspec.json.encode({"start_time": when.isoformat().replace("+00:00", "Z")})
     try:
-        resp = await src.nc.request(f"$JS.API.STREAM.MSG.GET.{EVENTS_STREAM}", req, timeout=src.timeout)
+        resp = await src.nc.request(f"{src.api}.STREAM.MSG.GET.{EVENTS_STREAM}", req, timeout=src.timeout)
     except nats.errors.TimeoutError:
         raise InfrastructureTimeout("looking up a sequence by time timed out") from None
     body = msgspec.json.decode(resp.data)
@@ -118,7 +119,7 @@ async def _feed_direct(src: FeedSource, start_seq: int, stop_seq: int | None) ->
             want = MAX_BATCH if stop_seq is None else min(MAX_BATCH, stop_seq - expected + 1)
             wake.clear()
             batch: list[Stored] = []
-            for m in await direct_batch(src.nc, EVENTS_STREAM, expected, want, timeout=src.timeout):
+            for m in await direct_batch(src.nc, EVENTS_STREAM, expected, want, timeout=src.timeout, api=src.api):
                 if stop_seq is not None and m.seq > stop_seq:
                     break
                 batch.append((m.seq, stored_item(m.subject, m.data)))

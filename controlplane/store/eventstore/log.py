@@ -16,7 +16,7 @@ import structlog
 from nats.aio.client import Client as NatsClient
 
 from controlplane.core.ports import AppendResult, Stored
-from controlplane.store.credentials import Creds, resolve
+from controlplane.store.credentials import JS_API, Creds, js_api, resolve
 from controlplane.store.eventstore import appends, feed, snapshots, topology
 from controlplane.store.eventstore.connection import connect, stream_replicas_default
 from schemas.events import Event
@@ -39,9 +39,13 @@ class JetStreamEventLog:
     ``JetStreamEventLog(nc)`` borrows one.
     """
 
-    def __init__(self, nc: NatsClient, *, timeout: float = 5.0, replicas: int | None = None) -> None:
+    def __init__(self, nc: NatsClient, *, timeout: float = 5.0, replicas: int | None = None,
+                 api: str = JS_API) -> None:
         self.nc = nc
-        self.js = nc.jetstream(timeout=timeout)
+        # The JetStream API prefix: `$JS.API`, or `$JS.NDIF.API` for a user outside the system's
+        # account (controlplane/ops/auth.py), which imports the API under it.
+        self.api = api
+        self.js = nc.jetstream(timeout=timeout, prefix=api)
         self.timeout = timeout
         # Copies of every stream and bucket it creates: 1 on a single server, 3 on a 3-server cluster
         # (deploy/nats/); NDIF_STREAM_REPLICAS sets it for every component that does not pass it.
@@ -66,7 +70,8 @@ class JetStreamEventLog:
         """Connect as `creds`, or as the local user of `role` (auth.resolve: NDIF_CREDS, $NDIF_HOME/auth/)."""
         if creds is None:
             creds = resolve(role, url=url, node_id=node_id)
-        self = cls(await connect(url, name=name, timeout=timeout, creds=creds), timeout=timeout, replicas=replicas)
+        self = cls(await connect(url, name=name, timeout=timeout, creds=creds), timeout=timeout, replicas=replicas,
+                   api=js_api(creds))
         self._owns_nc = True
         # Only an admin (or anyone on an open server) may create or reconfigure streams; the
         # others check that they exist.

@@ -63,9 +63,16 @@ async def ensure(js: JetStreamContext, *, replicas: int, may_create: bool, start
         max_msg_size=REQUEST_MAX_MSG_BYTES,
         description="ndif user requests, one durable consumer per model subject",
     ))
+    # Direct gets: a node's agent reads its own key's last heartbeat with one (the key is in the
+    # API subject, so its permission is that key only).
     await _ensure_bucket(js, js.create_key_value, js.key_value, HEARTBEATS_BUCKET,
                          api.KeyValueConfig(bucket=HEARTBEATS_BUCKET, ttl=HEARTBEAT_TTL_S,
-                                            replicas=replicas, storage=api.StorageType.FILE))
+                                            replicas=replicas, storage=api.StorageType.FILE, direct=True))
+    info = await js.stream_info(f"KV_{HEARTBEATS_BUCKET}")
+    if not info.config.allow_direct:  # a bucket made by an earlier version
+        info.config.allow_direct = True
+        await js.update_stream(info.config)
+        logger.info("stream_updated", stream=f"KV_{HEARTBEATS_BUCKET}", allow_direct=True)
     # A request's status, as it is stored, is republished by the server on its status subject:
     # the terminal one (kept once, by compare-and-set) reaches the client the moment it is kept,
     # and only if it was (a losing write is never seen).

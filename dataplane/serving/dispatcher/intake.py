@@ -22,6 +22,7 @@ from nats.aio.msg import Msg
 
 from controlplane.core.projections import ClusterState
 from controlplane.core.projections.queue import queue_view
+from controlplane.store.credentials import msg_id_problem
 from dataplane.serving.dispatcher.background import Background
 from dataplane.serving.dispatcher.provisioning import Provisioner
 from dataplane.serving.dispatcher.statuses import StatusWriter
@@ -276,6 +277,10 @@ class Intake:
             return
         try:
             req, mk = _checked(m.data, user, p.token)
+            # Deduplication is stream-wide: an id that does not name its owner is not the SDK's
+            problem = msg_id_problem((m.headers or {}).get("Nats-Msg-Id", ""), user=user, request_id=req.request_id)
+            if problem is not None:
+                raise errs.InvalidCommand(problem)
         except errs.NdifError as exc:
             await self._end_delivered(m, user, type(exc).__name__, str(exc))
             return

@@ -21,8 +21,7 @@ import structlog
 from dataplane.serving.dispatcher.background import Background
 from dataplane.serving.ports import Delivery, Publish, ResultStores, ResultsUnavailable, RevisionMoved, StatusKV
 from dataplane.serving.processor import Pending
-from schemas.guard import Refused
-from schemas.requests import INLINE_RESULT_BYTES, StatusUpdate, decode_status, encoder
+from schemas.requests import INLINE_RESULT_BYTES, StatusUpdate, encoder, status_or_none
 from schemas.status import RequestStatus
 from schemas.subjects import status_key, status_subject
 
@@ -42,7 +41,7 @@ class StatusWriter:
         self.bg = bg
         self._rev: dict[str, int] = {}  # request id -> KV revision of our last (non-terminal) status write
         self._writes: dict[str, _Writes] = {}  # request id -> its status writes
-        self._outbox: list[tuple[str, bytes, str]] = []
+        self._outbox: list[tuple[str, bytes, str, dict[str, str] | None]] = []
         self._outbox_task: asyncio.Task[None] | None = None
 
     def cancel_timers(self) -> None:
@@ -51,21 +50,26 @@ class StatusWriter:
             if w.timer is not None:
                 w.timer.cancel()
 
-    async def kept(self, request_id: str) -> tuple[StatusUpdate | None, int | None]:
-        """The status kept in KV and its revision (None, None when there is none). A kept value that
-        is not a status reads as none (never terminal): the next write replaces it at that revision."""
-        got = await self.kv.get(request_id)
+    async def kept(self, key: str) -> tuple[StatusUpdate | None, int | None]:
+        """The status kept in KV under `key` (`<user>.<request id>`) and its revision (None, None when
+        there is none). A value that is not a status, or one of another request or user than its key
+        names, was not written by a dispatcher: it is returned as no status (never terminal) with its
+        revision, so the next compare-and-set replaces it."""
+        got = await self.kv.get(key)
         if got is None:
             return None, None
         value, revision = got
-        u = decode_status(value) if value else None
-        if u.__class__ is Refused:
-            logger.warning("kept_status_unreadable", key=request_id, reason=u.reason)  # type: ignore[union-attr]
+        if not value:
             return None, revision
-        return u, revision  # type: ignore[return-value]
+        cur = status_or_none(value)
+        if cur is None or status_key(cur.request_id, cur.user) != key:
+            logger.warning("kept_status_not_ours", key=key, readable=cur is not None, revision=revision)
+            return None, revision
+        return cur, revision
 
-    async def terminal(self, request_id: str) -> StatusUpdate | None:
-        cur, _ = await self.kept(request_id)
+    async def terminal(self, key: str) -> StatusUpdate | None:
+        """The terminal status kept under `key`, or None (none, not terminal, or not a status of that key)."""
+        cur, _ = await self.kept(key)
         return cur if cur is not None and cur.terminal else None
 
     def _update(self, p: Pending, status: RequestStatus, **kw: Any) -> StatusUpdate:
@@ -85,9 +89,9 @@ class StatusWriter:
         if status in KV_STATUSES:
             self._kv_put(u, data, terminal=False).add_done_callback(_retrieve)
 
-    def send(self, subject: str, data: bytes, reply: str = "") -> None:
+    def send(self, subject: str, data: bytes, reply: str = "", headers: dict[str, str] | None = None) -> None:
         """Publish without holding up the caller: in order, from one outbox task per loop turn."""
-        self._outbox.append((subject, data, reply))
+        self._outbox.append((subject, data, reply, headers))
         if self._outbox_task is None:
             self._outbox_task = asyncio.create_task(self._flush_outbox())
             self.bg.track(self._outbox_task)
@@ -96,8 +100,8 @@ class StatusWriter:
         try:
             while self._outbox:
                 batch, self._outbox = self._outbox, []
-                for subject, data, reply in batch:
-                    await self.publish(subject, data, reply)
+                for subject, data, reply, headers in batch:
+                    await self.publish(subject, data, reply, headers)
         finally:
             self._outbox_task = None
 
@@ -146,7 +150,7 @@ class StatusWriter:
 
     async def republish(self, subject: str, u: StatusUpdate) -> None:
         """Publish a kept status again on `subject`, as it is (a redelivered request's terminal status)."""
-        await self.publish(subject, encoder.encode(u), "")
+        await self.publish(subject, encoder.encode(u), "", None)
 
     def _ack_after(self, fut: asyncio.Future[bool], msg: Delivery) -> None:
         if fut.cancelled():
