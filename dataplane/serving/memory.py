@@ -183,7 +183,9 @@ class MemoryServing:
     async def submit(self, req: Request) -> int:
         """Store a request on its subject (`ndif.req.<mtok>[.<user>]`), as the SDK publishes it."""
         return await self.requests.put(request_subject(req.model_key, req.user), encoder.encode(req),
-                                       {"Nats-Msg-Id": f"{req.user}.{req.request_id}" if req.user else req.request_id})
+                                       # the SDK's shape `<user>.<mac>.<request id>` (`request_msg_id`); the mac
+                                       # is the owner's password's, which the dispatcher cannot check anyway
+                                       {"Nats-Msg-Id": f"{req.user}.memory.{req.request_id}" if req.user else req.request_id})
 
     def status(self, request_id: str, user: str = "") -> StatusUpdate | None:
         """The status kept for a request, or None."""

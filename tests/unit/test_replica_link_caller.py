@@ -67,9 +67,9 @@ class Bus:
         for s in targets:
             await s.cb(Msg(_client=None, subject=subject, reply=reply, data=payload, headers=headers))  # type: ignore[arg-type]
 
-    def send(self, subject: str, body: bytes, reply: str) -> None:
+    def send(self, subject: str, body: bytes, reply: str, headers: dict[str, str] | None = None) -> None:
         """The dispatcher's outbox: publish without waiting."""
-        asyncio.get_running_loop().create_task(self.publish(subject, body, reply))
+        asyncio.get_running_loop().create_task(self.publish(subject, body, reply, headers))
 
 
 class Gone(Exception):
