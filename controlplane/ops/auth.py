@@ -6,7 +6,7 @@ read another's replies:
 
 - admin: everything (commands, every stream's API, the only one who may create, update or delete streams);
 - controller: appends decisions (`ndif.evt.model.*`, `ndif.evt.replica.<m>.<r>`, `ndif.evt.node.*`),
-  reads events and heartbeats, answers `ndif.cmd.*`;
+  reads events and heartbeats, answers `ndif.cmd.*`, writes the fold's snapshots (`ndif_snapshots`);
 - agent (one user per node): appends observed facts of its own node only
   (`ndif.evt.node.<ntok>`, `ndif.evt.replica.*.*.<ntok>`), its own heartbeat key, serves its own
   node's replica endpoints only (`ndif.run.<ntok>.>`), reads events by direct gets (no consumer);
@@ -108,6 +108,13 @@ def _direct_read(stream: str) -> list[str]:
     return [f"{_API}.STREAM.INFO.{stream}", f"{_API}.DIRECT.GET.{stream}", f"{_API}.DIRECT.GET.{stream}.>"]
 
 
+def _snapshot_writer() -> list[str]:
+    """The controller writes the fold's snapshots (nats-py's object put and delete: chunks and meta,
+    the last meta of a name, a purge of replaced chunks) and reads them by direct gets."""
+    b = SNAPSHOTS_BUCKET
+    return [*_direct_read(_obj(b)), f"{_API}.STREAM.MSG.GET.{_obj(b)}", f"{_API}.STREAM.PURGE.{_obj(b)}", f"$O.{b}.>"]
+
+
 def _results_writer(user: str) -> list[str]:
     """What the dispatcher needs on one user's results bucket: create it, put objects (nats-py's put
     reads an object's last meta and purges a replaced object's chunks)."""
@@ -128,9 +135,9 @@ def permissions(role: str, *, name: str = "", node_id: str = "", clients: tuple[
         return {"publish": {"allow": [">"]}, "subscribe": {"allow": [">"]}}
     if role == "controller":
         pub = [MODEL_EVENTS_ANY, REPLICA_DECISIONS_ANY, NODE_EVENTS_ANY, COMMAND_EVENTS_ANY, *events,
-               *_read_stream(_kv(HEARTBEATS_BUCKET)), *_read_stream(_kv(SNAPSHOTS_BUCKET)),
+               *_read_stream(_kv(HEARTBEATS_BUCKET)), *_snapshot_writer(),
                f"{_API}.STREAM.INFO.{REQUESTS_STREAM}", f"{_API}.STREAM.INFO.{_kv(REQUEST_STATUS_BUCKET)}",
-               f"{_API}.STREAM.INFO.{_obj(RESULTS_BUCKET)}", f"{_API}.STREAM.INFO.{_obj(SNAPSHOTS_BUCKET)}"]
+               f"{_API}.STREAM.INFO.{_obj(RESULTS_BUCKET)}"]
         sub = [COMMANDS_ANY, inbox]
     elif role == "agent":
         ntok = node_token(node_id)
@@ -141,13 +148,15 @@ def permissions(role: str, *, name: str = "", node_id: str = "", clients: tuple[
                f"{_API}.STREAM.MSG.GET.{EVENTS_STREAM}",
                # its own node's last heartbeat (a node id held by a live agent is not taken twice)
                f"{_API}.STREAM.MSG.GET.{_kv(HEARTBEATS_BUCKET)}",
-               f"{_API}.DIRECT.GET.{_kv(HEARTBEATS_BUCKET)}.$KV.{HEARTBEATS_BUCKET}.{ntok}"]
+               f"{_API}.DIRECT.GET.{_kv(HEARTBEATS_BUCKET)}.$KV.{HEARTBEATS_BUCKET}.{ntok}",
+               *_direct_read(_obj(SNAPSHOTS_BUCKET))]  # its fold starts from the newest snapshot
         sub = [node_run_subjects(node_id), EVENTS_ALL, inbox]
     elif role == "dispatcher":
         pub = [replica_facts_from(DISPATCHER_SOURCE), command_subject("deploy"), STATUS_ALL, REPLICA_CALLS_ALL,
                f"$KV.{REQUEST_STATUS_BUCKET}.>", f"$O.{RESULTS_BUCKET}.>", *events,
                *_read_stream(_kv(REQUEST_STATUS_BUCKET)), *_read_stream(_obj(RESULTS_BUCKET)),
-               *_read_stream(REQUESTS_STREAM), f"{_API}.CONSUMER.DURABLE.CREATE.{REQUESTS_STREAM}.>",
+               *_read_stream(REQUESTS_STREAM), *_direct_read(_obj(SNAPSHOTS_BUCKET)),
+               f"{_API}.CONSUMER.DURABLE.CREATE.{REQUESTS_STREAM}.>",
                f"{_API}.CONSUMER.MSG.NEXT.{REQUESTS_STREAM}.>", f"$JS.ACK.{REQUESTS_STREAM}.>",
                # requests for models the log does not know: refused ones deleted, stale consumers swept
                f"{_API}.STREAM.MSG.DELETE.{REQUESTS_STREAM}", f"{_API}.CONSUMER.LIST.{REQUESTS_STREAM}",
@@ -165,6 +174,7 @@ def permissions(role: str, *, name: str = "", node_id: str = "", clients: tuple[
         # Events by direct gets (no consumer: its deliver subject could be anyone's), a lookup by
         # time (a stored get), and the event subjects themselves as a follower's wake-up.
         pub = [*_direct_read(EVENTS_STREAM), f"{_API}.STREAM.MSG.GET.{EVENTS_STREAM}",
+               *_direct_read(_obj(SNAPSHOTS_BUCKET)),  # the fold and past positions start from snapshots
                f"{_API}.STREAM.INFO.*", f"{_API}.STREAM.NAMES", f"{_API}.STREAM.LIST",
                f"{_API}.INFO", DISPATCHER_STATE,
                # the queue view: each model's work-queue consumer (pending counts), listed a page at a time

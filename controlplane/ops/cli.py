@@ -25,6 +25,7 @@ from controlplane.core.placement import PADDING
 from controlplane.core.projections import ClusterState
 from controlplane.ops.render import render_status, status_json
 from controlplane.service.logs import configure
+from controlplane.service.snapshots import SNAPSHOT_EVERY, SNAPSHOT_EVERY_S
 from controlplane.store.admin import AdminClient, resolve_name
 from controlplane.store.heartbeats import heartbeat_ages
 from schemas import errors as errs
@@ -245,10 +246,15 @@ async def _controller(a: argparse.Namespace) -> int:
         raise errs.InvalidCommand(f"--headroom must be between 0 and {MAX_HEADROOM:g}, got {a.headroom}")
     if a.min_deploy_s < 0:
         raise errs.InvalidCommand(f"--min-deploy-s must be 0 or more, got {a.min_deploy_s}")
+    if a.snapshot_every < 0 or a.snapshot_every_s < 0:
+        raise errs.InvalidCommand("--snapshot-every and --snapshot-every-s must be 0 (off) or more")
+    if a.snapshot_keep is not None and a.snapshot_keep < 1:
+        raise errs.InvalidCommand(f"--snapshot-keep must be 1 or more, got {a.snapshot_keep}")
     await run_controller(a.nats, heartbeat_grace_s=a.heartbeat_grace, max_restarts=a.max_restarts,
                          min_deploy_s=a.min_deploy_s, stream_replicas=a.stream_replicas, headroom=a.headroom,
                          max_replicas_per_model=a.max_replicas_per_model,
-                         max_replicas_per_command=a.max_replicas_per_command)
+                         max_replicas_per_command=a.max_replicas_per_command, snapshot_every=a.snapshot_every,
+                         snapshot_every_s=a.snapshot_every_s, snapshot_keep=a.snapshot_keep)
     return 0
 
 
@@ -338,6 +344,12 @@ def add_admin_commands(sub: Any) -> None:
                    help="most replicas one model may have (env NDIF_MAX_REPLICAS_PER_MODEL; default 128)")
     p.add_argument("--max-replicas-per-command", type=int, default=None,
                    help="most replicas one deploy/scale may ask (env NDIF_MAX_REPLICAS_PER_COMMAND; default 64)")
+    p.add_argument("--snapshot-every", type=int, default=SNAPSHOT_EVERY,
+                   help="events between snapshots of the fold (0: not by count; default %(default)s)")
+    p.add_argument("--snapshot-every-s", type=float, default=SNAPSHOT_EVERY_S,
+                   help="seconds between snapshots when the log moved (0: not by time; default %(default)s)")
+    p.add_argument("--snapshot-keep", type=int, default=None,
+                   help="snapshots kept, the newest (default: every one, so any past seq is one snapshot away)")
 
 
 def add_dashboard_command(sub: Any) -> None:

@@ -40,10 +40,12 @@ from controlplane.core.ports import EventLog, Stored
 from controlplane.core.projections import ClusterState
 from controlplane.service.clock import utcnow
 from controlplane.service.committer import GroupCommitter
-from controlplane.service.follow import follow_log
+from controlplane.service.follow import catch_up, follow_log
 from controlplane.service.parts import Connect, Parts, connect_url, given, start_or_stop
+from controlplane.service.snapshots import SNAPSHOT_EVERY, SNAPSHOT_EVERY_S, SnapshotWriter
 from controlplane.service.tasks import cancel_and_wait
 from controlplane.store.credentials import Creds
+from controlplane.store.rebuild import store_of
 from schemas.commands import AnyCommand, CommandResult, Limits, decode_command
 from schemas.errors import NdifError
 from schemas.events import (
@@ -81,7 +83,8 @@ class Controller:
                  max_restarts: int = MAX_RESTARTS, heartbeat_grace_s: float = 20.0,
                  policy_interval_s: float = 2.0, max_inflight: int = 512,
                  headroom: float = PADDING, max_replicas_per_model: int | None = None,
-                 max_replicas_per_command: int | None = None) -> None:
+                 max_replicas_per_command: int | None = None, snapshot_every: int = SNAPSHOT_EVERY,
+                 snapshot_every_s: float = SNAPSHOT_EVERY_S, snapshot_keep: int | None = None) -> None:
         self.parts = parts
         # Replica bounds, checked when a command is decoded (and the per-model one when decided):
         # a count past them is refused before placement runs. Defaults, then env, then arguments.
@@ -95,6 +98,10 @@ class Controller:
         self.max_restarts = max_restarts
         self.heartbeat_grace_s = heartbeat_grace_s
         self.policy_interval_s = policy_interval_s
+        # Snapshots of the fold (controlplane/service/snapshots.py): every `snapshot_every` events or
+        # `snapshot_every_s` seconds (0: not by that), the newest `snapshot_keep` kept (None: all).
+        self.snapshot_every, self.snapshot_every_s, self.snapshot_keep = snapshot_every, snapshot_every_s, snapshot_keep
+        self.snapshots: SnapshotWriter | None = None
         self.log: EventLog | None = None
         self.nc: NatsClient | None = None
         self._close: Callable[[], Awaitable[None]] | None = None
@@ -135,7 +142,13 @@ class Controller:
 
     async def _start(self) -> Controller:
         assert self.log is not None
-        self.committer = await GroupCommitter(self.log, ClusterState()).start()
+        # The newest snapshot that matches the log, then the tail: a start costs the same at any length.
+        self.committer = await GroupCommitter(self.log, await catch_up(self.log)).start()
+        store = store_of(self.log)
+        if store is not None and (self.snapshot_every or self.snapshot_every_s):
+            self.snapshots = await SnapshotWriter(store, every=self.snapshot_every, every_s=self.snapshot_every_s,
+                                                  keep=self.snapshot_keep).start(self.state.seq)
+            self.snapshots.after_batch(self.state)  # a log long past its newest snapshot gets one now
         self._tasks.append(asyncio.create_task(self._follow(), name="controller-follow"))
         if self.nc is not None:
             self._tasks.append(asyncio.create_task(self._watch_heartbeats(self.nc), name="controller-heartbeats"))
@@ -153,6 +166,8 @@ class Controller:
         self._tasks.clear()
         if self.committer is not None:
             await self.committer.stop()
+        if self.snapshots is not None:
+            await self.snapshots.stop()
         if self._close is not None:
             await self._close()
 
@@ -281,6 +296,8 @@ class Controller:
                 room = True
         if room:
             self.place_unplaced_soon()  # room may exist now for replicas wanted but unplaced
+        if self.snapshots is not None:
+            self.snapshots.after_batch(self.state)
 
     async def _on_failure(self, model_key: str, replica_id: int) -> None:
         assert self.committer is not None
@@ -354,6 +371,8 @@ class Controller:
         started = utcnow()
         while True:
             await asyncio.sleep(self.policy_interval_s)
+            if self.snapshots is not None:
+                self.snapshots.after_batch(self.state)  # by time: the log moved, then went quiet
             unplaced = False
             for r in list(self.state.replicas.values()):
                 if r.state is ReplicaState.FAILED and r.desired is Level.HOT:

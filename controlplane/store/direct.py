@@ -22,7 +22,7 @@ from typing import Any
 import msgspec
 import nats.errors
 
-from schemas.errors import InfrastructureError, InfrastructureTimeout, NotFound
+from schemas.errors import InfrastructureError, InfrastructureTimeout, InvalidCommand, NotFound
 
 MAX_BATCH = 1000  # messages asked for in one request
 MAX_BATCH_BYTES = 4 * 2**20  # and bytes: the server stops a batch there (at least one message comes)
@@ -71,9 +71,10 @@ async def direct_batch(nc: Any, stream: str, seq: int, batch: int = MAX_BATCH, *
     return out
 
 
-async def read_object(nc: Any, bucket: str, name: str, *, timeout: float = 5.0) -> bytes:
+async def read_object(nc: Any, bucket: str, name: str, *, timeout: float = 5.0, max_bytes: int | None = None) -> bytes:
     """An Object Store object (nats-py's layout) by direct gets: its meta (the last message on
-    `$O.<bucket>.M.<base64url(name)>`), then its chunks (`$O.<bucket>.C.<nuid>`), digest checked."""
+    `$O.<bucket>.M.<base64url(name)>`), then its chunks (`$O.<bucket>.C.<nuid>`), digest checked.
+    An object larger than `max_bytes` is refused (InvalidCommand) before any chunk is read."""
     stream = f"OBJ_{bucket}"
     meta_subject = f"$O.{bucket}.M.{base64.urlsafe_b64encode(name.encode()).decode()}"
     try:
@@ -89,6 +90,8 @@ async def read_object(nc: Any, bucket: str, name: str, *, timeout: float = 5.0) 
     if info.get("deleted"):
         raise NotFound(f"object {name} in bucket {bucket} was deleted")
     chunks, size, nuid = int(info.get("chunks") or 0), int(info.get("size") or 0), str(info.get("nuid") or "")
+    if max_bytes is not None and size > max_bytes:
+        raise InvalidCommand(f"object {name} of {bucket} is {size} bytes, more than {max_bytes} allowed")
     chunk_subject = f"$O.{bucket}.C.{nuid}"
     parts: list[bytes] = []
     seq = 1
@@ -107,3 +110,23 @@ async def read_object(nc: Any, bucket: str, name: str, *, timeout: float = 5.0) 
     if digest and digest != base64.urlsafe_b64encode(hashlib.sha256(data).digest()).decode():
         raise InfrastructureError(f"object {name} of {bucket}: digest mismatch")
     return data
+
+
+async def object_names(nc: Any, bucket: str, *, timeout: float = 5.0) -> list[str]:
+    """The names of the live objects of an Object Store bucket, by direct gets of its meta messages
+    (one per object: nats-py rolls each object's meta up to its last)."""
+    stream, meta = f"OBJ_{bucket}", f"$O.{bucket}.M.>"
+    names: list[str] = []
+    seq = 1
+    while True:
+        got = await direct_batch(nc, stream, seq, MAX_BATCH, next_by_subj=meta, timeout=timeout)
+        for m in got:
+            try:
+                info = msgspec.json.decode(m.data)
+            except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
+                continue  # not a meta message we can read: not an object
+            if isinstance(info, dict) and isinstance(info.get("name"), str) and not info.get("deleted"):
+                names.append(info["name"])
+        if len(got) < MAX_BATCH:
+            return names
+        seq = got[-1].seq + 1

@@ -37,6 +37,7 @@ from schemas.subjects import (
     REQUEST_STATUS_BUCKET,
     REQUESTS_STREAM,
     RESULTS_BUCKET,
+    SNAPSHOTS_BUCKET,
     node_token,
     replica_call_subject,
     request_subject,
@@ -458,7 +459,7 @@ def _table() -> list[tuple[str, str, str, bool]]:
     names = {"A": A, "B": B, "M": M, "S": S, "NODE_A": NODE_A, "EVENTS_STREAM": EVENTS_STREAM,
              "REQUESTS_STREAM": REQUESTS_STREAM, "HEARTBEATS_BUCKET": HEARTBEATS_BUCKET,
              "REQUEST_STATUS_BUCKET": REQUEST_STATUS_BUCKET, "RESULTS_BUCKET": RESULTS_BUCKET,
-             "call_A": replica_call_subject(MODEL, 0, NODE_A), "call_B": replica_call_subject(MODEL, 0, NODE_B),
+             "SNAPSHOTS_BUCKET": SNAPSHOTS_BUCKET, "call_A": replica_call_subject(MODEL, 0, NODE_A), "call_B": replica_call_subject(MODEL, 0, NODE_B),
              **{f"results_{u}": results_bucket(u) for u in ("alice", "bob", "mallory")}}
     rows = []
     for line in (Path(__file__).parent / "role_permissions.txt").read_text().splitlines():

@@ -151,4 +151,10 @@ class JetStreamEventLog:
         await snapshots.save_snapshot(self.js, name, data)
 
     async def load_snapshot(self, name: str) -> bytes | None:
-        return await snapshots.load_snapshot(self.js, name)
+        return await snapshots.load_snapshot(self.nc, name, timeout=self.timeout)
+
+    async def snapshot_names(self) -> list[str]:
+        return await snapshots.snapshot_names(self.nc, timeout=self.timeout)
+
+    async def delete_snapshot(self, name: str) -> None:
+        await snapshots.delete_snapshot(self.js, name)

@@ -38,6 +38,7 @@ from nats.aio.msg import Msg
 
 from controlplane.core.ports import EventLog
 from controlplane.core.projections import ClusterState
+from controlplane.service.follow import catch_up
 from controlplane.service.parts import Connect, Parts, connect_url, given, start_or_stop
 from controlplane.service.tasks import cancel_and_wait
 from controlplane.store.admin import AdminClient
@@ -152,6 +153,8 @@ class Dispatcher:
         async def deploy(model_key: str, replicas: int) -> CommandResult:
             return await admin.deploy(model_key, replicas)
 
+        # The fold every part reads: the newest snapshot that matches the log, then the tail.
+        self.state = await catch_up(log)
         replicas = log.replicas
         self.statuses = StatusWriter(nc, await js.key_value(REQUEST_STATUS_BUCKET),
                                      await js.object_store(RESULTS_BUCKET), self.bg, js=js, replicas=replicas)
@@ -163,7 +166,6 @@ class Dispatcher:
                              queue_lifetime_s=self.queue_lifetime_s)
         self.follower = LogFollower(log=log, state=self.state, processors=self.processors, intake=self.intake,
                                     bg=self.bg, name=self.name)
-        await self.follower.catch_up()
         if self.use_link:
             self.link = await ReplicaLink(nc, self.statuses.send).start()
         # New model subjects are discovered from the publishes themselves; existing ones from the stream.

@@ -1,0 +1,160 @@
+"""Where every fold of the log starts: the newest snapshot that matches the log, then the tail.
+
+The controller, the agents, the dispatcher and the dashboard (through the follow loop's `catch_up`,
+controlplane/service/follow.py) and `ndif status` / `ndif replay` (controlplane/store/admin.py) all
+rebuild here, so each starts in the time of one snapshot plus a short tail, whatever the history's
+length. A snapshot is used only if its schema is this version's, its bytes are whole, and the log
+holds, at the sequence it covers, the event it names; any other is ignored with a log line and the
+next older one is tried (MAX_TRIES in all), then the start of the log: a snapshot can make a fold
+faster, never different.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import datetime
+from typing import NamedTuple
+
+import structlog
+
+from controlplane.core.ports import EventLog, SnapshotStore
+from controlplane.core.projections import ClusterState, check_strict
+from controlplane.core.projections.cluster import SNAPSHOT_SCHEMA
+from controlplane.core.projections.snapshot import KIND, SnapshotHeader, SnapshotName, decode_stored, micros, parse_name
+from schemas.events import Event
+
+logger = structlog.get_logger("ndif.snapshots")
+
+MAX_TRIES = 3  # snapshots tried, newest first, before folding from the start
+
+
+class Start(NamedTuple):
+    """Where a fold starts: the state, and the snapshot it was loaded from (None: the log's start)."""
+
+    state: ClusterState
+    name: str | None
+
+
+def store_of(log: EventLog) -> SnapshotStore | None:
+    """The log's snapshot store, when it has one (both logs here do)."""
+    return log if isinstance(log, SnapshotStore) else None
+
+
+def candidates(names: list[str], *, until_seq: int | None = None, until_time: datetime | None = None) -> list[SnapshotName]:
+    """This version's cluster snapshots that cover no more than `until_seq` / events up to `until_time`, newest first."""
+    t = micros(until_time) if until_time is not None else None
+    out = []
+    for name in names:
+        n = parse_name(name)
+        if n is None or n.kind != KIND or n.schema != SNAPSHOT_SCHEMA:
+            continue
+        if until_seq is not None and n.seq > until_seq:
+            continue
+        if t is not None and n.max_ts_us is not None and n.max_ts_us > t:
+            continue
+        out.append(n)
+    out.sort(key=lambda n: n.seq, reverse=True)
+    return out
+
+
+async def newest_snapshot(log: EventLog, *, until_seq: int | None = None, until_time: datetime | None = None,
+                          last_seq: int | None = None) -> Start:
+    """The newest usable snapshot at or before `until_seq` / `until_time`, loaded; else an empty state."""
+    store = store_of(log)
+    if store is None:
+        return Start(ClusterState(), None)
+    try:
+        names = await store.snapshot_names()
+    except Exception as exc:  # noqa: BLE001 - no bucket, no right to read it, a timeout: fold from the start
+        logger.warning("snapshots_unreadable", error=str(exc) or type(exc).__name__)
+        return Start(ClusterState(), None)
+    found = candidates(names, until_seq=until_seq, until_time=until_time)
+    _note_other_schemas(names, found[0].seq if found else 0, until_seq)
+    for n in found[:MAX_TRIES]:
+        try:
+            data = await store.load_snapshot(n.name)
+        except Exception as exc:  # noqa: BLE001 - unreadable (corrupt chunks, a timeout): the next one
+            logger.warning("snapshot_ignored", name=n.name, reason=f"unreadable: {str(exc) or type(exc).__name__}")
+            continue
+        if data is None:
+            logger.warning("snapshot_ignored", name=n.name, reason="deleted meanwhile")
+            continue
+        got = decode_stored(data)
+        if isinstance(got, str):
+            logger.warning("snapshot_ignored", name=n.name, reason=got)
+            continue
+        header, state = got
+        if header.seq != n.seq or (None if header.max_ts is None else micros(header.max_ts)) != n.max_ts_us:
+            logger.warning("snapshot_ignored", name=n.name, reason="its name and its header disagree (seq or time)")
+            continue
+        last = last_seq if last_seq is not None else await log.last_seq()
+        problem = await mismatch(log, header, last)
+        if problem is not None:
+            logger.warning("snapshot_ignored", name=n.name, reason=problem)
+            continue
+        return Start(state, n.name)
+    return Start(ClusterState(), None)
+
+
+def _note_other_schemas(names: list[str], used_seq: int, until_seq: int | None) -> None:
+    """Say (once per rebuild) that newer snapshots of another schema were passed over."""
+    newer = [n for n in map(parse_name, names)
+             if n is not None and n.kind == KIND and n.schema != SNAPSHOT_SCHEMA and n.seq > used_seq
+             and (until_seq is None or n.seq <= until_seq)]
+    if newer:
+        top = max(newer, key=lambda n: n.seq)
+        logger.warning("snapshot_ignored", name=top.name, others=len(newer) - 1,
+                       reason=f"schema {top.schema}; this version reads schema {SNAPSHOT_SCHEMA}")
+
+
+async def mismatch(log: EventLog, header: SnapshotHeader, last_seq: int) -> str | None:
+    """Why a snapshot does not belong to this log (None: it does): past its end, or another event at its seq."""
+    if header.seq > last_seq:
+        return f"it covers seq {header.seq}, past the log's end (seq {last_seq}): a snapshot of another log"
+    if header.seq == 0:
+        return None
+    async for seq, item in log.read(header.seq, stop_seq=header.seq):
+        found = item.event_id if isinstance(item, Event) else ""
+        if seq == header.seq and found == header.event_id:
+            return None
+        return (f"the log's event at seq {header.seq} is {found or 'unreadable'!r}, the snapshot names "
+                f"{header.event_id or 'unreadable'!r}: a snapshot of another log")
+    return f"the log has no event at seq {header.seq}"
+
+
+async def fold_tail(log: EventLog, state: ClusterState, *, stop_seq: int,
+                    until_time: datetime | None = None) -> ClusterState:
+    """Fold the stored events after `state.seq` up to `stop_seq` (and, with `until_time`, up to the
+    first event later than it, as `replay --until TIME` does) into `state`."""
+    if stop_seq <= state.seq:
+        return state
+    apply = state.apply
+    async for batch in log.read_batches(state.seq + 1, stop_seq=stop_seq):
+        if until_time is None:
+            for seq, item in batch:
+                apply(seq, item)
+            continue
+        for seq, item in batch:
+            if isinstance(item, Event) and item.ts > until_time:
+                return state
+            apply(seq, item)
+    return state
+
+
+async def rebuild(log: EventLog, *, until_seq: int | None = None, until_time: datetime | None = None,
+                  strict: bool = False, snapshots: bool = True) -> ClusterState:
+    """The fold of the log as it is now, or as it was at `until_seq` / `until_time`: the newest usable
+    snapshot at or before that point, then the events after it. `strict`: raise ReplayAnomalyError
+    if the history up to there holds anomalies or unreadable events. `snapshots=False`: from seq 1."""
+    t0 = time.perf_counter()
+    last = await log.last_seq()
+    stop = last if until_seq is None else min(until_seq, last)
+    start = (await newest_snapshot(log, until_seq=stop, until_time=until_time, last_seq=last) if snapshots
+             else Start(ClusterState(), None))
+    from_seq = start.state.seq
+    state = await fold_tail(log, start.state, stop_seq=stop, until_time=until_time)
+    logger.info("fold_rebuilt", snapshot=start.name, snapshot_seq=from_seq, tail=state.seq - from_seq, seq=state.seq,
+                seconds=round(time.perf_counter() - t0, 3))
+    if strict:
+        check_strict(state)
+    return state
