@@ -68,8 +68,9 @@ async def newest_snapshot(log: EventLog, *, until_seq: int | None = None, until_
     except Exception as exc:  # noqa: BLE001 - no bucket, no right to read it, a timeout: fold from the start
         logger.warning("snapshots_unreadable", error=str(exc) or type(exc).__name__)
         return Start(ClusterState(), None)
-    found = candidates(names, until_seq=until_seq, until_time=until_time)
-    _note_other_schemas(names, found[0].seq if found else 0, until_seq)
+    last = last_seq if last_seq is not None else await log.last_seq()
+    found = candidates(names, until_seq=last if until_seq is None else min(until_seq, last), until_time=until_time)
+    _note_ignored(names, found[0].seq if found else 0, until_seq, last)
     for n in found[:MAX_TRIES]:
         try:
             data = await store.load_snapshot(n.name)
@@ -87,7 +88,6 @@ async def newest_snapshot(log: EventLog, *, until_seq: int | None = None, until_
         if header.seq != n.seq or (None if header.max_ts is None else micros(header.max_ts)) != n.max_ts_us:
             logger.warning("snapshot_ignored", name=n.name, reason="its name and its header disagree (seq or time)")
             continue
-        last = last_seq if last_seq is not None else await log.last_seq()
         problem = await mismatch(log, header, last)
         if problem is not None:
             logger.warning("snapshot_ignored", name=n.name, reason=problem)
@@ -96,11 +96,17 @@ async def newest_snapshot(log: EventLog, *, until_seq: int | None = None, until_
     return Start(ClusterState(), None)
 
 
-def _note_other_schemas(names: list[str], used_seq: int, until_seq: int | None) -> None:
-    """Say (once per rebuild) that newer snapshots of another schema were passed over."""
-    newer = [n for n in map(parse_name, names)
-             if n is not None and n.kind == KIND and n.schema != SNAPSHOT_SCHEMA and n.seq > used_seq
-             and (until_seq is None or n.seq <= until_seq)]
+def _note_ignored(names: list[str], used_seq: int, until_seq: int | None, last_seq: int) -> None:
+    """Say (once per rebuild, for the newest of each kind) which snapshots were passed over unread:
+    those past the log's end, and newer ones of another schema."""
+    ours = [n for n in map(parse_name, names) if n is not None and n.kind == KIND]
+    past = [n for n in ours if n.seq > last_seq]
+    if past:
+        top = max(past, key=lambda n: n.seq)
+        logger.warning("snapshot_ignored", name=top.name, others=len(past) - 1,
+                       reason=f"it covers seq {top.seq}, past the log's end (seq {last_seq}): a snapshot of another log")
+    limit = last_seq if until_seq is None else min(until_seq, last_seq)
+    newer = [n for n in ours if n.schema != SNAPSHOT_SCHEMA and used_seq < n.seq <= limit]
     if newer:
         top = max(newer, key=lambda n: n.seq)
         logger.warning("snapshot_ignored", name=top.name, others=len(newer) - 1,
