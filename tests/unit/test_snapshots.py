@@ -343,8 +343,8 @@ async def test_a_controller_starts_from_the_newest_snapshot_and_writes_them_as_t
         async with Controller(Parts(log, None), policy_interval_s=0.05, snapshot_every=25) as ctl:
             assert ctl.state == full(pairs[:50])
             assert used(logs) == [name]  # folded only the 10 events after it
-            for seq, ev in pairs[50:]:
-                log.append_raw(event_subject(ev), encode_event(ev), ev.event_id, ev.ts)
+            for _seq, ev in pairs[50:]:
+                await log.append([ev], None)
             for _ in range(200):
                 if ctl.state.seq == len(pairs) and ctl.snapshots is not None and ctl.snapshots.written:
                     break
