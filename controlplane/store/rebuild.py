@@ -58,8 +58,11 @@ def candidates(names: list[str], *, until_seq: int | None = None, until_time: da
 
 
 async def newest_snapshot(log: EventLog, *, until_seq: int | None = None, until_time: datetime | None = None,
-                          last_seq: int | None = None) -> Start:
-    """The newest usable snapshot at or before `until_seq` / `until_time`, loaded; else an empty state."""
+                          last_seq: int | None = None, loaded: dict[str, ClusterState] | None = None) -> Start:
+    """The newest usable snapshot at or before `until_seq` / `until_time`, loaded; else an empty state.
+
+    `loaded`: snapshots this caller loaded and checked before, by name (the state returned is a
+    copy); one loaded now is added to it."""
     store = store_of(log)
     if store is None:
         return Start(ClusterState(), None)
@@ -72,6 +75,8 @@ async def newest_snapshot(log: EventLog, *, until_seq: int | None = None, until_
     found = candidates(names, until_seq=last if until_seq is None else min(until_seq, last), until_time=until_time)
     _note_ignored(names, found[0].seq if found else 0, until_seq, last)
     for n in found[:MAX_TRIES]:
+        if loaded is not None and n.name in loaded:
+            return Start(loaded[n.name].copy(), n.name)
         try:
             data = await store.load_snapshot(n.name)
         except Exception as exc:  # noqa: BLE001 - unreadable (corrupt chunks, a timeout): the next one
@@ -92,6 +97,8 @@ async def newest_snapshot(log: EventLog, *, until_seq: int | None = None, until_
         if problem is not None:
             logger.warning("snapshot_ignored", name=n.name, reason=problem)
             continue
+        if loaded is not None:
+            loaded[n.name] = state.copy()
         return Start(state, n.name)
     return Start(ClusterState(), None)
 
