@@ -60,6 +60,11 @@ class Past:
             self._remember(seq, got)
         return got
 
+    def _nearest(self, seq: int) -> ClusterState | None:
+        """The cached past state closest below `seq` (scrubbing forward folds on from it)."""
+        below = [s for s in self._states if s <= seq]
+        return self._states[max(below)] if below else None
+
     async def at_time(self, t: datetime) -> tuple[int, ClusterState]:
         """The last sequence at or before `t` and the state there, as `ndif replay --until TIME`."""
         seq = self.model.seq_at_time(t)
@@ -79,11 +84,15 @@ class Past:
         return state.seq, state
 
     async def _start(self, *, until_seq: int | None = None, until_time: datetime | None = None) -> ClusterState:
-        """A fresh copy of the newest usable snapshot at or before the point (a loaded one is reused)."""
+        """A fresh state to fold on from: a copy of the newest usable snapshot at or before the point
+        (a loaded one is reused), or of a past state asked before when that is closer."""
+        near = self._nearest(until_seq) if until_seq is not None else None
         start = await newest_snapshot(self.log, until_seq=until_seq, until_time=until_time, last_seq=self.model.seq,
-                                      loaded=self._snapshots)
+                                      loaded=self._snapshots, after_seq=near.seq if near is not None else -1)
         if start.name is not None and len(self._snapshots) > MAX_SNAPSHOTS_CACHE:
             self._snapshots.pop(next(iter(self._snapshots)))
+        if start.name is None and near is not None:
+            return near.copy()
         return start.state
 
     async def _fold(self, state: ClusterState, seq: int) -> ClusterState:

@@ -58,11 +58,13 @@ def candidates(names: list[str], *, until_seq: int | None = None, until_time: da
 
 
 async def newest_snapshot(log: EventLog, *, until_seq: int | None = None, until_time: datetime | None = None,
-                          last_seq: int | None = None, loaded: dict[str, ClusterState] | None = None) -> Start:
+                          last_seq: int | None = None, loaded: dict[str, ClusterState] | None = None,
+                          after_seq: int = -1) -> Start:
     """The newest usable snapshot at or before `until_seq` / `until_time`, loaded; else an empty state.
 
     `loaded`: snapshots this caller loaded and checked before, by name (the state returned is a
-    copy); one loaded now is added to it."""
+    copy); one loaded now is added to it. `after_seq`: only snapshots past it are of use (the
+    caller holds a state there)."""
     store = store_of(log)
     if store is None:
         return Start(ClusterState(), None)
@@ -74,6 +76,7 @@ async def newest_snapshot(log: EventLog, *, until_seq: int | None = None, until_
     last = last_seq if last_seq is not None else await log.last_seq()
     found = candidates(names, until_seq=last if until_seq is None else min(until_seq, last), until_time=until_time)
     _note_ignored(names, found[0].seq if found else 0, until_seq, last)
+    found = [n for n in found if n.seq > after_seq]
     for n in found[:MAX_TRIES]:
         if loaded is not None and n.name in loaded:
             return Start(loaded[n.name].copy(), n.name)
