@@ -45,6 +45,7 @@ class SnapshotWriter:
         self.written_seq = 0  # seq of the newest snapshot stored (found at start, or written since)
         self._written_at = time.monotonic()
         self._task: asyncio.Task[None] | None = None
+        self._state: ClusterState | None = None  # the live fold, as last given
         self.written = 0  # snapshots this writer stored
         self.last_bytes = 0  # size of the last one
 
@@ -77,12 +78,19 @@ class SnapshotWriter:
                     or (self.every_s and time.monotonic() - self._written_at >= self.every_s))
 
     def after_batch(self, state: ClusterState) -> None:
-        """Called after each folded batch (and now and then): start a write if one is due."""
+        """Called after each folded batch (and now and then) with the live fold: start a write if one
+        is due. While one is being stored the fold goes on; when it is stored, the check runs again."""
+        self._state = state
         if not self.enabled or (self._task is not None and not self._task.done()) or not self.due(state):
             return
         header, data = encode_stored(state)  # now, before the fold moves on
         self.written_seq, self._written_at = state.seq, time.monotonic()
         self._task = asyncio.create_task(self._save(snapshot_name(header), data, header.seq), name="snapshot-write")
+        self._task.add_done_callback(self._again)
+
+    def _again(self, task: asyncio.Task[None]) -> None:
+        if not task.cancelled() and self._state is not None:
+            self.after_batch(self._state)  # the fold may have passed another interval meanwhile
 
     async def write_now(self, state: ClusterState) -> str:
         """Store a snapshot of `state` at once (tests, tools); returns its name."""
@@ -118,6 +126,7 @@ class SnapshotWriter:
 
     async def stop(self) -> None:
         """Let a write in flight finish (bounded), then stop."""
+        self._state = None  # no write starts after this one
         if self._task is not None and not self._task.done():
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(asyncio.shield(self._task), 10)

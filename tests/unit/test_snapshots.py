@@ -87,8 +87,17 @@ def corrupt(data: bytes, how: str) -> bytes:
             return b"\xff\xfe not a snapshot \x00" * 7
         case "no-header":
             return body
+        case "not-zlib":  # a well-formed header over a body that does not inflate
+            bad = b'{"kind":"cluster","schema":2}'
+            h = msgspec.json.decode(head, type=SnapshotHeader)
+            import hashlib
+
+            h = msgspec.structs.replace(h, body_bytes=len(bad), body_sha256=hashlib.sha256(bad).hexdigest())
+            return msgspec.json.encode(h) + b"\n" + bad
         case _:  # a well-formed header over a body of the wrong shape
-            bad = b'{"kind":"cluster","schema":2,"seq":"x"}'
+            import zlib
+
+            bad = zlib.compress(b'{"kind":"cluster","schema":2,"seq":"x"}')
             h = msgspec.json.decode(head, type=SnapshotHeader)
             import hashlib
 
@@ -134,7 +143,7 @@ def test_a_bad_snapshot_is_ignored_and_the_fold_is_the_full_one(events, other, d
     whole = full(pairs)
     cut = data.draw(st.integers(1, len(pairs)), label="cut")
     case = data.draw(st.sampled_from(["old-schema", "new-schema", "flip", "truncated", "garbage", "no-header",
-                                      "wrong-shape", "reset"]), label="case")
+                                      "not-zlib", "wrong-shape", "reset"]), label="case")
 
     async def run() -> None:
         log = stored_log(events)
@@ -214,6 +223,19 @@ def test_names_say_what_a_snapshot_covers_and_refuse_what_is_not_one():
     assert candidates([snapshot_name(h)], until_time=t) == []
     # The body alone (the codec the contract tests use) is not a stored snapshot.
     assert isinstance(decode_stored(encode_snapshot(full(pairs))), str)
+    # A body that inflates past the limit is refused before it is decoded.
+    import hashlib
+    import zlib
+
+    from controlplane.core.projections import snapshot as snap_mod
+
+    saved, snap_mod.MAX_SNAPSHOT_BYTES = snap_mod.MAX_SNAPSHOT_BYTES, 1000
+    try:
+        bomb = zlib.compress(b" " * 5000, 9)
+        hb = msgspec.structs.replace(h, body_bytes=len(bomb), body_sha256=hashlib.sha256(bomb).hexdigest())
+        assert "inflates past" in decode_stored(msgspec.json.encode(hb) + b"\n" + bomb)  # type: ignore[operator]
+    finally:
+        snap_mod.MAX_SNAPSHOT_BYTES = saved
     got = decode_stored(data)
     assert not isinstance(got, str) and got[1] == full(pairs)
 
