@@ -26,11 +26,11 @@ SNAPSHOT_EVERY_S = 3600.0  # seconds between snapshots (when the log moved meanw
 
 
 class SnapshotWriter:
-    """Writes `encode_stored(state)` when due; one write at a time, in the background.
+    """Encodes the fold when a snapshot is due and stores it in the background, one write at a time.
 
     `every`: events since the last snapshot (0: never by count); `every_s`: seconds since the last
     one, if any event came meanwhile (0: never by time); `keep`: the newest snapshots kept (None:
-    all). A write that fails is logged and tried again once it is due again."""
+    all). A write that fails is logged; the next is encoded when it is due."""
 
     def __init__(self, store: SnapshotStore, *, every: int = SNAPSHOT_EVERY, every_s: float = SNAPSHOT_EVERY_S,
                  keep: int | None = None) -> None:
@@ -42,10 +42,12 @@ class SnapshotWriter:
         self.every = every
         self.every_s = every_s
         self.keep = keep
-        self.written_seq = 0  # seq of the newest snapshot stored (found at start, or written since)
+        self.written_seq = 0  # seq of the newest snapshot stored or encoded to be (found at start, or since)
         self._written_at = time.monotonic()
         self._task: asyncio.Task[None] | None = None
-        self._state: ClusterState | None = None  # the live fold, as last given
+        self._pending: tuple[str, bytes, int] | None = None  # encoded, waiting for the write in flight
+        self._stopped = False
+        self.dropped = 0  # encoded but never stored: a newer one came while it waited
         self.written = 0  # snapshots this writer stored
         self.last_bytes = 0  # size of the last one
 
@@ -78,19 +80,29 @@ class SnapshotWriter:
                     or (self.every_s and time.monotonic() - self._written_at >= self.every_s))
 
     def after_batch(self, state: ClusterState) -> None:
-        """Called after each folded batch (and now and then) with the live fold: start a write if one
-        is due. While one is being stored the fold goes on; when it is stored, the check runs again."""
-        self._state = state
-        if not self.enabled or (self._task is not None and not self._task.done()) or not self.due(state):
+        """Called after each folded batch (and now and then): if one is due, encode the fold now and
+        store it in the background. While one is being stored the next due one waits (the newest
+        only: an older one still waiting is dropped, counted in `dropped`)."""
+        if not self.enabled or self._stopped or not self.due(state):
             return
         header, data = encode_stored(state)  # now, before the fold moves on
         self.written_seq, self._written_at = state.seq, time.monotonic()
-        self._task = asyncio.create_task(self._save(snapshot_name(header), data, header.seq), name="snapshot-write")
-        self._task.add_done_callback(self._again)
+        job = (snapshot_name(header), data, header.seq)
+        if self._task is not None and not self._task.done():
+            if self._pending is not None:
+                self.dropped += 1
+            self._pending = job
+            return
+        self._store(job)
 
-    def _again(self, task: asyncio.Task[None]) -> None:
-        if not task.cancelled() and self._state is not None:
-            self.after_batch(self._state)  # the fold may have passed another interval meanwhile
+    def _store(self, job: tuple[str, bytes, int]) -> None:
+        self._task = asyncio.create_task(self._save(*job), name="snapshot-write")
+        self._task.add_done_callback(self._next)
+
+    def _next(self, _: asyncio.Task[None]) -> None:
+        if self._pending is not None and not self._stopped:
+            job, self._pending = self._pending, None
+            self._store(job)
 
     async def write_now(self, state: ClusterState) -> str:
         """Store a snapshot of `state` at once (tests, tools); returns its name."""
@@ -125,12 +137,17 @@ class SnapshotWriter:
             logger.warning("snapshot_retention_failed", error=str(exc) or type(exc).__name__)
 
     async def stop(self) -> None:
-        """Let a write in flight finish (bounded), then stop."""
-        self._state = None  # no write starts after this one
-        if self._task is not None and not self._task.done():
+        """Let the write in flight and the one waiting finish (10 s at most), then stop."""
+        self._stopped = True
+        deadline = time.monotonic() + 10
+        while self._task is not None and not self._task.done() and time.monotonic() < deadline:
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(asyncio.shield(self._task), 10)
-            if not self._task.done():
-                self._task.cancel()
-                with contextlib.suppress(BaseException):
-                    await self._task
+                await asyncio.wait_for(asyncio.shield(self._task), max(0.01, deadline - time.monotonic()))
+        if self._pending is not None and time.monotonic() < deadline:
+            job, self._pending = self._pending, None
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._save(*job), max(0.01, deadline - time.monotonic()))
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+            with contextlib.suppress(BaseException):
+                await self._task

@@ -378,3 +378,34 @@ async def test_a_controller_starts_from_the_newest_snapshot_and_writes_them_as_t
         async with Controller(Parts(log, None), policy_interval_s=0.05) as again:
             assert again.state == full(pairs)
     assert used(logs) == [written[-1]["name"]]
+
+
+class SlowStore(MemoryEventLog):
+    """A store whose writes wait until released (a bucket slower than the fold)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = asyncio.Event()
+
+    async def save_snapshot(self, name: str, data: bytes) -> None:
+        await self.release.wait()
+        await super().save_snapshot(name, data)
+
+
+async def test_while_a_write_is_in_flight_the_newest_due_one_waits_and_older_ones_are_dropped():
+    pairs = numbered(scripted_history(12))
+    store = SlowStore()
+    w = await SnapshotWriter(store, every=10, every_s=0).start(0)
+    state = ClusterState()
+    for seq, item in pairs[:45]:
+        state.apply(seq, item)
+        w.after_batch(state)  # due at 10 (stored slowly), 20 (waits), 30 (replaces 20), 40 (replaces 30)
+    await asyncio.sleep(0.05)
+    assert w.written == 0 and w.dropped == 2 and w.written_seq == 40
+    store.release.set()
+    for _ in range(100):
+        if w.written == 2:
+            break
+        await asyncio.sleep(0.01)
+    assert sorted(parse_name(n).seq for n in await store.snapshot_names()) == [10, 40]  # type: ignore[union-attr]
+    await w.stop()

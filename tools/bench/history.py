@@ -45,7 +45,7 @@ from benchkit import Envelope, ReplicaRef, pct
 
 from controlplane.core.projections import encode_snapshot
 from controlplane.core.projections.snapshot import parse_name
-from controlplane.ops.nats_server import EmbeddedNats
+from controlplane.ops.nats_server import EmbeddedNats, die_with_parent
 from controlplane.store.eventstore import JetStreamEventLog
 from schemas import events as E
 from schemas.status import DeploymentOp, EvictionReason, Level
@@ -275,10 +275,10 @@ async def child(mode: str, url: str, seed: int, samples: int, every: int) -> dic
                                        snapshot_every_s=0, **QUIET) as ctl:
             while True:
                 w = ctl.snapshots
-                writing = w is not None and w._task is not None and not w._task.done()
+                writing = w is not None and ((w._task is not None and not w._task.done()) or w._pending is not None)
                 print(json.dumps({"seq": ctl.state.seq, "written": w.written if w else 0, "writing": writing,
-                                  "written_seq": w.written_seq if w else 0, "bytes": w.last_bytes if w else 0}),
-                      flush=True)
+                                  "written_seq": w.written_seq if w else 0, "bytes": w.last_bytes if w else 0,
+                                  "dropped": w.dropped if w else 0}), flush=True)
                 await asyncio.sleep(0.5)
     raise SystemExit(f"unknown child mode {mode}")
 
@@ -287,7 +287,8 @@ async def run_child(mode: str, url: str, *, seed: int = 0, samples: int = 0) -> 
     t0 = time.perf_counter()
     proc = await asyncio.create_subprocess_exec(
         sys.executable, __file__, "--child", mode, "--url", url, "--seed", str(seed), "--samples", str(samples),
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env={**os.environ, "NDIF_LOG_LEVEL": "INFO"})
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env={**os.environ, "NDIF_LOG_LEVEL": "INFO"},
+        preexec_fn=die_with_parent)
     out, err = await proc.communicate()
     if proc.returncode != 0:
         raise RuntimeError(f"child {mode} failed ({proc.returncode}): {err.decode()[-2000:]}")
@@ -301,7 +302,8 @@ class Writer:
 
     def __init__(self, url: str, every: int) -> None:
         self.url, self.every = url, every
-        self.last: dict[str, Any] = {"seq": 0, "written": 0, "writing": False, "written_seq": 0, "bytes": 0}
+        self.last: dict[str, Any] = {"seq": 0, "written": 0, "writing": False, "written_seq": 0, "bytes": 0,
+                                     "dropped": 0}
         self.started = False
         self.proc: asyncio.subprocess.Process | None = None
         self._reader: asyncio.Task[None] | None = None
@@ -309,7 +311,7 @@ class Writer:
     async def start(self) -> Writer:
         self.proc = await asyncio.create_subprocess_exec(
             sys.executable, __file__, "--child", "writer", "--url", self.url, "--every", str(self.every),
-            stdout=asyncio.subprocess.PIPE, env={**os.environ, "NDIF_LOG_LEVEL": "INFO"})
+            stdout=asyncio.subprocess.PIPE, env={**os.environ, "NDIF_LOG_LEVEL": "INFO"}, preexec_fn=die_with_parent)
         self._reader = asyncio.create_task(self._read())
         while not self.started:  # started and following before the first event is appended
             if self.proc.returncode is not None:
@@ -383,7 +385,8 @@ async def main() -> None:
         print(json.dumps(await child(a.child, a.url, a.seed, a.samples, a.every)), flush=True)
         return
     out: dict[str, Any] = {"events": a.events}
-    with tempfile.TemporaryDirectory(prefix="ndif-bench-history-") as tmp, EmbeddedNats(Path(tmp) / "nats") as srv:
+    with tempfile.TemporaryDirectory(prefix="ndif-bench-history-") as tmp, EmbeddedNats(Path(tmp) / "nats",
+                                                                                       die_with_parent=True) as srv:
         log = await JetStreamEventLog.open(srv.url, timeout=30)
         writer = await Writer(srv.url, a.snapshot_every).start()
         h = History()
@@ -397,8 +400,9 @@ async def main() -> None:
                              f"{a.snapshot_every:,}) ...")
                 pending = await fill(log, h, target, pending)
                 w = await writer.caught_up(target)
-                log_progress(f"  the writing controller is at seq {w['seq']:,}: {w['written']} snapshots written, "
-                             f"the last at seq {w['written_seq']:,}, {w['bytes']:,} bytes")
+                log_progress(f"  the writing controller is at seq {w['seq']:,}: {w['written']} snapshots written "
+                             f"({w['dropped']} dropped while a write was in flight), the last at seq "
+                             f"{w['written_seq']:,}, {w['bytes']:,} bytes")
                 points[target] = await measure_point(srv.url, log, a.starts) | {"snapshot_bytes": w["bytes"]}
             fill_s = time.perf_counter() - t_fill
             log_progress("a new dashboard process, first /api/state ...")
