@@ -43,6 +43,7 @@ class Past:
         self.model = model
         self._states: dict[int, ClusterState] = {}
         self._snapshots: dict[str, ClusterState] = {}
+        self._refused: set[str] = set()  # snapshots found unusable (said once, not tried again)
 
     # ---- states ------------------------------------------------------------------------------
 
@@ -88,7 +89,8 @@ class Past:
         (a loaded one is reused), or of a past state asked before when that is closer."""
         near = self._nearest(until_seq) if until_seq is not None else None
         start = await newest_snapshot(self.log, until_seq=until_seq, until_time=until_time, last_seq=self.model.seq,
-                                      loaded=self._snapshots, after_seq=near.seq if near is not None else -1)
+                                      loaded=self._snapshots, refused=self._refused,
+                                      after_seq=near.seq if near is not None else -1)
         if start.name is not None and len(self._snapshots) > MAX_SNAPSHOTS_CACHE:
             self._snapshots.pop(next(iter(self._snapshots)))
         if start.name is None and near is not None:

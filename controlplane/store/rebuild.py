@@ -59,12 +59,13 @@ def candidates(names: list[str], *, until_seq: int | None = None, until_time: da
 
 async def newest_snapshot(log: EventLog, *, until_seq: int | None = None, until_time: datetime | None = None,
                           last_seq: int | None = None, loaded: dict[str, ClusterState] | None = None,
-                          after_seq: int = -1) -> Start:
+                          refused: set[str] | None = None, after_seq: int = -1) -> Start:
     """The newest usable snapshot at or before `until_seq` / `until_time`, loaded; else an empty state.
 
-    `loaded`: snapshots this caller loaded and checked before, by name (the state returned is a
-    copy); one loaded now is added to it. `after_seq`: only snapshots past it are of use (the
-    caller holds a state there)."""
+    For a caller that asks again and again (the dashboard): `loaded` holds the snapshots it loaded
+    and checked before, by name (the state returned is a copy), and gets the one loaded now;
+    `refused` holds the names found unusable before (passed over without a word) and gets the ones
+    found now. `after_seq`: only snapshots past it are of use (the caller holds a state there)."""
     store = store_of(log)
     if store is None:
         return Start(ClusterState(), None)
@@ -75,30 +76,31 @@ async def newest_snapshot(log: EventLog, *, until_seq: int | None = None, until_
         return Start(ClusterState(), None)
     last = last_seq if last_seq is not None else await log.last_seq()
     found = candidates(names, until_seq=last if until_seq is None else min(until_seq, last), until_time=until_time)
-    _note_ignored(names, found[0].seq if found else 0, until_seq, last)
-    found = [n for n in found if n.seq > after_seq]
+    said = refused if refused is not None else set()
+    _note_ignored(names, found[0].seq if found else 0, until_seq, last, said)
+    found = [n for n in found if n.seq > after_seq and n.name not in said]
     for n in found[:MAX_TRIES]:
         if loaded is not None and n.name in loaded:
             return Start(loaded[n.name].copy(), n.name)
         try:
             data = await store.load_snapshot(n.name)
         except Exception as exc:  # noqa: BLE001 - unreadable (corrupt chunks, a timeout): the next one
-            logger.warning("snapshot_ignored", name=n.name, reason=f"unreadable: {str(exc) or type(exc).__name__}")
+            _refuse(said, n.name, f"unreadable: {str(exc) or type(exc).__name__}", lasting=False)
             continue
         if data is None:
-            logger.warning("snapshot_ignored", name=n.name, reason="deleted meanwhile")
+            _refuse(said, n.name, "deleted meanwhile", lasting=False)
             continue
         got = decode_stored(data)
         if isinstance(got, str):
-            logger.warning("snapshot_ignored", name=n.name, reason=got)
+            _refuse(said, n.name, got)
             continue
         header, state = got
         if header.seq != n.seq or (None if header.max_ts is None else micros(header.max_ts)) != n.max_ts_us:
-            logger.warning("snapshot_ignored", name=n.name, reason="its name and its header disagree (seq or time)")
+            _refuse(said, n.name, "its name and its header disagree (seq or time)")
             continue
         problem = await mismatch(log, header, last)
         if problem is not None:
-            logger.warning("snapshot_ignored", name=n.name, reason=problem)
+            _refuse(said, n.name, problem)
             continue
         if loaded is not None:
             loaded[n.name] = state.copy()
@@ -106,19 +108,29 @@ async def newest_snapshot(log: EventLog, *, until_seq: int | None = None, until_
     return Start(ClusterState(), None)
 
 
-def _note_ignored(names: list[str], used_seq: int, until_seq: int | None, last_seq: int) -> None:
-    """Say (once per rebuild, for the newest of each kind) which snapshots were passed over unread:
+def _refuse(said: set[str], name: str, reason: str, *, lasting: bool = True) -> None:
+    """Log why a snapshot is not used; one whose bytes or log make it unusable is not tried again
+    (a read that failed may work next time)."""
+    if lasting:
+        said.add(name)
+    logger.warning("snapshot_ignored", name=name, reason=reason)
+
+
+def _note_ignored(names: list[str], used_seq: int, until_seq: int | None, last_seq: int, said: set[str]) -> None:
+    """Say (for the newest of each kind, once per caller) which snapshots were passed over unread:
     those past the log's end, and newer ones of another schema."""
-    ours = [n for n in map(parse_name, names) if n is not None and n.kind == KIND]
+    ours = [n for n in map(parse_name, names) if n is not None and n.kind == KIND and n.name not in said]
     past = [n for n in ours if n.seq > last_seq]
     if past:
         top = max(past, key=lambda n: n.seq)
+        said.update(n.name for n in past)
         logger.warning("snapshot_ignored", name=top.name, others=len(past) - 1,
                        reason=f"it covers seq {top.seq}, past the log's end (seq {last_seq}): a snapshot of another log")
     limit = last_seq if until_seq is None else min(until_seq, last_seq)
     newer = [n for n in ours if n.schema != SNAPSHOT_SCHEMA and used_seq < n.seq <= limit]
     if newer:
         top = max(newer, key=lambda n: n.seq)
+        said.update(n.name for n in newer)
         logger.warning("snapshot_ignored", name=top.name, others=len(newer) - 1,
                        reason=f"schema {top.schema}; this version reads schema {SNAPSHOT_SCHEMA}")
 
