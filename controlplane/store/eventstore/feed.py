@@ -148,7 +148,7 @@ async def _feed_consumer(src: FeedSource, start_seq: int, stop_seq: int | None) 
     """Ordered consumer over the whole stream, from `start_seq` to `stop_seq` (or forever).
 
     Sequences must be contiguous: on a gap (a client-side drop) or a stall the feed
-    resubscribes from the next sequence it wants. Messages are decoded in the delivery callback
+    resubscribes from the next sequence it wants. Batches hold at most MAX_BATCH events. Messages are decoded in the delivery callback
     into a deque (nats-py's `next_msg()` costs a future per message and caps a drain near
     30k msg/s here; callbacks run about 3x faster).
     """
@@ -199,7 +199,7 @@ async def _feed_consumer(src: FeedSource, start_seq: int, stop_seq: int | None) 
                     continue
                 batch: list[Stored] = []
                 gap = False
-                while buf:
+                while buf and len(batch) < MAX_BATCH:
                     item = buf.popleft()
                     if item is None:
                         gap = True
@@ -214,6 +214,10 @@ async def _feed_consumer(src: FeedSource, start_seq: int, stop_seq: int | None) 
                     return
                 if gap:
                     break  # resubscribe from `expected`
+                if buf:
+                    # A backlog (a catch-up, a burst) is folded a batch at a time with the loop's
+                    # other work in between: commands, heartbeats, a snapshot being stored.
+                    await asyncio.sleep(0)
         finally:
             want[0] = -1
             with contextlib.suppress(Exception):

@@ -148,7 +148,7 @@ class JetStreamEventLog:
     # ---- snapshots (snapshots.py) ------------------------------------------------------------
 
     async def save_snapshot(self, name: str, data: bytes) -> None:
-        await snapshots.save_snapshot(self.js, name, data)
+        await snapshots.save_snapshot(self.nc, name, data)
 
     async def load_snapshot(self, name: str) -> bytes | None:
         return await snapshots.load_snapshot(self.nc, name, timeout=self.timeout)

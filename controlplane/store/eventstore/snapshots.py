@@ -16,9 +16,11 @@ from controlplane.store.direct import object_names, read_object
 from schemas.errors import NotFound
 from schemas.subjects import SNAPSHOTS_BUCKET
 
+WRITE_TIMEOUT_S = 30.0  # a snapshot is stored in the background: a busy server may take its time
 
-async def save_snapshot(js: JetStreamContext, name: str, data: bytes) -> None:
-    obs = await js.object_store(SNAPSHOTS_BUCKET)
+
+async def save_snapshot(nc: NatsClient, name: str, data: bytes) -> None:
+    obs = await nc.jetstream(timeout=WRITE_TIMEOUT_S).object_store(SNAPSHOTS_BUCKET)
     await obs.put(name, data)
 
 
