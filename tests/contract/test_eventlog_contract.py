@@ -122,7 +122,7 @@ async def test_snapshot_plus_tail_equals_full_fold(log):
 async def test_snapshots_are_listed_loaded_and_deleted_by_name(log):
     """What the rebuild and the writer need of a store: names, whole bytes back (several chunks), delete."""
     await log.append([node_joined("node-a.cluster")], 0)
-    big = bytes(range(256)) * 2048  # 512 KiB: several object-store chunks
+    big = bytes(range(256)) * 5000  # 1.28 MB: several object-store chunks (512 KiB each)
     await log.save_snapshot("cluster.v2.000000000001.t-", big)
     await log.save_snapshot("cluster.v2.000000000002.t-", b"two")
     assert sorted(await log.snapshot_names()) == ["cluster.v2.000000000001.t-", "cluster.v2.000000000002.t-"]

@@ -14,6 +14,7 @@ from types import TracebackType
 
 import structlog
 from nats.aio.client import Client as NatsClient
+from nats.js.object_store import ObjectStore
 
 from controlplane.core.ports import AppendResult, Stored
 from controlplane.store.credentials import Creds, resolve
@@ -58,6 +59,7 @@ class JetStreamEventLog:
         # subject is beyond what subject permissions can restrict.
         self.direct_reads = False
         self.direct_poll_s = 0.5  # a direct-read follower asks again this often without a wake-up
+        self._obs: ObjectStore | None = None  # the snapshot bucket, once written to
 
     @classmethod
     async def open(cls, url: str, *, timeout: float = 5.0, replicas: int | None = None, ensure: bool = True,
@@ -147,8 +149,13 @@ class JetStreamEventLog:
 
     # ---- snapshots (snapshots.py) ------------------------------------------------------------
 
+    async def _snapshot_bucket(self) -> ObjectStore:
+        if self._obs is None:
+            self._obs = await snapshots.open_store(self.nc)
+        return self._obs
+
     async def save_snapshot(self, name: str, data: bytes) -> None:
-        await snapshots.save_snapshot(self.nc, name, data)
+        await snapshots.save_snapshot(await self._snapshot_bucket(), name, data)
 
     async def load_snapshot(self, name: str) -> bytes | None:
         return await snapshots.load_snapshot(self.nc, name, timeout=self.timeout)
@@ -157,4 +164,4 @@ class JetStreamEventLog:
         return await snapshots.snapshot_names(self.nc, timeout=self.timeout)
 
     async def delete_snapshot(self, name: str) -> None:
-        await snapshots.delete_snapshot(self.js, name)
+        await snapshots.delete_snapshot(await self._snapshot_bucket(), name)
