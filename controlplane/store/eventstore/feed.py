@@ -32,6 +32,8 @@ from schemas.subjects import EVENTS_ALL, EVENTS_STREAM
 
 logger = structlog.get_logger("ndif.eventstore")
 
+SHORT_READ = 10 * MAX_BATCH  # events: a read of fewer (with a known end) is made of batched direct gets
+
 
 class FeedSource(Protocol):
     """The connection and the settings a feed reads, each time it needs one (JetStreamEventLog has them)."""
@@ -64,7 +66,9 @@ async def read_batches(src: FeedSource, start_seq: int = 1, *, start_time: datet
         start_seq = max(start_seq, found)
     if stop < max(start_seq, 1):
         return
-    async for batch in _feed(src, start_seq, stop):
+    # A short stretch (a snapshot's check, the tail after it) by direct gets: no consumer to make.
+    feed = _feed_direct if stop - max(start_seq, 1) < SHORT_READ else _feed
+    async for batch in feed(src, start_seq, stop):
         yield batch
 
 
