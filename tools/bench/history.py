@@ -5,8 +5,10 @@ Starts its own nats-server (file storage, temp dir) and a controller process tha
 and stores a snapshot every --snapshot-every events (the real writer, `Controller(snapshot_every=)`).
 Appends a generated lifecycle history (64 nodes x 8 cards, 40 models; replicas scheduled with new
 ids, loaded, drained to WARM, brought back, scaled down to COLD; one command per decision: every
-event valid, no anomaly), and at 100,000 and at --events (default 1,000,000) measures, each in a
-NEW process:
+event valid, no anomaly). Before each measuring point the writer is stopped at half a snapshot
+interval short of it, one snapshot stored where it stopped, and the rest appended, so a new reader
+folds the same tail (half the interval, the average) at both points. At 100,000 and at --events
+(default 1,000,000) it measures, each in a NEW process:
   snapshot_start_s   a controller connects, loads the newest snapshot, folds the tail and is started
                      (subscribed: ready to decide); in-process time from connecting, median of --starts
   rss                that started controller's resident memory (VmRSS)
@@ -46,6 +48,8 @@ from benchkit import Envelope, ReplicaRef, pct
 from controlplane.core.projections import encode_snapshot
 from controlplane.core.projections.snapshot import parse_name
 from controlplane.ops.nats_server import EmbeddedNats, die_with_parent
+from controlplane.service.snapshots import SnapshotWriter
+from controlplane.store.rebuild import rebuild
 from controlplane.store.eventstore import JetStreamEventLog
 from schemas import events as E
 from schemas.status import DeploymentOp, EvictionReason, Level
@@ -388,21 +392,29 @@ async def main() -> None:
     with tempfile.TemporaryDirectory(prefix="ndif-bench-history-") as tmp, EmbeddedNats(Path(tmp) / "nats",
                                                                                        die_with_parent=True) as srv:
         log = await JetStreamEventLog.open(srv.url, timeout=30)
-        writer = await Writer(srv.url, a.snapshot_every).start()
         h = History()
         t_fill = time.perf_counter()
         await log.append(h.setup(), None)
         pending: list[E.Event] = []
         points: dict[int, dict[str, Any]] = {}
+        tail = a.snapshot_every // 2  # the average tail: held equal at both points, so they compare
+        writer: Writer | None = None
         try:
             for target in (a.small, a.events):
-                log_progress(f"filling the log to {target:,} events (a controller follows, a snapshot every "
+                log_progress(f"filling the log to {target - tail:,} events (a controller follows, a snapshot every "
                              f"{a.snapshot_every:,}) ...")
-                pending = await fill(log, h, target, pending)
-                w = await writer.caught_up(target)
+                writer = await Writer(srv.url, a.snapshot_every).start()  # a restart: from its newest snapshot
+                pending = await fill(log, h, target - tail, pending)
+                w = await writer.caught_up(target - tail)
+                await writer.stop()
+                writer = None
                 log_progress(f"  the writing controller is at seq {w['seq']:,}: {w['written']} snapshots written "
                              f"({w['dropped']} dropped while a write was in flight), the last at seq "
-                             f"{w['written_seq']:,}, {w['bytes']:,} bytes")
+                             f"{w['written_seq']:,}, {w['bytes']:,} bytes; stopped")
+                # One more where it stands (the writer's own code), then the tail with no writer running.
+                name = await SnapshotWriter(log, every=0, every_s=0).write_now(await rebuild(log))
+                log_progress(f"  stored {name} at the writer's stop; filling the last {tail:,} events ...")
+                pending = await fill(log, h, target, pending)
                 points[target] = await measure_point(srv.url, log, a.starts) | {"snapshot_bytes": w["bytes"]}
             fill_s = time.perf_counter() - t_fill
             log_progress("a new dashboard process, first /api/state ...")
@@ -414,7 +426,8 @@ async def main() -> None:
             log_progress(f"  p50 {rep['p50_ms']:.0f} ms, p99 {rep['p99_ms']:.0f} ms; seq {rep['checked_seq']:,} "
                          f"equals a fold from seq 1: {rep['same']}")
         finally:
-            await writer.stop()
+            if writer is not None:
+                await writer.stop()
             await log.close()
     small, big = points[a.small], points[a.events]
     out |= {
