@@ -49,8 +49,8 @@ from controlplane.core.projections import encode_snapshot
 from controlplane.core.projections.snapshot import parse_name
 from controlplane.ops.nats_server import EmbeddedNats, die_with_parent
 from controlplane.service.snapshots import SnapshotWriter
-from controlplane.store.rebuild import rebuild
 from controlplane.store.eventstore import JetStreamEventLog
+from controlplane.store.rebuild import rebuild
 from schemas import events as E
 from schemas.status import DeploymentOp, EvictionReason, Level
 
