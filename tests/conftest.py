@@ -18,7 +18,7 @@ import pytest_asyncio
 from controlplane.ops.nats_server import EmbeddedNats
 from controlplane.service.tasks import awaiting
 from controlplane.store.eventstore import JetStreamEventLog
-from schemas.subjects import EVENTS_STREAM, REQUESTS_STREAM
+from schemas.subjects import EVENTS_STREAM, REQUESTS_STREAM, SNAPSHOTS_BUCKET
 
 # Credentials `ndif up` may have left in a developer's $NDIF_HOME must not reach the tests' servers
 # (their commands find credentials there): each session gets an empty home of its own.
@@ -90,9 +90,9 @@ def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedNa
 
 
 async def fresh_event_log(url: str) -> JetStreamEventLog:
-    """A connected log on empty streams (the streams are dropped and re-made)."""
+    """A connected log on empty streams and no snapshots (the streams are dropped and re-made)."""
     log = await JetStreamEventLog.open(url, ensure=False)
-    for stream in (EVENTS_STREAM, REQUESTS_STREAM):
+    for stream in (EVENTS_STREAM, REQUESTS_STREAM, f"OBJ_{SNAPSHOTS_BUCKET}"):
         try:
             await log.js.delete_stream(stream)
         except Exception:  # noqa: BLE001 - absent on the first test

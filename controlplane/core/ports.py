@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
 from datetime import datetime
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import msgspec
 
@@ -60,10 +60,26 @@ class EventLog(Protocol):
         ...
 
 
+@runtime_checkable
 class SnapshotStore(Protocol):
-    async def save_snapshot(self, name: str, data: bytes) -> None: ...
+    """Stored snapshots by name (controlplane/core/projections/snapshot.py says what a name and the
+    bytes hold). Every snapshot written stays until deleted: the writer's retention deletes."""
 
-    async def load_snapshot(self, name: str) -> bytes | None: ...
+    async def save_snapshot(self, name: str, data: bytes) -> None:
+        """Store `data` under `name` (replacing what was there)."""
+        ...
+
+    async def load_snapshot(self, name: str) -> bytes | None:
+        """The bytes stored under `name`; None when there are none."""
+        ...
+
+    async def snapshot_names(self) -> list[str]:
+        """The name of every stored snapshot, in no particular order."""
+        ...
+
+    async def delete_snapshot(self, name: str) -> None:
+        """Remove `name` (nothing when it is not there)."""
+        ...
 
 
 class Heartbeat(msgspec.Struct, frozen=True, kw_only=True):

@@ -1,29 +1,29 @@
-"""The dashboard's read model: the whole log in memory, folded with the controller's `ClusterState`.
+"""The dashboard's read model: the live fold (`ClusterState`, as the controller folds it) and the newest
+events in memory. No I/O here (past positions and older events come from the log and its snapshots:
+controlplane/dashboard/past.py).
 
-No I/O here. `DashboardModel.add(seq, item)` folds one stored item into the live state and keeps
-what the pages ask for fast: the items themselves (events tail, paging), per-replica history rows
-(each step with the state it left, recorded as it is folded), a prefix maximum of event times (an
-ISO time maps to a sequence by bisection) and checkpoints of the fold every `checkpoint_every`
-events (any past position = a checkpoint copy + at most that many events folded).
-
-Checkpoints drop the projection's `event_ids` set (the memory of a long log): an event re-appended
-after the dedup window is recognised while folding live and its sequence remembered in `dup_seqs`,
-and folds from a checkpoint skip exactly those, so they reach the same state as a fold from the
-start (tests/unit/test_dashboard_model.py checks this against `replay`).
+`DashboardModel(start)` begins at a state (the newest snapshot that matches the log, or the empty
+one) and `add(seq, item)` folds each stored item after it, keeping what the pages ask for fast:
+the items themselves (events tail, paging), per-replica history rows (each step with the state it
+left, recorded as it is folded) and a prefix maximum of event times (an ISO time maps to a sequence
+by bisection). At most `window` items are kept (the newest): its memory follows the window, not
+the history.
 """
 
 from __future__ import annotations
 
 import bisect
 import functools
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from datetime import datetime
 from typing import Any
 
 from controlplane.core.projections import ClusterState
 from controlplane.core.projections.replica import ReplicaView
+from schemas.errors import InvalidCommand
 from schemas.events import (
     EVENT_TYPES,
+    AnyEvent,
     Event,
     NodeDeclared,
     NodeJoined,
@@ -33,13 +33,13 @@ from schemas.events import (
     Skipped,
     event_tag,
 )
-from schemas.keys import display_name
+from schemas.keys import canonical_model_key, display_name
 from schemas.status import Level
 
-Item = Event | Skipped
+Item = AnyEvent | Skipped  # a stored item as the log gives it
+Row = tuple[int, str, str, str, str | None]  # (seq, state, level, desired, anomaly) a replica was left in
 MAX_EVENTS_PAGE = 1000
-CHECKPOINT_EVERY = 2000
-MAX_CHECKPOINT_CACHE = 8  # recently asked past states kept whole (scrubbing back and forth)
+WINDOW = 100_000  # newest items kept in memory; older ones are read from the log when a page asks
 
 
 class BadQuery(ValueError):
@@ -50,23 +50,43 @@ class UnknownEntity(LookupError):
     """A model or replica that is not in the log (HTTP 404)."""
 
 
-class DashboardModel:
-    """Folds the log once, answers live and past views. Single-threaded: call from one event loop."""
+class Filter:
+    """What an events page asks for, checked once (bad input is a BadQuery)."""
 
-    def __init__(self, *, checkpoint_every: int = CHECKPOINT_EVERY) -> None:
-        if checkpoint_every < 1:
-            raise ValueError("checkpoint_every must be >= 1")
-        self.live = ClusterState()
-        self.every = checkpoint_every
+    __slots__ = ("actor", "model_key", "replica_id", "type_")
+
+    def __init__(self, model_key: str | None, replica_id: int | None, type_: str | None, actor: str | None) -> None:
+        if type_ is not None and type_ not in EVENT_TYPES and type_ != "Skipped":
+            raise BadQuery(f"unknown event type {type_[:64]!r}; one of {', '.join(sorted(EVENT_TYPES))}")
+        self.model_key, self.replica_id, self.type_, self.actor = model_key, replica_id, type_, actor
+
+    def __call__(self, item: Item) -> bool:
+        if self.model_key is not None and not (isinstance(item, Event) and item.model_key == self.model_key):
+            return False
+        if self.replica_id is not None and not (isinstance(item, ReplicaEvent) and item.replica_id == self.replica_id):
+            return False
+        if self.type_ is not None and event_type(item) != self.type_:
+            return False
+        return self.actor is None or (isinstance(item, Event) and self.actor in item.actor)
+
+
+class DashboardModel:
+    """The live fold and the newest events. Single-threaded: call from one event loop."""
+
+    def __init__(self, start: ClusterState | None = None, *, window: int = WINDOW) -> None:
+        if window < 1:
+            raise ValueError("window must be >= 1")
+        self.live = start if start is not None else ClusterState()
+        self.start_seq = self.live.seq  # where the fold began (a snapshot's seq, or 0)
+        self.window = window
         self.seqs: list[int] = []
         self.items: list[Item] = []
-        self.max_ts: list[float] = []  # prefix maximum of event times (epoch seconds)
-        self.dup_seqs: set[int] = set()
-        self.checkpoints: list[ClusterState] = [ClusterState()]  # [i] = state after the first i*every items
-        # (model_key, replica_id) -> [(item index, state, level, desired, anomaly)], model_key -> item indexes
-        self.replica_rows: dict[tuple[str, int], list[tuple[int, str, str, str, str | None]]] = {}
-        self.model_rows: dict[str, list[int]] = {}
-        self._past: dict[int, ClusterState] = {}
+        self.max_ts: list[float] = []  # prefix maximum of event times (epoch seconds), from the log's start
+        # The prefix maximum before the first item kept: times older than that are the log's to map.
+        mt = self.live.max_ts
+        self.floor_ts = mt.timestamp() if mt is not None else float("-inf")
+        self.replica_rows: dict[tuple[str, int], list[Row]] = {}
+        self.model_rows: dict[str, list[int]] = {}  # model -> seqs of its events kept
 
     # ---- folding ---------------------------------------------------------------------------
 
@@ -74,42 +94,66 @@ class DashboardModel:
     def seq(self) -> int:
         return self.live.seq
 
+    @property
+    def first_kept(self) -> int:
+        """The first sequence whose item is in memory (the next one to come when none is)."""
+        return self.seqs[0] if self.seqs else self.live.seq + 1
+
     def add(self, seq: int, item: Item) -> bool:
         """Fold one stored item (a redelivery is ignored). Returns whether it was new."""
         live = self.live
         if seq <= live.seq:
             return False
-        if isinstance(item, Event) and item.event_id in live.event_ids:
-            self.dup_seqs.add(seq)
         before = live.anomaly_count
         live.apply(seq, item)
-        idx = len(self.items)
         self.seqs.append(seq)
         self.items.append(item)
-        prev = self.max_ts[-1] if self.max_ts else float("-inf")
+        prev = self.max_ts[-1] if self.max_ts else self.floor_ts
         self.max_ts.append(max(prev, item.ts.timestamp()) if isinstance(item, Event) else prev)
         if isinstance(item, Event) and item.model_key is not None:
             mk = item.model_key
-            self.model_rows.setdefault(mk, []).append(idx)
+            self.model_rows.setdefault(mk, []).append(seq)
             if isinstance(item, ReplicaEvent):
                 r = live.replicas.get((mk, item.replica_id))
                 anomaly = live.anomalies[-1].message if live.anomaly_count > before and live.anomalies else None
-                row = (idx, str(r.state), str(r.level), str(r.desired)) if r else (idx, "", "", "")
-                self.replica_rows.setdefault((mk, item.replica_id), []).append((*row, anomaly))
-        if len(self.items) % self.every == 0:
-            ck = live.copy()
-            ck.event_ids = set()
-            self.checkpoints.append(ck)
+                row: Row = (seq, str(r.state), str(r.level), str(r.desired), anomaly) if r else (seq, "", "", "", anomaly)
+                self.replica_rows.setdefault((mk, item.replica_id), []).append(row)
+        if len(self.items) > self.window + max(1, self.window // 10):
+            self._trim(len(self.items) - self.window)
         return True
 
     def add_all(self, stored: Iterable[tuple[int, Item]]) -> None:
         for seq, item in stored:
             self.add(seq, item)
 
+    def _trim(self, n: int) -> None:
+        """Forget the oldest `n` items (in a batch, so the cost is spread over window/10 adds)."""
+        self.floor_ts = self.max_ts[n - 1]
+        cut = self.seqs[n]
+        del self.seqs[:n], self.items[:n], self.max_ts[:n]
+        for mk in list(self.model_rows):
+            rows = self.model_rows[mk]
+            del rows[:bisect.bisect_left(rows, cut)]
+            if not rows:
+                del self.model_rows[mk]
+        for key in list(self.replica_rows):
+            rr = self.replica_rows[key]
+            i = 0
+            while i < len(rr) and rr[i][0] < cut:
+                i += 1
+            del rr[:i]
+            if not rr:
+                del self.replica_rows[key]
+
+    def kept(self, lo: int, hi: int) -> list[tuple[int, Item]]:
+        """The items kept in memory with lo <= seq <= hi."""
+        i, j = bisect.bisect_left(self.seqs, lo), bisect.bisect_right(self.seqs, hi)
+        return list(zip(self.seqs[i:j], self.items[i:j], strict=True))
+
     # ---- positions --------------------------------------------------------------------------
 
-    def parse_until(self, until: str) -> int:
-        """`SEQ` or an ISO time with a timezone -> the last sequence at or before it."""
+    def parse_until(self, until: str) -> int | datetime:
+        """`SEQ` (0..last seq) or an ISO time with a timezone."""
         text = until.strip()
         if text.isdigit():
             seq = int(text)
@@ -122,92 +166,71 @@ class DashboardModel:
             raise BadQuery(f"until takes a sequence number or an ISO time with a timezone, got {until[:64]!r}") from None
         if t.tzinfo is None:
             raise BadQuery("until time needs a timezone, e.g. 2026-11-22T14:00:00Z")
-        # `replay --until TIME` stops at the first event later than TIME: the prefix maximum finds it.
-        i = bisect.bisect_right(self.max_ts, t.timestamp())
-        return self.seqs[i - 1] if i else 0
+        return t
 
-    def state_at(self, seq: int) -> ClusterState:
-        """The cluster exactly as it was after `seq` (the live state itself when `seq` is the last)."""
-        if seq >= self.seq:
-            return self.live
-        if seq < 0:
-            raise BadQuery("seq must be >= 0")
-        cached = self._past.get(seq)
-        if cached is not None:
-            return cached
-        n = bisect.bisect_right(self.seqs, seq)  # items folded
-        k = min(n // self.every, len(self.checkpoints) - 1)
-        st = self.checkpoints[k].copy()
-        dups = self.dup_seqs
-        for i in range(k * self.every, n):
-            s = self.seqs[i]
-            if s in dups:
-                st.seq = s
-                continue
-            st.apply(s, self.items[i])
-        st.seq = max(st.seq, seq)
-        if len(self._past) >= MAX_CHECKPOINT_CACHE:
-            self._past.pop(next(iter(self._past)))
-        self._past[seq] = st
-        return st
+    def seq_at_time(self, t: datetime) -> int | None:
+        """The last sequence at or before `t` as `replay --until TIME` folds (it stops at the first
+        event later than `t`), when memory can tell; None when the answer is older than what is kept."""
+        x = t.timestamp()
+        if x < self.floor_ts:
+            return None
+        i = bisect.bisect_right(self.max_ts, x)
+        return self.seqs[i - 1] if i else self.first_kept - 1
 
-    # ---- queries ----------------------------------------------------------------------------
+    # ---- queries over what is kept ----------------------------------------------------------
 
     def resolve_model(self, model: str) -> str:
-        """A model key as stored, or one whose display name is `model`; 404 otherwise."""
-        if model in self.model_rows or model in self.live.models:
+        """A model key the fold or the kept events know, or one whose display name is `model`; a full
+        key is taken as given (its events may be older than what is kept); 404 otherwise."""
+        known = self.model_rows.keys() | self.live.models.keys() | self.live.undeployed
+        if model in known:
             return model
-        for mk in self.model_rows:
+        for mk in sorted(known):
             if display_name(mk) == model:
                 return mk
+        if ":" in model:
+            try:
+                return canonical_model_key(model)
+            except InvalidCommand:
+                pass
         raise UnknownEntity(f"unknown model {model[:200]!r}: no event in the log names it")
 
-    def events(self, *, model: str | None = None, replica_id: int | None = None, type_: str | None = None,
-               actor: str | None = None, before: int | None = None, limit: int = 100) -> tuple[list[dict[str, Any]], int | None]:
-        """Newest first, filtered; returns (rows, the `before` for the next page or None)."""
-        if not 1 <= limit <= MAX_EVENTS_PAGE:
-            raise BadQuery(f"limit must be 1..{MAX_EVENTS_PAGE}")
-        if type_ is not None and type_ not in EVENT_TYPES and type_ != "Skipped":
-            raise BadQuery(f"unknown event type {type_[:64]!r}; one of {', '.join(sorted(EVENT_TYPES))}")
-        mk = self.resolve_model(model) if model else None
-        if mk is not None:
-            indexes: Iterator[int] | range = reversed(self.model_rows.get(mk, []))
+    def events_kept(self, match: Filter, *, below: int, limit: int) -> list[dict[str, Any]]:
+        """Up to `limit` matching kept events with seq < `below`, newest first."""
+        at: Callable[[int], int]
+        if match.model_key is not None:
+            seqs = self.model_rows.get(match.model_key, [])
+            candidates: Iterator[int] | range = reversed(seqs[:bisect.bisect_left(seqs, below)])
+            at = self._index
         else:
-            indexes = range(len(self.items) - 1, -1, -1)
-        end = bisect.bisect_left(self.seqs, before) if before is not None else len(self.items)
+            candidates = range(bisect.bisect_left(self.seqs, below) - 1, -1, -1)
+            at = _same
         rows: list[dict[str, Any]] = []
-        for i in indexes:
-            if i >= end:
-                continue
+        for c in candidates:
+            i = at(c)
             item = self.items[i]
-            if replica_id is not None and not (isinstance(item, ReplicaEvent) and item.replica_id == replica_id):
-                continue
-            if type_ is not None and (event_type(item) != type_):
-                continue
-            if actor is not None and not (isinstance(item, Event) and actor in item.actor):
-                continue
-            if len(rows) == limit:  # one more matches: the next page starts below the last row
-                return rows, rows[-1]["seq"]
-            rows.append(event_row(self.seqs[i], item))
-        return rows, None
+            if match(item):
+                rows.append(event_row(self.seqs[i], item))
+                if len(rows) == limit:
+                    break
+        return rows
 
-    def history(self, model: str, replica_id: int | None) -> dict[str, Any]:
-        """`ndif history`'s data: every step of a model (or one replica) with its cause and the state left."""
-        mk = self.resolve_model(model)
-        if replica_id is None:
-            rows = []
-            by_idx = {}
-            for (m, _rid), rr in self.replica_rows.items():
-                if m == mk:
-                    by_idx.update({r[0]: r for r in rr})
-            for i in self.model_rows.get(mk, []):
-                rows.append(_history_row(self.seqs[i], self.items[i], by_idx.get(i)))
-        else:
-            found = self.replica_rows.get((mk, replica_id))
-            if found is None:
-                raise UnknownEntity(f"model {display_name(mk)!r} has no replica {replica_id}")
-            rows = [_history_row(self.seqs[r[0]], self.items[r[0]], r) for r in found]
-        return {"model_key": mk, "name": display_name(mk), "replica_id": replica_id, "steps": rows}
+    def _index(self, seq: int) -> int:
+        return bisect.bisect_left(self.seqs, seq)
+
+    def history_kept(self, mk: str, replica_id: int | None, lo: int, hi: int) -> list[dict[str, Any]]:
+        """The history steps of a model (or replica) kept in memory with lo <= seq <= hi."""
+        if replica_id is not None:
+            rows = [r for r in self.replica_rows.get((mk, replica_id), []) if lo <= r[0] <= hi]
+            return [history_row(r[0], self.items[self._index(r[0])], r) for r in rows]
+        by_seq = {r[0]: r for (m, _rid), rr in self.replica_rows.items() if m == mk for r in rr if lo <= r[0] <= hi}
+        seqs = self.model_rows.get(mk, [])
+        return [history_row(s, self.items[self._index(s)], by_seq.get(s))
+                for s in seqs[bisect.bisect_left(seqs, lo):bisect.bisect_right(seqs, hi)]]
+
+
+def _same(i: int) -> int:
+    return i
 
 
 def event_type(item: Item) -> str:
@@ -231,7 +254,7 @@ def event_row(seq: int, item: Item) -> dict[str, Any]:
     return row
 
 
-def _history_row(seq: int, item: Item, after: tuple[int, str, str, str, str | None] | None) -> dict[str, Any]:
+def history_row(seq: int, item: Item, after: Row | None) -> dict[str, Any]:
     row = event_row(seq, item)
     if after is not None:
         row.update(state=after[1] or None, level=after[2] or None, desired=after[3] or None, anomaly=after[4])

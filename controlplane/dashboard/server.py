@@ -30,6 +30,7 @@ from nats.aio.client import Client as NatsClient
 from controlplane.core.ports import EventLog
 from controlplane.dashboard.door import TOKEN_QUERY, Door, StreamSlots, add_security_headers, door_middleware
 from controlplane.dashboard.model import (
+    WINDOW,
     BadQuery,
     DashboardModel,
     UnknownEntity,
@@ -39,10 +40,12 @@ from controlplane.dashboard.model import (
     state_json,
     touched,
 )
+from controlplane.dashboard.past import Past
 from controlplane.service.follow import follow_log
 from controlplane.service.parts import Connect, Parts, connect_url, given, start_or_stop
 from controlplane.service.tasks import cancel_and_wait
 from controlplane.store.credentials import JS_API, Creds
+from controlplane.store.rebuild import newest_snapshot
 from schemas import errors as errs
 from schemas.subjects import DISPATCHER_STATE, REQUESTS_STREAM, model_token, request_consumer_token
 
@@ -109,7 +112,7 @@ class Dashboard:
     (`Parts(MemoryEventLog(), None)`) it serves the log's projections and says the queues are unknown."""
 
     def __init__(self, parts: Parts | Connect, *, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,
-                 checkpoint_every: int | None = None, queue_poll_s: float = QUEUE_POLL_S, token: str | None = None,
+                 window: int = WINDOW, queue_poll_s: float = QUEUE_POLL_S, token: str | None = None,
                  allowed_hosts: tuple[str, ...] = (), max_streams: int = MAX_CLIENTS,
                  max_streams_per_client: int = MAX_CLIENTS_PER_ADDRESS) -> None:
         """`token`: the operator token (None: a new one for this process, in `url`); `allowed_hosts`:
@@ -118,7 +121,9 @@ class Dashboard:
         self.host, self.port = host, port
         self.door = Door.make(token, bound=host, extra=allowed_hosts)
         self.slots = StreamSlots(total=max_streams, per_client=max_streams_per_client)
-        self.model = DashboardModel(**({"checkpoint_every": checkpoint_every} if checkpoint_every else {}))
+        self.window = window  # newest events kept in memory (older pages read the log)
+        self.model = DashboardModel(window=window)  # replaced on start by one from the newest snapshot
+        self.past: Past | None = None
         self.queue_poll_s = queue_poll_s
         self.log: EventLog | None = None
         self.nc: NatsClient | None = None
@@ -178,9 +183,14 @@ class Dashboard:
     async def _start(self) -> Dashboard:
         assert self.log is not None
         t0 = time.perf_counter()
-        async for batch in self.log.read_batches():
+        # The newest snapshot that matches the log, then the events after it (kept in memory).
+        start = await newest_snapshot(self.log)
+        self.model = DashboardModel(start.state, window=self.window)
+        async for batch in self.log.read_batches(start.state.seq + 1):
             self.model.add_all(batch)
-        logger.info("dashboard_folded", seq=self.model.seq, seconds=round(time.perf_counter() - t0, 3))
+        self.past = Past(self.log, self.model)
+        logger.info("dashboard_folded", seq=self.model.seq, snapshot=start.name, snapshot_seq=self.model.start_seq,
+                    seconds=round(time.perf_counter() - t0, 3))
         # handler_cancellation: a page that goes away ends its stream (and gives back its slot) at once,
         # not at the next write.
         self.runner = web.AppRunner(self.app(), access_log=None, handle_signals=False, handler_cancellation=True)
@@ -347,15 +357,20 @@ class Dashboard:
             return _json(state_json(m.live, last_seq=m.seq, live=True))
         if len(until) > 64:
             raise BadQuery("until is too long (a sequence number or an ISO time)")
-        seq = m.parse_until(until)
-        st = m.state_at(seq)
+        assert self.past is not None
+        at = m.parse_until(until)
+        if isinstance(at, int):
+            seq, st = at, await self.past.at_seq(at)
+        else:
+            seq, st = await self.past.at_time(at)
         body = state_json(st, last_seq=m.seq, live=seq >= m.seq)
         body["seq"] = seq
         return _json(body)
 
     async def _events(self, request: web.Request) -> web.StreamResponse:
         q = request.query
-        rows, next_before = self.model.events(
+        assert self.past is not None
+        rows, next_before = await self.past.events(
             model=q.get("model") or None, replica_id=_int(q, "replica"), type_=q.get("type") or None,
             actor=q.get("actor") or None, before=_int(q, "before", lo=1), limit=_int(q, "limit", lo=1, hi=1000) or 100)
         return _json({"events": rows, "next_before": next_before, "last_seq": self.model.seq})
@@ -365,7 +380,8 @@ class Dashboard:
         model = q.get("model")
         if not model:
             raise BadQuery("history needs ?model=MODEL_KEY (and optionally &replica=ID)")
-        return _json(self.model.history(model, _int(q, "replica")))
+        assert self.past is not None
+        return _json(await self.past.history(model, _int(q, "replica"), before=_int(q, "before", lo=1)))
 
     async def _queues(self, request: web.Request) -> web.StreamResponse:
         return _json(self.queues)
@@ -390,10 +406,10 @@ class Dashboard:
             first = b": ndif dashboard stream\n\n" + b"event: queues\ndata: " + _enc.encode(self.queues) + b"\n\n"
             if since is not None and since < m.seq:
                 lo = bisect.bisect_right(m.seqs, since)
-                if len(m.seqs) - lo > MAX_CATCH_UP:
+                if since < m.first_kept - 1 or len(m.seqs) - lo > MAX_CATCH_UP or self.past is None:
                     first += b"event: resync\ndata: {}\n\n"
                 else:  # what happened between the page's state and this stream, folded again from `since`
-                    st = m.state_at(since).copy()  # a copy: past states are cached and shared
+                    st = (await self.past.at_seq(since)).copy()  # a copy: past states are cached and shared
                     nodes: set[str] = set()
                     models: set[str] = set()
                     rows = []
@@ -402,8 +418,7 @@ class Dashboard:
                         n, mk = touched(st, item)  # read before the event, as live updates do
                         nodes |= n
                         models |= mk
-                        if seq not in m.dup_seqs:  # as `state_at` does: a re-append changes nothing
-                            st.apply(seq, item)
+                        st.apply(seq, item)
                         rows.append(event_row(seq, item))
                     first += self._update(rows, nodes, models)
             await resp.write(first)

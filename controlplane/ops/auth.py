@@ -8,7 +8,7 @@ in the system's account and every untrusted role has an account of its own:
 
 - `NDIF` (the system's, JetStream on): admin (everything; the only one who may create, update or
   delete streams), controller (appends decisions, reads events and heartbeats, answers
-  `ndif.cmd.*`), dispatcher (requests, statuses, results buckets, replica calls, its drain reports);
+  `ndif.cmd.*`, writes the fold's snapshots), dispatcher (requests, statuses, results buckets, replica calls, its drain reports);
 - one account per client, named by the client's user name: publishes requests on
   `ndif.req.*.<user>`, kills through `ndif.dispatcher.kill.<user>`, receives `ndif.status.<user>.>`,
   reads its own keys of the status bucket and its own results bucket by direct gets;
@@ -124,6 +124,18 @@ def _obj(bucket: str) -> str:
     return f"OBJ_{bucket}"
 
 
+def _direct_read(stream: str) -> list[str]:
+    """Reading a stream by direct gets only (its info, gets by sequence, batch or last by subject)."""
+    return [f"{_API}.STREAM.INFO.{stream}", f"{_API}.DIRECT.GET.{stream}", f"{_API}.DIRECT.GET.{stream}.>"]
+
+
+def _snapshot_writer() -> list[str]:
+    """The controller writes the fold's snapshots (nats-py's object put and delete: chunks and meta,
+    the last meta of a name, a purge of replaced chunks) and reads them by direct gets."""
+    b = SNAPSHOTS_BUCKET
+    return [*_direct_read(_obj(b)), f"{_API}.STREAM.MSG.GET.{_obj(b)}", f"{_API}.STREAM.PURGE.{_obj(b)}", f"$O.{b}.>"]
+
+
 def _results_writer(user: str) -> list[str]:
     """What the dispatcher needs on one user's results bucket: create it, put objects (nats-py's put
     reads an object's last meta and purges a replaced object's chunks)."""
@@ -163,9 +175,11 @@ def _log_reader_imports() -> list[Import]:
     """Reading the event log without a consumer: direct gets (by batch, by subject), its info, a
     lookup by time; the event subjects themselves as a follower's wake-up."""
     ev = EVENTS_STREAM
+    sn = _obj(SNAPSHOTS_BUCKET)  # its fold starts from the newest snapshot, read by direct gets
     return [Import("stream", EVENTS_ALL),
             *(_api_import(f"{JS_API}.{x}") for x in (f"DIRECT.GET.{ev}", f"DIRECT.GET.{ev}.>", f"STREAM.INFO.{ev}",
-                                                      f"STREAM.MSG.GET.{ev}"))]
+                                                      f"STREAM.MSG.GET.{ev}", f"DIRECT.GET.{sn}",
+                                                      f"DIRECT.GET.{sn}.>"))]
 
 
 def imports(role: str, *, name: str = "", node_id: str = "") -> list[Import]:
@@ -212,7 +226,10 @@ def _exports(clients: list[str], readers: list[str]) -> list[dict[str, Any]]:
                 {"service": f"{JS_API}.DIRECT.GET.{ev}", "response_type": "stream", "accounts": readers},
                 {"service": f"{JS_API}.DIRECT.GET.{ev}.>", "accounts": readers},
                 {"service": f"{JS_API}.STREAM.INFO.{ev}", "accounts": readers},
-                {"service": f"{JS_API}.STREAM.MSG.GET.{ev}", "accounts": readers}]
+                {"service": f"{JS_API}.STREAM.MSG.GET.{ev}", "accounts": readers},
+                {"service": f"{JS_API}.DIRECT.GET.{_obj(SNAPSHOTS_BUCKET)}", "response_type": "stream",
+                 "accounts": readers},
+                {"service": f"{JS_API}.DIRECT.GET.{_obj(SNAPSHOTS_BUCKET)}.>", "accounts": readers}]
     if DASHBOARD_ACCOUNT in readers:
         out += [{"service": DISPATCHER_STATE, "accounts": [DASHBOARD_ACCOUNT]},
                 {"service": f"{JS_API}.CONSUMER.LIST.{REQUESTS_STREAM}", "accounts": [DASHBOARD_ACCOUNT]}]
@@ -240,15 +257,17 @@ def permissions(role: str, *, name: str = "", node_id: str = "", clients: tuple[
         return {"publish": {"allow": [">"]}, "subscribe": {"allow": [">"]}}
     if role == "controller":
         pub = [MODEL_EVENTS_ANY, REPLICA_DECISIONS_ANY, NODE_EVENTS_ANY, COMMAND_EVENTS_ANY, *events,
-               *_read_stream(_kv(HEARTBEATS_BUCKET)), *_read_stream(_kv(SNAPSHOTS_BUCKET)),
+               *_read_stream(_kv(HEARTBEATS_BUCKET)), *_snapshot_writer(),
                f"{_API}.STREAM.INFO.{REQUESTS_STREAM}", f"{_API}.STREAM.INFO.{_kv(REQUEST_STATUS_BUCKET)}",
-               f"{_API}.STREAM.INFO.{_obj(RESULTS_BUCKET)}", f"{_API}.STREAM.INFO.{_obj(SNAPSHOTS_BUCKET)}"]
+               f"{_API}.STREAM.INFO.{_obj(RESULTS_BUCKET)}", f"{_API}.STREAM.INFO.{_obj(SNAPSHOTS_BUCKET)}",
+               *_snapshot_writer()]
         sub = [COMMANDS_ANY, FIGURES_ANY, inbox]
     elif role == "dispatcher":
         pub = [replica_facts_from(DISPATCHER_SOURCE), command_subject("deploy"), FIGURES_ANY, STATUS_ALL, REPLICA_CALLS_ALL,
                f"$KV.{REQUEST_STATUS_BUCKET}.>", f"$O.{RESULTS_BUCKET}.>", *events,
                *_read_stream(_kv(REQUEST_STATUS_BUCKET)), *_read_stream(_obj(RESULTS_BUCKET)),
-               *_read_stream(REQUESTS_STREAM), f"{_API}.CONSUMER.DURABLE.CREATE.{REQUESTS_STREAM}.>",
+               *_read_stream(REQUESTS_STREAM), *_direct_read(_obj(SNAPSHOTS_BUCKET)),
+               f"{_API}.CONSUMER.DURABLE.CREATE.{REQUESTS_STREAM}.>",
                f"{_API}.CONSUMER.MSG.NEXT.{REQUESTS_STREAM}.>", f"$JS.ACK.{REQUESTS_STREAM}.>",
                # requests for models the log does not know: refused ones deleted, stale consumers swept
                f"{_API}.STREAM.MSG.DELETE.{REQUESTS_STREAM}", f"{_API}.CONSUMER.LIST.{REQUESTS_STREAM}",

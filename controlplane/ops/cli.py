@@ -27,6 +27,7 @@ from controlplane.core.projections import ClusterState
 from controlplane.ops.extras import require
 from controlplane.ops.render import event_reason, explain_decision, render_model, render_status, status_json
 from controlplane.service.logs import configure
+from controlplane.service.snapshots import SNAPSHOT_EVERY, SNAPSHOT_EVERY_S
 from controlplane.store.admin import AdminClient, resolve_name
 from controlplane.store.heartbeats import JetStreamHeartbeats, heartbeat_ages
 from schemas import errors as errs
@@ -373,6 +374,10 @@ async def _controller(a: argparse.Namespace) -> int:
     from controlplane.service.registry import ModelRoots
     from schemas.inventory import decode_inventory
 
+    if a.snapshot_every < 0 or a.snapshot_every_s < 0:
+        raise errs.InvalidCommand("--snapshot-every and --snapshot-every-s must be 0 (off) or more")
+    if a.snapshot_keep is not None and a.snapshot_keep < 1:
+        raise errs.InvalidCommand(f"--snapshot-keep must be 1 or more, got {a.snapshot_keep}")
     inventory = None
     if a.inventory:
         try:
@@ -384,7 +389,9 @@ async def _controller(a: argparse.Namespace) -> int:
     await run_controller(a.nats, heartbeat_grace_s=a.heartbeat_grace, max_restarts=a.max_restarts,
                          min_deploy_s=a.min_deploy_s, stream_replicas=a.stream_replicas, headroom=a.headroom,
                          max_replicas_per_model=a.max_replicas_per_model,
-                         max_replicas_per_command=a.max_replicas_per_command, inventory=inventory, model_roots=roots)
+                         max_replicas_per_command=a.max_replicas_per_command, inventory=inventory, model_roots=roots,
+                         snapshot_every=a.snapshot_every, snapshot_every_s=a.snapshot_every_s,
+                         snapshot_keep=a.snapshot_keep)
     return 0
 
 
@@ -510,6 +517,12 @@ def add_admin_commands(sub: Any) -> None:
     p.add_argument("--model-roots", default=None,
                    help="directories (separated by ':') under which a model a request names may live "
                         "(env NDIF_MODEL_ROOTS; default $NDIF_HOME/models); the operator's own deploys are not limited")
+    p.add_argument("--snapshot-every", type=int, default=SNAPSHOT_EVERY,
+                   help="events between snapshots of the fold (0: not by count; default %(default)s)")
+    p.add_argument("--snapshot-every-s", type=float, default=SNAPSHOT_EVERY_S,
+                   help="seconds between snapshots when the log moved (0: not by time; default %(default)s)")
+    p.add_argument("--snapshot-keep", type=int, default=None,
+                   help="snapshots kept, the newest (default: every one, so any past seq is one snapshot away)")
 
 
 def add_dashboard_command(sub: Any) -> None:

@@ -44,12 +44,14 @@ from controlplane.core.ports import EventLog, Stored
 from controlplane.core.projections import ClusterState
 from controlplane.service.clock import utcnow
 from controlplane.service.committer import GroupCommitter
-from controlplane.service.follow import follow_log
+from controlplane.service.follow import catch_up, follow_log
 from controlplane.service.parts import Connect, Parts, connect_url, given, start_or_stop
 from controlplane.service.registry import ModelRoots
+from controlplane.service.snapshots import SNAPSHOT_EVERY, SNAPSHOT_EVERY_S, SnapshotWriter
 from controlplane.service.tasks import cancel_and_wait
 from controlplane.store.credentials import Creds
 from controlplane.store.heartbeats import beat_counts
+from controlplane.store.rebuild import store_of
 from schemas.autoscale import FIGURES_STALE_S, QueueFigures, decode_figures, sum_figures
 from schemas.commands import MAX_COMMAND_BYTES, AnyCommand, CommandResult, Limits, decode_command
 from schemas.errors import NdifError
@@ -95,7 +97,9 @@ class Controller:
                  policy_interval_s: float = 2.0, max_inflight: int = 512,
                  headroom: float = PADDING, max_replicas_per_model: int | None = None,
                  max_replicas_per_command: int | None = None, autoscale_interval_s: float = 0.5,
-                 inventory: Inventory | None = None, model_roots: ModelRoots | None = None) -> None:
+                 inventory: Inventory | None = None, model_roots: ModelRoots | None = None,
+                 snapshot_every: int = SNAPSHOT_EVERY, snapshot_every_s: float = SNAPSHOT_EVERY_S,
+                 snapshot_keep: int | None = None) -> None:
         self.parts = parts
         # The operator's inventory, recorded in the log on start when it differs from the log's
         # (None: whatever the log holds stands). From the first one on, a node's capacity is what is
@@ -115,6 +119,10 @@ class Controller:
         self.max_restarts = max_restarts
         self.heartbeat_grace_s = heartbeat_grace_s
         self.policy_interval_s = policy_interval_s
+        # Snapshots of the fold (controlplane/service/snapshots.py): every `snapshot_every` events or
+        # `snapshot_every_s` seconds (0: not by that), the newest `snapshot_keep` kept (None: all).
+        self.snapshot_every, self.snapshot_every_s, self.snapshot_keep = snapshot_every, snapshot_every_s, snapshot_keep
+        self.snapshots: SnapshotWriter | None = None
         self.log: EventLog | None = None
         self.nc: NatsClient | None = None
         self._close: Callable[[], Awaitable[None]] | None = None
@@ -161,7 +169,13 @@ class Controller:
 
     async def _start(self) -> Controller:
         assert self.log is not None
-        self.committer = await GroupCommitter(self.log, ClusterState()).start()
+        # The newest snapshot that matches the log, then the tail: a start costs the same at any length.
+        self.committer = await GroupCommitter(self.log, await catch_up(self.log)).start()
+        store = store_of(self.log)
+        if store is not None and (self.snapshot_every or self.snapshot_every_s):
+            self.snapshots = await SnapshotWriter(store, every=self.snapshot_every, every_s=self.snapshot_every_s,
+                                                  keep=self.snapshot_keep).start(self.state.seq)
+            self.snapshots.after_batch(self.state)  # a log long past its newest snapshot gets one now
         if self.inventory is not None:
             await self.declare(self.inventory)
         self._tasks.append(asyncio.create_task(self._follow(), name="controller-follow"))
@@ -184,6 +198,8 @@ class Controller:
         self._tasks.clear()
         if self.committer is not None:
             await self.committer.stop()
+        if self.snapshots is not None:
+            await self.snapshots.stop()
         if self._close is not None:
             await self._close()
 
@@ -336,6 +352,9 @@ class Controller:
         for model_key in rollouts:
             self._background(self._on_rollout(model_key))
 
+        if self.snapshots is not None:
+            self.snapshots.after_batch(self.state)
+
     async def _on_rollout(self, model_key: str) -> None:
         """The next step of a rolling restart, if the replica restarted last is back (or failed).
         The step's id names the rollout's position, so two controllers append it once."""
@@ -430,6 +449,8 @@ class Controller:
         started = utcnow()
         while True:
             await asyncio.sleep(self.policy_interval_s)
+            if self.snapshots is not None:
+                self.snapshots.after_batch(self.state)  # by time: the log moved, then went quiet
             unplaced = False
             for r in list(self.state.replicas.values()):
                 if r.state is ReplicaState.FAILED and r.desired is Level.HOT:

@@ -1,8 +1,10 @@
 """The one "follow the log" loop every service runs (controller, node agent, dispatcher, dashboard).
 
-Each folds the same events through the same reducers; what differs is what it does after a batch.
-The loop resumes from the service's own fold (`next_seq()`), so an interrupted feed (a server
-restart, a leader change) picks up exactly where the fold stopped: no gap, no double apply.
+Each starts from `catch_up` (the newest snapshot that matches the log plus the tail, whatever the
+history's length) and folds the same events through the same reducers; what differs is what it
+does after a batch. The loop resumes from the service's own fold (`next_seq()`), so an interrupted
+feed (a server restart, a leader change) picks up exactly where the fold stopped: no gap, no
+double apply.
 """
 
 from __future__ import annotations
@@ -12,11 +14,19 @@ from collections.abc import Callable
 from typing import Any
 
 from controlplane.core.ports import EventLog, Stored
+from controlplane.core.projections import ClusterState
 from controlplane.core.projections.base import Projection
 from controlplane.service.logs import log_new_anomalies
+from controlplane.store.rebuild import rebuild
 from schemas.errors import InfrastructureError
 
 RETRY_S = 0.5  # pause before following again after the feed broke
+
+
+async def catch_up(log: EventLog) -> ClusterState:
+    """A service's fold to start following from: the newest snapshot that matches the log (ignored,
+    with a log line, when it does not), then every event after it up to the log's end now."""
+    return await rebuild(log)
 
 
 async def follow_log(log: EventLog, next_seq: Callable[[], int], on_batch: Callable[[list[Stored]], None],

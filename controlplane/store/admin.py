@@ -18,10 +18,10 @@ import msgspec
 import nats.errors
 
 from controlplane.core.ports import Stored
-from controlplane.core.projections import ClusterState, replay
-from controlplane.core.projections.base import afold_batches
+from controlplane.core.projections import ClusterState
 from controlplane.store.credentials import Creds
 from controlplane.store.eventstore import JetStreamEventLog
+from controlplane.store.rebuild import rebuild
 from schemas import errors as errs
 from schemas.autoscale import AutoscalePolicy
 from schemas.commands import (
@@ -187,11 +187,9 @@ class AdminClient:
 
     async def state(self, *, until_seq: int | None = None, until_time: datetime | None = None,
                     strict: bool = False) -> ClusterState:
-        """The cluster view now, or as it was at `until_seq` / `until_time` (`ndif replay`)."""
-        if until_seq is None and until_time is None and not strict:
-            return await afold_batches(self.log.read_batches(), ClusterState())
-        items = [p async for p in self.log.read(stop_seq=until_seq)]
-        return replay(items, until_seq=until_seq, until_time=until_time, strict=strict)
+        """The cluster view now, or as it was at `until_seq` / `until_time` (`ndif replay`): the newest
+        snapshot at or before that point plus the events after it (controlplane/store/rebuild.py)."""
+        return await rebuild(self.log, until_seq=until_seq, until_time=until_time, strict=strict)
 
     async def events(self, *, model: str | None = None, replica_id: int | None = None, start_seq: int = 1,
                      follow: bool = False) -> AsyncIterator[Stored]:

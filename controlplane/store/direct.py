@@ -26,7 +26,7 @@ import msgspec
 import nats.errors
 
 from controlplane.store.credentials import JS_API
-from schemas.errors import InfrastructureError, InfrastructureTimeout, NotFound
+from schemas.errors import InfrastructureError, InfrastructureTimeout, InvalidCommand, NotFound
 from schemas.guard import decode_any
 
 MAX_BATCH = 1000  # messages asked for in one request
@@ -97,9 +97,11 @@ async def direct_batch(nc: Any, stream: str, seq: int, batch: int = MAX_BATCH, *
     return out
 
 
-async def read_object(nc: Any, bucket: str, name: str, *, timeout: float = 5.0, api: str = JS_API) -> bytes:
+async def read_object(nc: Any, bucket: str, name: str, *, timeout: float = 5.0, api: str = JS_API,
+                      max_bytes: int | None = None) -> bytes:
     """An Object Store object (nats-py's layout) by direct gets: its meta (the last message on
-    `$O.<bucket>.M.<base64url(name)>`), then its chunks (`$O.<bucket>.C.<nuid>`), digest checked."""
+    `$O.<bucket>.M.<base64url(name)>`), then its chunks (`$O.<bucket>.C.<nuid>`), digest checked.
+    An object larger than `max_bytes` is refused (InvalidCommand) before any chunk is read."""
     stream = f"OBJ_{bucket}"
     meta_subject = f"$O.{bucket}.M.{base64.urlsafe_b64encode(name.encode()).decode()}"
     try:
@@ -120,6 +122,8 @@ async def read_object(nc: Any, bucket: str, name: str, *, timeout: float = 5.0, 
         chunks, size, nuid = int(info.get("chunks") or 0), int(info.get("size") or 0), str(info.get("nuid") or "")
     except (TypeError, ValueError):
         raise InfrastructureError(f"object {name} of {bucket}: its meta has no chunk count or size") from None
+    if max_bytes is not None and size > max_bytes:
+        raise InvalidCommand(f"object {name} of {bucket} is {size} bytes, more than {max_bytes} allowed")
     chunk_subject = f"$O.{bucket}.C.{nuid}"
     parts: list[bytes] = []
     seq = 1
@@ -139,3 +143,23 @@ async def read_object(nc: Any, bucket: str, name: str, *, timeout: float = 5.0, 
     if digest and digest != base64.urlsafe_b64encode(hashlib.sha256(data).digest()).decode():
         raise InfrastructureError(f"object {name} of {bucket}: digest mismatch")
     return data
+
+
+async def object_names(nc: Any, bucket: str, *, timeout: float = 5.0) -> list[str]:
+    """The names of the live objects of an Object Store bucket, by direct gets of its meta messages
+    (one per object: nats-py rolls each object's meta up to its last)."""
+    stream, meta = f"OBJ_{bucket}", f"$O.{bucket}.M.>"
+    names: list[str] = []
+    seq = 1
+    while True:
+        got = await direct_batch(nc, stream, seq, MAX_BATCH, next_by_subj=meta, timeout=timeout)
+        for m in got:
+            try:
+                info = msgspec.json.decode(m.data)
+            except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
+                continue  # not a meta message we can read: not an object
+            if isinstance(info, dict) and isinstance(info.get("name"), str) and not info.get("deleted"):
+                names.append(info["name"])
+        if len(got) < MAX_BATCH:
+            return names
+        seq = got[-1].seq + 1

@@ -113,3 +113,9 @@ class MemoryEventLog:
 
     async def load_snapshot(self, name: str) -> bytes | None:
         return self._snapshots.get(name)
+
+    async def snapshot_names(self) -> list[str]:
+        return list(self._snapshots)
+
+    async def delete_snapshot(self, name: str) -> None:
+        self._snapshots.pop(name, None)

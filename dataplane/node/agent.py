@@ -41,7 +41,7 @@ from controlplane.core.ports import EventLog, Heartbeats, Stored
 from controlplane.core.projections import ClusterState
 from controlplane.core.projections.replica import ReplicaView
 from controlplane.service.clock import observed, utcnow
-from controlplane.service.follow import follow_log
+from controlplane.service.follow import catch_up, follow_log
 from controlplane.service.tasks import cancel_and_wait
 from controlplane.store.credentials import Creds, resolve
 from controlplane.store.eventstore import JetStreamEventLog
@@ -165,9 +165,7 @@ class NodeAgent:
     async def start(self) -> NodeAgent:
         if self.gpus is None:
             self.gpus = detect_gpus()
-        async for batch in self.log.read_batches():
-            for seq, item in batch:
-                self.state.apply(seq, item)
+        self.state = await catch_up(self.log)  # the newest snapshot that matches the log, then the tail
         try:
             await self._refuse_if_held()  # before adopting: adoption would kill the live agent's actors
         except NodeIdHeld:

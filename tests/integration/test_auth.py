@@ -37,6 +37,7 @@ from schemas.subjects import (
     REQUEST_STATUS_BUCKET,
     REQUESTS_STREAM,
     RESULTS_BUCKET,
+    SNAPSHOTS_BUCKET,
     node_token,
     replica_call_subject,
     request_subject,
@@ -443,7 +444,7 @@ def _table() -> list[tuple[str, str, str, bool]]:
     names = {"A": A, "B": B, "M": M, "S": S, "NODE_A": NODE_A, "EVENTS_STREAM": EVENTS_STREAM,
              "REQUESTS_STREAM": REQUESTS_STREAM, "HEARTBEATS_BUCKET": HEARTBEATS_BUCKET,
              "REQUEST_STATUS_BUCKET": REQUEST_STATUS_BUCKET, "RESULTS_BUCKET": RESULTS_BUCKET,
-             "call_A": replica_call_subject(MODEL, 0, NODE_A), "call_B": replica_call_subject(MODEL, 0, NODE_B),
+             "SNAPSHOTS_BUCKET": SNAPSHOTS_BUCKET, "call_A": replica_call_subject(MODEL, 0, NODE_A), "call_B": replica_call_subject(MODEL, 0, NODE_B),
              **{f"results_{u}": results_bucket(u) for u in ("alice", "bob", "mallory")}}
     rows = []
     for line in (Path(__file__).parent / "role_permissions.txt").read_text().splitlines():
@@ -544,3 +545,48 @@ def test_the_cluster_configs_take_the_generated_users(conf: str, auth: LocalAuth
     (tmp_path / "ndif-auth.conf").unlink()  # without the users the config does not start: nothing runs open
     ran = subprocess.run([find_nats_server(), "-c", str(tmp_path / conf), "-t"], capture_output=True, text=True)
     assert ran.returncode != 0
+
+
+# ---- snapshots: the controller writes them, every reader starts from them ------------------------------
+
+
+async def test_the_controller_writes_snapshots_and_each_role_that_folds_starts_from_them(streams: str,
+                                                                                        auth: LocalAuth) -> None:
+    """As the users of a server with users: the controller stores a snapshot (object put, replace,
+    delete); the agent, dispatcher and dashboard list and read it by direct gets and fold from it;
+    a client may not read it, and no reader may write one."""
+    from structlog.testing import capture_logs
+
+    from controlplane.core.projections import ClusterState
+    from controlplane.service.snapshots import SnapshotWriter
+    from controlplane.store.rebuild import rebuild
+
+    ctl = await JetStreamEventLog.open(streams, creds=auth.role("controller"), ensure=False)
+    try:
+        await ctl.append([NodeJoined(**_env(f"agent:{NODE_A}"), node_id=NODE_A, cpu_cache_bytes=1,
+                                     gpus=(GpuInfo(index=0, memory_bytes=1),))], None)
+        state = await rebuild(ctl)
+        writer = SnapshotWriter(ctl, every=1, every_s=0, keep=1)
+        first = await writer.write_now(state)
+        await writer.write_now(state)  # the same name again: replaced
+        assert first in await ctl.snapshot_names()
+        for role in ("agent:" + NODE_A, "dispatcher", "dashboard"):
+            lg = await JetStreamEventLog.open(streams, creds=auth.role(role), ensure=False)
+            try:
+                with capture_logs() as logs:
+                    got = await rebuild(lg)
+                assert got == state and got != ClusterState(), role
+                assert [e["snapshot"] for e in logs if e["event"] == "fold_rebuilt"] == [first], (role, logs)
+                with pytest.raises(Exception):  # noqa: B017 - refused by the server, whatever nats-py makes of it
+                    await asyncio.wait_for(lg.save_snapshot("cluster.v2.000000000001.t-", b"forged"), 5)
+            finally:
+                await lg.close()
+        client = await Probe.open(streams, auth.role("client:alice"))
+        try:
+            assert not await client.can_publish(f"$JS.API.DIRECT.GET.OBJ_{SNAPSHOTS_BUCKET}")
+        finally:
+            await client.close()
+        await ctl.delete_snapshot(first)
+        assert first not in await ctl.snapshot_names()
+    finally:
+        await ctl.close()

@@ -1,7 +1,8 @@
-"""Golden histories, folded in CI forever. v1 files never change; a new schema adds new files.
+"""Golden histories, folded in CI forever. v1 histories never change; a new event schema adds new files.
 
 `<name>.jsonl`: one stored event body a line (seq = line number), as `nats stream view` shows it.
-`<name>.expected.json`: the cluster view that history must fold to.
+`<name>.expected.json`: the cluster view that history must fold to, in the fold's snapshot form
+(`ClusterSnapshot`; schema 2 keeps the event-id window in fold order, and the id and time of the last event).
 `*bad*`: known-bad histories that `replay --strict` must refuse.
 """
 

@@ -2,8 +2,8 @@
 
 Starts its own nats-server (file storage, temp dir), appends a history that leaves 1,000 nodes x 8
 GPUs and 5,000 replicas (500 models x 10) and is `--events` long (default 200,000: each replica
-scheduled and loaded, then WARM -> HOT cycles of random replicas), starts the dashboard on it and
-measures:
+scheduled and loaded, then WARM -> HOT cycles of random replicas), stores the snapshots a
+controller would have (every 10,000 events), starts the dashboard on it and measures:
   state_p50_ms     GET /api/state (live), the whole body read, p50 of --samples
   scrub_p50_ms     GET /api/state?until=SEQ at random past sequences, p50 of --samples
   first_render_s   headless chromium: page.goto until the page has drawn the log's last seq
@@ -37,8 +37,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import aiohttp
 from benchkit import Envelope, ReplicaRef, pct
 
+from controlplane.core.projections import ClusterState
 from controlplane.dashboard import Dashboard
 from controlplane.ops.nats_server import EmbeddedNats
+from controlplane.service.snapshots import SNAPSHOT_EVERY, SnapshotWriter
 from controlplane.store.eventstore import JetStreamEventLog
 from schemas import events as E
 from schemas.status import EvictionReason, Level
@@ -111,6 +113,18 @@ async def append_all(log: JetStreamEventLog, events: list[E.Event]) -> None:
         await log.append(events[i:i + 1000], None)
 
 
+async def store_snapshots(log: JetStreamEventLog, events: list[E.Event], every: int = SNAPSHOT_EVERY) -> int:
+    """What a controller following this history would have stored: a snapshot every `every` events
+    (the dashboard starts from the newest, and past positions from the one before them)."""
+    writer = SnapshotWriter(log, every=every, every_s=0)
+    state = ClusterState()
+    for seq, ev in enumerate(events, 1):
+        state.apply(seq, ev)
+        if seq % every == 0:
+            await writer.write_now(state)
+    return writer.written
+
+
 def appender(url: str, batches: list[list[bytes]], tick: float, conn: Any) -> None:
     """Child process: append one batch per tick; send back [(seq, wall ms at the append call)], seconds."""
 
@@ -167,6 +181,7 @@ async def main() -> None:
         # Whole cycles only (a few events past --events): the live phase goes on from the generator's state.
         h_live = h
         await append_all(log, events)
+        out["snapshots"] = await store_snapshots(log, events)
         out["append_s"] = round(time.perf_counter() - t0, 1)
         out["log_events"] = await log.last_seq()
         print(f"appended {out['log_events']} events in {out['append_s']} s", flush=True)

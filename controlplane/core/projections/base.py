@@ -1,5 +1,10 @@
 """What every projection shares: the position in the log, redelivery and unknown-event handling.
 
+Its memory is bounded by the cluster, not by the history: a redelivery is recognised by its
+sequence, an event re-appended under the same id by a window of the last EVENT_ID_WINDOW event ids
+(JetStream's duplicate window is the only place an id can repeat; a resend lands close behind the
+original), and anomalies are a bounded list with a count.
+
 A projection is an accumulator owned by one fold. `apply(seq, item)` is the fold step: the
 per-entity reducers it calls are pure; the container is mutated in place so a fold over 10^5
 events costs O(events), not O(events x state). `evolve()` is the pure form (copy, then apply).
@@ -12,7 +17,9 @@ data with its seq, and never logs. A live service logs what is new after each ba
 from __future__ import annotations
 
 import abc
+from collections import deque
 from collections.abc import AsyncIterator, Iterable
+from datetime import datetime
 from typing import Any, Self, TypeVar
 
 import msgspec
@@ -21,6 +28,10 @@ from controlplane.core.ports import Stored
 from schemas.events import Event, Skipped, event_tag
 
 MAX_ANOMALIES_KEPT = 1000
+# Event ids remembered to refuse a re-append: an id stored again more than this many events after
+# it (and after JetStream's 2-minute duplicate window) is applied again. Part of the fold's state
+# (and of its snapshots), so a snapshot plus the tail folds exactly as the whole history does.
+EVENT_ID_WINDOW = 10_000
 
 
 class Anomaly(msgspec.Struct, frozen=True, kw_only=True):
@@ -37,12 +48,18 @@ class Anomaly(msgspec.Struct, frozen=True, kw_only=True):
 class Projection(abc.ABC):
     """Base fold: tracks `seq`, drops redeliveries, counts what it could not read."""
 
-    __slots__ = ("anomalies", "anomaly_count", "event_ids", "seq", "skipped", "unreadable")
+    __slots__ = ("anomalies", "anomaly_count", "event_ids", "id_order", "last_event_id", "max_ts", "seq",
+                 "skipped", "unreadable")
 
     def __init__(self) -> None:
         self.seq = 0  # last stored sequence applied (or skipped)
         self.skipped = 0  # stored messages no reader of this version can use
-        self.event_ids: set[str] = set()  # applied event ids: a re-appended event changes nothing
+        # The last EVENT_ID_WINDOW applied event ids (a set to look up, a queue to forget the oldest):
+        # an event re-appended within it changes nothing.
+        self.event_ids: set[str] = set()
+        self.id_order: deque[str] = deque()
+        self.last_event_id = ""  # id of the stored event at `seq` ("" when unreadable): what a snapshot names
+        self.max_ts: datetime | None = None  # the latest event time folded so far (`replay --until TIME`)
         self.anomalies: list[Anomaly] = []  # the last MAX_ANOMALIES_KEPT, in seq order
         self.anomaly_count = 0
         # The last MAX_ANOMALIES_KEPT unreadable messages, as anomalies (event_type: the stored type
@@ -58,13 +75,22 @@ class Projection(abc.ABC):
         self.seq = seq
         if item.__class__ is Skipped:
             self.skipped += 1
+            self.last_event_id = ""
             _keep(self.unreadable, Anomaly(seq=seq, event_type=item.type or "", message=item.reason))
             return self
-        ids = self.event_ids
         eid = item.event_id  # type: ignore[union-attr]
+        self.last_event_id = eid
+        ts = item.ts  # type: ignore[union-attr]
+        if self.max_ts is None or ts > self.max_ts:
+            self.max_ts = ts
+        ids = self.event_ids
         if eid in ids:
             return self  # the same event appended again after the dedup window
         ids.add(eid)
+        order = self.id_order
+        order.append(eid)
+        if len(order) > EVENT_ID_WINDOW:
+            ids.discard(order.popleft())
         try:
             self._evolve(seq, item)
         except Exception as exc:  # noqa: BLE001 - one event no rule can fold is recorded; the next is read
@@ -98,6 +124,9 @@ class Projection(abc.ABC):
         other.seq = self.seq
         other.skipped = self.skipped
         other.event_ids = set(self.event_ids)
+        other.id_order = deque(self.id_order)
+        other.last_event_id = self.last_event_id
+        other.max_ts = self.max_ts
         other.anomalies = list(self.anomalies)
         other.anomaly_count = self.anomaly_count
         other.unreadable = list(self.unreadable)

@@ -3,10 +3,16 @@
 Memory follows the observed state: a card's reservations are a map replica -> bytes, rebuilt from
 each replica's view whenever it changes, so a redelivered or out-of-order event can never count a
 replica twice or drive a card negative.
+
+The fold's own memory follows the cluster, not the history: command records are kept for the last
+MAX_COMMANDS_KEPT commands, and a model keeps at most MAX_GONE_KEPT of its replicas that are gone
+(Unloaded, holding nothing, not wanted HOT); older ones are forgotten, deterministically, so a
+snapshot plus the tail folds exactly as the whole history does.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from datetime import datetime
 from typing import NamedTuple, Self
 
@@ -32,9 +38,11 @@ from schemas.events import (
     NodeLost,
     PlacementRejected,
     ReplicaCached,
+    ReplicaDrained,
     ReplicaEvent,
     ReplicaEvictionRequested,
     ReplicaScheduled,
+    ReplicaUnloaded,
     RolloutUpdated,
     author_problem,
 )
@@ -51,6 +59,17 @@ _DEAD = frozenset({ReplicaState.FAILED, ReplicaState.LOAD_FAILED})
 
 
 _AUTHORED = AGENT_FACTS | DISPATCHER_FACTS
+
+SNAPSHOT_SCHEMA = 2  # of ClusterSnapshot: a snapshot of another schema is never loaded (folded anew instead)
+# Commands whose records (the idempotency of a command id, its events' positions) are kept: a
+# command id sent again after this many newer commands is decided anew.
+MAX_COMMANDS_KEPT = 10_000
+# Gone replicas (Unloaded, no GPU or CPU bytes, not desired HOT) kept per model for `ndif status`
+# and the dashboard; past that the oldest (by the seq it left at, then id) is forgotten. Replica ids
+# are never reused, so a late report about a forgotten one is recognised by its id.
+MAX_GONE_KEPT = 16
+# What an Unloaded replica does with these: nothing (a late or repeated report).
+_NOOP_WHEN_GONE = frozenset({ReplicaUnloaded, ReplicaEvictionRequested, ReplicaDrained})
 
 
 class NodeView(msgspec.Struct, frozen=True, kw_only=True, gc=False):
@@ -166,10 +185,13 @@ class CardUsage(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class ClusterSnapshot(msgspec.Struct, frozen=True, kw_only=True):
-    """The whole cluster view as data: what snapshots store and what equality compares."""
+    """The whole cluster view as data: what snapshots store and what equality compares.
+
+    Lists are sorted by key, except `event_ids`: the id window in the order it was filled (the
+    oldest is forgotten first)."""
 
     kind: str = "cluster"
-    schema: int = 1
+    schema: int = SNAPSHOT_SCHEMA
     seq: int
     skipped: int
     nodes: list[NodeView]
@@ -181,13 +203,15 @@ class ClusterSnapshot(msgspec.Struct, frozen=True, kw_only=True):
     event_ids: list[str]
     undeployed: list[str] = []  # models forgotten by `ndif undeploy` (late events of theirs are ignored)
     declared: dict[str, NodeInventory] = {}  # the operator's inventory (`NodeDeclared`), by node id
+    last_event_id: str = ""  # of the stored event at `seq` ("" when unreadable)
+    max_ts: datetime | None = None  # the latest event time folded
 
 
 class ClusterState(Projection):
     """Fold of NDIF_EVENTS into the cluster placement view."""
 
-    __slots__ = ("_by_model", "_card_leaving", "_card_totals", "_cards", "_cpu", "_cpu_pending", "_node_free",
-                 "commands", "declared", "models", "nodes", "replicas", "undeployed")
+    __slots__ = ("_by_model", "_card_leaving", "_card_totals", "_cards", "_cpu", "_cpu_pending", "_gone",
+                 "_node_free", "commands", "declared", "models", "nodes", "replicas", "undeployed")
 
     def __init__(self) -> None:
         super().__init__()
@@ -209,6 +233,7 @@ class ClusterState(Projection):
         # bytes they will take in its CPU cache (their GPU footprint). Committed like GPU bytes.
         self._cpu_pending: dict[str, dict[RKey, int]] = {}
         self._by_model: dict[str, dict[int, None]] = {}  # model -> replica ids (insertion-ordered set)
+        self._gone: dict[str, set[int]] = {}  # model -> ids of its gone replicas (see MAX_GONE_KEPT)
         # node -> free (total - committed) bytes of its cards, largest first; computed on demand and
         # dropped whenever a card of the node changes. Lets placement skip full nodes in O(1).
         self._node_free: dict[str, NodeFree] = {}
@@ -223,12 +248,14 @@ class ClusterState(Projection):
                 return
         cid = ev.command_id
         if cid is not None:
-            rec = self.commands.get(cid)
-            self.commands[cid] = (
-                CommandRecord(command_id=cid, first_seq=seq, last_seq=seq, events=1)
-                if rec is None
-                else _replace(rec, last_seq=seq, events=rec.events + 1)
-            )
+            commands = self.commands
+            rec = commands.get(cid)
+            if rec is None:
+                commands[cid] = CommandRecord(command_id=cid, first_seq=seq, last_seq=seq, events=1)
+                if len(commands) > MAX_COMMANDS_KEPT:  # insertion order is first_seq order: the oldest goes
+                    del commands[next(iter(commands))]
+            else:
+                commands[cid] = _replace(rec, last_seq=seq, events=rec.events + 1)
             if ev.__class__ is CommandDecided and not self.commands[cid].fingerprint:
                 self.commands[cid] = _replace(self.commands[cid], verb=ev.verb,  # type: ignore[attr-defined]
                                               fingerprint=ev.fingerprint)  # type: ignore[attr-defined]
@@ -340,8 +367,16 @@ class ClusterState(Projection):
     def _replica_event(self, seq: int, ev: ReplicaEvent) -> None:
         key = (ev.model_key, ev.replica_id)
         old = self.replicas.get(key)
-        if old is None and ev.model_key in self.undeployed and not isinstance(ev, ReplicaScheduled):
-            return  # a late report about a replica of a model undeploy has forgotten
+        if old is None and not isinstance(ev, ReplicaScheduled):
+            if ev.model_key in self.undeployed:
+                return  # a late report about a replica of a model undeploy has forgotten
+            m = self.models.get(ev.model_key)
+            if m is not None and ev.replica_id < m.next_replica_id:
+                if ev.__class__ not in _NOOP_WHEN_GONE:
+                    self._anomaly(seq, ev, f"{type(ev).__name__} for replica {ev.replica_id}, which was unloaded and "
+                                  f"forgotten (a model keeps its last {MAX_GONE_KEPT} unloaded replicas)",
+                                  ev.replica_id)
+                return  # a late report about a replica unloaded long ago: nothing left to change
         if isinstance(ev, ReplicaScheduled):
             self.undeployed.discard(ev.model_key)
             problem = self._check_placement(ev)
@@ -374,8 +409,10 @@ class ClusterState(Projection):
             if r is not None and r.state is ReplicaState.UNLOADED and not r.on_gpu and not r.cpu_bytes:
                 del self.replicas[k]
                 ids.pop(k[1], None)
+                self._gone.get(model_key, set()).discard(k[1])
         if not ids:
             self._by_model.pop(model_key, None)
+            self._gone.pop(model_key, None)
             del self.models[model_key]
             self.undeployed.add(model_key)
 
@@ -433,6 +470,17 @@ class ClusterState(Projection):
         """Store a replica view and move its memory in the indexes: set, never add."""
         old = self.replicas.get(key)
         self.replicas[key] = new
+        self._move(key, old, new)
+        if new.state is _UNLOADED and _gone(new):
+            if old is None or not _gone(old):
+                self._forget_gone(key)
+        elif old is not None and old.state is _UNLOADED:
+            gone = self._gone.get(key[0])
+            if gone:
+                gone.discard(key[1])
+
+    def _move(self, key: RKey, old: ReplicaView | None, new: ReplicaView) -> None:
+        """Move a replica's memory in the indexes from its `old` view to its `new` one."""
         if old is None:
             self._by_model.setdefault(key[0], {})[key[1]] = None
         elif (old.on_gpu == new.on_gpu and old.cpu_bytes == new.cpu_bytes and old.node_id == new.node_id
@@ -471,6 +519,23 @@ class ClusterState(Projection):
             self._cpu.setdefault(new.node_id, {})[key] = new.cpu_bytes
         if _pending_warm(new):
             self._cpu_pending.setdefault(new.node_id, {})[key] = new.bytes_per_gpu * len(new.gpu_indices)
+
+    def _forget_gone(self, key: RKey) -> None:
+        """The replica at `key` just became gone: past MAX_GONE_KEPT of its model, forget the oldest gone one.
+
+        The oldest by (seq it left at, replica id): a rule of the views alone, so a fold restored
+        from a snapshot forgets exactly what the whole history's fold does."""
+        gone = self._gone.setdefault(key[0], set())
+        gone.add(key[1])
+        if len(gone) <= MAX_GONE_KEPT:
+            return
+        mk = key[0]
+        rid = min(gone, key=lambda i: (self.replicas[(mk, i)].since_seq, i))
+        gone.discard(rid)
+        del self.replicas[(mk, rid)]  # gone: it holds no card or CPU bytes, so no index has it
+        ids = self._by_model.get(mk)
+        if ids is not None:
+            ids.pop(rid, None)
 
     # ---- reads -------------------------------------------------------------------------------
 
@@ -584,9 +649,11 @@ class ClusterState(Projection):
             commands=[self.commands[k] for k in sorted(self.commands)],
             anomalies=list(self.anomalies),
             anomaly_count=self.anomaly_count,
-            event_ids=sorted(self.event_ids),
+            event_ids=list(self.id_order),
             undeployed=sorted(self.undeployed),
             declared={k: self.declared[k] for k in sorted(self.declared)},
+            last_event_id=self.last_event_id,
+            max_ts=self.max_ts,
         )
 
     @classmethod
@@ -595,9 +662,12 @@ class ClusterState(Projection):
         s.seq, s.skipped = snap.seq, snap.skipped
         s.nodes = {n.node_id: n for n in snap.nodes}
         s.models = {m.model_key: m for m in snap.models}
-        s.commands = {c.command_id: c for c in snap.commands}
+        # Insertion order is first_seq order (the oldest record is forgotten first).
+        s.commands = {c.command_id: c for c in sorted(snap.commands, key=lambda c: c.first_seq)}
         s.anomalies, s.anomaly_count = list(snap.anomalies), snap.anomaly_count
+        s.id_order = deque(snap.event_ids)
         s.event_ids = set(snap.event_ids)
+        s.last_event_id, s.max_ts = snap.last_event_id, snap.max_ts
         s.undeployed = set(snap.undeployed)
         s.declared = dict(snap.declared)
         for r in snap.replicas:
@@ -617,6 +687,7 @@ class ClusterState(Projection):
         c._cpu = {k: dict(v) for k, v in self._cpu.items()}
         c._cpu_pending = {k: dict(v) for k, v in self._cpu_pending.items()}
         c._by_model = {k: dict(v) for k, v in self._by_model.items()}
+        c._gone = {k: set(v) for k, v in self._gone.items()}
         c._node_free = dict(self._node_free)
         return c
 
@@ -627,7 +698,13 @@ class ClusterState(Projection):
 
 
 _GONE = frozenset({ReplicaState.UNLOADED, ReplicaState.LOST})
+_UNLOADED = ReplicaState.UNLOADED
 _CPU_EVENTS = frozenset({ReplicaCached, ReplicaEvictionRequested})  # events that can grow a CPU cache
+
+
+def _gone(r: ReplicaView) -> bool:
+    """Unloaded, holding nothing and not wanted HOT: kept only for the record (MAX_GONE_KEPT)."""
+    return r.state is ReplicaState.UNLOADED and not r.on_gpu and not r.cpu_bytes and r.desired is not Level.HOT
 
 
 def _pending_warm(r: ReplicaView) -> bool:

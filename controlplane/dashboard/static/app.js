@@ -250,17 +250,27 @@ $("f-more").addEventListener("click", () => loadEvents(true));
 
 // ---- replica drill-down ------------------------------------------------------------------------
 
-async function openHistory(model, replica) {
+// One page of history covers a stretch of the log (the newest first); "older steps" pages back.
+let drill = null;
+async function openHistory(model, replica, before) {
+  const p = new URLSearchParams({ model, replica: String(replica) });
+  if (before) p.set("before", before);
   try {
-    const h = await getJson(`/api/history?model=${encodeURIComponent(model)}&replica=${replica}`);
-    $("drill-title").textContent = `${h.name} replica ${h.replica_id}: ${h.steps.length} steps`;
-    $("history").tBodies[0].innerHTML = h.steps.map((s) => `<tr><td>${s.seq}</td>
+    const h = await getJson(`/api/history?${p}`);
+    const rows = h.steps.map((s) => `<tr><td>${s.seq}</td>
       <td>${esc((s.ts || "").replace("T", " ").slice(0, 23))}</td><td>${esc(s.type)}</td><td>${esc(s.actor)}</td>
       <td>${esc(s.command_id ?? "")}</td><td>${esc(s.state ?? "")}</td><td>${esc(s.level ?? "")}</td>
       <td>${esc(s.desired ?? "")}${s.anomaly ? ` <span class="error">${esc(s.anomaly)}</span>` : ""}</td></tr>`).join("");
+    const tb = $("history").tBodies[0];
+    if (before) tb.insertAdjacentHTML("afterbegin", rows); else tb.innerHTML = rows;
+    drill = { model, replica, before: h.next_before };
+    $("drill-title").textContent = `${h.name} replica ${h.replica_id}: ${tb.rows.length} steps` +
+      (h.next_before ? ` since seq ${h.next_before}` : "");
+    $("drill-older").hidden = !h.next_before;
     $("drill").hidden = false;
   } catch (err) { $("f-error").textContent = err.message; }
 }
+$("drill-older").addEventListener("click", () => { if (drill) openHistory(drill.model, drill.replica, drill.before); });
 $("nodes").addEventListener("click", (e) => {
   const b = e.target.closest(".block");
   if (b) openHistory(b.dataset.model, b.dataset.replica);

@@ -32,6 +32,8 @@ from schemas.subjects import EVENTS_ALL, EVENTS_STREAM
 
 logger = structlog.get_logger("ndif.eventstore")
 
+SHORT_READ = 10 * MAX_BATCH  # events: a read of fewer (with a known end) is made of batched direct gets
+
 
 class FeedSource(Protocol):
     """The connection and the settings a feed reads, each time it needs one (JetStreamEventLog has them)."""
@@ -65,7 +67,9 @@ async def read_batches(src: FeedSource, start_seq: int = 1, *, start_time: datet
         start_seq = max(start_seq, found)
     if stop < max(start_seq, 1):
         return
-    async for batch in _feed(src, start_seq, stop):
+    # A short stretch (a snapshot's check, the tail after it) by direct gets: no consumer to make.
+    feed = _feed_direct if stop - max(start_seq, 1) < SHORT_READ else _feed
+    async for batch in feed(src, start_seq, stop):
         yield batch
 
 
@@ -145,7 +149,7 @@ async def _feed_consumer(src: FeedSource, start_seq: int, stop_seq: int | None) 
     """Ordered consumer over the whole stream, from `start_seq` to `stop_seq` (or forever).
 
     Sequences must be contiguous: on a gap (a client-side drop) or a stall the feed
-    resubscribes from the next sequence it wants. Messages are decoded in the delivery callback
+    resubscribes from the next sequence it wants. Batches hold at most MAX_BATCH events. Messages are decoded in the delivery callback
     into a deque (nats-py's `next_msg()` costs a future per message and caps a drain near
     30k msg/s here; callbacks run about 3x faster).
     """
@@ -192,7 +196,7 @@ async def _feed_consumer(src: FeedSource, start_seq: int, stop_seq: int | None) 
                     continue
                 batch: list[Stored] = []
                 gap = False
-                while buf:
+                while buf and len(batch) < MAX_BATCH:
                     item = buf.popleft()
                     if item is None:
                         gap = True
@@ -207,6 +211,10 @@ async def _feed_consumer(src: FeedSource, start_seq: int, stop_seq: int | None) 
                     return
                 if gap:
                     break  # resubscribe from `expected`
+                if buf:
+                    # A backlog (a catch-up, a burst) is folded a batch at a time with the loop's
+                    # other work in between: commands, heartbeats, a snapshot being stored.
+                    await asyncio.sleep(0)
         finally:
             want[0] = -1
             with contextlib.suppress(Exception):

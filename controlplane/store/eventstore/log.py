@@ -14,6 +14,7 @@ from types import TracebackType
 
 import structlog
 from nats.aio.client import Client as NatsClient
+from nats.js.object_store import ObjectStore
 
 from controlplane.core.ports import AppendResult, Stored
 from controlplane.store.credentials import JS_API, Creds, js_api, resolve
@@ -62,6 +63,11 @@ class JetStreamEventLog:
         # subject is beyond what subject permissions can restrict.
         self.direct_reads = False
         self.direct_poll_s = 0.5  # a direct-read follower asks again this often without a wake-up
+        self._obs: ObjectStore | None = None  # the snapshot bucket, once written to
+        # How `open` connected: snapshot writes then get a connection of their own, so their acks
+        # never wait behind a follower's backlog of events on this one.
+        self._reopen: tuple[str, str, Creds | None] | None = None
+        self._writes_nc: NatsClient | None = None
 
     @classmethod
     async def open(cls, url: str, *, timeout: float = 5.0, replicas: int | None = None, ensure: bool = True,
@@ -73,6 +79,7 @@ class JetStreamEventLog:
         self = cls(await connect(url, name=name, timeout=timeout, creds=creds), timeout=timeout, replicas=replicas,
                    api=js_api(creds))
         self._owns_nc = True
+        self._reopen = (url, name, creds)
         # Only an admin (or anyone on an open server) may create or reconfigure streams; the
         # others check that they exist.
         self.may_create = creds is None or creds.role == "admin"
@@ -87,6 +94,10 @@ class JetStreamEventLog:
         nats-py's drain raises while reconnecting and its close can wait on a socket that never
         flushes; either way the connection is closed (or abandoned, with a warning) and close returns.
         """
+        if self._writes_nc is not None:
+            writes, self._writes_nc, self._obs = self._writes_nc, None, None
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(writes.close(), CLOSE_TIMEOUT_S)
         if not self._owns_nc or self.nc.is_closed:
             return
         step = asyncio.ensure_future(self.nc.drain() if not self.nc.is_reconnecting else self.nc.close())
@@ -152,8 +163,23 @@ class JetStreamEventLog:
 
     # ---- snapshots (snapshots.py) ------------------------------------------------------------
 
+    async def _snapshot_bucket(self) -> ObjectStore:
+        if self._obs is None:
+            nc = self.nc
+            if self._reopen is not None:
+                url, name, creds = self._reopen
+                nc = self._writes_nc = await connect(url, name=f"{name}-snapshots", timeout=self.timeout, creds=creds)
+            self._obs = await snapshots.open_store(nc)
+        return self._obs
+
     async def save_snapshot(self, name: str, data: bytes) -> None:
-        await snapshots.save_snapshot(self.js, name, data)
+        await snapshots.save_snapshot(await self._snapshot_bucket(), name, data)
 
     async def load_snapshot(self, name: str) -> bytes | None:
-        return await snapshots.load_snapshot(self.js, name)
+        return await snapshots.load_snapshot(self.nc, name, timeout=self.timeout)
+
+    async def snapshot_names(self) -> list[str]:
+        return await snapshots.snapshot_names(self.nc, timeout=self.timeout)
+
+    async def delete_snapshot(self, name: str) -> None:
+        await snapshots.delete_snapshot(await self._snapshot_bucket(), name)

@@ -41,12 +41,6 @@ class LogFollower:
         self._drained: set[tuple[str, int, int]] = set()
         self._served: set[tuple[str, int, int]] = set()
 
-    async def catch_up(self) -> None:
-        """Fold the whole log as it is now (before anything is served)."""
-        async for batch in self.log.read_batches():
-            for seq, item in batch:
-                self.state.apply(seq, item)
-
     async def run(self) -> None:
         await follow_log(self.log, lambda: self.state.seq + 1, self.on_batch, logger=logger,
                          fold=lambda: self.state)

@@ -49,6 +49,7 @@ from controlplane.core.fairness import FairnessPolicy, decode_policy
 from controlplane.core.ports import EventLog
 from controlplane.core.projections import ClusterState
 from controlplane.service.clock import utcnow
+from controlplane.service.follow import catch_up
 from controlplane.service.parts import Connect, Parts, connect_url, given, start_or_stop
 from controlplane.service.tasks import cancel_and_wait
 from controlplane.store.credentials import Creds
@@ -192,6 +193,8 @@ class Dispatcher:
             from dataplane.runtime.ray_adapter import RayCaller  # the one module that imports ray
 
             self.caller = RayCaller()
+        # The fold every part reads: the newest snapshot that matches the log, then the tail.
+        self.state = await catch_up(log)
         self.statuses = StatusWriter(ports.publish, ports.statuses, ports.results, self.bg)
         self.provisioner = Provisioner(state=self.state, deploy=ports.deploy, statuses=self.statuses, bg=self.bg,
                                        default_replicas=self.default_replicas)
@@ -201,7 +204,6 @@ class Dispatcher:
                              queue_lifetime_s=self.queue_lifetime_s)
         self.follower = LogFollower(log=log, state=self.state, processors=self.processors, intake=self.intake,
                                     bg=self.bg, name=self.name)
-        await self.follower.catch_up()
         if self.use_link and nc is not None:
             self.link = await ReplicaLink(nc, self.statuses.send, self.caller).start()
         # New model subjects are discovered from the publishes themselves; existing ones from the stream.
