@@ -145,14 +145,14 @@ async def read_object(nc: Any, bucket: str, name: str, *, timeout: float = 5.0, 
     return data
 
 
-async def object_names(nc: Any, bucket: str, *, timeout: float = 5.0) -> list[str]:
+async def object_names(nc: Any, bucket: str, *, timeout: float = 5.0, api: str = JS_API) -> list[str]:
     """The names of the live objects of an Object Store bucket, by direct gets of its meta messages
     (one per object: nats-py rolls each object's meta up to its last)."""
     stream, meta = f"OBJ_{bucket}", f"$O.{bucket}.M.>"
     names: list[str] = []
     seq = 1
     while True:
-        got = await direct_batch(nc, stream, seq, MAX_BATCH, next_by_subj=meta, timeout=timeout)
+        got = await direct_batch(nc, stream, seq, MAX_BATCH, next_by_subj=meta, timeout=timeout, api=api)
         for m in got:
             try:
                 info = msgspec.json.decode(m.data)

@@ -176,10 +176,10 @@ class JetStreamEventLog:
         await snapshots.save_snapshot(await self._snapshot_bucket(), name, data)
 
     async def load_snapshot(self, name: str) -> bytes | None:
-        return await snapshots.load_snapshot(self.nc, name, timeout=self.timeout)
+        return await snapshots.load_snapshot(self.nc, name, timeout=self.timeout, api=self.api)
 
     async def snapshot_names(self) -> list[str]:
-        return await snapshots.snapshot_names(self.nc, timeout=self.timeout)
+        return await snapshots.snapshot_names(self.nc, timeout=self.timeout, api=self.api)
 
     async def delete_snapshot(self, name: str) -> None:
         await snapshots.delete_snapshot(await self._snapshot_bucket(), name)

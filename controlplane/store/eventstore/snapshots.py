@@ -32,15 +32,15 @@ async def save_snapshot(obs: ObjectStore, name: str, data: bytes) -> None:
     await obs.put(name, data, meta=api.ObjectMeta(name=name, options=api.ObjectMetaOptions(max_chunk_size=CHUNK_BYTES)))
 
 
-async def load_snapshot(nc: NatsClient, name: str, *, timeout: float) -> bytes | None:
+async def load_snapshot(nc: NatsClient, name: str, *, timeout: float, api: str) -> bytes | None:
     try:
-        return await read_object(nc, SNAPSHOTS_BUCKET, name, timeout=timeout, max_bytes=MAX_SNAPSHOT_BYTES)
+        return await read_object(nc, SNAPSHOTS_BUCKET, name, timeout=timeout, max_bytes=MAX_SNAPSHOT_BYTES, api=api)
     except NotFound:
         return None
 
 
-async def snapshot_names(nc: NatsClient, *, timeout: float) -> list[str]:
-    return await object_names(nc, SNAPSHOTS_BUCKET, timeout=timeout)
+async def snapshot_names(nc: NatsClient, *, timeout: float, api: str) -> list[str]:
+    return await object_names(nc, SNAPSHOTS_BUCKET, timeout=timeout, api=api)
 
 
 async def delete_snapshot(obs: ObjectStore, name: str) -> None:
