@@ -259,8 +259,7 @@ def permissions(role: str, *, name: str = "", node_id: str = "", clients: tuple[
         pub = [MODEL_EVENTS_ANY, REPLICA_DECISIONS_ANY, NODE_EVENTS_ANY, COMMAND_EVENTS_ANY, *events,
                *_read_stream(_kv(HEARTBEATS_BUCKET)), *_snapshot_writer(),
                f"{_API}.STREAM.INFO.{REQUESTS_STREAM}", f"{_API}.STREAM.INFO.{_kv(REQUEST_STATUS_BUCKET)}",
-               f"{_API}.STREAM.INFO.{_obj(RESULTS_BUCKET)}", f"{_API}.STREAM.INFO.{_obj(SNAPSHOTS_BUCKET)}",
-               *_snapshot_writer()]
+               f"{_API}.STREAM.INFO.{_obj(RESULTS_BUCKET)}", f"{_API}.STREAM.INFO.{_obj(SNAPSHOTS_BUCKET)}"]
         sub = [COMMANDS_ANY, FIGURES_ANY, inbox]
     elif role == "dispatcher":
         pub = [replica_facts_from(DISPATCHER_SOURCE), command_subject("deploy"), FIGURES_ANY, STATUS_ALL, REPLICA_CALLS_ALL,

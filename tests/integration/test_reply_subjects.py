@@ -35,6 +35,7 @@ from controlplane.store.eventstore import JetStreamEventLog
 from dataplane.client import Client, RequestFailed
 from dataplane.serving.dispatcher.background import Background
 from dataplane.serving.dispatcher.statuses import StatusWriter
+from dataplane.serving.jetstream import JetStreamResults, JetStreamStatusKV
 from dataplane.serving.processor import Pending
 from schemas.events import GpuInfo, NodeJoined, encode_event
 from schemas.keys import canonical_model_key
@@ -83,8 +84,9 @@ def _req(rid: str, user: str) -> Request:
 async def _writer(url: str, auth: LocalAuth) -> tuple[StatusWriter, JetStreamEventLog]:
     """The dispatcher's status writer, as the dispatcher's user."""
     lg = await JetStreamEventLog.open(url, ensure=False, creds=auth.role("dispatcher"), role="dispatcher")
-    w = StatusWriter(lg.nc, await lg.js.key_value(ST), await lg.js.object_store(RESULTS_BUCKET), Background(),
-                     js=lg.js, replicas=lg.replicas)
+    w = StatusWriter(lg.nc.publish, JetStreamStatusKV(await lg.js.key_value(ST)),
+                     JetStreamResults(lg.js, await lg.js.object_store(RESULTS_BUCKET), replicas=lg.replicas),
+                     Background())
     return w, lg
 
 
@@ -106,10 +108,9 @@ async def url(server: EmbeddedNats, auth: LocalAuth) -> AsyncIterator[str]:
     try:
         assert await w.finish(Pending(_req(ALICE_RID, "alice"), None), RequestStatus.COMPLETED,
                               result={"text": "alice's own data"})
-        mine = await w.results_store("alice")
-        await mine.put("kill.json", BOB_RID.encode())
-        await mine.put("req.json", encoder.encode(_req("runs-as-bob", "bob")))
-        await (await w.results_store("bob")).put("bobs.json", b'{"text": "bob\'s large result"}')
+        await w.results.put("alice", "kill.json", BOB_RID.encode())
+        await w.results.put("alice", "req.json", encoder.encode(_req("runs-as-bob", "bob")))
+        await w.results.put("bob", "bobs.json", b'{"text": "bob\'s large result"}')
     finally:
         await dlg.close()
     yield server.url
