@@ -80,6 +80,9 @@ def any_event(draw: st.DrawFn) -> E.Event:
             return E.ReplicaCached(**_env(), **rep, cpu_bytes=draw(nbytes))
         case "ModelUndeployed":
             return E.ModelUndeployed(**_env(), model_key=m, replicas=draw(st.integers(0, 4)))
+        case "RolloutUpdated":
+            return E.RolloutUpdated(**_env(), model_key=m, remaining=tuple(draw(st.lists(st.integers(0, 4), max_size=3))),
+                                    current=draw(st.sampled_from([None, 0, 1])))
         case "CommandDecided":
             return E.CommandDecided(**{**_env(), "command_id": draw(st.sampled_from(["c1", "c2"]))},
                                     model_key=draw(st.sampled_from([m, None])), verb="scale",

@@ -22,6 +22,11 @@ from typing import Any
 
 from controlplane.core.projections import ClusterState
 from controlplane.core.projections.replica import ReplicaView
+from controlplane.dashboard.detail import event_detail
+from controlplane.dashboard.series import PHASES, LogSeries, phase
+from controlplane.store.admin import resolve_name
+from schemas import errors as errs
+from schemas import events as E
 from schemas.events import EVENT_TYPES, Event, NodeJoined, NodeLost, ReplicaEvent, Skipped, event_tag
 from schemas.keys import display_name
 from schemas.status import Level
@@ -30,6 +35,8 @@ Item = Event | Skipped
 MAX_EVENTS_PAGE = 1000
 CHECKPOINT_EVERY = 2000
 MAX_CHECKPOINT_CACHE = 8  # recently asked past states kept whole (scrubbing back and forth)
+MAX_DETAIL = 4000  # characters of an event's detail (an error's text) sent with its row
+MAX_LIFELINES = 400  # replicas drawn in one lifeline answer (the cluster's: the most recently moved)
 
 
 class BadQuery(ValueError):
@@ -57,6 +64,8 @@ class DashboardModel:
         self.replica_rows: dict[tuple[str, int], list[tuple[int, str, str, str, str | None]]] = {}
         self.model_rows: dict[str, list[int]] = {}
         self._past: dict[int, ClusterState] = {}
+        self.series = LogSeries()  # replicas by phase per model, memory per card, over the log's time
+        self.type_counts: dict[str, int] = {}  # events folded, by type (`/metrics`)
 
     # ---- folding ---------------------------------------------------------------------------
 
@@ -72,12 +81,21 @@ class DashboardModel:
         if isinstance(item, Event) and item.event_id in live.event_ids:
             self.dup_seqs.add(seq)
         before = live.anomaly_count
+        moved = _views_before(live, item)
         live.apply(seq, item)
         idx = len(self.items)
         self.seqs.append(seq)
         self.items.append(item)
         prev = self.max_ts[-1] if self.max_ts else float("-inf")
-        self.max_ts.append(max(prev, item.ts.timestamp()) if isinstance(item, Event) else prev)
+        t = max(prev, item.ts.timestamp()) if isinstance(item, Event) else prev
+        self.max_ts.append(t)
+        tag = event_type(item)
+        self.type_counts[tag] = self.type_counts.get(tag, 0) + 1
+        if moved:
+            changes = [(old, live.replicas.get(key)) for key, old in moved]
+            changes = [(a, b) for a, b in changes if a is not b]
+            if changes:
+                self.series.moved(seq, t, changes, live)
         if isinstance(item, Event) and item.model_key is not None:
             mk = item.model_key
             self.model_rows.setdefault(mk, []).append(idx)
@@ -144,13 +162,81 @@ class DashboardModel:
     # ---- queries ----------------------------------------------------------------------------
 
     def resolve_model(self, model: str) -> str:
-        """A model key as stored, or one whose display name is `model`; 404 otherwise."""
+        """A model key as stored, its display name, or any name `ndif` accepts for it (a repo id, a
+        checkpoint path, the short name: `resolve_name`); 404 when none names it, 400 if several do."""
         if model in self.model_rows or model in self.live.models:
             return model
         for mk in self.model_rows:
             if display_name(mk) == model:
                 return mk
-        raise UnknownEntity(f"unknown model {model[:200]!r}: no event in the log names it")
+        try:
+            return resolve_name(self.live, model[:500])
+        except errs.UnknownModel:
+            raise UnknownEntity(f"unknown model {model[:200]!r}: no event in the log names it") from None
+        except errs.InvalidCommand as exc:
+            raise BadQuery(str(exc)) from None
+
+    def time_of(self, seq: int) -> float | None:
+        """The log's time at `seq` (the latest event time up to it), epoch seconds; None before any event."""
+        i = bisect.bisect_right(self.seqs, seq)
+        t = self.max_ts[i - 1] if i else None
+        return t if t is not None and t != float("-inf") else None
+
+    def lifeline(self, model: str | None, seq: int, t0: float, t1: float) -> dict[str, Any]:
+        """One line per replica over [t0, t1] as the log stood at `seq`: segments of one phase and
+        state, each with the event that began it (its type, actor, command and the command's verb)."""
+        end = bisect.bisect_right(self.seqs, seq)
+        mk = self.resolve_model(model) if model else None
+        keys = [k for k in self.replica_rows if mk is None or k[0] == mk]
+        lines = []
+        for key in keys:
+            rows = self.replica_rows[key]
+            n = bisect.bisect_left(rows, (end,))  # rows folded by `seq`
+            if n == 0:
+                continue
+            segs: list[list[Any]] = []
+            for j in range(n):
+                idx, st, lvl, desired, anomaly = rows[j]
+                start = self.max_ts[idx]
+                stop = self.max_ts[rows[j + 1][0]] if j + 1 < n else t1
+                ph = phase(st, lvl) if st else "COLD"
+                if segs and segs[-1][2] == ph and segs[-1][3] == st and not anomaly:
+                    segs[-1][1] = min(stop, t1)
+                    continue
+                if stop < t0 or start > t1:
+                    continue
+                segs.append([max(start, t0), min(stop, t1), ph, st, lvl, desired, self.seqs[idx], anomaly])
+            if segs:
+                lines.append((rows[n - 1][0], key, segs))
+        truncated = max(0, len(lines) - MAX_LIFELINES)
+        if truncated:  # the cluster's: the replicas that moved last
+            lines = sorted(lines, key=lambda x: x[0])[-MAX_LIFELINES:]
+        lines.sort(key=lambda x: x[1])
+        seen_seqs = {sg[6] for _, _, segs in lines for sg in segs}
+        causes = {q: self._cause(q) for q in seen_seqs}
+        return {"model_key": mk, "t0": t0, "t1": t1, "seq": min(seq, self.seq), "truncated": truncated,
+                "phases": list(PHASES),
+                "replicas": [{"model_key": k[0], "name": display_name(k[0]), "replica_id": k[1],
+                              "segments": [{"t0": a, "t1": b, "phase": ph, "state": st, "level": lvl,
+                                            "desired": des, "seq": q, "anomaly": an, **causes[q]}
+                                           for a, b, ph, st, lvl, des, q, an in segs]}
+                             for _, k, segs in lines]}
+
+    def _cause(self, seq: int) -> dict[str, Any]:
+        i = bisect.bisect_left(self.seqs, seq)
+        item = self.items[i]
+        row = event_row(seq, item)
+        out = {k: row.get(k) for k in ("type", "ts", "actor", "command_id", "detail")}
+        cid = row.get("command_id")
+        rec = self.live.commands.get(cid) if cid else None
+        out["verb"] = rec.verb if rec is not None and rec.verb else None
+        return out
+
+    def anomalies(self, seq: int) -> dict[str, Any]:
+        """Every anomaly the fold kept (the last 1,000) up to `seq`, newest first, and the count."""
+        st = self.state_at(seq)
+        return {"seq": st.seq, "anomaly_count": st.anomaly_count, "skipped": st.skipped,
+                "anomalies": [anomaly_json(a) for a in reversed(st.anomalies)]}
 
     def events(self, *, model: str | None = None, replica_id: int | None = None, type_: str | None = None,
                actor: str | None = None, before: int | None = None, limit: int = 100) -> tuple[list[dict[str, Any]], int | None]:
@@ -200,6 +286,18 @@ class DashboardModel:
         return {"model_key": mk, "name": display_name(mk), "replica_id": replica_id, "steps": rows}
 
 
+def _views_before(live: ClusterState, item: Item) -> list[tuple[tuple[str, int], ReplicaView | None]]:
+    """The replica views an item may change, as they are before it is folded (for `LogSeries`)."""
+    if isinstance(item, ReplicaEvent):
+        key = (item.model_key, item.replica_id)
+        return [(key, live.replicas.get(key))]
+    if isinstance(item, NodeLost):
+        return [(k, r) for k, r in live.replicas.items() if r.node_id == item.node_id]
+    if isinstance(item, E.ModelUndeployed):
+        return [(r.key, r) for r in live.model_replicas(item.model_key)]
+    return []
+
+
 def event_type(item: Item) -> str:
     return "Skipped" if isinstance(item, Skipped) else event_tag(item)
 
@@ -215,7 +313,15 @@ def event_row(seq: int, item: Item) -> dict[str, Any]:
         row["node_id"] = item.node_id
     elif isinstance(item, (NodeJoined, NodeLost)):
         row["node_id"] = item.node_id
+    detail = event_detail(item)
+    if detail:
+        row["detail"] = detail if len(detail) <= MAX_DETAIL else detail[:MAX_DETAIL] + " [...]"
     return row
+
+
+def anomaly_json(a: Any) -> dict[str, Any]:
+    return {"seq": a.seq, "event_type": a.event_type, "message": a.message, "model_key": a.model_key,
+            "name": display_name(a.model_key) if a.model_key else None, "replica_id": a.replica_id}
 
 
 def _history_row(seq: int, item: Item, after: tuple[int, str, str, str, str | None] | None) -> dict[str, Any]:
@@ -348,20 +454,20 @@ def model_json(state: ClusterState, model_key: str) -> dict[str, Any]:
             "size_bytes": m.registration.size_bytes if m and m.registration else None,
             "charge_per_replica_bytes": charge, "by_state": by_state, "by_level": by_level,
             "replicas": [{"replica_id": r.replica_id, "state": str(r.state), "level": str(r.level),
-                          "desired": str(r.desired), "node_id": r.node_id} for r in rs],
+                          "desired": str(r.desired), "node_id": r.node_id, "gpu_indices": list(r.gpu_indices),
+                          "since_seq": r.since_seq, "restarts": r.restarts, "error": r.error} for r in rs],
             "last_rejection": ({"seq": m.last_rejection.seq, "reason": m.last_rejection.reason,
                                 "replicas": m.last_rejection.replicas}
                                if m and m.last_rejection else None)}
 
 
-def state_json(state: ClusterState, *, last_seq: int, live: bool) -> dict[str, Any]:
-    """The whole page's data at one position of the log."""
+def state_json(state: ClusterState, *, last_seq: int, live: bool, ts: float | None = None) -> dict[str, Any]:
+    """The whole page's data at one position of the log (`ts`: the log's time at that position)."""
     models = sorted(set(state.models) | {k[0] for k in state.replicas})
     return {
-        "seq": state.seq, "last_seq": last_seq, "live": live,
+        "seq": state.seq, "last_seq": last_seq, "live": live, "ts": ts,
         "nodes": nodes_json(state),
         "models": [model_json(state, mk) for mk in models],
         "anomaly_count": state.anomaly_count, "skipped": state.skipped,
-        "anomalies": [{"seq": a.seq, "event_type": a.event_type, "message": a.message, "model_key": a.model_key,
-                       "replica_id": a.replica_id} for a in state.anomalies[-20:]],
+        "anomalies": [anomaly_json(a) for a in state.anomalies[-20:]],
     }

@@ -27,6 +27,7 @@ from controlplane.core.projections.queue import ModelQueueView, processor_status
 from dataplane.replica.actor import NOT_RUN, OK
 from dataplane.replica.model import ReplicaNotHot, error_text
 from dataplane.runtime.ports import ReplicaCaller
+from dataplane.serving.latency import LatencyHistogram
 from dataplane.serving.link import NoEndpoint, ReplicaLink, ReplyLost, encode_call
 from schemas.requests import Request
 from schemas.status import ProcessorStatus, RequestStatus
@@ -99,6 +100,7 @@ class Processor:
         self.calls = 0  # replica calls made (a call may carry several short requests)
         self.link_calls = 0  # of which over the replica's NATS endpoint (the others through Ray)
         self.errors = 0
+        self.latency = LatencyHistogram()  # taken -> terminal answer, of requests answered here
         self._idle: collections.deque[tuple[int, asyncio.Future[_Call | None]]] = collections.deque()  # idle lanes
         self._actors: dict[int, Any] = {}
         self.exec_s: float | None = None  # recent run time of one request on a replica (moving average)
@@ -308,6 +310,7 @@ class Processor:
 
     def _error(self, p: Pending, rid: int, error: str, message: str) -> None:
         self.errors += 1
+        self.latency.observe(time.monotonic() - p.received)
         self.hooks.finish_soon(p, R.ERROR, replica_id=rid, error=error, message=message)
 
     async def _answers(self, call: _Call) -> None:
@@ -347,6 +350,7 @@ class Processor:
                     continue  # its terminal status (cancelled) is already written
                 if a[0] == OK:
                     self.completed += 1
+                    self.latency.observe(time.monotonic() - p.received)
                     # The replica is free once it answered: the terminal status and the ack go out
                     # while this lane takes the next request.
                     self.hooks.finish_soon(p, R.COMPLETED, replica_id=rid, result=a[1])
@@ -370,4 +374,6 @@ class Processor:
             "run_ms": round(self.exec_s * 1000, 3) if self.exec_s is not None else None, "provisioning": self.provisioning,
             # Seconds the longest-held queued request has waited here (since this dispatcher took it).
             "oldest_wait_s": round(time.monotonic() - min(p.received for p in self.queue), 3) if self.queue else None,
+            # Completion latency (dataplane/serving/latency.py): cumulative, readers take differences.
+            "latency_s": self.latency.snapshot(),
         }
