@@ -212,6 +212,8 @@ class DashboardModel:
         if truncated:  # the cluster's: the replicas that moved last
             lines = sorted(lines, key=lambda x: x[0])[-MAX_LIFELINES:]
         lines.sort(key=lambda x: x[1])
+        if lines:  # nothing before the first line's start: the window starts there
+            t0 = max(t0, min(segs[0][0] for _, _, segs in lines))
         seen_seqs = {sg[6] for _, _, segs in lines for sg in segs}
         causes = {q: self._cause(q) for q in seen_seqs}
         return {"model_key": mk, "t0": t0, "t1": t1, "seq": min(seq, self.seq), "truncated": truncated,
@@ -283,6 +285,16 @@ class DashboardModel:
             if found is None:
                 raise UnknownEntity(f"model {display_name(mk)!r} has no replica {replica_id}")
             rows = [_history_row(self.seqs[r[0]], self.items[r[0]], r) for r in found]
+        # The cards each step left the replica placed on (set by its latest ReplicaScheduled).
+        gpus: dict[int, list[int]] = {}
+        for row in rows:
+            rid = row.get("replica_id")
+            if rid is not None:
+                if row["type"] == "ReplicaScheduled":
+                    item = self.items[bisect.bisect_left(self.seqs, row["seq"])]
+                    if isinstance(item, E.ReplicaScheduled):
+                        gpus[rid] = list(item.gpu_indices)
+                row["gpus"] = gpus.get(rid, [])
         return {"model_key": mk, "name": display_name(mk), "replica_id": replica_id, "steps": rows}
 
 

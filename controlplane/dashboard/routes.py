@@ -63,11 +63,13 @@ def position(m: DashboardModel, q: Any) -> tuple[int, bool, float]:
 
 
 def window(m: DashboardModel, q: Any, t1: float) -> float:
-    raw = q.get("window")
-    if raw == "all":
-        first = m.time_of(m.seqs[0]) if m.seqs else None
-        return min(first, t1) if first is not None else t1 - DEFAULT_WINDOW_S
-    return t1 - query_int(q, "window", lo=10, hi=MAX_WINDOW_S, default=DEFAULT_WINDOW_S)
+    """Where the window starts: `window` seconds before `t1` (`all`: the whole log), never before
+    the log's first event (a young cluster's plots use their whole width)."""
+    first = m.time_of(m.seqs[0]) if m.seqs else None
+    if q.get("window") == "all":
+        return min(first, t1 - 10) if first is not None else t1 - DEFAULT_WINDOW_S
+    t0 = t1 - query_int(q, "window", lo=10, hi=MAX_WINDOW_S, default=DEFAULT_WINDOW_S)
+    return max(t0, min(first, t1 - 10)) if first is not None else t0
 
 
 def add_routes(app: web.Application, d: Served) -> None:
