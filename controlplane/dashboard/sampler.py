@@ -90,7 +90,9 @@ class QueueSamples:
         if body["dispatcher"] != self.dispatcher:
             self.dispatcher = body["dispatcher"]  # another dispatcher: its counters start over
         spans = self.spans
+        prev_poll: float | None = None  # the previous answered poll of this stretch
         if spans and t - spans[-1][1] <= 3 * self.poll_s:
+            prev_poll = spans[-1][1]
             spans[-1][1] = t
         else:
             spans.append([t, t])
@@ -108,6 +110,11 @@ class QueueSamples:
             if isinstance(lat, dict) and isinstance(lat.get("le"), list):
                 self.bounds[mk] = [float(b) for b in lat["le"]]
             s = _sample(t, row)
+            if not fine and prev_poll is not None:
+                # A processor made since the last poll: its counters started at 0 then (a model
+                # already there on the first poll is a baseline: what it did before is unknown).
+                zero = tuple(0 for _ in s.latency) if s.latency is not None else None
+                fine.append(Sample(prev_poll, 0, s.pending, 0, 0, 0, None, zero))
             if fine and fine[-1][1:] == s[1:]:
                 continue  # nothing moved: the step holds
             fine.append(s)

@@ -87,8 +87,8 @@ class Steps:
 
         xs = [t0]
         cols: list[list[int]] = [[v] for v in at(lo)]
-        if hi - lo <= points:
-            idx = list(range(lo + 1, hi + 1))
+        if hi - lo <= points:  # every change (of several at one time, what the last one left)
+            idx = [i for i in range(lo + 1, hi + 1) if i == hi or self.t[i] > self.t[i - 1]]
             times = [self.t[i - 1] for i in idx]
         else:
             step = (t1 - t0) / points

@@ -105,6 +105,9 @@ class Scene:
 
     async def shot(self, page: Any, name: str, *, full: bool = False) -> None:
         target = DOCS / name if os.environ.get("NDIF_UPDATE_SCREENSHOT") == "1" else self.shots / name
+        if full:
+            await page.evaluate("window.scrollTo(0, 0)")
+            await page.wait_for_timeout(200)
         await page.screenshot(path=str(target), full_page=full)
         assert target.stat().st_size > 10_000  # a page was drawn
         assert not self.violations, self.violations

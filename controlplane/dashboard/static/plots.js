@@ -18,6 +18,7 @@ function makePlot(el, series, { yLabel, stepped: isStep = false, fmt } = {}) {
     legend: { live: true },
     cursor: { drag: { x: false, y: false } },
     scales: { x: { time: true } },
+    tzDate: (ts) => window.uPlot.tzDate(new Date(ts * 1e3), "Etc/UTC"), // the page's times are UTC
     axes: [{ space: 60 }, { label: yLabel, size: 50, values: fmt ? (u, vals) => vals.map(fmt) : undefined }],
     series: [{ value: (u, v) => (v == null ? "-" : fullTime(v)) },
       ...series.map((s) => ({ label: s.label, stroke: s.color, width: 1.5, spanGaps: false,
