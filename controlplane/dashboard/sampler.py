@@ -75,6 +75,9 @@ class QueueSamples:
 
     def __init__(self, poll_s: float = 1.0) -> None:
         self.poll_s = poll_s
+        # How long after an answered poll the next answer still continues the stretch: one interval
+        # plus the ask itself (the dispatcher has 1 s to answer, then the stream's consumers are listed).
+        self.slack = max(2 * poll_s, poll_s + 2.5)
         self.fine: dict[str, collections.deque[Sample]] = {}
         self.coarse: dict[str, collections.deque[Sample]] = {}
         self.bounds: dict[str, list[float]] = {}
@@ -91,7 +94,7 @@ class QueueSamples:
             self.dispatcher = body["dispatcher"]  # another dispatcher: its counters start over
         spans = self.spans
         prev_poll: float | None = None  # the previous answered poll of this stretch
-        if spans and t - spans[-1][1] <= 3 * self.poll_s:
+        if spans and t - spans[-1][1] <= self.slack:
             prev_poll = spans[-1][1]
             spans[-1][1] = t
         else:
@@ -129,7 +132,12 @@ class QueueSamples:
     def covered(self, t: float, starts: list[float] | None = None) -> bool:
         """Was the dashboard sampling at time `t`? (`starts`: the spans' starts, when asked often.)"""
         i = bisect.bisect_right(starts if starts is not None else [s[0] for s in self.spans], t) - 1
-        return i >= 0 and t <= self.spans[i][1] + 2 * self.poll_s
+        return i >= 0 and t <= self.spans[i][1] + self.slack
+
+    def _span(self, t: float, starts: list[float]) -> int:
+        """The index of the stretch of sampling `t` falls in, or -1."""
+        i = bisect.bisect_right(starts, t) - 1
+        return i if i >= 0 and t <= self.spans[i][1] + self.slack else -1
 
     def _samples(self, mk: str) -> list[Sample]:
         return [*self.coarse.get(mk, ()), *self.fine.get(mk, ())]
@@ -154,7 +162,8 @@ class QueueSamples:
 
     def series(self, mk: str, t0: float, t1: float, points: int) -> dict[str, Any]:
         """Plot series over [t0, t1]: one value per slice (at least two polls wide) ending at `t`;
-        null where the dashboard was not sampling. Rates and latency quantiles are over each slice."""
+        null where the dashboard was not sampling at the slice's end. Rates and latency quantiles are
+        over what was sampled in each slice (the first slice of a stretch: since sampling began)."""
         width = max((t1 - t0) / max(points, 1), 2 * self.poll_s)
         n = max(1, int((t1 - t0) / width))
         ends = [t0 + (j + 1) * width for j in range(n)]
@@ -165,12 +174,13 @@ class QueueSamples:
         starts = [s[0] for s in self.spans]
         i = bisect.bisect_right([s.t for s in samples], t0)
         prev = samples[i - 1] if i else None
-        for j, end in enumerate(ends):
+        for end in ends:
             done = errs = 0
             lat: list[int] | None = None
             while i < len(samples) and samples[i].t <= end:
                 s = samples[i]
-                if prev is not None:
+                # Across a gap in sampling, when the counters moved is unknown: not counted.
+                if prev is not None and self._span(prev.t, starts) == self._span(s.t, starts) >= 0:
                     done += _increase(prev.completed, s.completed)
                     errs += _increase(prev.errors, s.errors)
                     if s.latency is not None and prev.latency is not None and len(s.latency) == len(prev.latency):
@@ -179,8 +189,7 @@ class QueueSamples:
                         lat = d if lat is None else [x + y for x, y in zip(lat, d, strict=True)]
                 prev = s
                 i += 1
-            start = ends[j - 1] if j else t0
-            if not self.covered(end, starts) or not self.covered(start, starts):
+            if not self.covered(end, starts):
                 for c in cols.values():
                     c.append(None)
                 continue

@@ -56,6 +56,9 @@ async def test_metrics_are_scraped_and_parsed_while_requests_flow(nats_server: E
         parts.append(disp)
         async with Dashboard.from_url(url, port=0, queue_poll_s=0.2) as d, aiohttp.ClientSession() as http:
             base = d.url.rstrip("/")
+            async with asyncio.timeout(10):  # sampling runs before the requests: they are all seen
+                while not d.samples.spans:
+                    await asyncio.sleep(0.05)
             async with Client(url) as c:
                 jobs = [await c.submit(ckpt, {"i": i}) for i in range(N)]
                 for i, j in enumerate(jobs):

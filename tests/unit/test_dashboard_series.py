@@ -92,9 +92,9 @@ def test_sampled_rates_quantiles_resets_and_gaps():
     q.record(103.0, {"dispatcher": "d2", "models": {"m": row(4, 0, lat=[4, 4, 4])}})  # a new dispatcher: counters restart
     s = q.series("m", 99.0, 107.0, points=4)
     assert s["t"] == [101.0, 103.0, 105.0, 107.0]
-    # (99, 101] starts before sampling began, (105, 107] ends after it stopped: unknown, not 0.
+    # (99, 101]: what was sampled from 100 on; (105, 107] ends after sampling stopped: unknown, not 0.
     # (101, 103]: the restart counts as 4 more (not -6).
-    assert s["completed_per_s"] == [None, 2.0, 0.0, None]
+    assert s["completed_per_s"] == [5.0, 2.0, 0.0, None]
     assert s["waiting"][1] == 2  # pending 2 + queued 0 after the restart
     assert s["p50_s"][1] == pytest.approx(0.05)  # 4 in (0, 0.1]
     assert q.at(101.5)["models"]["m"]["completed"] == 10
