@@ -4,7 +4,10 @@ replica's history, and `/metrics` parses as Prometheus text."""
 
 from __future__ import annotations
 
+import json
 import math
+import re
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -200,3 +203,18 @@ def test_two_keys_with_one_display_name_keep_their_full_keys():
     b = 'other.Class:{"repo_id": "org/x", "revision": null}'
     assert model_labels([a, b]) == {a: a, b: b}
     assert model_labels([a]) == {a: "org/x"}
+
+
+def test_the_grafana_dashboard_asks_only_for_metrics_that_are_exported():
+    """deploy/grafana/ndif-dashboard.json: every metric its queries name is one `/metrics` serves."""
+    items = numbered(scripted_history(4))
+    m = DashboardModel()
+    m.add_all(items)
+    mk = next(iter(m.live.models))
+    queues = {"dispatcher": "d", "models": {mk: {**row(1, 0), "oldest_wait_s": 0.1}}}
+    text = render(registry_for(Source(m, queues))).decode()
+    exported = {s.name for f in text_string_to_metric_families(text) for s in f.samples}
+    board = json.loads((Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "ndif-dashboard.json").read_text())
+    exprs = [t["expr"] for p in board["panels"] for t in p["targets"]]
+    asked = {n for e in exprs for n in re.findall(r"\bndif_[a-z_]+", e)}
+    assert asked and asked <= exported, asked - exported
