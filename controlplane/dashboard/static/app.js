@@ -111,10 +111,8 @@ function replicaRow(mk, r) {
 
 function drawModelPanel(view) {
   const pick = $("model-pick");
-  const names = [...view.models.values()].map((m) => `${m.model_key}\u0000${m.name}`).join("|");
-  if (pick.dataset.names !== names) {
+  if (pick.options.length !== view.models.size || dirty.all) { // a model's name never changes: its count does
     pick.innerHTML = [...view.models.values()].map((m) => `<option value="${esc(m.model_key)}">${esc(m.name)}</option>`).join("");
-    pick.dataset.names = names;
   }
   if (selected && !view.models.has(selected)) selected = null;
   if (!selected && view.models.size) {
@@ -196,6 +194,7 @@ function render() {
   const view = past || live;
   drawHeader(view);
   if (dirty.all) {
+    $("nodes").classList.toggle("big", view.nodes.size > 100);
     $("nodes").innerHTML = [...view.nodes.values()].map(nodeHtml).join("");
     applyWidths($("nodes"));
     $("models").tBodies[0].innerHTML = [...view.models.values()].map(modelRow).join("");
@@ -229,10 +228,9 @@ function render() {
 function drawNodePick(view) {
   const pick = $("node-pick");
   const ids = [...view.nodes.keys()];
-  if (pick.dataset.ids !== ids.join("|")) {
-    // A cluster of thousands of nodes: the picker lists the first 2,000 (any node: click its name).
+  if (pick.options.length !== Math.min(ids.length, 2000) || dirty.all) {
+    // A cluster of thousands of nodes: the picker lists the first 2,000 (any node: double-click its row).
     pick.innerHTML = ids.slice(0, 2000).map((id) => `<option>${esc(id)}</option>`).join("");
-    pick.dataset.ids = ids.join("|");
   }
   if (!trends.node && ids.length) { trends.set({ node: ids[0] }); }
   pick.value = trends.node || "";
