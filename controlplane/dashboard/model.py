@@ -81,7 +81,12 @@ class DashboardModel:
         if isinstance(item, Event) and item.event_id in live.event_ids:
             self.dup_seqs.add(seq)
         before = live.anomaly_count
-        moved = _views_before(live, item)
+        cls = item.__class__
+        if cls in _REPLICA_EVENTS:  # the hot path: one replica, read before and after the fold
+            key: tuple[str, int] = (item.model_key, item.replica_id)  # type: ignore[union-attr,assignment]
+            moved = [(key, live.replicas.get(key))]
+        else:
+            moved = _views_before(live, item)
         live.apply(seq, item)
         idx = len(self.items)
         self.seqs.append(seq)
@@ -92,8 +97,7 @@ class DashboardModel:
         tag = event_type(item)
         self.type_counts[tag] = self.type_counts.get(tag, 0) + 1
         if moved:
-            changes = [(old, live.replicas.get(key)) for key, old in moved]
-            changes = [(a, b) for a, b in changes if a is not b]
+            changes = [(old, new) for key, old in moved if (new := live.replicas.get(key)) is not old]
             if changes:
                 self.series.moved(seq, t, changes, live)
         if isinstance(item, Event) and item.model_key is not None:
@@ -184,7 +188,8 @@ class DashboardModel:
 
     def lifeline(self, model: str | None, seq: int, t0: float, t1: float) -> dict[str, Any]:
         """One line per replica over [t0, t1] as the log stood at `seq`: segments of one phase and
-        state, each with the event that began it (its type, actor, command and the command's verb)."""
+        state, each with the event that began it (its type, actor, command and the command's verb)
+        and the decision behind it (the replica's latest step a command caused, up to that event)."""
         end = bisect.bisect_right(self.seqs, seq)
         mk = self.resolve_model(model) if model else None
         keys = [k for k in self.replica_rows if mk is None or k[0] == mk]
@@ -195,8 +200,12 @@ class DashboardModel:
             if n == 0:
                 continue
             segs: list[list[Any]] = []
+            decision = None  # the latest step of this replica that a command caused
             for j in range(n):
                 idx, st, lvl, desired, anomaly = rows[j]
+                item = self.items[idx]
+                if isinstance(item, Event) and item.command_id:
+                    decision = self.seqs[idx]
                 start = self.max_ts[idx]
                 stop = self.max_ts[rows[j + 1][0]] if j + 1 < n else t1
                 ph = phase(st, lvl) if st else "COLD"
@@ -205,7 +214,7 @@ class DashboardModel:
                     continue
                 if stop < t0 or start > t1:
                     continue
-                segs.append([max(start, t0), min(stop, t1), ph, st, lvl, desired, self.seqs[idx], anomaly])
+                segs.append([max(start, t0), min(stop, t1), ph, st, lvl, desired, self.seqs[idx], anomaly, decision])
             if segs:
                 lines.append((rows[n - 1][0], key, segs))
         truncated = max(0, len(lines) - MAX_LIFELINES)
@@ -216,12 +225,15 @@ class DashboardModel:
             t0 = max(t0, min(segs[0][0] for _, _, segs in lines))
         seen_seqs = {sg[6] for _, _, segs in lines for sg in segs}
         causes = {q: self._cause(q) for q in seen_seqs}
+        decided = {sg[8] for _, _, segs in lines for sg in segs if sg[8] is not None}
+        decisions = {q: {"seq": q, **self._cause(q)} for q in decided}
         return {"model_key": mk, "t0": t0, "t1": t1, "seq": min(seq, self.seq), "truncated": truncated,
                 "phases": list(PHASES),
                 "replicas": [{"model_key": k[0], "name": display_name(k[0]), "replica_id": k[1],
                               "segments": [{"t0": a, "t1": b, "phase": ph, "state": st, "level": lvl,
-                                            "desired": des, "seq": q, "anomaly": an, **causes[q]}
-                                           for a, b, ph, st, lvl, des, q, an in segs]}
+                                            "desired": des, "seq": q, "anomaly": an, **causes[q],
+                                            "decision": decisions.get(dq) if dq is not None else None}
+                                           for a, b, ph, st, lvl, des, q, an, dq in segs]}
                              for _, k, segs in lines]}
 
     def _cause(self, seq: int) -> dict[str, Any]:
@@ -296,6 +308,9 @@ class DashboardModel:
                         gpus[rid] = list(item.gpu_indices)
                 row["gpus"] = gpus.get(rid, [])
         return {"model_key": mk, "name": display_name(mk), "replica_id": replica_id, "steps": rows}
+
+
+_REPLICA_EVENTS = frozenset(c for c in EVENT_TYPES.values() if issubclass(c, ReplicaEvent))
 
 
 def _views_before(live: ClusterState, item: Item) -> list[tuple[tuple[str, int], ReplicaView | None]]:

@@ -44,28 +44,43 @@ def _phase(st: ReplicaState, level: Level) -> str:
     return level.value
 
 
+_HOT = frozenset({S.AVAILABLE})  # of the states left after the ones above, those `ReplicaView.level` calls HOT
+
+
 def replica_phase(r: ReplicaView) -> str:
-    return _phase(r.state, r.level)
+    """`phase(r.state, r.level)`, without building the level (the fold calls this twice an event)."""
+    st = r.state
+    if st in _FAILED:
+        return "failed"
+    if st in _LOADING:
+        return "loading"
+    if st in _DRAINING:
+        return "draining"
+    if r.on_gpu and st in _HOT:
+        return "HOT"
+    return "WARM" if r.cpu_bytes else "COLD"
 
 
 class Steps:
     """A step series: after the event at `seq[i]` (time `t[i]`) the values were `vals[i*k:(i+1)*k]`."""
 
-    __slots__ = ("k", "seq", "t", "vals")
+    __slots__ = ("_last", "k", "seq", "t", "vals")
 
     def __init__(self, k: int) -> None:
         self.k = k
         self.t = array("d")
         self.seq = array("q")
         self.vals = array("q")
+        self._last: tuple[int, ...] = (0,) * k
 
     def last(self) -> tuple[int, ...]:
-        return tuple(self.vals[-self.k:]) if self.t else (0,) * self.k
+        return self._last
 
     def put(self, seq: int, t: float, vals: Iterable[int]) -> None:
         v = tuple(vals)
-        if v == self.last():
+        if v == self._last:
             return
+        self._last = v
         if self.seq and self.seq[-1] == seq:  # one event changed it twice: keep what it left
             del self.vals[-self.k:]
             self.vals.extend(v)
@@ -104,6 +119,12 @@ class Steps:
         return xs, cols
 
 
+def _same_footprint(a: ReplicaView, b: ReplicaView) -> bool:
+    """Do two views (both on GPU) hold the same bytes on the same cards, with the same intent?"""
+    return (a.node_id == b.node_id and a.gpu_indices == b.gpu_indices and a.bytes_per_gpu == b.bytes_per_gpu
+            and a.desired is b.desired)
+
+
 class LogSeries:
     """Per model: replicas in each phase. Per card: committed and reserved bytes. Fed by the fold."""
 
@@ -115,24 +136,33 @@ class LogSeries:
     def moved(self, seq: int, t: float, changes: list[tuple[ReplicaView | None, ReplicaView | None]],
               state: ClusterState) -> None:
         """Record what one folded event changed: `changes` are (view before, view after) pairs."""
-        touched_models: set[str] = set()
-        cards: set[tuple[str, int]] = set()
+        touched_models: list[str] = []
+        cards: list[tuple[str, int]] = []
         for before, after in changes:
-            for r, d in ((before, -1), (after, 1)):
-                if r is None:
-                    continue
-                counts = self._counts.get(r.model_key)
+            pb = replica_phase(before) if before is not None else None
+            pa = replica_phase(after) if after is not None else None
+            if pb != pa:
+                mk = (after or before).model_key  # type: ignore[union-attr]
+                counts = self._counts.get(mk)
                 if counts is None:
-                    counts = self._counts[r.model_key] = [0] * len(PHASES)
-                counts[_PHASE_INDEX[replica_phase(r)]] += d
-                touched_models.add(r.model_key)
-                if r.on_gpu:
-                    cards.update((r.node_id, g) for g in r.gpu_indices)
+                    counts = self._counts[mk] = [0] * len(PHASES)
+                if pb is not None:
+                    counts[_PHASE_INDEX[pb]] -= 1
+                if pa is not None:
+                    counts[_PHASE_INDEX[pa]] += 1
+                touched_models.append(mk)
+            gb = before is not None and before.on_gpu
+            ga = after is not None and after.on_gpu
+            if (gb or ga) and not (gb and ga and _same_footprint(before, after)):  # type: ignore[arg-type]
+                # What the replica holds on its cards (or whether it is to stay there) moved.
+                for r, on in ((before, gb), (after, ga)):
+                    if on:
+                        cards.extend((r.node_id, g) for g in r.gpu_indices)  # type: ignore[union-attr]
         for mk in touched_models:
-            s = self.models.get(mk)
-            if s is None:
-                s = self.models[mk] = Steps(len(PHASES))
-            s.put(seq, t, self._counts[mk])
+            st = self.models.get(mk)
+            if st is None:
+                st = self.models[mk] = Steps(len(PHASES))
+            st.put(seq, t, self._counts[mk])
         for node_id, g in cards:
             c = self.cards.get((node_id, g))
             if c is None:

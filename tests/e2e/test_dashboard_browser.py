@@ -324,7 +324,9 @@ async def test_the_lifeline_of_a_replica_evicted_and_brought_back(scene: Scene) 
     line = page.locator(f"#lifeline g{scene.sel('gpt2')}[data-replica=\"0\"]")
     await line.locator('rect[data-phase="WARM"]').first.hover()
     tip = await page.inner_text("#tip")
-    assert "WARM" in tip and "seq" in tip, tip
+    # The WARM segment began with the agent's ReplicaCached; the decision behind it is the evict.
+    assert "WARM" in tip and "ReplicaCached" in tip and "decision:" in tip and "ReplicaEvictionRequested" in tip, tip
+    assert "(evict, command" in tip and "admin -> WARM" in tip, tip
     moved = line.locator("rect:not([data-phase='WARM'])")
     texts = []
     for i in range(await moved.count()):

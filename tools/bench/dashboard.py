@@ -207,6 +207,10 @@ async def main() -> None:
                 await page.wait_for_function(f"window.ndif && window.ndif.renderedSeq >= {last}", timeout=60_000,
                                              polling=20)
                 out["first_render_s"] = round(time.perf_counter() - t0, 2)
+                # Where it went: the state's fetch (request to parsed) and the first frame's script.
+                probe_t = await page.evaluate("window.ndif.t")
+                out["state_fetch_ms"] = round(probe_t["fetched"] - probe_t["fetch"], 1)
+                out["first_frame_script_ms"] = round(probe_t["lastFrameMs"], 1)
                 out["page_blocks"] = await page.evaluate("document.querySelectorAll('.block').length")
                 # The plots and lifelines are on: the selected model's four plots, its lifelines and
                 # the first node's card memory, asked after the first render.

@@ -182,8 +182,12 @@ export class Lifelines {
       `${fullTime(s.t0)} to ${fullTime(s.t1)} (${secs} s)`,
       `moved by seq ${s.seq} ${s.type} from ${s.actor}`,
     ];
-    if (s.command_id) lines.push(`decision: ${s.verb ? s.verb + " " : ""}command ${s.command_id}`);
-    if (s.detail) lines.push(s.detail);
+    if (s.detail) lines.push(`  ${s.detail}`);
+    const d = s.decision;
+    if (d) {
+      lines.push(`decision: seq ${d.seq} ${d.type} by ${d.actor} (${d.verb ? d.verb + ", " : ""}command ${d.command_id})`);
+      if (d.detail && d.seq !== s.seq) lines.push(`  ${d.detail}`);
+    }
     if (s.anomaly) lines.push(`anomaly: ${s.anomaly}`);
     showTip(lines.join("\n"), e.clientX, e.clientY);
   }
