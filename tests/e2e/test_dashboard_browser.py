@@ -133,7 +133,7 @@ async def scene(nats_server: EmbeddedNats, checkpoints: dict[str, str],
     agents = [ScriptedAgent(url, "node-a", gpus=4, cpu_cache_bytes=200 * GB, fail_loads=broken),
               ScriptedAgent(url, "node-b", gpus=4, cpu_cache_bytes=200 * GB, fail_loads=broken)]
     ctl = Controller.from_url(url, policy_interval_s=0.2)
-    disp = Dispatcher.from_url(url, caller=FakeCaller([a.runtime for a in agents]))
+    disp = Dispatcher.from_url(url, caller=FakeCaller([a.runtime for a in agents], run_s=0.03))
     disp.use_link = False  # the fake processes have no NATS endpoint: calls go through the caller
     parts: list[Any] = [ctl, *agents]
     for part in parts:
@@ -237,11 +237,12 @@ async def test_a_failed_load_is_red_with_its_error(scene: Scene) -> None:
     ev = page.locator("#events tbody tr.failed", has_text="ReplicaLoadFailed").first
     await ev.wait_for(timeout=5000)
     assert BROKEN_ERROR in await ev.inner_text()
+    await page.evaluate("window.scrollTo(0, 0)")
+    await scene.shot(page, "dashboard-failures.png")
     # A failed replica is clickable: its history, error included.
     await row.click()
     await page.wait_for_selector("#drill:not([hidden]) #history tbody tr")
     assert BROKEN_ERROR in await page.inner_text("#history")
-    await scene.shot(page, "dashboard-failures.png")
     await page.close()
 
 
@@ -278,7 +279,7 @@ async def test_a_plot_moves_while_requests_flow(scene: Scene) -> None:
         n = 0
         async with Client(scene.url) as c:
             while not stop.is_set():
-                jobs = [await c.submit(scene.ckpt["gpt2"], {"op": "noop", "i": n + i}) for i in range(5)]
+                jobs = [await c.submit(scene.ckpt["gpt2"], {"op": "noop", "i": n + i}) for i in range(20)]
                 for j in jobs:
                     await j.result(timeout=30)
                     await j.close()
@@ -291,6 +292,7 @@ async def test_a_plot_moves_while_requests_flow(scene: Scene) -> None:
         await until(page, 
             "(window.ndif.plots.queue.completed_per_s || []).some(v => v > 0) && "
             "(window.ndif.plots.queue.p50_s || []).some(v => v > 0)", timeout=20)
+        await asyncio.sleep(4)  # a few more slices of flow: what the screenshot shows
     finally:
         stop.set()
         sent = await task

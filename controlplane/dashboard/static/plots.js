@@ -12,7 +12,7 @@ const HEIGHT = 150;
 
 function stepped() { return window.uPlot.paths.stepped({ align: 1 }); }
 
-function makePlot(el, series, { yLabel, stepped: isStep = false, fmt } = {}) {
+function makePlot(el, series, { yLabel, stepped: isStep = false, fmt, dots = false } = {}) {
   const opts = {
     width: Math.max(200, el.clientWidth), height: HEIGHT,
     legend: { live: true },
@@ -22,7 +22,7 @@ function makePlot(el, series, { yLabel, stepped: isStep = false, fmt } = {}) {
     axes: [{ space: 60 }, { label: yLabel, size: 50, values: fmt ? (u, vals) => vals.map(fmt) : undefined }],
     series: [{ value: (u, v) => (v == null ? "-" : fullTime(v)) },
       ...series.map((s) => ({ label: s.label, stroke: s.color, width: 1.5, spanGaps: false,
-        paths: isStep ? stepped() : undefined, points: { show: false } }))],
+        paths: isStep ? stepped() : undefined, points: { show: dots, size: 5 } }))],
   };
   return new window.uPlot(opts, [[], ...series.map(() => [])], el);
 }
@@ -43,7 +43,7 @@ export class Trends {
     this.charts.queue = makePlot($("plot-queue"), [{ label: "waiting", color: "#1c7ed6" }, { label: "running", color: "#2f9e44" }], { stepped: true });
     this.charts.rate = makePlot($("plot-rate"), [{ label: "completed/s", color: "#2f9e44" }, { label: "errors/s", color: "#c92a2a" }]);
     this.charts.latency = makePlot($("plot-latency"), [{ label: "p50", color: "#1c7ed6" }, { label: "p99", color: "#ae3ec9" }],
-      { fmt: (v) => (v < 1 ? v.toFixed(3) : v.toFixed(1)) });
+      { fmt: (v) => (v < 1 ? v.toFixed(3) : v.toFixed(1)), dots: true }); // a slice alone between gaps still shows
     this.charts.replicas = makePlot($("plot-replicas"), Object.keys(COLORS).map((p) => ({ label: p, color: COLORS[p] })), { stepped: true });
     return true;
   }
