@@ -127,7 +127,7 @@ def run_agent_process(url: str, gcs: str) -> subprocess.Popen[bytes]:
     env = {**os.environ, "NDIF_LOG_LEVEL": "INFO"}
     return subprocess.Popen(
         [sys.executable, "-m", "dataplane.ops.cli", "agent", "--nats", url, "--ray-address", gcs, "--node-id", "node-a",
-         "--gpus", "2", "--gpu-memory-gb", "80", "--cpu-cache-gb", "10", "--drain-timeout", "0.2",
+         "--gpus", "2", "--gpu-memory-gib", "80", "--cpu-cache-gib", "10", "--drain-timeout", "0.2",
          "--heartbeat", "0.2"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
 

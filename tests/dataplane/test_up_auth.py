@@ -20,7 +20,7 @@ pytestmark = pytest.mark.timeout(300)
 def _up(home: Path, port: int) -> subprocess.Popen[str]:
     env = {**os.environ, "NDIF_HOME": str(home), "NDIF_LOG_LEVEL": "WARNING"}
     env.pop("NDIF_CREDS", None)
-    proc = subprocess.Popen([sys.executable, "-m", "dataplane.ops.cli", "up", "--gpus", "1", "--gpu-memory-gb", "4",
+    proc = subprocess.Popen([sys.executable, "-m", "dataplane.ops.cli", "up", "--gpus", "1", "--gpu-memory-gib", "4",
                              "--port", str(port)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     assert proc.stdout is not None
     deadline = time.monotonic() + 180
