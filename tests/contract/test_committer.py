@@ -10,7 +10,8 @@ import pytest
 
 from controlplane.core.context import DecisionContext
 from controlplane.core.projections import ClusterState
-from controlplane.service.committer import GroupCommitter, afold
+from controlplane.core.projections.base import afold
+from controlplane.service.committer import GroupCommitter
 from controlplane.store.memlog import MemoryEventLog
 from schemas import events as E
 from schemas.errors import InfrastructureTimeout, InvalidCommand

@@ -17,7 +17,8 @@ import ray
 
 from controlplane.ops.nats_server import EmbeddedNats
 from controlplane.store.eventstore import connect
-from dataplane.serving.link import NoEndpoint, ReplicaEndpoint, ReplicaLink, ReplyLost, encode_call
+from dataplane.replica.endpoint import ReplicaEndpoint, encode_call
+from dataplane.serving.link import NoEndpoint, ReplicaLink, ReplyLost
 
 pytestmark = pytest.mark.timeout(120)
 
