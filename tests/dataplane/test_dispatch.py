@@ -212,7 +212,7 @@ async def test_a_model_that_cannot_be_placed_does_not_stall_another(service: dic
     url, admin = service["url"], service["admin"]
     # gpt2 claims 60 GB per replica (69 GB with headroom), one replica per 80 GB card: a 60 GB llama
     # fits the node but has no room now, so its requests wait (one that can never fit ends at once:
-    # tests/dataplane/test_truth.py).
+    # tests/dataplane/test_limits.py).
     res = await admin.deploy(str(models["gpt2"]), 2, size_bytes=60 * GB)
     await admin.wait(res, timeout=120)
     huge = await admin.deploy(str(models["llama"]), 1, size_bytes=60 * GB)  # no room now: rejected
