@@ -13,6 +13,7 @@ from typing import Any
 from controlplane.core.projections import ClusterState
 from controlplane.store.admin import AdminClient
 from schemas.status import ReplicaState
+from tests.waiting import until_state
 
 S = ReplicaState
 MOVING = {S.LOAD_REQUESTED, S.LOADING, S.DRAINING, S.UNLOAD_REQUESTED, S.RESTARTING}
@@ -46,12 +47,7 @@ async def ndif(url: str, *args: str, timeout: float = 60.0, env: dict[str, str] 
 
 async def settle(admin: AdminClient, timeout: float = 15.0) -> ClusterState:
     """The folded state once no replica is mid-transition (agents have answered everything)."""
-    async with asyncio.timeout(timeout):
-        while True:
-            state = await admin.state()
-            if not any(r.state in MOVING for r in state.replicas.values()):
-                return state
-            await asyncio.sleep(0.05)
+    return await until_state(admin, lambda s: not any(r.state in MOVING for r in s.replicas.values()), timeout)
 
 
 def by_id(status: dict[str, Any], model_key: str) -> dict[int, dict[str, Any]]:

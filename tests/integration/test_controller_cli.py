@@ -196,7 +196,7 @@ async def test_policies_restart_then_replace_then_node_lost(nats_server: Embedde
     agents = {"node-a": a, "node-b": b}
 
     async def until(pred: Any, timeout: float = 10.0) -> Any:
-        return await until_state(admin, pred, timeout, every=0.05)
+        return await until_state(admin, pred, timeout)
 
     try:
         res = await admin.deploy(m, 1, size_bytes=50 * GB)
