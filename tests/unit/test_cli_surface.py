@@ -8,7 +8,6 @@ import json
 import pathlib
 import re
 import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta, timezone
 
@@ -17,6 +16,7 @@ import pytest
 from controlplane.ops.cli import _event_line
 from dataplane.ops.cli import parser
 from schemas.events import ReplicaLoaded
+from tests import cli_zygote
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 CLI_MD = (ROOT / "docs" / "cli.md").read_text()
@@ -29,8 +29,8 @@ def verbs() -> dict[str, argparse.ArgumentParser]:
 
 
 def ndif(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "dataplane.ops.cli", *args], capture_output=True, text=True,
-                          timeout=60, cwd=ROOT)
+    """`ndif ARGS` in a process of its own (forked from one that imported the CLI: tests/cli_zygote.py)."""
+    return subprocess.CompletedProcess(list(args), *cli_zygote.run_sync(list(args), cwd=ROOT))
 
 
 def test_every_argument_of_every_command_has_help():
