@@ -112,6 +112,19 @@ def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedNa
     srv.close()
 
 
+@pytest.fixture(scope="session")
+def local_ray() -> Iterator[str]:
+    """One local Ray for the test process (2 declared GPUs, 2 CPUs), started on first use: starting one
+    takes seconds. Modules clean up their replica actors (tests/dataplane/conftest.py `kill_all_actors`)."""
+    from dataplane.runtime import ray_adapter  # imported here: the pure tests never load Ray
+
+    gcs = ray_adapter.start_local(2, num_cpus=2)
+    try:
+        yield gcs
+    finally:
+        ray_adapter.shutdown()
+
+
 async def fresh_event_log(url: str) -> JetStreamEventLog:
     """A connected log on empty streams (the streams are dropped and re-made)."""
     log = await JetStreamEventLog.open(url, ensure=False)

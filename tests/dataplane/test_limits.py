@@ -1,4 +1,4 @@
-"""Issue 13 (part A) on a real service: real nats-server, real local Ray (2 CPUs, 2 declared GPUs),
+"""What the serving path refuses, waits for and prints, on a real service: real nats-server, real local Ray (2 CPUs, 2 declared GPUs),
 real controller, agent, dispatcher and tiny models; CLI and SDK as users run them (subprocesses).
 
 - a model no node can ever hold ends its requests at once with the reason; one with no room now

@@ -1,4 +1,4 @@
-"""Issue 15 (reliability), with real parts: nats-server, local Ray, tiny real models, a controller, node
+"""Takeover and rejoin, with real parts: nats-server, local Ray, tiny real models, a controller, node
 agents and dispatchers, the one that dies running as a process that is SIGKILLed / SIGSTOPped.
 
 - A dispatcher SIGKILLed mid-burst: the requests it held are taken over by the other dispatcher

@@ -1,4 +1,4 @@
-"""Issue 15 (reliability) at the boundary, on a real nats-server with a real controller and dispatcher.
+"""What the boundary refuses, on a real nats-server with a real controller and dispatcher.
 
 - Junk on request subjects leaves no server resource: no consumer for a model the log does not know,
   each such request ends ERROR and leaves the stream; a consumer of a model the log no longer knows

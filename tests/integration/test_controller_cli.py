@@ -1,6 +1,6 @@
 """The controller and the `ndif` CLI end to end: real nats-server, controller(s), scripted node agents.
 
-The lifecycle scenario here is the one the real agent's tests re-run (docs/architecture.md §4, issue 5).
+The lifecycle scenario here is the one the real agent's tests re-run (docs/architecture.md §4).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 12 end to end: real nats-server, a controller, four scripted node agents, the `ndif` CLI.
+"""Placement end to end: real nats-server, a controller, four scripted node agents, the `ndif` CLI.
 
 Four replicas deployed on an idle 4-node cluster land on four nodes (read from `ndif status --json`);
 a relative checkpoint path is made absolute where it was typed (the CLI's directory) and refused
