@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import faulthandler
 import os
+import pathlib
 import sys
 import tempfile
 import threading
@@ -37,7 +38,32 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                      help="also run the long fault tests (marker `long`; CI runs them as a step of their own)")
 
 
+# Markers by directory: what needs a real nats-server (and Ray) is `integration`, the browser test
+# `e2e`, so `-m "not integration and not e2e"` is the pure, fast set.
+INTEGRATION_DIRS = ("integration", "dataplane", "faults")
+E2E_DIRS = ("e2e",)
+
+
+def _tests_dir(item: pytest.Item) -> str:
+    parts = item.path.relative_to(pathlib.Path(__file__).parent).parts
+    return parts[0] if len(parts) > 1 else ""
+
+
+def _needs_nats(item: pytest.Item) -> bool:
+    """A test outside those directories that still talks to a real server: it asks for one (a
+    fixture), or is a contract case run against JetStream."""
+    callspec = getattr(item, "callspec", None)
+    return "nats_server" in getattr(item, "fixturenames", ()) or (
+        callspec is not None and "jetstream" in callspec.params.values())
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        where = _tests_dir(item)
+        if where in E2E_DIRS:
+            item.add_marker(pytest.mark.e2e)
+        elif where in INTEGRATION_DIRS or _needs_nats(item):
+            item.add_marker(pytest.mark.integration)
     if config.getoption("--long"):
         return
     skip = pytest.mark.skip(reason="long fault test: run with --long (CI: `python -m pytest -q --long -m long`)")
@@ -87,6 +113,19 @@ def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedNa
     srv.start()
     yield srv
     srv.close()
+
+
+@pytest.fixture(scope="session")
+def local_ray() -> Iterator[str]:
+    """One local Ray for the test process (2 declared GPUs, 2 CPUs), started on first use: starting one
+    takes seconds. Modules clean up their replica actors (tests/dataplane/conftest.py `kill_all_actors`)."""
+    from dataplane.runtime import ray_adapter  # imported here: the pure tests never load Ray
+
+    gcs = ray_adapter.start_local(2, num_cpus=2)
+    try:
+        yield gcs
+    finally:
+        ray_adapter.shutdown()
 
 
 async def fresh_event_log(url: str) -> JetStreamEventLog:

@@ -18,10 +18,11 @@ from tests.strategies import _env, node_joined
 
 
 @pytest_asyncio.fixture(params=["memory", "jetstream"])
-async def log(request: pytest.FixtureRequest, nats_server) -> AsyncIterator[object]:
+async def log(request: pytest.FixtureRequest) -> AsyncIterator[object]:
     if request.param == "memory":
         yield MemoryEventLog()
         return
+    nats_server = request.getfixturevalue("nats_server")  # only the JetStream cases start a server
     js_log = await fresh_event_log(nats_server.url)
     yield js_log
     await js_log.close()

@@ -1,10 +1,10 @@
-"""Shared by the Ray test modules: one local Ray per module (2 declared GPUs), actor cleanup, tiny
-checkpoints and the service (controller, agent, dispatcher) the request-path tests run against."""
+"""Shared by the Ray test modules: actor cleanup, tiny checkpoints and the service (controller, agent,
+dispatcher) the request-path tests run against (the local Ray itself: tests/conftest.py `local_ray`)."""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -21,15 +21,6 @@ from dataplane.serving.dispatcher import Dispatcher
 from tests.conftest import bounded, fresh_event_log
 
 GB = 10**9
-
-
-@pytest.fixture(scope="module")
-def local_ray() -> Iterator[str]:
-    gcs = ray_adapter.start_local(2, num_cpus=2)
-    try:
-        yield gcs
-    finally:
-        ray_adapter.shutdown()
 
 
 def kill_all_actors() -> None:

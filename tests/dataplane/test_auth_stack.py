@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -25,6 +24,7 @@ from dataplane.client import Client, RequestFailed
 from dataplane.node.agent import NodeAgent, declared_gpus
 from dataplane.node.tiny_models import make_tiny_gpt2
 from dataplane.serving.dispatcher import Dispatcher
+from tests import cli_zygote
 from tests.conftest import bounded
 from tests.dataplane.conftest import kill_all_actors
 
@@ -53,11 +53,7 @@ async def ndif_as(home: Path, url: str, *args: str, client: str = "alice") -> tu
     """`ndif ARGS` as a local command: it finds its credentials under NDIF_HOME by itself."""
     env = {**os.environ, "NDIF_HOME": str(home), "NDIF_CLIENT_NAME": client, "NDIF_LOG_LEVEL": "WARNING"}
     env.pop("NDIF_CREDS", None)
-    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "dataplane.ops.cli", *args, "--nats", url,
-                                                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-                                                env=env)
-    out, err = await asyncio.wait_for(proc.communicate(), 120)
-    return int(proc.returncode or 0), out.decode(), err.decode()
+    return await cli_zygote.run([*args, "--nats", url], env=env, timeout=120)
 
 
 @pytest_asyncio.fixture

@@ -28,10 +28,12 @@ from dataplane.serving.dispatcher import Dispatcher
 from schemas import errors as errs
 from schemas.keys import canonical_model_key
 from schemas.requests import status_decoder
+from schemas.status import ReplicaState
 from schemas.subjects import REQUEST_STATUS_BUCKET, request_subject
 from tests.conftest import bounded
 from tests.dataplane.conftest import running_service
 from tests.integration.cluster import ndif
+from tests.waiting import after_every_status, until_state
 
 pytestmark = pytest.mark.timeout(300)
 GB = 10**9
@@ -68,9 +70,7 @@ async def test_200_requests_over_2_replicas_with_an_eviction_mid_burst(service: 
     assert set(used) == {0, 1}, used  # both replicas served
     mk = canonical_model_key(str(models["gpt2"]))
     # Once the dispatcher reports the drain, the agent caches it at once (its drain timeout is 30 s).
-    async with asyncio.timeout(10):
-        while str((st := await admin.state()).replicas[(mk, 1)].state) != "Cached":
-            await asyncio.sleep(0.05)
+    st = await until_state(admin, lambda s: s.replicas[(mk, 1)].state is ReplicaState.CACHED, timeout=10)
     drained = [e async for _, e in admin.events(model=str(models["gpt2"])) if type(e).__name__ == "ReplicaDrained"]
     assert drained and drained[0].actor.startswith("dispatcher:")  # the dispatcher reported the drain
     assert st.anomaly_count == 0, st.anomalies
@@ -242,7 +242,7 @@ async def test_a_model_that_cannot_be_placed_does_not_stall_another(service: dic
     url, admin = service["url"], service["admin"]
     # gpt2 claims 60 GB per replica (69 GB with headroom), one replica per 80 GB card: a 60 GB llama
     # fits the node but has no room now, so its requests wait (one that can never fit ends at once:
-    # tests/dataplane/test_truth.py).
+    # tests/dataplane/test_limits.py).
     res = await admin.deploy(str(models["gpt2"]), 2, size_bytes=60 * GB)
     await admin.wait(res, timeout=120)
     huge = await admin.deploy(str(models["llama"]), 1, size_bytes=60 * GB)  # no room now: rejected
@@ -351,13 +351,17 @@ async def test_dispatcher_sigkilled_mid_burst_every_request_ends_once(service: d
     await admin.wait(res, timeout=120)
     kept: Counter[str] = Counter()
     published: dict[str, set[bytes]] = {}
+    seen_kv: set[str] = set()
+    seen_published: set[str] = set()
 
     async def on_kv(msg: Any) -> None:
+        seen_kv.add(msg.subject.rsplit(".", 1)[-1])
         if msg.data and status_decoder.decode(msg.data).terminal:
             kept[msg.subject.rsplit(".", 1)[-1]] += 1
 
     async def on_status(msg: Any) -> None:
         u = status_decoder.decode(msg.data)
+        seen_published.add(u.request_id)
         if u.terminal:
             published.setdefault(u.request_id, set()).add(bytes(msg.data))
 
@@ -379,7 +383,8 @@ async def test_dispatcher_sigkilled_mid_burst_every_request_ends_once(service: d
                 results = await asyncio.gather(*(j.result(timeout=140) for j in jobs))
         first = results[0]
         assert all(r == first for r in results)  # same input, same greedy output, whoever ran it
-        await asyncio.sleep(1.0)  # a late duplicate would show up here
+        await after_every_status(lg, seen_kv)  # a late duplicate would be counted by now
+        await after_every_status(lg, seen_published)
         assert len(kept) == 120 and set(kept.values()) == {1}, kept.most_common(3)
         assert len(published) == 120 and {len(v) for v in published.values()} == {1}  # republished unchanged
     finally:

@@ -131,7 +131,7 @@ def _card_bytes(model, dmap: dict[str, int]) -> dict[int, int]:
 
 
 def test_multi_card_device_map_keeps_to_the_charged_share_and_is_the_same_at_reload(ckpts: dict[str, Path]) -> None:
-    """Issue 12: the layout on several (declared) cards budgets each card the share placement
+    """The layout on several (declared) cards budgets each card the share placement
     charged, not the card's whole memory; coming back from WARM (onto other cards) it is the same."""
     import math
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from controlplane.ops.nats_server import free_port, stop_process
+from tests import cli_zygote
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -39,8 +40,8 @@ def _up(home: Path, port: int) -> subprocess.Popen[str]:
 def _ndif(home: Path, port: int, *args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "NDIF_HOME": str(home), "NDIF_LOG_LEVEL": "WARNING"}
     env.pop("NDIF_CREDS", None)
-    return subprocess.run([sys.executable, "-m", "dataplane.ops.cli", *args, "--nats", f"nats://127.0.0.1:{port}"],
-                          env=env, capture_output=True, text=True, timeout=60)
+    argv = [*args, "--nats", f"nats://127.0.0.1:{port}"]
+    return subprocess.CompletedProcess(argv, *cli_zygote.run_sync(argv, env=env))
 
 
 def test_ndif_up_makes_users_and_local_commands_use_them(tmp_path: Path) -> None:

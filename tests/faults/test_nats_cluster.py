@@ -1,4 +1,4 @@
-"""Issue 15 (reliability): a 3-server NATS cluster on loopback (deploy/nats/ configs, `NatsCluster`)
+"""Losing NATS servers: a 3-server NATS cluster on loopback (deploy/nats/ configs, `NatsCluster`)
 with every stream and bucket at R3, and two servers SIGKILLed one after the other under load.
 
 While 2,000 commands (scale / scale-down through two controllers, scripted agents carrying them out)

@@ -1,4 +1,4 @@
-"""Issue 15 (reliability), with real parts: nats-server, local Ray, tiny real models, a controller, node
+"""Takeover and rejoin, with real parts: nats-server, local Ray, tiny real models, a controller, node
 agents and dispatchers, the one that dies running as a process that is SIGKILLed / SIGSTOPped.
 
 - A dispatcher SIGKILLed mid-burst: the requests it held are taken over by the other dispatcher
@@ -38,6 +38,7 @@ from schemas.requests import status_decoder
 from schemas.status import Level, ReplicaState
 from tests.conftest import bounded, fresh_event_log
 from tests.dataplane.conftest import kill_all_actors
+from tests.waiting import after_every_status, dispatcher_answering
 
 pytestmark = pytest.mark.timeout(300)
 GB = 10**9
@@ -87,21 +88,24 @@ async def test_a_sigkilled_dispatchers_requests_end_within_10s(base: dict[str, A
     await admin.wait(res, timeout=120)
     kept: Counter[str] = Counter()
     ended_at: dict[str, float] = {}
+    seen: set[str] = set()
 
     async def on_status(msg: Any) -> None:
         # Counted as the server republishes what KV stored (`Nats-Sequence` set): a write the
         # compare-and-set refused is never republished, so this counts kept terminal statuses.
-        if msg.headers and "Nats-Sequence" in msg.headers and status_decoder.decode(msg.data).terminal:
+        if msg.headers and "Nats-Sequence" in msg.headers:
             rid = msg.subject.rsplit(".", 1)[-1]
-            kept[rid] += 1
-            ended_at.setdefault(rid, time.monotonic())
+            seen.add(rid)
+            if status_decoder.decode(msg.data).terminal:
+                kept[rid] += 1
+                ended_at.setdefault(rid, time.monotonic())
 
     sub = await lg.nc.subscribe("ndif.status.>", cb=on_status)
     victim = _process("dispatcher", url=url, gcs=base["gcs"])
     other: Dispatcher | None = None
     n = 300
     try:
-        await asyncio.sleep(3.0)  # the victim is up first and takes the burst
+        await dispatcher_answering(lg)  # the victim (the only dispatcher) is up first and takes the burst
         async with Client(url) as c:
             payload = {"op": "forward", "input_ids": [[3, 1, 4, 1, 5]]}
             started = time.monotonic()
@@ -119,7 +123,7 @@ async def test_a_sigkilled_dispatchers_requests_end_within_10s(base: dict[str, A
             assert held >= 100, f"only {held} requests were still held at the kill"
             async with asyncio.timeout(60):
                 results = await asyncio.gather(*(j.result(timeout=55) for j in jobs))
-        await asyncio.sleep(1.0)  # a late duplicate would show here
+        await after_every_status(lg, seen)  # a late duplicate would be counted by now
         last = max(ended_at.values()) - killed
         per_s = Counter(int(t - killed) for t in ended_at.values() if t >= killed)
         after = sorted(t - killed for t in ended_at.values() if t >= killed)
@@ -163,7 +167,6 @@ async def test_an_agent_paused_past_the_grace_rejoins_and_serves_again(base: dic
             lost_after = time.monotonic() - paused
             wanted = [r for r in ctl.state.model_replicas(mk) if r.desired is Level.HOT]
             assert [r.state for r in wanted] == [ReplicaState.LOST]  # still wanted: nowhere else to go
-            await asyncio.sleep(1.0)
             agent.send_signal(signal.SIGCONT)
             resumed = time.monotonic()
             async with asyncio.timeout(60):

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -13,6 +11,8 @@ from typing import Any
 from controlplane.core.projections import ClusterState
 from controlplane.store.admin import AdminClient
 from schemas.status import ReplicaState
+from tests import cli_zygote
+from tests.waiting import until_state
 
 S = ReplicaState
 MOVING = {S.LOAD_REQUESTED, S.LOADING, S.DRAINING, S.UNLOAD_REQUESTED, S.RESTARTING}
@@ -31,27 +31,20 @@ class Ran:
         return [json.loads(line) for line in self.out.splitlines() if line.strip()]
 
 
-async def ndif(url: str, *args: str, timeout: float = 60.0, env: dict[str, str] | None = None) -> Ran:
-    """Run `ndif ARGS --nats URL` in a subprocess (the installed entry point's module); `env` adds
-    to the environment (e.g. the NDIF_HOME whose credentials an `ndif up` made)."""
+async def ndif(url: str, *args: str, timeout: float = 60.0, env: dict[str, str] | None = None,
+               cwd: str | os.PathLike[str] | None = None) -> Ran:
+    """Run `ndif ARGS --nats URL` in a process of its own (tests/cli_zygote.py: forked from one that
+    imported the CLI once); `env` adds to the environment (e.g. the NDIF_HOME whose credentials an
+    `ndif up` made). TimeoutError (the process killed) after `timeout` seconds."""
     env = {**os.environ, "NDIF_LOG_LEVEL": "WARNING", **(env or {})}
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "dataplane.ops.cli", *args, "--nats", url,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env,
-    )
-    out, err = await asyncio.wait_for(proc.communicate(), timeout)
-    assert proc.returncode is not None
-    return Ran(proc.returncode, out.decode(), err.decode())
+    return Ran(*await cli_zygote.run([*args, "--nats", url], env=env, cwd=cwd, timeout=timeout))
+
+
 
 
 async def settle(admin: AdminClient, timeout: float = 15.0) -> ClusterState:
     """The folded state once no replica is mid-transition (agents have answered everything)."""
-    async with asyncio.timeout(timeout):
-        while True:
-            state = await admin.state()
-            if not any(r.state in MOVING for r in state.replicas.values()):
-                return state
-            await asyncio.sleep(0.05)
+    return await until_state(admin, lambda s: not any(r.state in MOVING for r in s.replicas.values()), timeout)
 
 
 def by_id(status: dict[str, Any], model_key: str) -> dict[int, dict[str, Any]]:

@@ -1,5 +1,5 @@
-"""The operator's lifecycle scenario, shared by the scripted agent's test (issue 4) and the real
-agent's (issue 5): deploy -> scale -> scale-up -> evict one -> scale back (the WARM id returns) ->
+"""The operator's lifecycle scenario, shared by the scripted agent's test (tests/integration/test_controller_cli.py)
+and the real agent's (tests/dataplane/test_agent.py): deploy -> scale -> scale-up -> evict one -> scale back (the WARM id returns) ->
 restart -> scale-down -> evict --all --cold, through the `ndif` CLI, checking `status --json` and
 `events --json` after each step, then `replay` and `history`.
 

@@ -1,6 +1,6 @@
 """Roles enforced by a real nats-server run with the config `ndif up` generates (controlplane/ops/auth.py).
 
-Every forgery of issue 15 is attempted with a client's credentials and must be refused by the
+Every forgery is attempted with a client's credentials and must be refused by the
 server (a permissions violation, and nothing changed); a table checks each role can do its job and
 nothing else.
 """

@@ -1,6 +1,6 @@
 """The controller and the `ndif` CLI end to end: real nats-server, controller(s), scripted node agents.
 
-The lifecycle scenario here is the one the real agent's tests re-run (docs/architecture.md §4, issue 5).
+The lifecycle scenario here is the one the real agent's tests re-run (docs/architecture.md §4).
 """
 
 from __future__ import annotations
@@ -196,7 +196,7 @@ async def test_policies_restart_then_replace_then_node_lost(nats_server: Embedde
     agents = {"node-a": a, "node-b": b}
 
     async def until(pred: Any, timeout: float = 10.0) -> Any:
-        return await until_state(admin, pred, timeout, every=0.05)
+        return await until_state(admin, pred, timeout)
 
     try:
         res = await admin.deploy(m, 1, size_bytes=50 * GB)

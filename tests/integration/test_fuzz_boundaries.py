@@ -1,4 +1,4 @@
-"""Issue 15 (reliability): a hypothesis fuzz of every command and request field, published raw.
+"""A hypothesis fuzz of every command and request field, published raw.
 
 Every input gets a clear answer: a command a typed reply (ok, or an error class and a message, with
 nothing appended when refused); a request with an id a status can be kept under ends ERROR with a
@@ -47,7 +47,7 @@ command_fields = {
     "command_id": st.one_of(st.uuids().map(lambda u: u.hex), st.text(max_size=12)),
     "actor": st.one_of(st.just("fuzz"), st.text(max_size=8)),
     "model_key": models,
-    # Replica counts stay small here: bounding them (10^9 replicas) is issue 13's part.
+    # Replica counts stay small here: their bounds (10^9 replicas) are tests/integration/test_cli_outcomes.py's.
     "replicas": st.one_of(st.integers(-3, 16), st.text(max_size=3), st.none()),
     "replica_id": ints, "all": st.one_of(st.booleans(), ints), "cold": st.booleans(), "scale_up": st.booleans(),
     "dedicated": st.booleans(), "size_bytes": ints, "junk": texts,

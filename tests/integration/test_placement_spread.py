@@ -1,4 +1,4 @@
-"""Issue 12 end to end: real nats-server, a controller, four scripted node agents, the `ndif` CLI.
+"""Placement end to end: real nats-server, a controller, four scripted node agents, the `ndif` CLI.
 
 Four replicas deployed on an idle 4-node cluster land on four nodes (read from `ndif status --json`);
 a relative checkpoint path is made absolute where it was typed (the CLI's directory) and refused
@@ -7,9 +7,6 @@ when it reaches the controller as is; the headroom and `--gpus` are charged and 
 
 from __future__ import annotations
 
-import asyncio
-import os
-import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -42,13 +39,7 @@ async def log(nats_server: EmbeddedNats) -> AsyncIterator[JetStreamEventLog]:
 
 async def ndif_in(cwd: Path, url: str, *args: str) -> Ran:
     """`ndif ARGS` run from `cwd` (relative paths mean that directory)."""
-    env = {**os.environ, "NDIF_LOG_LEVEL": "WARNING", "PYTHONPATH": str(Path(__file__).parents[2])}
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "dataplane.ops.cli", *args, "--nats", url, cwd=cwd,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env)
-    out, err = await asyncio.wait_for(proc.communicate(), 60)
-    assert proc.returncode is not None
-    return Ran(proc.returncode, out.decode(), err.decode())
+    return await ndif(url, *args, cwd=cwd)
 
 
 async def test_four_replicas_spread_over_four_nodes(nats_server: EmbeddedNats, log: JetStreamEventLog,

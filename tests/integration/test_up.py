@@ -91,8 +91,7 @@ async def test_a_second_up_on_a_port_in_use_fails_in_one_line_and_appends_nothin
     assert len(err) == 1 and err[0].startswith("error: cannot start nats-server on port"), err
     assert "address already in use" in err[0] and "try --port" in err[0]
     assert "running" not in second.out.read_text()
-    await asyncio.sleep(2.0)  # a second agent/dispatcher would have appended NodeJoined by now
-    assert await _last_seq(url, first.home) == before
+    assert await _last_seq(url, first.home) == before  # it has exited: whatever it appended is in
 
     status = (await ndif(url, "status", "--json", env={"NDIF_HOME": str(first.home)})).json()
     assert [n["node_id"] for n in status["nodes"]] == [socket.gethostname()]
@@ -128,9 +127,13 @@ async def test_kill_9_of_up_leaves_no_process_behind_and_status_marks_the_node_s
     ups.append(again)
     await asyncio.to_thread(again.wait_running)
     # Stale means no beat for more than STALE_S: on a fast machine `again` is up sooner than that.
-    await asyncio.sleep(max(0.0, killed_at + STALE_S + 1.0 - time.monotonic()))
-    ran = await ndif(url, "status", "--json", env={"NDIF_HOME": str(up.home)})
-    nodes = {n["node_id"]: n for n in ran.json()["nodes"]}
+    async with asyncio.timeout(STALE_S + 60):
+        while True:
+            ran = await ndif(url, "status", "--json", env={"NDIF_HOME": str(up.home)})
+            nodes = {n["node_id"]: n for n in ran.json()["nodes"]}
+            if nodes[socket.gethostname()]["stale"] or time.monotonic() > killed_at + STALE_S + 5:
+                break
+            await asyncio.sleep(0.5)
     assert nodes["other"]["stale"] is False
     hb: Any = nodes[socket.gethostname()]
     assert hb["alive"] is True and hb["stale"] is True and (hb["heartbeat_age_s"] is None or hb["heartbeat_age_s"] > 6)

@@ -65,7 +65,7 @@ def _checkpoint(name: str) -> str:
 async def _until(admin: AdminClient, pred: Any, timeout: float = 20.0) -> ClusterState:
     """`pred` holds and no replica is on its way between levels."""
     return await until_state(admin, lambda s: pred(s) and not any(r.state in MOVING for r in s.replicas.values()),
-                             timeout, every=0.05)
+                             timeout)
 
 
 async def run_scenario(url: str) -> dict[str, AnyCommand]:

@@ -1,4 +1,4 @@
-"""Observed facts name their author: only the agent of the node a fact is about may state it (issue 15)."""
+"""Observed facts name their author: only the agent of the node a fact is about may state it."""
 
 from __future__ import annotations
 

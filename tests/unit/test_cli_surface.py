@@ -8,7 +8,7 @@ import json
 import pathlib
 import re
 import subprocess
-import sys
+from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta, timezone
 
 import pytest
@@ -16,6 +16,7 @@ import pytest
 from controlplane.ops.cli import _event_line
 from dataplane.ops.cli import parser
 from schemas.events import ReplicaLoaded
+from tests import cli_zygote
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 CLI_MD = (ROOT / "docs" / "cli.md").read_text()
@@ -28,8 +29,8 @@ def verbs() -> dict[str, argparse.ArgumentParser]:
 
 
 def ndif(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "dataplane.ops.cli", *args], capture_output=True, text=True,
-                          timeout=60, cwd=ROOT)
+    """`ndif ARGS` in a process of its own (forked from one that imported the CLI: tests/cli_zygote.py)."""
+    return subprocess.CompletedProcess(list(args), *cli_zygote.run_sync(list(args), cwd=ROOT))
 
 
 def test_every_argument_of_every_command_has_help():
@@ -105,13 +106,15 @@ def test_usage_errors_under_json_are_one_json_line_on_stdout(args):
 def test_infrastructure_errors_under_json_are_json_for_every_verb_with_json():
     """No NATS at the URL: every verb that takes --json answers with a JSON error and exit 5."""
     dead = "nats://127.0.0.1:9"  # discard port: nothing listens
-    for verb, extra in [("status", []), ("events", []), ("replay", ["--until", "1"]),
-                        ("deploy", ["m"]), ("scale", ["m", "--replicas", "1"]),
-                        ("scale-down", ["m", "--replicas", "0"]), ("evict", ["m"]), ("restart", ["m"]),
-                        ("queue", []), ("submit", ["m", "--prompt", "hi"])]:
+    cases = [("status", []), ("events", []), ("replay", ["--until", "1"]), ("deploy", ["m"]),
+             ("scale", ["m", "--replicas", "1"]), ("scale-down", ["m", "--replicas", "0"]), ("evict", ["m"]),
+             ("restart", ["m"]), ("queue", []), ("submit", ["m", "--prompt", "hi"])]
+    argvs = [[verb, *extra, "--json", "--nats", dead, *(() if verb in ("queue", "submit") else ("--timeout", "2"))]
+             for verb, extra in cases]
+    with ThreadPoolExecutor(max_workers=len(argvs)) as pool:  # each waits on its connection, not on the CPU
+        runs = list(pool.map(lambda argv: ndif(*argv), argvs))
+    for (verb, _), ran in zip(cases, runs, strict=True):
         assert "--json" in {o for a in verbs()[verb]._actions for o in a.option_strings}, verb
-        ran = ndif(verb, *extra, "--json", "--nats", dead, "--timeout", "2") if verb not in ("queue", "submit") \
-            else ndif(verb, *extra, "--json", "--nats", dead)
         assert ran.returncode != 0, (verb, ran)
         body = json.loads(ran.stdout.splitlines()[-1])
         assert body["ok"] is False and body["exit_code"] == ran.returncode and body["message"], (verb, ran)

@@ -42,7 +42,7 @@ def test_multi_gpu_is_charged_an_even_share_per_card():
 
 
 def test_deployed_when_every_node_holds_the_model_on_the_node_with_fewest_and_another_card():
-    # Spread (issue 12): a node already holding the model no longer attracts its new replicas; when
+    # Spread: a node already holding the model no longer attracts its new replicas; when
     # every node holds it, the one with fewer replicas takes it, on a card without one.
     s = Builder().node(A).node(B).hot("m", 0, A, (0,), 12).hot("m", 1, B, (0,), 12).hot("m", 2, B, (1,), 12).state
     for seed in range(5):  # whatever the tie-break

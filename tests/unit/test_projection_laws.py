@@ -1,4 +1,4 @@
-"""The laws of the cluster projection, as Hypothesis properties (issue: event log and projections)."""
+"""The laws of the cluster projection, as Hypothesis properties."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 15 (reliability): the rules at the boundary and the level-triggered placement of lost replicas.
+"""The rules at the boundary and the level-triggered placement of lost replicas.
 
 - Repo ids: ours refuses exactly what huggingface_hub's `validate_repo_id` refuses (checked against the
   installed library), at the schema, as InvalidCommand (it crashed the controller's registry before).

@@ -1,6 +1,6 @@
 """The dispatcher, one concern per module (docs/architecture.md, "The dispatcher's parts").
 
-Each part imports only those before it (tests/unit/test_layering.py): background (the tasks
+Each part imports only those before it (tests/unit/test_architecture.py): background (the tasks
 they own) -> statuses (status writing) -> capacity (pure rules) -> provisioning (deploys,
 backoff) -> intake (consumers, triage, queue lifetime) -> follower (the log) -> service
 (settings, wiring).

@@ -44,6 +44,8 @@ class Provisioner:
         self.statuses = statuses
         self.bg = bg
         self.default_replicas = default_replicas
+        self.retry_s = PROVISION_RETRY_S  # the first backoff, and how often an unchanged cluster is looked at
+        self.rechecks = 0  # timer-driven looks at waiting models so far (what a test awaits instead of sleeping)
         # model token -> (capacity mark, reason it can never be placed or None) of its last rejected deploy
         self._rejected: dict[str, tuple[tuple[object, ...], str | None]] = {}
         self._rechecks: set[str] = set()  # model tokens with a provisioning timer set
@@ -71,7 +73,7 @@ class Provisioner:
                 if never is not None:
                     p.fail_all("PlacementImpossible", f"cannot place {p.model_key}: {never}")
                 else:
-                    self._recheck_later(p, PROVISION_RETRY_S)  # time alone can make room (evictions)
+                    self._recheck_later(p, self.retry_s)  # time alone can make room (evictions)
                 return  # still no room: nothing appended
             wait = p.provision_not_before - time.monotonic()
             if never is None and wait > 0:
@@ -82,7 +84,7 @@ class Provisioner:
 
     def _retry_provision_later(self, p: Processor) -> None:
         """After a rejected deploy: the next one no sooner than the backoff (5 s, 10 s, ... 60 s)."""
-        p.provision_backoff_s = min(max(p.provision_backoff_s * 2, PROVISION_RETRY_S), PROVISION_RETRY_MAX_S)
+        p.provision_backoff_s = min(max(p.provision_backoff_s * 2, self.retry_s), PROVISION_RETRY_MAX_S)
         p.provision_not_before = time.monotonic() + p.provision_backoff_s
         self._recheck_later(p, p.provision_backoff_s)
 
@@ -94,6 +96,7 @@ class Provisioner:
 
         def fire() -> None:
             self._rechecks.discard(p.token)
+            self.rechecks += 1
             if not self.bg.stopped:
                 self.maybe_provision(p)
 

@@ -1,4 +1,4 @@
-"""Issue 13 part B in the pure core: recorded no-ops, command-id conflicts, short placements,
+"""What a command decides, in the pure core: recorded no-ops, command-id conflicts, short placements,
 restart of a LoadFailed replica, undeploy forgetting a model, and bounds checked at decode."""
 
 from __future__ import annotations

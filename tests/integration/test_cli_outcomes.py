@@ -1,4 +1,4 @@
-"""Every command tells the truth (issue 13, part B): the `ndif` CLI as a subprocess against a real
+"""Every command tells the truth: the `ndif` CLI as a subprocess against a real
 nats-server, a real controller and the scripted node agent.
 
 Exit codes and `--json` say what happened: a short placement is not a success, a reused command id

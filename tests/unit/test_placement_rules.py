@@ -1,4 +1,4 @@
-"""Issue 12: placement a GPU operator can trust.
+"""Placement rules a GPU operator can trust.
 
 Replicas of one model spread (cards, then nodes); other models still pack; the CPU cache is never
 over-committed (reused WARM copies free their bytes once, replicas ordered to WARM count); the
@@ -277,7 +277,7 @@ def test_one_multi_card_victim_beats_one_victim_per_card():
     assert [e.model_key for e in p.evictions] == ["big"]
     assert p.placed[0].gpu_indices == (0, 1)
     # The same without a GPU count: 84 GB spans two 80 GB cards at 42 each; a (33) or big (37)
-    # suffices on each card, a is smaller, so per card it was a and b (seen failing before issue 12).
+    # suffices on each card, a is smaller, so a card-by-card choice evicts a and b (two, not one).
     b2 = Builder().node("A", gpus=2, cpu_gb=0)
     b2.hot("a", 0, "A", (0,), 33).hot("b", 0, "A", (1,), 33).hot("big", 0, "A", (0, 1), 37)
     p2 = plan(b2.state, [PlacementRequest(model_key="m", size_bytes=84 * GB, replicas=1, headroom=0.0)], now_s=NOW)

@@ -1,4 +1,4 @@
-"""Issue 13 (part A) on a real service: real nats-server, real local Ray (2 CPUs, 2 declared GPUs),
+"""What the serving path refuses, waits for and prints, on a real service: real nats-server, real local Ray (2 CPUs, 2 declared GPUs),
 real controller, agent, dispatcher and tiny models; CLI and SDK as users run them (subprocesses).
 
 - a model no node can ever hold ends its requests at once with the reason; one with no room now
@@ -83,19 +83,34 @@ async def test_a_model_no_node_can_hold_ends_at_once_with_the_reason(service: di
 async def test_no_room_now_waits_quietly_and_is_served_once_room_is_made(service: dict[str, Any],
                                                                         models: dict[str, Path]) -> None:
     admin, lg = service["admin"], service["log"]
+    provisioner = service["dispatcher"].provisioner
+    provisioner.retry_s = 0.2  # looks at the waiting model every 0.2 s (5 s in service)
     await _fill_both_cards(admin, models)
+    deploys: list[bytes] = []
+
+    async def on_deploy(msg: Any) -> None:
+        deploys.append(msg.data)
+
+    sub = await lg.nc.subscribe("ndif.cmd.deploy", cb=on_deploy)
     async with Client(service["url"]) as c:
         jobs = [await c.submit(str(models["llama"]), {"op": "forward", "input_ids": [[i + 1]]}) for i in range(3)]
         async with asyncio.timeout(30):
             while "no room" not in (((s := await jobs[0].latest()) and s.message) or ""):
                 await asyncio.sleep(0.1)
-        told = await _events(lg, models["llama"])
-        await asyncio.sleep(12)  # the old code re-deployed after 5 s and 10 s, two events each time
+        told, asked = await _events(lg, models["llama"]), len(deploys)
+        # Five more looks at the unchanged cluster (the old code deployed again at each backoff,
+        # two events each time): no deploy is sent, nothing is appended.
+        looked = provisioner.rechecks
+        async with asyncio.timeout(30):
+            while provisioner.rechecks < looked + 5:
+                await asyncio.sleep(0.05)
+        assert asked >= 1 and len(deploys) == asked
         assert await _events(lg, models["llama"]) == told
         latest = [await j.latest() for j in jobs]
         assert all(s is not None and not s.terminal for s in latest), latest
         await admin.scale_down(str(models["gpt2"]), 1)  # room on card 1: the waiting model is placed
         done = await asyncio.gather(*(j.result(timeout=120) for j in jobs))
+    await sub.unsubscribe()
     assert all(d["next_token_ids"] for d in done)
     tail = (await _events(lg, models["llama"]))[len(told):]
     assert tail.count("DeploymentRequested") == 1 and "PlacementRejected" not in tail, tail
