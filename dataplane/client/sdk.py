@@ -166,7 +166,11 @@ class Job:
         return self._accept(got.data, "kept")
 
     async def statuses(self, timeout: float | None = None) -> AsyncIterator[StatusUpdate]:
-        """Every status from now to the terminal one (starting from the latest kept, if newer)."""
+        """Every status from now to the terminal one (starting from the latest kept, if newer). On a
+        job that has ended, its terminal status, at once."""
+        if self.last is not None and self.last.terminal:
+            yield self.last  # nothing more will come: the job is over
+            return
         if self._sub is None:
             await self._listen()
         kept = None if self._live_from_start else await self.latest()
