@@ -57,7 +57,8 @@ async def test_a_light_users_requests_complete_while_a_heavy_users_backlog_is_st
         rid = f"{user}-{i}-{uuid.uuid4().hex[:8]}"
         req = Request(request_id=rid, model_key=mk, payload={"op": "forward", "input_ids": [[1 + i % 50, 2, 3]]},
                       submitted_at=datetime.now(UTC), user=user)
-        await log.js.publish(request_subject(mk, user), encoder.encode(req), headers={"Nats-Msg-Id": rid})
+        # the SDK's dedup id shape, `<user>.<mac>.<request id>` (the dispatcher checks the user and the id)
+        await log.js.publish(request_subject(mk, user), encoder.encode(req), headers={"Nats-Msg-Id": f"{user}.t.{rid}"})
 
     try:
         for i in range(HEAVY):
