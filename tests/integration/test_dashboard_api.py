@@ -245,8 +245,9 @@ async def test_a_dashboard_starts_from_the_newest_snapshot_and_reaches_any_past_
     for cut in (15, 40):
         await w.write_now(fold(items[:cut], ClusterState()))
     try:
-        async with Dashboard(lambda: _borrowed(lg), port=0, window=5) as d, aiohttp.ClientSession() as http:
-            base = d.url.rstrip("/")
+        async with Dashboard(lambda: _borrowed(lg), port=0, window=5) as d, \
+                aiohttp.ClientSession(headers=d.auth_headers()) as http:
+            base = d.base_url.rstrip("/")
             assert d.model.start_seq == 40 and len(d.model.items) <= 5 + 1
             status, body = await get(http, base, "/api/state")
             assert status == 200 and body["seq"] == len(items)
