@@ -2,7 +2,7 @@
 
 A request is a JSON object on `ndif.req.<mtok>.<user>` (`ndif.req.<mtok>` on an open server) in the
 work-queue stream `NDIF_REQUESTS`, with `Nats-Msg-Id` = `<user>.<mac>.<request id>` (the mac keyed
-by the client's password, controlplane/ops/auth.py `request_msg_id`, so no one else can take the id
+by the client's password, controlplane/store/credentials.py `request_msg_id`, so no one else can take the id
 first; the request id alone on an open server; a resend within the dedup window is stored once). Each status change is a `StatusUpdate` on
 `ndif.status.<user>.<request id>`; the latest is kept in KV `ndif_request_status` under
 `<user>.<request id>`, and a terminal one (COMPLETED or ERROR) is written

@@ -186,8 +186,8 @@ class GroupCommitter(Generic[P]):
             except Exception as err:  # noqa: BLE001 - the loop must outlive a server loss
                 # Folding the tail needs the log (a server lost, a leader being elected). The
                 # decisions stay queued and are taken again next turn (each turn is an attempt, so
-                # bounded by max_attempts); an exception here used to end the loop, after which
-                # every submit() waited forever.
+                # bounded by max_attempts). Letting the exception end the loop would leave every
+                # submit() waiting forever.
                 logger.warning("catch_up_failed", error=str(err) or type(err).__name__, pending=len(self._pending))
                 await asyncio.sleep(CATCH_UP_RETRY_S)
                 return

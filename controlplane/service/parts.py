@@ -31,7 +31,7 @@ async def given(parts: Parts | Connect) -> Parts:
     """The parts themselves, or the ones a `Connect` opens now."""
     if isinstance(parts, Parts):
         return parts
-    if not callable(parts):  # e.g. a URL, as services took before issue 14
+    if not callable(parts):  # e.g. a URL: say which constructor takes one
         raise TypeError(f"a service takes Parts or a Connect, not {type(parts).__name__}: "
                         "for a URL use Controller.from_url / Dispatcher.from_url / Dashboard.from_url")
     return await parts()

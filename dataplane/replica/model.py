@@ -121,7 +121,7 @@ class ModelReplica:
         """COLD -> HOT: read the checkpoint from disk onto `devices` (CPU without CUDA). Seconds taken.
 
         On several cards each gets at most `bytes_per_gpu` of the weights (the share placement
-        charged; 0: each card's whole memory, as before the charge was passed)."""
+        charged; 0: each card's whole memory, for a caller that passes no share)."""
         import torch
         from transformers import AutoModelForCausalLM
 

@@ -122,8 +122,8 @@ def _other_writer() -> E.DeploymentRequested:
 
 async def test_a_failed_catch_up_after_a_conflict_keeps_the_committer_serving() -> None:
     # A conflict, then the tail cannot be read (a cluster electing a leader): the decision is taken
-    # again on the next turn. Before the fix the exception ended the loop and the submit (and every
-    # later one) waited forever.
+    # again on the next turn. Were the exception to end the loop, the submit (and every later one)
+    # would wait forever.
     lg = _Interrupted()
     async with GroupCommitter(lg, ClusterState()) as gc:
         await gc.submit(bump("m", "a"))

@@ -84,7 +84,7 @@ async def _last_seq(url: str, auth: LocalAuth, stream: str = EVENTS_STREAM) -> i
         await nc.close()
 
 
-# ---- the forgeries of the issue, with a client's credentials ------------------------------------
+# ---- forgeries, with a client's credentials ------------------------------------------------------
 
 
 async def test_forged_observed_facts_are_refused(streams: str, auth: LocalAuth) -> None:

@@ -109,7 +109,7 @@ async def _register(lg: JetStreamEventLog, model: str) -> str:
 
 
 async def test_junk_request_subjects_leave_no_consumer_and_end_error(env: Env) -> None:
-    """200 requests, each on a new model subject the log does not know: 0 consumers (was 200), each
+    """200 requests, each on a new model subject the log does not know: 0 consumers, each
     ERROR, the stream empty again."""
     consumers, processors, stored = await _consumers(env.log), set(env.dispatcher.processors), await _stored(env.log)
     rids = []
@@ -160,7 +160,8 @@ async def test_consumers_of_models_the_log_does_not_know_are_removed(env: Env) -
 
 
 async def test_request_id_invalid_in_body_and_header_is_terminated(env: Env) -> None:
-    """It used to raise a KV InvalidKeyError, was never acked and came back every ack wait, forever."""
+    """Without a valid key (KV would raise InvalidKeyError) it is terminated: left unacked, it would come
+    back every ack wait, forever."""
     mk = await _register(env.log, "acme/known-for-bad-ids")
     tok = model_token(mk)
     await env.log.js.publish(request_subject(mk), _body("bad id", mk), headers={"Nats-Msg-Id": "bad.id"})

@@ -252,7 +252,7 @@ def test_a_decision_replays_from_its_events_alone():
 
 def test_the_controller_passes_its_settings_to_every_path():
     """Commands, failure replacement and node loss all decide with the controller's own settings
-    (tests/unit/test_controller_memlog.py runs the controller itself over the memory log)."""
+    (tests/unit/test_services_memlog.py runs the controller itself over the memory log)."""
     c = Controller(Parts(MemoryEventLog(), None), min_deploy_s=12.0, headroom=0.4)
     assert (c.min_deploy_s, c.headroom) == (12.0, 0.4)
     import inspect

@@ -1,7 +1,7 @@
 """The rules at the boundary and the level-triggered placement of lost replicas.
 
 - Repo ids: ours refuses exactly what huggingface_hub's `validate_repo_id` refuses (checked against the
-  installed library), at the schema, as InvalidCommand (it crashed the controller's registry before).
+  installed library), at the schema, as InvalidCommand (so a bad id never reaches the controller's registry).
 - Commands: the verb of the subject must be the body's; command ids and actors are bounded tokens.
 - `decide_unplaced`: replicas wanted HOT whose node was lost are placed again once room exists, never
   by pushing a running replica out; pure, deterministic, and idempotent once applied.

@@ -1,4 +1,4 @@
-"""Benchmark of the admin dashboard (issue 16) on a large projection.
+"""Benchmark of the admin dashboard on a large projection.
 
 Starts its own nats-server (file storage, temp dir), appends a history that leaves 1,000 nodes x 8
 GPUs and 5,000 replicas (500 models x 10) and is `--events` long (default 200,000: each replica

@@ -1,4 +1,4 @@
-"""Benchmark of the request path (issue: dispatcher, processors, durable requests, SDK).
+"""Benchmark of the request path: dispatcher, processors, durable requests, SDK.
 
 One run, one machine, 2 no-op replicas (real ModelActors of a tiny checkpoint answering `echo`):
  (a) 1 request in flight: our path (SDK -> NDIF_REQUESTS -> dispatcher -> replica -> terminal

@@ -1,4 +1,4 @@
-"""Benchmark of the event log (issue: event log, schemas and projections).
+"""Benchmark of the event log: appends, reads and projection rebuilds.
 
 Starts its own nats-server (file storage, temp dir) and measures, in one run:
  (a) one writer appending decisions of 1-5 events with OCC: latency per decision;

@@ -1,4 +1,4 @@
-"""Benchmark of replica loading (issue: node agent and ModelActor): COLD -> HOT vs WARM -> HOT.
+"""Benchmark of replica loading (node agent and ModelActor): COLD -> HOT vs WARM -> HOT.
 
 Makes a GPT-2 of about `--mb` MB of random float32 weights locally (kept in --dir between runs),
 then, on this machine's device (CUDA when present, else CPU):

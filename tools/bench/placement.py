@@ -1,4 +1,4 @@
-"""Benchmark of placement and the command path (issue: controller, placement, admin client, CLI).
+"""Benchmark of placement and the command path (controller, placement, admin client, CLI).
 
 One run measures:
  (a) decision time (`decide`: placement included) on a cluster of 1,000 nodes x 8 x 80 GB cards

@@ -2,7 +2,7 @@
 
 One concern per module, each importing only those above it: connection (connect, size limits),
 topology (streams and buckets), appends, feed (reads, follow), snapshots; log.py composes them
-into `JetStreamEventLog`. Every public name the former single module had is importable from here.
+into `JetStreamEventLog`. Callers import the public names from the package, not from its modules.
 """
 
 from controlplane.store.eventstore.appends import ERR_BATCH_DUPLICATE, ERR_BATCH_TOO_LARGE, ERR_WRONG_LAST_SEQ

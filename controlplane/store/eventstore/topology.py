@@ -147,7 +147,7 @@ async def _ensure_stream(js: JetStreamContext, cfg: api.StreamConfig) -> None:
     flags = ("deny_delete", "deny_purge", "allow_atomic", "allow_direct")
     if (sorted(have.subjects or []) != sorted(cfg.subjects or []) or have.retention != cfg.retention
             or any(bool(getattr(have, f)) != bool(getattr(cfg, f)) for f in flags)
-            or (cfg.max_msg_size or -1) != (have.max_msg_size or -1)):  # a stream made before the limit
+            or (cfg.max_msg_size or -1) != (have.max_msg_size or -1)):  # a stream made without the limit
         cfg = dataclasses.replace(cfg, num_replicas=have.num_replicas)  # an update never changes the copies
         await js.update_stream(cfg)
         logger.info("stream_updated", stream=cfg.name)
