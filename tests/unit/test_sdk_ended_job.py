@@ -1,5 +1,5 @@
-"""`job.statuses()` on a job that has ended yields its terminal status and returns (it used to wait
-for statuses that never come, and with a timeout blamed the dispatcher)."""
+"""`job.statuses()` on a job that has ended yields its terminal status and returns: it must not wait
+for statuses that never come (and, with a timeout, blame the dispatcher)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Benchmark of long histories (issue 28): a start from a snapshot, memory bounded by the cluster, a
+"""Benchmark of long histories: a start from a snapshot, memory bounded by the cluster, a
 million events.
 
 Starts its own nats-server (file storage, temp dir) and a controller process that follows the log
