@@ -78,7 +78,7 @@ class Spy:
         self._subs.append(await self.nc.subscribe(subject, cb=cb))
         await self.nc.flush()
 
-    async def saw(self, subject: str, data: bytes, timeout: float = 3.0) -> bool:
+    async def saw(self, subject: str, data: bytes, timeout: float = 10.0) -> bool:
         """Whether `data` arrives on `subject` within `timeout` seconds."""
         deadline = asyncio.get_running_loop().time() + timeout
         while (subject, data) not in self.got:
