@@ -11,7 +11,6 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
@@ -19,28 +18,18 @@ import msgspec
 import pytest
 import pytest_asyncio
 
-from controlplane.service.controller import Controller
-from controlplane.service.parts import Parts
-from controlplane.store.heartbeats import MemoryHeartbeats
-from controlplane.store.memlog import MemoryEventLog
-from dataplane.node.agent import NodeAgent
 from dataplane.replica.wire import Answer, Completed, NotRun
-from dataplane.serving.dispatcher import Dispatcher
-from dataplane.serving.memory import MemoryServing
-from schemas import errors as errs
 from schemas import events as E
-from schemas.commands import CommandResult, Deploy, Evict
+from schemas.commands import Deploy, Evict
 from schemas.keys import canonical_model_key
 from schemas.requests import Request, StatusUpdate
 from schemas.status import DrainReason, ReplicaState, RequestStatus
 from schemas.subjects import subject_matches
 from tests.fake_runtime import FakeProcess, FakeRuntime
-from tests.strategies import node_joined
+from tests.memory_stack import GB, NODE, Stack, memory_stack
 from tests.waiting import until
 
 pytestmark = pytest.mark.timeout(30)
-NODE = "node-a.cluster"
-GB = 10**9
 R = RequestStatus
 
 
@@ -71,48 +60,10 @@ class EchoCaller:
         return False
 
 
-@dataclass
-class Stack:
-    log: MemoryEventLog
-    controller: Controller
-    agent: NodeAgent
-    dispatcher: Dispatcher
-    serving: MemoryServing
-    runtime: FakeRuntime
-    sizes: dict[str, int]  # model key -> the size its deploy registers
-
-    def events(self, cls: type) -> list[Any]:
-        return [e for e in self.log.events() if isinstance(e, cls)]
-
-
 @pytest_asyncio.fixture
 async def stack(tmp_path) -> AsyncIterator[Stack]:
-    log = MemoryEventLog()
-    runtime = FakeRuntime("sim:a")
-    sizes: dict[str, int] = {}
-    ctl = await Controller(Parts(log, None), policy_interval_s=60).start()
-
-    async def deploy(model_key: str, replicas: int) -> CommandResult:
-        """The controller's answer to the dispatcher's deploy, refusals raised as the admin client does."""
-        cmd = Deploy(command_id=f"cmd-{uuid.uuid4().hex[:8]}", actor="dispatcher:unit", model_key=model_key,
-                     replicas=replicas, size_bytes=sizes.get(model_key, GB))
-        res = await ctl.handle(msgspec.json.encode(cmd), verb="deploy")
-        if not res.ok and not res.last_seq:
-            raise getattr(errs, res.error or "", errs.NdifError)(res.message or "refused")
-        return res
-
-    agent = await NodeAgent(log, MemoryHeartbeats(), runtime, NODE, gpus=node_joined(NODE).gpus,
-                            cpu_cache_bytes=2**34, heartbeat_s=0.05, drain_timeout_s=30.0,
-                            health_interval_s=0.05).start()
-    serving = MemoryServing(deploy)
-    disp = await Dispatcher(Parts(log, None), name="dispatcher:unit", caller=EchoCaller(runtime),
-                            ports=serving.ports(), ack_wait_s=1.0).start()
-    try:
-        yield Stack(log, ctl, agent, disp, serving, runtime, sizes)
-    finally:
-        await disp.stop()
-        await agent.stop()
-        await ctl.stop()
+    async with memory_stack(EchoCaller) as s:
+        yield s
 
 
 def checkpoint(root, name: str) -> str:

@@ -6,7 +6,6 @@ is refused at once with the limit and the count, queued requests hear of their m
 from __future__ import annotations
 
 import asyncio
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -15,21 +14,12 @@ import pytest
 import pytest_asyncio
 
 from controlplane.core.fairness import FairnessPolicy, Share
-from controlplane.service.controller import Controller
-from controlplane.service.parts import Parts
-from controlplane.store.heartbeats import MemoryHeartbeats
-from controlplane.store.memlog import MemoryEventLog
-from dataplane.node.agent import NodeAgent
 from dataplane.replica.wire import Answer, Completed, NotRun
-from dataplane.serving.dispatcher import Dispatcher
-from dataplane.serving.memory import MemoryServing
-from schemas import errors as errs
-from schemas.commands import CommandResult, Deploy
 from schemas.status import RequestStatus
 from schemas.subjects import subject_matches
 from tests.fake_runtime import FakeProcess, FakeRuntime
-from tests.strategies import node_joined
-from tests.unit.test_dispatcher_memlog import GB, NODE, EchoCaller, Stack, checkpoint, final, request
+from tests.memory_stack import Stack, memory_stack
+from tests.unit.test_dispatcher_memlog import EchoCaller, checkpoint, final, request
 from tests.waiting import until
 
 pytestmark = pytest.mark.timeout(60)
@@ -58,31 +48,14 @@ class SlowCaller(EchoCaller):
 
 
 async def make_stack(tmp_path: Any, policy: FairnessPolicy) -> AsyncIterator[tuple[Stack, SlowCaller]]:
-    log = MemoryEventLog()
-    runtime = FakeRuntime("sim:a")
-    ctl = await Controller(Parts(log, None), policy_interval_s=60).start()
+    callers: list[SlowCaller] = []
 
-    async def deploy(model_key: str, replicas: int) -> CommandResult:
-        cmd = Deploy(command_id=f"cmd-{uuid.uuid4().hex[:8]}", actor="dispatcher:unit", model_key=model_key,
-                     replicas=replicas, size_bytes=GB)
-        res = await ctl.handle(msgspec.json.encode(cmd), verb="deploy")
-        if not res.ok and not res.last_seq:
-            raise getattr(errs, res.error or "", errs.NdifError)(res.message or "refused")
-        return res
+    def make(runtime: FakeRuntime) -> SlowCaller:
+        callers.append(SlowCaller(runtime))
+        return callers[0]
 
-    agent = await NodeAgent(log, MemoryHeartbeats(), runtime, NODE, gpus=node_joined(NODE).gpus,
-                            cpu_cache_bytes=2**34, heartbeat_s=0.05, drain_timeout_s=30.0,
-                            health_interval_s=0.05).start()
-    serving = MemoryServing(deploy)
-    caller = SlowCaller(runtime)
-    disp = await Dispatcher(Parts(log, None), name="dispatcher:unit", caller=caller, ports=serving.ports(),
-                            ack_wait_s=1.0, fairness=policy).start()
-    try:
-        yield Stack(log, ctl, agent, disp, serving, runtime, {}), caller
-    finally:
-        await disp.stop()
-        await agent.stop()
-        await ctl.stop()
+    async with memory_stack(make, fairness=policy) as s:
+        yield s, callers[0]
 
 
 @pytest_asyncio.fixture
