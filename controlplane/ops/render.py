@@ -11,27 +11,8 @@ from controlplane.core.placement import padded
 from controlplane.core.projections import ClusterState, ReplicaView
 from controlplane.core.projections.cluster import ModelView
 from controlplane.store.heartbeats import STALE_S
+from schemas import events as E
 from schemas.autoscale import AutoscalePolicy
-from schemas.events import (
-    AutoscaleDecided,
-    AutoscalePolicySet,
-    CommandDecided,
-    DeploymentRequested,
-    Event,
-    NodeLost,
-    PlacementRejected,
-    ReplicaCached,
-    ReplicaDrained,
-    ReplicaEvent,
-    ReplicaEvictionRequested,
-    ReplicaFailed,
-    ReplicaLoaded,
-    ReplicaLoadFailed,
-    ReplicaScheduled,
-    ReplicaServed,
-    RolloutUpdated,
-    event_tag,
-)
 from schemas.keys import display_name
 from schemas.status import DrainReason, Level, ReplicaState
 from schemas.units import GiB, gib
@@ -200,42 +181,42 @@ _DRAINED = {
 }
 
 
-def event_reason(item: Event) -> str:
+def event_reason(item: E.Event) -> str:
     """What an event says beyond its type, for people: the verb of a command, the error of a failed
     load, needed vs free of a refused placement, why and where to an eviction went, a rollout's step."""
     match item:
-        case CommandDecided():
+        case E.CommandDecided():
             return f"verb={item.verb}" + (f" ({item.note})" if item.note else "")
-        case DeploymentRequested():
+        case E.DeploymentRequested():
             return f"{item.op} replicas={item.replicas} -> replica count {item.target_hot}"
-        case PlacementRejected():
+        case E.PlacementRejected():
             return (f"{item.reason}: {item.replicas} replica(s); needed {gib(item.needed_bytes)}, "
                     f"the most any node had free {gib(item.free_bytes)}")
-        case ReplicaScheduled():
+        case E.ReplicaScheduled():
             return (f"on gpus {list(item.gpu_indices)}, {gib(item.bytes_per_gpu)} each, from {item.source}"
                     + (", dedicated" if item.dedicated else ""))
-        case ReplicaEvictionRequested():
+        case E.ReplicaEvictionRequested():
             by = f" by {display_name(item.by_model_key)}#{item.by_replica_id}" if item.by_model_key else ""
             return f"reason={item.reason} -> {item.target}" + (", drain first" if item.drain else "") + by
-        case ReplicaLoadFailed() | ReplicaFailed():
+        case E.ReplicaLoadFailed() | E.ReplicaFailed():
             return f"error: {item.error}"
-        case ReplicaLoaded():
+        case E.ReplicaLoaded():
             return f"in {item.load_seconds:.2f}s"
-        case ReplicaCached():
+        case E.ReplicaCached():
             return f"{gib(item.cpu_bytes)} in the CPU cache"
-        case ReplicaDrained():
+        case E.ReplicaDrained():
             return _DRAINED[item.reason]
-        case ReplicaServed():
+        case E.ReplicaServed():
             return f"called by {item.actor}"
-        case RolloutUpdated():
+        case E.RolloutUpdated():
             step = f"restarting {item.current}" if item.current is not None else "rollout ended"
             rest = f", then {', '.join(map(str, item.remaining))}" if item.remaining else ""
             return step + rest + (f" ({item.note})" if item.note else "")
-        case NodeLost():
+        case E.NodeLost():
             return f"reason: {item.reason}"
-        case AutoscalePolicySet():
+        case E.AutoscalePolicySet():
             return "autoscaling off" if item.policy is None else f"autoscale {policy_text(item.policy)}"
-        case AutoscaleDecided():
+        case E.AutoscaleDecided():
             return autoscale_reason(item)
     return ""
 
@@ -253,7 +234,7 @@ _HELD = {"queue-above-target": "above", "oldest-wait": "oldest wait over the lim
          "idle": "idle"}
 
 
-def autoscale_reason(e: AutoscaleDecided) -> str:
+def autoscale_reason(e: E.AutoscaleDecided) -> str:
     """`scaled 2 -> 4: 37 queued, 2 replicas, target 4 per replica, above for 5.2 s`, or what the
     autoscaler started or stopped watching."""
     f = e.figures
@@ -269,25 +250,25 @@ def autoscale_reason(e: AutoscaleDecided) -> str:
     to = f" ({e.rule}, to {e.level})" if e.target < e.current and e.level is not Level.COLD else ""
     return (f"scaled {e.current} -> {e.target}{to}: {seen}, {e.current} replicas, "
             f"target {e.target_queue_per_replica:g} per replica, {tail}")
-def explain_decision(state: ClusterState, decision: Sequence[tuple[int, Event]]) -> dict[tuple[str, int], str]:
+def explain_decision(state: ClusterState, decision: Sequence[tuple[int, E.Event]]) -> dict[tuple[str, int], str]:
     """Why each replica a decision placed went where it did, read off the decision's events and the
     cluster as it was just before them (`state`, which this folds forward through them): a WARM copy
     reused, the evictions that made room for it, the fit on its cards (needed vs free there), and
     the spread (how many replicas of the model the node and each of its cards held)."""
     victims: dict[tuple[str, int], list[str]] = {}
     for _, e in decision:
-        if isinstance(e, ReplicaEvictionRequested) and e.by_model_key is not None and e.by_replica_id is not None:
+        if isinstance(e, E.ReplicaEvictionRequested) and e.by_model_key is not None and e.by_replica_id is not None:
             victims.setdefault((e.by_model_key, e.by_replica_id), []).append(
                 f"{display_name(e.model_key)}#{e.replica_id} ({e.reason} -> {e.target})")
     out: dict[tuple[str, int], str] = {}
     for seq, e in decision:
-        if isinstance(e, ReplicaScheduled):
+        if isinstance(e, E.ReplicaScheduled):
             out[(e.model_key, e.replica_id)] = _why_here(state, e, victims.get((e.model_key, e.replica_id), []))
         state.apply(seq, e)
     return out
 
 
-def _why_here(state: ClusterState, e: ReplicaScheduled, victims: list[str]) -> str:
+def _why_here(state: ClusterState, e: E.ReplicaScheduled, victims: list[str]) -> str:
     cards = {c.index: c for c in state.node_cards(e.node_id)}
     per_card: Counter[int] = Counter()
     on_node = 0
@@ -307,7 +288,7 @@ def _why_here(state: ClusterState, e: ReplicaScheduled, victims: list[str]) -> s
     return "; ".join(parts)
 
 
-def render_model(state: ClusterState, model_key: str, recent: list[tuple[int, Event]]) -> str:
+def render_model(state: ClusterState, model_key: str, recent: list[tuple[int, E.Event]]) -> str:
     """`ndif status MODEL`: the model, every replica it has had (node, cards, level, state, restarts,
     last error in full), and its recent events with what they say."""
     m = state.models[model_key]
@@ -337,6 +318,6 @@ def render_model(state: ClusterState, model_key: str, recent: list[tuple[int, Ev
                                               "last error"]) if rows else ["  (none)"])
     out += ["", f"RECENT EVENTS (last {len(recent)}; `ndif history {display_name(model_key)}` has them all)"]
     for seq, e in recent:
-        rid = f"#{e.replica_id}" if isinstance(e, ReplicaEvent) else ""
-        out.append(f"  {seq:>7}  {e.ts:%Y-%m-%d %H:%M:%S}Z  {event_tag(e)}{rid}  {event_reason(e)}".rstrip())
+        rid = f"#{e.replica_id}" if isinstance(e, E.ReplicaEvent) else ""
+        out.append(f"  {seq:>7}  {e.ts:%Y-%m-%d %H:%M:%S}Z  {E.event_tag(e)}{rid}  {event_reason(e)}".rstrip())
     return "\n".join(out)

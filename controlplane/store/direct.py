@@ -40,16 +40,24 @@ class DirectMsg(msgspec.Struct, frozen=True):
     headers: dict[str, str] = msgspec.field(default_factory=dict)
 
 
+async def _get(nc: Any, api_subject: str, timeout: float, *, absent: str, slow: str) -> Any:
+    """One direct get's answer: InfrastructureError (`absent`) when no stream answers,
+    InfrastructureTimeout (`slow`) when none answers in time."""
+    try:
+        return await nc.request(api_subject, b"", timeout=timeout)
+    except nats.errors.NoRespondersError:
+        raise InfrastructureError(absent) from None
+    except nats.errors.TimeoutError:
+        raise InfrastructureTimeout(slow) from None
+
+
 async def last_by_subject(nc: Any, stream: str, subject: str, *, timeout: float = 5.0,
                           api: str = JS_API) -> DirectMsg | None:
     """The last message of `stream` on `subject`, by a direct get that names the subject in the API
     subject (so a permission can be one key); None when there is none."""
-    try:
-        msg = await nc.request(f"{api}.DIRECT.GET.{stream}.{subject}", b"", timeout=timeout)
-    except nats.errors.NoRespondersError:
-        raise InfrastructureError(f"no stream {stream} answers direct gets of {subject}") from None
-    except nats.errors.TimeoutError:
-        raise InfrastructureTimeout(f"direct get of {subject} from {stream} timed out") from None
+    msg = await _get(nc, f"{api}.DIRECT.GET.{stream}.{subject}", timeout,
+                     absent=f"no stream {stream} answers direct gets of {subject}",
+                     slow=f"direct get of {subject} from {stream} timed out")
     h = dict(msg.headers or {})
     status = h.get("Status")
     if status == "404":
@@ -104,12 +112,9 @@ async def read_object(nc: Any, bucket: str, name: str, *, timeout: float = 5.0, 
     An object larger than `max_bytes` is refused (InvalidCommand) before any chunk is read."""
     stream = f"OBJ_{bucket}"
     meta_subject = f"$O.{bucket}.M.{base64.urlsafe_b64encode(name.encode()).decode()}"
-    try:
-        msg = await nc.request(f"{api}.DIRECT.GET.{stream}.{meta_subject}", b"", timeout=timeout)
-    except nats.errors.NoRespondersError:
-        raise InfrastructureError(f"no bucket {bucket} answers direct gets") from None
-    except nats.errors.TimeoutError:
-        raise InfrastructureTimeout(f"reading object {name} of {bucket} timed out") from None
+    msg = await _get(nc, f"{api}.DIRECT.GET.{stream}.{meta_subject}", timeout,
+                     absent=f"no bucket {bucket} answers direct gets",
+                     slow=f"reading object {name} of {bucket} timed out")
     status = (msg.headers or {}).get("Status")
     if status:
         raise NotFound(f"no object {name} in bucket {bucket} (status {status})")
