@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
+from controlplane.ops.auth import LocalAuth, ensure_local
 from controlplane.ops.nats_server import EmbeddedNats
 from controlplane.store.admin import AdminClient
 from controlplane.store.eventstore import JetStreamEventLog
@@ -31,3 +32,11 @@ async def log(nats_server: EmbeddedNats) -> AsyncIterator[JetStreamEventLog]:
 async def admin(nats_server: EmbeddedNats, log: JetStreamEventLog) -> AsyncIterator[AdminClient]:
     async with await AdminClient.open(nats_server.url, timeout=20) as a:
         yield a
+
+
+@pytest.fixture(scope="module")
+def auth(tmp_path_factory: pytest.TempPathFactory) -> LocalAuth:
+    """Users for two nodes (node-a.cluster, node-b.cluster) and two clients (alice, bob), made as
+    `ndif up` makes them: the attack tests' accounts (a module may override it)."""
+    return ensure_local(["node-a.cluster", "node-b.cluster"], clients=["alice", "bob"],
+                        home=tmp_path_factory.mktemp("home"))

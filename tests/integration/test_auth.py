@@ -53,11 +53,6 @@ MODEL = "openai-community/gpt2"
 
 
 @pytest.fixture(scope="module")
-def auth(tmp_path_factory: pytest.TempPathFactory) -> LocalAuth:
-    return ensure_local([NODE_A, NODE_B], clients=["alice", "bob"], home=tmp_path_factory.mktemp("home"))
-
-
-@pytest.fixture(scope="module")
 def secured(auth: LocalAuth, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedNats]:
     srv = EmbeddedNats(tmp_path_factory.mktemp("nats"), config_file=auth.config_path)
     srv.start()

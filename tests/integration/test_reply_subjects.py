@@ -28,7 +28,7 @@ import nats.js.errors
 import pytest
 import pytest_asyncio
 
-from controlplane.ops.auth import LocalAuth, ensure_local
+from controlplane.ops.auth import LocalAuth
 from controlplane.ops.nats_server import EmbeddedNats
 from controlplane.store.credentials import Creds
 from controlplane.store.eventstore import JetStreamEventLog
@@ -63,11 +63,6 @@ MODEL = canonical_model_key("openai-community/gpt2")
 ST = REQUEST_STATUS_BUCKET
 BOB_RID = "bobs-request"
 ALICE_RID = "alices-request"
-
-
-@pytest.fixture(scope="module")
-def auth(tmp_path_factory: pytest.TempPathFactory) -> LocalAuth:
-    return ensure_local([NODE_A, NODE_B], clients=["alice", "bob"], home=tmp_path_factory.mktemp("home"))
 
 
 @pytest.fixture(scope="module")
