@@ -517,12 +517,15 @@ def add_admin_commands(sub: Any) -> None:
     p.add_argument("--model-roots", default=None,
                    help="directories (separated by ':') under which a model a request names may live "
                         "(env NDIF_MODEL_ROOTS; default $NDIF_HOME/models); the operator's own deploys are not limited")
-    p.add_argument("--snapshot-every", type=int, default=SNAPSHOT_EVERY,
-                   help="events between snapshots of the fold (0: not by count; default %(default)s)")
-    p.add_argument("--snapshot-every-s", type=float, default=SNAPSHOT_EVERY_S,
-                   help="seconds between snapshots when the log moved (0: not by time; default %(default)s)")
-    p.add_argument("--snapshot-keep", type=int, default=None,
-                   help="snapshots kept, the newest (default: every one, so any past seq is one snapshot away)")
+    snapshot_flags: list[tuple[str, type, object, str]] = [
+        ("--snapshot-every", int, SNAPSHOT_EVERY, "events between snapshots of the fold (0: not by count; "
+         "default %(default)s)"),
+        ("--snapshot-every-s", float, SNAPSHOT_EVERY_S, "seconds between snapshots when the log moved (0: not by "
+         "time; default %(default)s)"),
+        ("--snapshot-keep", int, None, "snapshots kept, the newest (default: every one, so any past seq is one "
+         "snapshot away)")]
+    for flag, kind, default, text in snapshot_flags:
+        p.add_argument(flag, type=kind, default=default, help=text)
 
 
 def add_dashboard_command(sub: Any) -> None:

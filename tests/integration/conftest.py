@@ -34,9 +34,12 @@ async def admin(nats_server: EmbeddedNats, log: JetStreamEventLog) -> AsyncItera
         yield a
 
 
+NODE_A, NODE_B = "node-a.cluster", "node-b.cluster"  # the attack tests' two nodes
+
+
 @pytest.fixture(scope="module")
 def auth(tmp_path_factory: pytest.TempPathFactory) -> LocalAuth:
     """Users for two nodes (node-a.cluster, node-b.cluster) and two clients (alice, bob), made as
     `ndif up` makes them: the attack tests' accounts (a module may override it)."""
-    return ensure_local(["node-a.cluster", "node-b.cluster"], clients=["alice", "bob"],
+    return ensure_local([NODE_A, NODE_B], clients=["alice", "bob"],
                         home=tmp_path_factory.mktemp("home"))

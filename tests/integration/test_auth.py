@@ -45,10 +45,10 @@ from schemas.subjects import (
     status_key,
     status_subject,
 )
+from tests.integration.conftest import NODE_A, NODE_B
 from tests.integration.probe import Probe, Spy
 
 pytestmark = pytest.mark.timeout(120)
-NODE_A, NODE_B = "node-a.cluster", "node-b.cluster"
 MODEL = "openai-community/gpt2"
 
 

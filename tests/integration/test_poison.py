@@ -60,10 +60,10 @@ from schemas.subjects import (
 from tests.conftest import bounded
 from tests.fake_runtime import FakeRuntime
 from tests.integration.cluster import ndif
+from tests.integration.conftest import NODE_A, NODE_B
 from tests.waiting import until, until_state
 
 pytestmark = pytest.mark.timeout(180)
-NODE_A, NODE_B = "node-a.cluster", "node-b.cluster"
 GB = 10**9
 TWO_80 = NodeInventory(cards=(CardGroup(count=2, memory_bytes=80 * GB, kind="H100"),))
 INVENTORY = Inventory(nodes={NODE_A: TWO_80, NODE_B: TWO_80})

@@ -8,13 +8,14 @@ shows the heartbeat's age and marks a dead node stale.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -63,20 +64,32 @@ def ups(tmp_path: Path) -> Iterator[list[Up]]:
         u.stop()
 
 
-async def _last_seq(url: str, home: Path) -> int:
+def started(tmp_path: Path, ups: list[Up], name: str, *args: str) -> tuple[Up, str, int]:
+    """An `ndif up` on a free port (stopped at the end of the test): it, its URL and its port."""
+    port = free_port()
+    up = Up(tmp_path, name, port, *args)
+    ups.append(up)
+    return up, f"nats://127.0.0.1:{port}", port
+
+
+@contextlib.asynccontextmanager
+async def _admin_log(url: str, home: Path) -> AsyncIterator[JetStreamEventLog]:
+    """The event log as the admin of the `ndif up` whose home is `home`."""
     log = await JetStreamEventLog.open(url, ensure=False, creds=load_creds(creds_file("admin", home=home)))
     try:
-        return int((await log.js.stream_info("NDIF_EVENTS")).state.last_seq)
+        yield log
     finally:
         await log.close()
 
 
+async def _last_seq(url: str, home: Path) -> int:
+    async with _admin_log(url, home) as log:
+        return int((await log.js.stream_info("NDIF_EVENTS")).state.last_seq)
+
+
 async def test_a_second_up_on_a_port_in_use_fails_in_one_line_and_appends_nothing(
         tmp_path: Path, ups: list[Up]) -> None:
-    port = free_port()
-    url = f"nats://127.0.0.1:{port}"
-    first = Up(tmp_path, "first", port)  # no --gpus on a CPU machine: warned, not silent
-    ups.append(first)
+    first, url, port = started(tmp_path, ups, "first")  # no --gpus on a CPU machine: warned, not silent
     await asyncio.to_thread(first.wait_running)
     assert "no GPU found" in first.err.read_text() and "--gpus N" in first.err.read_text()
     before = await _last_seq(url, first.home)
@@ -100,10 +113,7 @@ async def test_a_second_up_on_a_port_in_use_fails_in_one_line_and_appends_nothin
 
 async def test_kill_9_of_up_leaves_no_process_behind_and_status_marks_the_node_stale(
         tmp_path: Path, ups: list[Up]) -> None:
-    port = free_port()
-    url = f"nats://127.0.0.1:{port}"
-    up = Up(tmp_path, "up", port, "--gpus", "1")
-    ups.append(up)
+    up, url, port = started(tmp_path, ups, "up", "--gpus", "1")
     await asyncio.to_thread(up.wait_running)
     await asyncio.sleep(2.0)  # Ray's helper agents are up by now, and the watchdog has seen them
     kids = descendants(up.proc.pid)
@@ -146,21 +156,15 @@ async def _events(url: str, home: Path) -> list[tuple[int, bytes]]:
     """Every stored event as (seq, its encoded body): what the log acknowledged, byte for byte."""
     import msgspec
 
-    log = await JetStreamEventLog.open(url, ensure=False, creds=load_creds(creds_file("admin", home=home)))
-    try:
+    async with _admin_log(url, home) as log:
         return [(seq, msgspec.json.encode(item)) async for batch in log.read_batches() for seq, item in batch]
-    finally:
-        await log.close()
 
 
 async def test_a_second_up_on_the_same_home_refuses_before_opening_the_store_and_the_log_keeps_what_it_acked(
         tmp_path: Path, ups: list[Up]) -> None:
     from dataplane.node.tiny_models import make_tiny_gpt2
 
-    port = free_port()
-    url = f"nats://127.0.0.1:{port}"
-    first = Up(tmp_path, "first", port, "--gpus", "1")
-    ups.append(first)
+    first, url, port = started(tmp_path, ups, "first", "--gpus", "1")
     model = await asyncio.to_thread(make_tiny_gpt2, tmp_path / "models" / "tiny-gpt2")
     await asyncio.to_thread(first.wait_running)
     ran = await ndif(url, "deploy", str(model), "--replicas", "1", env={"NDIF_HOME": str(first.home)})

@@ -80,16 +80,27 @@ def queued_positions(stack: Stack, request_id: str) -> list[int]:
     return out
 
 
+async def warmed(stack: Stack, tmp_path: Any, user: str) -> str:
+    """A model whose replica has served one request of `user` (deployed and loaded): its key."""
+    mk = checkpoint(tmp_path, "tiny")
+    warm = request(mk, 0, user=user)
+    await stack.serving.submit(warm)
+    assert (await final(stack, warm)).status is R.COMPLETED
+    return mk
+
+
+async def submit_all(stack: Stack, mk: str, user: str, n: int) -> list[Any]:
+    reqs = [request(mk, f"{user}:{i}", user=user) for i in range(n)]  # type: ignore[arg-type]
+    for r in reqs:
+        await stack.serving.submit(r)
+    return reqs
+
+
 async def test_a_light_user_is_served_while_a_heavy_users_backlog_is_still_large(fair: tuple[Stack, SlowCaller],
                                                                                  tmp_path: Any) -> None:
     stack, caller = fair
-    mk = checkpoint(tmp_path, "tiny")
-    warm = request(mk, 0, user="heavy")
-    await stack.serving.submit(warm)
-    assert (await final(stack, warm)).status is R.COMPLETED
-    heavy = [request(mk, f"heavy:{i}", user="heavy") for i in range(400)]  # type: ignore[arg-type]
-    for r in heavy:
-        await stack.serving.submit(r)
+    mk = await warmed(stack, tmp_path, "heavy")
+    heavy = await submit_all(stack, mk, "heavy", 400)
     proc = next(iter(stack.dispatcher.processors.values()))
     await until(lambda: proc.queue.queued("heavy") > 300, timeout=10)
     light = [request(mk, f"light:{i}", user="light") for i in range(10)]  # type: ignore[arg-type]
@@ -113,13 +124,8 @@ async def test_a_light_user_is_served_while_a_heavy_users_backlog_is_still_large
 async def test_a_user_past_its_queued_limit_is_refused_at_once_with_the_limit_and_count(
         limited: tuple[Stack, SlowCaller], tmp_path: Any) -> None:
     stack, _ = limited
-    mk = checkpoint(tmp_path, "tiny")
-    warm = request(mk, 0, user="other")
-    await stack.serving.submit(warm)
-    assert (await final(stack, warm)).status is R.COMPLETED
-    reqs = [request(mk, f"heavy:{i}", user="heavy") for i in range(30)]  # type: ignore[arg-type]
-    for r in reqs:
-        await stack.serving.submit(r)
+    mk = await warmed(stack, tmp_path, "other")
+    reqs = await submit_all(stack, mk, "heavy", 30)
     finals = [await final(stack, r) for r in reqs]  # every one ends: nothing dropped
     refused = [s for s in finals if s.status is R.ERROR]
     assert refused and all(s.error == "QueueLimitExceeded" and s.limit == 5 and s.count == 5 for s in refused)
