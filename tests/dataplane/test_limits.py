@@ -74,7 +74,7 @@ async def test_a_model_no_node_can_hold_ends_at_once_with_the_reason(service: di
         # More requests for it end the same way without asking the controller again.
         jobs = [await c.submit(str(models["llama"]), {"op": "forward", "input_ids": [[i + 1]]}) for i in range(5)]
         for j in jobs:
-            with pytest.raises(RequestFailed, match=r"largest card is 80\.00 GB"):
+            with pytest.raises(RequestFailed, match=r"largest card is 74\.51 GiB"):
                 await j.result(timeout=20)
     assert after_first[len(before):] == ["CommandDecided", "DeploymentRequested", "PlacementRejected"]
     assert await _events(lg, models["llama"]) == after_first
