@@ -352,7 +352,7 @@ class ClusterState(Projection):
             case RolloutUpdated():
                 m = self._model(ev.model_key)
                 self.models[ev.model_key] = _replace(m, rollout=ev.remaining,
-                                                     rollout_current=ev.current if ev.remaining else None,
+                                                     rollout_current=ev.current,
                                                      since_seq=seq)
             case ModelUndeployed():
                 known = self.models.get(ev.model_key)
