@@ -10,7 +10,6 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
-import nats
 import pytest
 import pytest_asyncio
 
@@ -27,6 +26,7 @@ from schemas.keys import canonical_model_key
 from schemas.subjects import REQUESTS_STREAM, request_subject
 from tests.conftest import bounded
 from tests.dataplane.conftest import kill_all_actors
+from tests.integration.probe import raw_connect
 
 pytestmark = pytest.mark.timeout(300)
 GB = 10**9
@@ -73,7 +73,7 @@ async def stack(secured: EmbeddedNats, auth: LocalAuth, local_ray: str) -> Async
 async def poison(url: str, auth: LocalAuth, mk: str, tag: str) -> list[str]:
     """Alice's poison requests on her own subject of the model; their request ids."""
     alice = auth.role("client:alice")
-    nc: Any = await nats.connect(url, max_reconnect_attempts=1, **alice.connect_options())
+    nc: Any = await raw_connect(url, **alice.connect_options())
     try:
         for rid, body in POISONS.items():
             await nc.jetstream().publish(request_subject(mk, "alice"), body,

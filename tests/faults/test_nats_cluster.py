@@ -39,6 +39,7 @@ from schemas.events import Event
 from schemas.subjects import EVENTS_STREAM, REQUEST_STATUS_BUCKET, REQUESTS_STREAM
 from tests.agent_sim import GB, ScriptedAgent
 from tests.conftest import bounded, dump_tasks
+from tests.integration.probe import raw_connect
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.long]
 COMMANDS = 2000
@@ -280,7 +281,7 @@ async def test_accounts_on_a_three_server_cluster(tmp_path: Path, monkeypatch: p
                 await asyncio.sleep(0.5)
         agent = await JetStreamEventLog.open(c.url, ensure=False, creds=auth.role(f"agent:{node}"), role="agent")
         disp = await JetStreamEventLog.open(c.url, ensure=False, creds=auth.role("dispatcher"), role="dispatcher")
-        spy = await nats.connect(c.url.split(",")[1], **auth.role("admin").connect_options())
+        spy = await raw_connect(c.url.split(",")[1], max_reconnect_attempts=60, **auth.role("admin").connect_options())
         try:
             for name in (EVENTS_STREAM, REQUESTS_STREAM, f"KV_{REQUEST_STATUS_BUCKET}", "KV_ndif_heartbeats"):
                 assert (await admin.js.stream_info(name)).config.num_replicas == 3, name

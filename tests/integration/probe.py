@@ -9,9 +9,17 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-import nats
-
 from controlplane.store.credentials import Creds
+from controlplane.store.eventstore import NdifNatsClient
+
+
+async def raw_connect(url: str, **options: Any) -> Any:
+    """A connection without `connect()`'s settings (one reconnect attempt, the caller's callbacks),
+    on the client whose `flush()` puts what was sent before it on the server first."""
+    options.setdefault("max_reconnect_attempts", 1)
+    nc = NdifNatsClient()
+    await nc.connect(url, **options)
+    return nc
 
 
 class Probe:
@@ -29,7 +37,7 @@ class Probe:
         async def error_cb(e: Exception) -> None:
             errors.append(str(e))
 
-        nc = await nats.connect(url, error_cb=error_cb, max_reconnect_attempts=1, **creds.connect_options())
+        nc = await raw_connect(url, error_cb=error_cb, **creds.connect_options())
         return cls(nc, errors, creds)
 
     @property
@@ -66,7 +74,7 @@ class Spy:
 
     @classmethod
     async def open(cls, url: str, admin: Creds, subjects: list[str]) -> Spy:
-        self = cls(await nats.connect(url, max_reconnect_attempts=1, **admin.connect_options()))
+        self = cls(await raw_connect(url, **admin.connect_options()))
         for s in subjects:
             await self.watch(s)
         return self

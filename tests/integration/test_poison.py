@@ -61,6 +61,7 @@ from tests.conftest import bounded
 from tests.fake_runtime import FakeRuntime
 from tests.integration.cluster import ndif
 from tests.integration.conftest import NODE_A, NODE_B
+from tests.integration.probe import raw_connect
 from tests.waiting import until, until_state
 
 pytestmark = pytest.mark.timeout(180)
@@ -98,7 +99,7 @@ def checkpoint(root: Path, name: str) -> str:
 
 
 async def as_user(url: str, creds: Creds) -> Any:
-    return await nats.connect(url, max_reconnect_attempts=1, **creds.connect_options())
+    return await raw_connect(url, **creds.connect_options())
 
 
 async def append_raw(nc: Any, subject: str, body: bytes, msg_id: str) -> int:

@@ -54,7 +54,7 @@ from schemas.subjects import (
     status_key,
     status_subject,
 )
-from tests.integration.probe import Probe, Spy
+from tests.integration.probe import Probe, Spy, raw_connect
 
 pytestmark = pytest.mark.timeout(180)
 NODE_A, NODE_B = "node-a.cluster", "node-b.cluster"  # node B is dead: it never beats
@@ -160,7 +160,7 @@ def _asks(c: Creds) -> list[tuple[str, bytes, bool]]:
 async def _kept(url: str, auth: LocalAuth) -> dict[str, tuple[int, int]]:
     """For each target's stream: how many messages it keeps on the target's subject, and the sequence
     of the last one (a KV bucket keeps one per key: a write shows in the sequence), as the admin."""
-    nc = await nats.connect(url, **auth.role("admin").connect_options())
+    nc = await raw_connect(url, **auth.role("admin").connect_options())
     try:
         js = nc.jetstream()
         out = {}
@@ -244,7 +244,7 @@ async def test_the_sdk_takes_only_its_own_statuses_and_results(url: str, auth: L
     user outside it can do) counts only if it names the job's request id and user; a large result only
     if it is named after the job's own key."""
     rid, rid2 = "bobs-checked", "bobs-checked-ref"
-    admin = await nats.connect(url, **auth.role("admin").connect_options())
+    admin = await raw_connect(url, **auth.role("admin").connect_options())
     w, dlg = await _writer(url, auth)
     kv = await admin.jetstream().key_value(ST)
 
@@ -282,7 +282,7 @@ async def test_a_corrupt_kept_status_holds_no_request(url: str, auth: LocalAuth)
     """A kept status that is not one (junk, invalid UTF-8, nesting past the parser's depth) or names
     another request or user is no terminal status to the dispatcher: the request is not skipped as
     done and its real terminal status replaces it (not redelivered forever)."""
-    admin = await nats.connect(url, **auth.role("admin").connect_options())
+    admin = await raw_connect(url, **auth.role("admin").connect_options())
     w, dlg = await _writer(url, auth)
     kv = await admin.jetstream().key_value(ST)
     other = encoder.encode(StatusUpdate(request_id=ALICE_RID, status=RequestStatus.COMPLETED, ts=datetime.now(UTC),

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from nats.aio.client import Client
 
-from controlplane.store.eventstore import FastHeaderClient
+from controlplane.store.eventstore import NdifNatsClient
 
 names = st.text(alphabet=st.sampled_from("Ab-_: \t\x0bé1\x1c\x85"), max_size=12)
 values = st.text(max_size=20)
@@ -18,10 +18,10 @@ blocks = st.lists(st.one_of(lines, st.binary(max_size=30)), max_size=8).map(lamb
 @settings(max_examples=2000, deadline=None)
 @given(blocks)
 def test_same_as_nats_py(raw):
-    assert FastHeaderClient._parse_header_lines(raw) == Client._parse_header_lines(raw)
+    assert NdifNatsClient._parse_header_lines(raw) == Client._parse_header_lines(raw)
 
 
 def test_event_headers():
     raw = b"Nats-Msg-Id: abc\r\nNdif-Event: ReplicaLoaded\r\nNdif-Schema: 1\r\n\r\n"
-    assert FastHeaderClient._parse_header_lines(raw) == {"Nats-Msg-Id": "abc", "Ndif-Event": "ReplicaLoaded",
+    assert NdifNatsClient._parse_header_lines(raw) == {"Nats-Msg-Id": "abc", "Ndif-Event": "ReplicaLoaded",
                                                          "Ndif-Schema": "1"}

@@ -6,6 +6,7 @@ The rest of the package (topology, appends, feed, snapshots) works on a connecti
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import nats
 import nats.errors
@@ -36,14 +37,29 @@ def stream_seq(msg: Msg) -> int:
     return int(tokens[5] if len(tokens) == 9 else tokens[7])
 
 
-class FastHeaderClient(NatsClient):
-    """nats-py's client with an equivalent, faster header-line parser.
+class NdifNatsClient(NatsClient):
+    """nats-py's client with two fixes: `flush()` keeps its promise, and a faster header-line parser.
+
+    `flush()` promises that what the client sent before it has reached the server when it returns.
+    nats-py 2.16 writes the flush's PING straight to the socket while commands still wait in its
+    buffer, so the PONG can come back before the server has seen a SUB made just before: a
+    subscription "in place" after `flush()` then missed messages published at once from another
+    connection (the role-matrix test lost about one row in twelve). `_send_ping` here writes the
+    waiting commands first, so the PING follows them (tests/integration/test_flush_order.py).
 
     Upstream checks header names with `any(c.isspace() for c in key)`, a generator step per
     character of every header of every message: in a rebuild it was the largest single cost
     (about 40% of profiled time). `key.split() != [key]` is the same test done in C (an empty key
     passes both); tests/unit/test_header_parser.py checks equivalence against upstream.
     """
+
+    async def _send_ping(self, future: Any = None) -> None:
+        if self._transport is not None and self._pending_data_size > 0 and self.is_connected:
+            # as the flusher does (no await in between, so nothing is written twice)
+            self._transport.writelines(self._pending[:])
+            self._pending = []
+            self._pending_data_size = 0
+        await super()._send_ping(future)
 
     @staticmethod
     def _parse_header_lines(raw: bytes) -> dict[str, str]:
@@ -115,7 +131,7 @@ async def connect(url: str, *, name: str = "ndif", timeout: float = 5.0, creds: 
     async def reconnected_cb() -> None:
         logger.info("nats_reconnected", url=url)
 
-    nc = FastHeaderClient()
+    nc = NdifNatsClient()
     try:
         servers: str | list[str] = [u.strip() for u in url.split(",") if u.strip()] if "," in url else url
         await nc.connect(
