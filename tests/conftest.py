@@ -28,6 +28,10 @@ os.environ.pop("NDIF_CREDS", None)
 # The tests' checkpoints live in temp dirs (tmp_path): their controllers offer those to requests. The
 # tests of the model roots themselves give a controller its own (controlplane/service/registry.py).
 os.environ["NDIF_MODEL_ROOTS"] = tempfile.gettempdir()
+# Each test process keeps its Ray under a root of its own: `--ray-address auto` (the agent's default)
+# finds the cluster of that root only, so an agent a test starts joins this process's Ray, never a
+# developer's nor another pytest worker's. Short: Ray's socket paths must fit 107 bytes.
+os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="r", dir="/tmp")
 
 EXIT_GRACE_S = 120
 _exit_status = 0
