@@ -23,6 +23,7 @@ from controlplane.dashboard.model import (
     UnknownEntity,
     event_row,
     history_row,
+    with_cards,
 )
 from controlplane.store.rebuild import newest_snapshot
 from schemas.events import Event, ReplicaEvent
@@ -161,7 +162,7 @@ class Past:
             steps = await self._history_folded(mk, replica_id, lo, hi)
         if replica_id is not None and not steps and lo == 1 and (mk, replica_id) not in m.live.replicas:
             raise UnknownEntity(f"model {model[:200]!r} has no replica {replica_id}")
-        return {"model_key": mk, "name": display_name(mk), "replica_id": replica_id, "steps": steps,
+        return {"model_key": mk, "name": display_name(mk), "replica_id": replica_id, "steps": with_cards(steps),
                 "next_before": lo if lo > 1 else None}
 
     async def _history_folded(self, mk: str, replica_id: int | None, lo: int, hi: int) -> list[dict[str, Any]]:

@@ -29,6 +29,7 @@ from nats.aio.client import Client as NatsClient
 
 from controlplane.core.ports import EventLog
 from controlplane.dashboard.door import TOKEN_QUERY, Door, StreamSlots, add_security_headers, door_middleware
+from controlplane.dashboard.metrics import registry_for
 from controlplane.dashboard.model import (
     WINDOW,
     BadQuery,
@@ -41,6 +42,8 @@ from controlplane.dashboard.model import (
     touched,
 )
 from controlplane.dashboard.past import Past
+from controlplane.dashboard.routes import add_routes
+from controlplane.dashboard.sampler import QueueSamples
 from controlplane.service.follow import follow_log
 from controlplane.service.parts import Connect, Parts, connect_url, given, start_or_stop
 from controlplane.service.tasks import cancel_and_wait
@@ -64,7 +67,7 @@ MAX_QUEUE_CONSUMERS = 10_000  # consumers listed per round (256 a request)
 STATIC = resources.files("controlplane.dashboard") / "static"
 _enc = msgspec.json.Encoder()
 _CONTENT_TYPES = {".html": "text/html", ".js": "text/javascript", ".css": "text/css", ".png": "image/png",
-                  ".ico": "image/x-icon"}
+                  ".ico": "image/x-icon", ".txt": "text/plain"}
 
 
 def _error(status: int, message: str) -> web.Response:
@@ -131,6 +134,8 @@ class Dashboard:
         self.runner: web.AppRunner | None = None
         self.clients: set[asyncio.Queue[bytes | None]] = set()  # one per open live stream
         self.queues: dict[str, Any] = {"dispatcher": None, "error": "not asked yet", "models": {}}
+        self.samples = QueueSamples(queue_poll_s)  # the queue figures over time (routes.py, sampler.py)
+        self.metrics = registry_for(self)  # `/metrics` (metrics.py)
         self._tasks: list[asyncio.Task[None]] = []
         # Changes folded and not yet pushed (see _apply).
         self._rows: list[dict[str, Any]] = []
@@ -174,6 +179,7 @@ class Dashboard:
         app.router.add_get("/api/history", self._history)
         app.router.add_get("/api/queues", self._queues)
         app.router.add_get("/api/stream", self._stream)
+        add_routes(app, self)
         return app
 
     async def start(self) -> Dashboard:
@@ -289,6 +295,7 @@ class Dashboard:
             except Exception as exc:  # noqa: BLE001 - shown on the page as it is
                 q = {"dispatcher": None, "error": str(exc) or type(exc).__name__, "models": {}}
             self.queues = q
+            self.samples.record(time.time(), q)
             same = _enc.encode({k: v for k, v in q.items() if k != "asked_at"})
             if same != last and self.clients:  # pushed only when a figure changed
                 self._broadcast(b"event: queues\ndata: " + _enc.encode(q) + b"\n\n")
@@ -307,7 +314,8 @@ class Dashboard:
             out["dispatcher"] = d.get("dispatcher")
             for p in d.get("processors", []):
                 models[p["model_key"]] = {k: p.get(k) for k in (
-                    "status", "queued", "in_flight", "completed", "errors", "serving_replicas", "oldest_wait_s")}
+                    "status", "queued", "in_flight", "completed", "errors", "serving_replicas", "oldest_wait_s",
+                    "run_ms", "latency_s")}
         except (nats.errors.NoRespondersError, nats.errors.TimeoutError) as exc:
             out["error"] = f"no dispatcher answered ({type(exc).__name__})"
         # Every model's work-queue consumer in a few listing requests (256 a page), not one request each.
@@ -365,6 +373,9 @@ class Dashboard:
             seq, st = await self.past.at_time(at)
         body = state_json(st, last_seq=m.seq, live=seq >= m.seq)
         body["seq"] = seq
+        # Queue figures are not in the log: those this dashboard sampled at that time, or null.
+        t = body["ts"]
+        body["queues_at"] = self.samples.at(t) if t is not None and seq < m.seq else None
         return _json(body)
 
     async def _events(self, request: web.Request) -> web.StreamResponse:
