@@ -62,6 +62,20 @@ class UnknownEntity(LookupError):
     """A model or replica that is not in the log (HTTP 404)."""
 
 
+def int_param(q: Any, name: str, *, lo: int = 0, hi: int | None = None) -> int | None:
+    """An integer query parameter checked to lie in lo..hi (no `hi`: unbounded); None when absent."""
+    raw = q.get(name)
+    if raw is None or raw == "":
+        return None
+    try:
+        v = int(raw)
+    except ValueError:
+        raise BadQuery(f"{name} must be an integer, got {raw[:40]!r}") from None
+    if v < lo or (hi is not None and v > hi):
+        raise BadQuery(f"{name} must be in {lo}..{hi if hi is not None else 'inf'}, got {v}")
+    return v
+
+
 class Filter:
     """What an events page asks for, checked once (bad input is a BadQuery)."""
 

@@ -67,6 +67,12 @@ class Past:
         below = [s for s in self._states if s <= seq]
         return self._states[max(below)] if below else None
 
+    async def at(self, at: int | datetime) -> tuple[int, ClusterState]:
+        """The sequence and state of a position as `DashboardModel.parse_until` gives it."""
+        if isinstance(at, int):
+            return at, await self.at_seq(at)
+        return await self.at_time(at)
+
     async def at_time(self, t: datetime) -> tuple[int, ClusterState]:
         """The last sequence at or before `t` and the state there, as `ndif replay --until TIME`."""
         seq = self.model.seq_at_time(t)

@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry
 
 from controlplane.core.projections import ClusterState
 from controlplane.dashboard.metrics import CONTENT_TYPE, render
-from controlplane.dashboard.model import BadQuery, DashboardModel, anomalies_json
+from controlplane.dashboard.model import BadQuery, DashboardModel, anomalies_json, int_param
 from controlplane.dashboard.past import Past
 from controlplane.dashboard.sampler import QueueSamples
 
@@ -40,16 +40,9 @@ def _json(obj: Any) -> web.Response:
 
 
 def query_int(q: Any, name: str, *, lo: int, hi: int, default: int) -> int:
-    raw = q.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        v = int(raw)
-    except ValueError:
-        raise BadQuery(f"{name} must be an integer, got {raw[:40]!r}") from None
-    if not lo <= v <= hi:
-        raise BadQuery(f"{name} must be in {lo}..{hi}, got {v}")
-    return v
+    """`name` from the query, checked to lie in lo..hi; `default` when absent."""
+    v = int_param(q, name, lo=lo, hi=hi)
+    return default if v is None else v
 
 
 async def position(d: Served, q: Any) -> tuple[int, bool, float, ClusterState]:
@@ -62,11 +55,7 @@ async def position(d: Served, q: Any) -> tuple[int, bool, float, ClusterState]:
     if len(until) > 64:
         raise BadQuery("until is too long (a sequence number or an ISO time)")
     assert d.past is not None
-    at = m.parse_until(until)
-    if isinstance(at, int):
-        seq, st = at, await d.past.at_seq(at)
-    else:
-        seq, st = await d.past.at_time(at)
+    seq, st = await d.past.at(m.parse_until(until))
     if seq >= m.seq:
         return m.seq, True, time.time(), m.live
     return seq, False, st.max_ts.timestamp() if st.max_ts is not None else 0.0, st

@@ -35,13 +35,18 @@ def phase(state: ReplicaState | str, level: Level | str) -> str:
 
 
 def _phase(st: ReplicaState, level: Level) -> str:
+    return _state_phase(st) or level.value
+
+
+def _state_phase(st: ReplicaState) -> str | None:
+    """`failed`, `loading` or `draining` when the state says so; None when the level decides."""
     if st in _FAILED:
         return "failed"
     if st in _LOADING:
         return "loading"
     if st in _DRAINING:
         return "draining"
-    return level.value
+    return None
 
 
 _HOT = frozenset({S.AVAILABLE})  # of the states left after the ones above, those `ReplicaView.level` calls HOT
@@ -50,12 +55,9 @@ _HOT = frozenset({S.AVAILABLE})  # of the states left after the ones above, thos
 def replica_phase(r: ReplicaView) -> str:
     """`phase(r.state, r.level)`, without building the level (the fold calls this twice an event)."""
     st = r.state
-    if st in _FAILED:
-        return "failed"
-    if st in _LOADING:
-        return "loading"
-    if st in _DRAINING:
-        return "draining"
+    by_state = _state_phase(st)
+    if by_state is not None:
+        return by_state
     if r.on_gpu and st in _HOT:
         return "HOT"
     return "WARM" if r.cpu_bytes else "COLD"

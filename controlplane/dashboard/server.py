@@ -36,6 +36,7 @@ from controlplane.dashboard.model import (
     DashboardModel,
     UnknownEntity,
     event_row,
+    int_param,
     model_json,
     node_json,
     state_json,
@@ -77,19 +78,6 @@ def _error(status: int, message: str) -> web.Response:
 
 def _json(obj: Any) -> web.Response:
     return web.Response(body=_enc.encode(obj), content_type="application/json")
-
-
-def _int(q: Any, name: str, *, lo: int = 0, hi: int | None = None) -> int | None:
-    raw = q.get(name)
-    if raw is None or raw == "":
-        return None
-    try:
-        v = int(raw)
-    except ValueError:
-        raise BadQuery(f"{name} must be an integer, got {raw[:40]!r}") from None
-    if v < lo or (hi is not None and v > hi):
-        raise BadQuery(f"{name} must be in {lo}..{hi if hi is not None else 'inf'}, got {v}")
-    return v
 
 
 @web.middleware
@@ -366,11 +354,7 @@ class Dashboard:
         if len(until) > 64:
             raise BadQuery("until is too long (a sequence number or an ISO time)")
         assert self.past is not None
-        at = m.parse_until(until)
-        if isinstance(at, int):
-            seq, st = at, await self.past.at_seq(at)
-        else:
-            seq, st = await self.past.at_time(at)
+        seq, st = await self.past.at(m.parse_until(until))
         body = state_json(st, last_seq=m.seq, live=seq >= m.seq)
         body["seq"] = seq
         # Queue figures are not in the log: those this dashboard sampled at that time, or null.
@@ -382,8 +366,8 @@ class Dashboard:
         q = request.query
         assert self.past is not None
         rows, next_before = await self.past.events(
-            model=q.get("model") or None, replica_id=_int(q, "replica"), type_=q.get("type") or None,
-            actor=q.get("actor") or None, before=_int(q, "before", lo=1), limit=_int(q, "limit", lo=1, hi=1000) or 100)
+            model=q.get("model") or None, replica_id=int_param(q, "replica"), type_=q.get("type") or None,
+            actor=q.get("actor") or None, before=int_param(q, "before", lo=1), limit=int_param(q, "limit", lo=1, hi=1000) or 100)
         return _json({"events": rows, "next_before": next_before, "last_seq": self.model.seq})
 
     async def _history(self, request: web.Request) -> web.StreamResponse:
@@ -392,14 +376,14 @@ class Dashboard:
         if not model:
             raise BadQuery("history needs ?model=MODEL_KEY (and optionally &replica=ID)")
         assert self.past is not None
-        return _json(await self.past.history(model, _int(q, "replica"), before=_int(q, "before", lo=1)))
+        return _json(await self.past.history(model, int_param(q, "replica"), before=int_param(q, "before", lo=1)))
 
     async def _queues(self, request: web.Request) -> web.StreamResponse:
         return _json(self.queues)
 
     async def _stream(self, request: web.Request) -> web.StreamResponse:
         """Server-sent events: `update` (events + changed views), `queues`, `resync` (reload state)."""
-        since = _int(request.query, "since", lo=0)
+        since = int_param(request.query, "since", lo=0)
         m = self.model
         if since is not None and since > m.seq:
             raise BadQuery(f"since {since} is past the end of the log (last seq {m.seq})")
