@@ -16,6 +16,7 @@ from typing import Any
 import msgspec
 
 from dataplane.replica.model import LoadError
+from dataplane.replica.wire import Answer, Completed, NotRun
 from dataplane.runtime.ports import Found, Liveness, ReplicaSpec
 
 RKey = tuple[str, int]
@@ -121,3 +122,37 @@ class FakeRuntime:
     def _alive(self, handle: FakeProcess) -> None:
         if handle.dead:
             raise RuntimeError(f"the replica's process died: {handle.dead}")
+
+
+class FakeCaller:
+    """`ReplicaCaller` (dataplane/runtime/ports.py) over FakeRuntimes: the dispatcher's request path
+    without Ray. A call to a HOT process answers each request after `run_s` (the result echoes the
+    payload); a process that is not HOT answers NotRun, as a replica that left does."""
+
+    def __init__(self, runtimes: list[FakeRuntime], *, run_s: float = 0.01) -> None:
+        self.runtimes = runtimes
+        self.run_s = run_s
+        self.calls = 0
+
+    def lookup(self, model_key: str, replica_id: int) -> FakeProcess | None:
+        for rt in self.runtimes:
+            p = rt.processes.get((model_key, replica_id))
+            if p is not None and p.dead is None and p.level == "HOT":
+                return p
+        return None
+
+    async def run_batch(self, handle: FakeProcess, payloads: list[dict[str, Any]]) -> list[Answer]:
+        self.calls += 1
+        await asyncio.sleep(self.run_s)
+        if handle.dead is not None or handle.level != "HOT":
+            return [NotRun(reason=f"replica is {handle.level}") for _ in payloads]
+        return [Completed(result={"echo": p}, seconds=self.run_s) for p in payloads]
+
+    async def take_answer(self, handle: FakeProcess, reply: str) -> list[Answer] | None:
+        return None
+
+    async def calls_active(self, handle: FakeProcess, replies: list[str]) -> list[bool]:
+        return [False for _ in replies]
+
+    def gone(self, exc: BaseException) -> bool:
+        return False

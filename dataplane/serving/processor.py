@@ -32,6 +32,7 @@ from controlplane.core.projections.queue import ModelQueueView, processor_status
 from dataplane.replica.model import ReplicaNotHot, error_text
 from dataplane.replica.wire import Completed, NotRun, encode_call
 from dataplane.runtime.ports import ReplicaCaller
+from dataplane.serving.latency import LatencyHistogram
 from dataplane.serving.link import NoEndpoint, ReplicaLink, ReplyLost
 from dataplane.serving.ports import Delivery
 from schemas.requests import Request
@@ -113,6 +114,7 @@ class Processor:
         self.calls = 0  # replica calls made (a call may carry several short requests)
         self.link_calls = 0  # of which over the replica's NATS endpoint (the others through Ray)
         self.errors = 0
+        self.latency = LatencyHistogram()  # taken -> terminal answer, of requests answered here
         self._idle: collections.deque[tuple[int, asyncio.Future[_Call | None]]] = collections.deque()  # idle lanes
         self._actors: dict[int, Any] = {}
         self.exec_s: float | None = None  # recent run time of one request on a replica (moving average)
@@ -358,6 +360,7 @@ class Processor:
 
     def _error(self, p: Pending, rid: int, error: str, message: str) -> None:
         self.errors += 1
+        self.latency.observe(time.monotonic() - p.received)
         self.hooks.finish_soon(p, R.ERROR, replica_id=rid, error=error, message=message)
 
     async def _answers(self, call: _Call) -> None:
@@ -397,6 +400,7 @@ class Processor:
                     continue  # its terminal status (cancelled) is already written
                 if isinstance(a, Completed):
                     self.completed += 1
+                    self.latency.observe(time.monotonic() - p.received)
                     # The replica is free once it answered: the terminal status and the ack go out
                     # while this lane takes the next request.
                     self.hooks.finish_soon(p, R.COMPLETED, replica_id=rid, result=a.result)
@@ -423,4 +427,6 @@ class Processor:
             "users": {u: {"queued": q, "running": r} for u, (q, r) in sorted(
                 self.queue.users().items(), key=lambda kv: -sum(kv[1]))[:50]},
             "oldest_wait_s": round(time.monotonic() - min(p.received for p in self.queue), 3) if self.queue else None,
+            # Completion latency (dataplane/serving/latency.py): cumulative, readers take differences.
+            "latency_s": self.latency.snapshot(),
         }

@@ -350,8 +350,8 @@ async def test_an_append_the_log_refuses_for_a_while_is_retried() -> None:
 async def test_a_drain_that_timed_out_says_so_in_the_log_in_history_and_on_the_dashboard() -> None:
     """A dispatcher that serves the replica never answers (it died): the agent ends the drain after
     its timeout with reason `timeout`, which history and the dashboard show as such."""
+    from controlplane.core.reasons import event_reason
     from controlplane.dashboard.model import event_row
-    from controlplane.ops.render import event_reason
 
     log = MemoryEventLog()
     await log.append(start() + hot(0, (0,)) + [served(0, "dispatcher:gone"), evict(0, Level.COLD, drain=True)], None)

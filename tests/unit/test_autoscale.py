@@ -15,7 +15,7 @@ from controlplane.core.autoscale import decide_autoscale, decision_id, evaluate
 from controlplane.core.context import DecisionContext
 from controlplane.core.decide import decide
 from controlplane.core.projections.cluster import ClusterState, decode_snapshot, encode_snapshot
-from controlplane.ops.render import event_reason
+from controlplane.core.reasons import event_reason
 from schemas import events as E
 from schemas.autoscale import AutoscalePolicy, QueueFigures, decode_figures, sum_figures
 from schemas.commands import Autoscale, Limits, Scale, ScaleDown, decode_command

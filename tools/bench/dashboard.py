@@ -7,6 +7,7 @@ controller would have (every 10,000 events), starts the dashboard on it and meas
   state_p50_ms     GET /api/state (live), the whole body read, p50 of --samples
   scrub_p50_ms     GET /api/state?until=SEQ at random past sequences, p50 of --samples
   first_render_s   headless chromium: page.goto until the page has drawn the log's last seq
+  plots_drawn_s    ... until the plots (a model's four, a node's card memory) and lifelines are drawn
   live_lag_p99_ms  events appended at --rate per second for --live-s seconds (by another process):
                    from the append call to the frame that drew the event's seq (the page's own
                    record), p99; live_arrive_p99_ms: to the update's arrival in the page
@@ -222,7 +223,16 @@ async def main() -> None:
                 await page.wait_for_function(f"window.ndif && window.ndif.renderedSeq >= {last}", timeout=60_000,
                                              polling=20)
                 out["first_render_s"] = round(time.perf_counter() - t0, 2)
+                # Where it went: the state's fetch (request to parsed) and the first frame's script.
+                probe_t = await page.evaluate("window.ndif.t")
+                out["state_fetch_ms"] = round(probe_t["fetched"] - probe_t["fetch"], 1)
+                out["first_frame_script_ms"] = round(probe_t["lastFrameMs"], 1)
                 out["page_blocks"] = await page.evaluate("document.querySelectorAll('.block').length")
+                # The plots and lifelines are on: the selected model's four plots, its lifelines and
+                # the first node's card memory, asked after the first render.
+                await page.wait_for_function("window.ndif.plots.rev > 0 && window.ndif.plots.cards && "
+                                             "window.ndif.lifeline.rev > 0", timeout=60_000, polling=20)
+                out["plots_drawn_s"] = round(time.perf_counter() - t0, 2)
                 print(f"first render {out['first_render_s']} s ({out['page_blocks']} blocks drawn)", flush=True)
 
                 # Live: `rate` events a second from another process (as agents and controllers append),

@@ -1,0 +1,194 @@
+// Plots over time (uPlot, vendored: static/uPlot.iife.min.js) and the replica lifelines (SVG).
+// Every figure is asked for at the timeline's position: live, the window ends now and the plots
+// are asked again every few seconds; at a past seq, the window ends at that seq's time. Figures
+// from the log are exact; queue figures are what this dashboard sampled (marked "sampled").
+
+import { $, esc, fullTime, getJson, gibNum, hideTip, showTip } from "./util.js";
+
+const COLORS = { HOT: "#d9480f", WARM: "#f59f00", COLD: "#4dabf7", loading: "#868e96", draining: "#343a40", failed: "#c92a2a" };
+const CARD_COLORS = ["#1c7ed6", "#e8590c", "#2f9e44", "#ae3ec9", "#f08c00", "#0c8599", "#c2255c", "#5c940d"];
+const REFRESH_MS = 2000;
+const HEIGHT = 150;
+
+function stepped() { return window.uPlot.paths.stepped({ align: 1 }); }
+
+function makePlot(el, series, { yLabel, stepped: isStep = false, fmt, dots = false } = {}) {
+  const opts = {
+    width: Math.max(200, el.clientWidth), height: HEIGHT,
+    legend: { live: true },
+    cursor: { drag: { x: false, y: false } },
+    scales: { x: { time: true } },
+    tzDate: (ts) => window.uPlot.tzDate(new Date(ts * 1e3), "Etc/UTC"), // the page's times are UTC
+    axes: [{ space: 60 }, { label: yLabel, size: 50, values: fmt ? (u, vals) => vals.map(fmt) : undefined }],
+    series: [{ value: (u, v) => (v == null ? "-" : fullTime(v)) },
+      ...series.map((s) => ({ label: s.label, stroke: s.color, width: 1.5, spanGaps: false,
+        paths: isStep ? stepped() : undefined, points: { show: dots, size: 5 } }))],
+  };
+  return new window.uPlot(opts, [[], ...series.map(() => [])], el);
+}
+
+export class Trends {
+  constructor(probe) {
+    this.probe = probe;
+    probe.plots = { rev: 0, model: null, node: null, t1: null, queue: null, replicas: null, cards: null };
+    this.model = null; this.node = null; this.window = "900"; this.until = null;
+    this.charts = {};
+    this.busy = false; this.again = false;
+    this.timer = setInterval(() => { if (this.until === null && !document.hidden) this.refresh(); }, REFRESH_MS);
+    window.addEventListener("resize", () => this.resize());
+  }
+
+  ensureCharts() {
+    if (this.charts.queue || !window.uPlot) return !!this.charts.queue;
+    this.charts.queue = makePlot($("plot-queue"), [{ label: "waiting", color: "#1c7ed6" }, { label: "running", color: "#2f9e44" }], { stepped: true });
+    this.charts.rate = makePlot($("plot-rate"), [{ label: "completed/s", color: "#2f9e44" }, { label: "errors/s", color: "#c92a2a" }]);
+    this.charts.latency = makePlot($("plot-latency"), [{ label: "p50", color: "#1c7ed6" }, { label: "p99", color: "#ae3ec9" }],
+      { fmt: (v) => (v < 1 ? v.toFixed(3) : v.toFixed(1)), dots: true }); // a slice alone between gaps still shows
+    this.charts.replicas = makePlot($("plot-replicas"), Object.keys(COLORS).map((p) => ({ label: p, color: COLORS[p] })), { stepped: true });
+    return true;
+  }
+
+  resize() {
+    for (const [k, c] of Object.entries(this.charts)) {
+      const el = k === "node" ? $("plot-node") : $("plot-" + k);
+      if (c && el) c.setSize({ width: Math.max(200, el.clientWidth), height: HEIGHT });
+    }
+  }
+
+  set(changes) { Object.assign(this, changes); this.refresh(); }
+
+  async refresh() {
+    if (this.busy) { this.again = true; return; }
+    this.busy = true;
+    try {
+      do { this.again = false; await this.load(); } while (this.again);
+    } finally { this.busy = false; }
+  }
+
+  async load() {
+    if (!this.ensureCharts()) return;
+    const p = new URLSearchParams({ window: this.window, points: "300" });
+    if (this.until !== null) p.set("until", this.until);
+    const jobs = [];
+    if (this.model) jobs.push(getJson(`/api/series?${p}&model=${encodeURIComponent(this.model)}`).then((b) => this.drawModel(b)));
+    if (this.node) jobs.push(getJson(`/api/series?${p}&node=${encodeURIComponent(this.node)}`).then((b) => this.drawNode(b)));
+    try { await Promise.all(jobs); $("plots-note").textContent = ""; } catch (err) { $("plots-note").textContent = err.message; }
+  }
+
+  drawModel(b) {
+    const q = b.queue, r = b.replicas;
+    const scale = { min: b.t0, max: b.t1 };
+    this.charts.queue.setData([q.t, q.waiting, q.running]);
+    this.charts.rate.setData([q.t, q.completed_per_s, q.errors_per_s]);
+    this.charts.latency.setData([q.t, q.p50_s, q.p99_s]);
+    this.charts.replicas.setData([r.t, ...Object.keys(COLORS).map((k) => r[k])]);
+    for (const c of [this.charts.queue, this.charts.rate, this.charts.latency, this.charts.replicas]) c.setScale("x", scale);
+    const since = q.sampled_since;
+    for (const el of document.querySelectorAll("#plots .sampled-mark")) {
+      el.textContent = since == null ? "sampled: no sample yet" : `sampled by this dashboard since ${fullTime(since)} (not in the log)`;
+    }
+    const pr = this.probe.plots;
+    pr.rev += 1; pr.model = b.model_key; pr.t1 = b.t1; pr.live = b.live;
+    pr.queue = { t: q.t.slice(-60), completed_per_s: q.completed_per_s.slice(-60), waiting: q.waiting.slice(-60), p50_s: q.p50_s.slice(-60) };
+    pr.replicas = Object.fromEntries(Object.keys(COLORS).map((k) => [k, r[k].at(-1)]));
+  }
+
+  drawNode(b) {
+    const cards = b.node.cards;
+    const key = cards.map((c) => c.index).join(",");
+    if (this.nodeKey !== key || !this.charts.node) {
+      if (this.charts.node) this.charts.node.destroy();
+      $("plot-node").textContent = "";
+      this.charts.node = makePlot($("plot-node"), cards.map((c, i) => ({ label: `gpu${c.index} (of ${gibNum(c.total_bytes)} GiB)`,
+        color: CARD_COLORS[i % CARD_COLORS.length] })), { stepped: true, fmt: (v) => v.toFixed(v < 1 ? 2 : 0) });
+      this.nodeKey = key;
+    }
+    // Each card has its own change times: put them on one time axis (the value holds between changes).
+    const times = [...new Set(cards.flatMap((c) => c.t))].sort((a, b2) => a - b2);
+    const cols = cards.map((c) => {
+      let j = 0;
+      return times.map((t) => { while (j + 1 < c.t.length && c.t[j + 1] <= t) j++; return c.committed[j] / 2 ** 30; });
+    });
+    this.charts.node.setData([times, ...cols]);
+    this.charts.node.setScale("x", { min: b.t0, max: b.t1 });
+    const pr = this.probe.plots;
+    pr.node = b.node.node_id; pr.cards = cards.map((c) => c.committed.at(-1));
+  }
+}
+
+// ---- lifelines -----------------------------------------------------------------------------------
+
+const ROW = 16, LABEL = 190, AXIS = 18;
+
+export class Lifelines {
+  constructor(probe) {
+    this.probe = probe;
+    probe.lifeline = { rev: 0, replicas: [] };
+    this.data = null;
+    const el = $("lifeline");
+    el.addEventListener("mousemove", (e) => this.hover(e));
+    el.addEventListener("mouseleave", hideTip);
+    el.addEventListener("click", (e) => {
+      const g = e.target.closest("[data-line]");
+      if (g && this.onPick) { const l = this.data.replicas[+g.dataset.line]; this.onPick(l.model_key, l.replica_id); }
+    });
+  }
+
+  async load({ model, window: win, until }) {
+    const p = new URLSearchParams({ window: win });
+    if (model) p.set("model", model);
+    if (until !== null) p.set("until", until);
+    try {
+      this.data = await getJson(`/api/lifeline?${p}`);
+      this.draw();
+      $("lifeline-note").textContent = this.data.truncated ? `(the ${this.data.replicas.length} replicas that moved last; ${this.data.truncated} more)` : "";
+    } catch (err) { $("lifeline-note").textContent = err.message; }
+  }
+
+  draw() {
+    const d = this.data, el = $("lifeline");
+    const width = Math.max(400, el.clientWidth), span = Math.max(1e-3, d.t1 - d.t0), plotW = width - LABEL - 8;
+    const x = (t) => LABEL + ((t - d.t0) / span) * plotW;
+    const ticks = [];
+    for (let i = 0; i <= 4; i++) {
+      const t = d.t0 + (span * i) / 4;
+      ticks.push(`<text x="${x(t).toFixed(1)}" y="12" class="tick" text-anchor="${i === 0 ? "start" : i === 4 ? "end" : "middle"}">${esc(fullTime(t).slice(11, 19))}</text>`);
+    }
+    const rows = d.replicas.map((l, i) => {
+      const y = AXIS + i * ROW;
+      let cursor = 0; // a segment too short to see is widened to 2 px, and the next starts after it
+      const segs = l.segments.map((s, j) => {
+        const x0 = Math.max(x(s.t0), cursor), w = Math.max(2, x(s.t1) - x0);
+        cursor = x0 + w;
+        return `<rect class="ph-${esc(s.phase)}${s.anomaly ? " anomaly" : ""}" x="${x0.toFixed(1)}" y="${y + 2}" width="${w.toFixed(1)}" height="${ROW - 4}" data-seg="${j}" data-phase="${esc(s.phase)}" data-state="${esc(s.state)}"></rect>`;
+      }).join("");
+      return `<g data-line="${i}" data-model="${esc(l.model_key)}" data-replica="${l.replica_id}"><text x="4" y="${y + ROW - 4}" class="lname">${esc(l.name.split("/").pop())} #${l.replica_id}</text>${segs}</g>`;
+    }).join("");
+    const h = AXIS + d.replicas.length * ROW + 4;
+    el.innerHTML = `<svg width="${width}" height="${h}" viewBox="0 0 ${width} ${h}">${ticks.join("")}${rows}</svg>` +
+      (d.replicas.length ? "" : `<p class="muted">no replica in this window</p>`);
+    const pr = this.probe.lifeline;
+    pr.rev += 1;
+    pr.replicas = d.replicas.map((l) => ({ model_key: l.model_key, replica_id: l.replica_id, phases: l.segments.map((s) => s.phase) }));
+  }
+
+  hover(e) {
+    const r = e.target.closest("rect[data-seg]");
+    if (!r) { hideTip(); return; }
+    const l = this.data.replicas[+r.parentNode.dataset.line], s = l.segments[+r.dataset.seg];
+    const secs = (s.t1 - s.t0).toFixed(s.t1 - s.t0 < 10 ? 2 : 0);
+    const lines = [
+      `${l.name} #${l.replica_id}: ${s.phase} (state ${s.state}, level ${s.level}, desired ${s.desired})`,
+      `${fullTime(s.t0)} to ${fullTime(s.t1)} (${secs} s)`,
+      `moved by seq ${s.seq} ${s.type} from ${s.actor}`,
+    ];
+    if (s.detail) lines.push(`  ${s.detail}`);
+    const d = s.decision;
+    if (d) {
+      lines.push(`decision: seq ${d.seq} ${d.type} by ${d.actor} (${d.verb ? d.verb + ", " : ""}command ${d.command_id})`);
+      if (d.detail && d.seq !== s.seq) lines.push(`  ${d.detail}`);
+    }
+    if (s.anomaly) lines.push(`anomaly: ${s.anomaly}`);
+    showTip(lines.join("\n"), e.clientX, e.clientY);
+  }
+}
