@@ -144,8 +144,9 @@ def _quiet(m: ModelView, now: datetime, delay_s: float) -> bool:
 
 def decision_id(state: ClusterState, model_key: str, token: str) -> str:
     """The command id of the next autoscale decision of a model: it names the model and the
-    position of its last autoscale event, so two controllers deciding on the same log append it
-    once (the second finds the id in the log, or decides on the state the first left)."""
+    position of its last autoscale event (the controller adds its own secret to it: see
+    `Controller._own`); two controllers deciding on the same log append it once (the second's
+    expected last sequence fails, and it decides on the state the first left)."""
     m = state.models.get(model_key)
     return f"autoscale-{token}-{m.autoscale_seq if m is not None else 0}"
 

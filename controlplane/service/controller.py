@@ -42,7 +42,7 @@ from controlplane.core.decide import (
 from controlplane.core.placement import MIN_DEPLOY_S, PADDING
 from controlplane.core.ports import EventLog, Stored
 from controlplane.core.projections import ClusterState
-from controlplane.service.clock import utcnow
+from controlplane.service.clock import new_id, utcnow
 from controlplane.service.committer import GroupCommitter
 from controlplane.service.follow import catch_up, follow_log
 from controlplane.service.parts import Connect, Parts, connect_url, given, start_or_stop
@@ -101,6 +101,12 @@ class Controller:
                  snapshot_every: int = SNAPSHOT_EVERY, snapshot_every_s: float = SNAPSHOT_EVERY_S,
                  snapshot_keep: int | None = None) -> None:
         self.parts = parts
+        # The controller's own decisions' ids end with a secret of this process: an id read from the
+        # log names a position, and anyone who may publish on an event subject may send any
+        # Nats-Msg-Id, so a predictable id could be taken first and the decision dropped as its
+        # duplicate. Two controllers deciding the same thing are kept apart by the append's
+        # expected last sequence (the second re-folds and finds it done), not by the id.
+        self._salt = new_id()[:12]
         # The operator's inventory, recorded in the log on start when it differs from the log's
         # (None: whatever the log holds stands). From the first one on, a node's capacity is what is
         # declared for it (controlplane/core/inventory.py).
@@ -152,6 +158,10 @@ class Controller:
         name = name or default_name()
         return cls(connect_url(url, name=name, creds=creds, role="controller", replicas=stream_replicas),
                    name=name, **settings)
+
+    def _own(self, cid: str) -> str:
+        """A decision's command id: its position in the log, then this controller's secret."""
+        return f"{cid}-{self._salt}"
 
     def _background(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.create_task(coro)
@@ -316,7 +326,7 @@ class Controller:
         """Record the operator's inventory (a `NodeDeclared` per node that changes); returns how many."""
         assert self.committer is not None
         digest = hashlib.blake2b(msgspec.json.encode(inventory), digest_size=6).hexdigest()
-        cid = f"inventory-{digest}-{self.state.seq}"
+        cid = self._own(f"inventory-{digest}-{self.state.seq}")
 
         def run(state: ClusterState) -> list[Event]:
             return decide_inventory(state, inventory, DecisionContext(now=utcnow(), actor=self.name, command_id=cid))
@@ -357,12 +367,13 @@ class Controller:
 
     async def _on_rollout(self, model_key: str) -> None:
         """The next step of a rolling restart, if the replica restarted last is back (or failed).
-        The step's id names the rollout's position, so two controllers append it once."""
+        The step's id names the rollout's position; two controllers append it once (the second's
+        expected last sequence fails, and it re-folds)."""
         assert self.committer is not None
         m = self.state.models.get(model_key)
         if m is None or not m.rollout:
             return
-        cid = f"policy-rollout-{model_token(model_key)}-{m.rollout_current}-{len(m.rollout)}-{m.since_seq}"
+        cid = self._own(f"policy-rollout-{model_token(model_key)}-{m.rollout_current}-{len(m.rollout)}-{m.since_seq}")
 
         def run(state: ClusterState) -> list[Event]:
             ctx = DecisionContext(now=utcnow(), actor=self.name, command_id=cid, seed=seed_of(cid))
@@ -377,7 +388,7 @@ class Controller:
 
     async def _on_failure(self, model_key: str, replica_id: int) -> None:
         assert self.committer is not None
-        cid = f"policy-failure-{model_token(model_key)}-{replica_id}-{self.state.seq}"
+        cid = self._own(f"policy-failure-{model_token(model_key)}-{replica_id}-{self.state.seq}")
 
         def run(state: ClusterState) -> list[Event]:
             ctx = DecisionContext(now=utcnow(), actor=self.name, command_id=cid, seed=seed_of(cid))
@@ -404,7 +415,7 @@ class Controller:
         while True:
             self._place_again = False
             if any(r.state is ReplicaState.LOST and r.desired is Level.HOT for r in self.state.replicas.values()):
-                cid = f"policy-unplaced-{self.state.seq}"
+                cid = self._own(f"policy-unplaced-{self.state.seq}")
 
                 def run(state: ClusterState, cid: str = cid) -> list[Event]:
                     ctx = DecisionContext(now=utcnow(), actor=self.name, command_id=cid, seed=seed_of(cid))
@@ -476,7 +487,7 @@ class Controller:
 
     async def _node_lost(self, node_id: str) -> None:
         assert self.committer is not None
-        cid = f"policy-node-lost-{node_token(node_id)}-{self.state.nodes[node_id].since_seq}"
+        cid = self._own(f"policy-node-lost-{node_token(node_id)}-{self.state.nodes[node_id].since_seq}")
 
         def run(state: ClusterState) -> list[Event]:
             ctx = DecisionContext(now=utcnow(), actor=self.name, command_id=cid, seed=seed_of(cid))
@@ -529,7 +540,7 @@ class Controller:
             return []  # the common case, decided without a turn of the committer
 
         def run(state: ClusterState) -> list[Event]:
-            cid = decision_id(state, model_key, model_token(model_key))
+            cid = self._own(decision_id(state, model_key, model_token(model_key)))
             ctx = DecisionContext(now=now, actor=self.name, command_id=cid, seed=seed_of(cid))
             return decide_autoscale(state, model_key, figures, ctx, min_deploy_s=self.min_deploy_s,
                                     headroom=self.headroom)

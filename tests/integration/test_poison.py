@@ -40,6 +40,7 @@ from dataplane.client import Client, RequestFailed
 from dataplane.node.agent import NodeAgent, declared_gpus
 from dataplane.serving.dispatcher import Dispatcher
 from dataplane.serving.dispatcher.intake import REQUEST_MAX_DELIVER
+from schemas import errors as errs
 from schemas import events as E
 from schemas.inventory import CardGroup, Inventory, NodeInventory
 from schemas.keys import canonical_model_key, display_name
@@ -187,6 +188,71 @@ async def test_junk_on_a_heartbeat_key_keeps_no_node_alive(url: str, auth: Local
     finally:
         await mallory.close()
         await bounded(legit.stop(), "agent.stop")
+        await bounded(ctl.stop(), "controller.stop")
+
+
+async def test_a_rollup_on_an_agents_own_heartbeat_key_erases_no_other_nodes(url: str, auth: LocalAuth) -> None:
+    """`Nats-Rollup: all` on its own key would purge the whole bucket: the bucket allows no rollup."""
+    honest = await as_user(url, auth.role(f"agent:{NODE_A}"))
+    mallory = await as_user(url, auth.role(f"agent:{NODE_B}"))
+    admin = await as_user(url, auth.role("admin"))
+    try:
+        await honest.jetstream().publish(f"$KV.{HEARTBEATS_BUCKET}.{node_token(NODE_A)}", NODE_A.encode())
+        with pytest.raises(nats.js.errors.Error):
+            await mallory.jetstream().publish(f"$KV.{HEARTBEATS_BUCKET}.{node_token(NODE_B)}", NODE_B.encode(),
+                                              headers={"Nats-Rollup": "all"})
+        kept = await admin.jetstream().get_last_msg(f"KV_{HEARTBEATS_BUCKET}",
+                                                    f"$KV.{HEARTBEATS_BUCKET}.{node_token(NODE_A)}")
+        assert kept.data == NODE_A.encode()
+    finally:
+        for nc in (honest, mallory, admin):
+            await nc.close()
+
+
+async def test_an_event_id_taken_first_is_no_proof_that_the_event_was_stored(url: str, auth: LocalAuth) -> None:
+    """Any holder of an event subject may send any Nats-Msg-Id: an append that JetStream drops as the
+    duplicate of someone else's message is refused, never reported as already appended."""
+    mallory = await as_user(url, auth.role(f"agent:{NODE_A}"))
+    log = await JetStreamEventLog.open(url, creds=auth.role("controller"), ensure=False)
+    try:
+        taken = await append_raw(mallory, node_subject(NODE_A), b'{"junk": 1}', "cmd-taken-first.0")
+        ev = E.NodeLost(event_id="cmd-taken-first.0", ts=datetime.now(UTC), actor="controller:t", node_id=NODE_B)
+        with pytest.raises(errs.InfrastructureError, match="is taken in the log by another message"):
+            await log.append([ev], taken)
+        assert await log.last_seq() == taken  # nothing appended
+    finally:
+        await mallory.close()
+        await log.close()
+
+
+async def test_an_agent_that_claims_the_controllers_next_ids_does_not_keep_a_dead_node_alive(
+        url: str, auth: LocalAuth) -> None:
+    """The ids a controller would derive from the log (its position) are claimed first by another
+    node's agent: the decision's id carries the controller's own secret, and the node is declared lost."""
+    ctl = await Controller.from_url(url, creds=auth.role("controller"), policy_interval_s=0.2,
+                                    heartbeat_grace_s=1.0).start()
+    victim = await as_user(url, auth.role(f"agent:{NODE_B}"))
+    mallory = await as_user(url, auth.role(f"agent:{NODE_A}"))
+    try:
+        joined = E.NodeJoined(event_id="b-joined", ts=datetime.now(UTC), actor=f"agent:{NODE_B}", node_id=NODE_B,
+                              gpus=declared_gpus(1, GB), cpu_cache_bytes=0)
+        since = await append_raw(victim, node_subject(NODE_B), E.encode_event(joined), "b-joined")
+        await victim.jetstream().publish(f"$KV.{HEARTBEATS_BUCKET}.{node_token(NODE_B)}", NODE_B.encode())
+        for i in range(4):  # what the position-only id would have been, for a decision of up to 4 events
+            await append_raw(mallory, node_subject(NODE_A), b"{}", f"policy-node-lost-{node_token(NODE_B)}-{since}.{i}")
+        stored: list[Any] = []
+
+        async def lost_in_the_log() -> bool:  # the log, not the controller's own view of what it appended
+            stored[:] = [e async for _, e in ctl.log.read(since + 1)]
+            return any(isinstance(e, E.NodeLost) and e.node_id == NODE_B for e in stored)
+
+        deadline = asyncio.get_running_loop().time() + 20
+        while not await lost_in_the_log():
+            assert asyncio.get_running_loop().time() < deadline, [type(e).__name__ for e in stored]
+            await asyncio.sleep(0.2)
+    finally:
+        await mallory.close()
+        await victim.close()
         await bounded(ctl.stop(), "controller.stop")
 
 

@@ -83,7 +83,15 @@ async def append(nc: NatsClient, js: JetStreamContext, events: Sequence[Event], 
             found = await _read_back(js, events, expected_last_seq)
             if found is not None:
                 return found
-            return AppendResult(first_seq=ack.seq - n + 1, last_seq=ack.seq, already_appended=True)
+            # Not where ours would be: the id is taken by a message at ack.seq. Ours only if it holds
+            # our event; a user who can publish on any event subject can send any Nats-Msg-Id, so a
+            # duplicate alone proves nothing.
+            if await _holds(js, ack.seq, events[-1]):
+                return AppendResult(first_seq=ack.seq - n + 1, last_seq=ack.seq, already_appended=True)
+            raise InfrastructureError(
+                f"append of {n} events refused: the event id {events[-1].event_id!r} is taken in the log by "
+                f"another message (seq {ack.seq}) and JetStream drops ours as its duplicate; nothing was "
+                "appended: decide again under a new command id")
         return AppendResult(first_seq=ack.seq - n + 1, last_seq=ack.seq)
     err = ack.error
     if err.err_code in (ERR_WRONG_LAST_SEQ, ERR_BATCH_DUPLICATE) and expected_last_seq is not None:
@@ -124,6 +132,15 @@ async def _publish_batch(nc: NatsClient, events: Sequence[Event], expected: int 
     hdr.update({"Nats-Batch-Id": batch_id, "Nats-Batch-Sequence": str(last), "Nats-Batch-Commit": "1"})
     msg = await nc.request(event_subject(ev), encode_event(ev), timeout=timeout, headers=hdr)
     return _ack_decoder.decode(msg.data)
+
+
+async def _holds(js: JetStreamContext, seq: int, ev: Event) -> bool:
+    """Whether the message at `seq` is `ev`, byte for byte."""
+    try:
+        raw = await js.get_msg(EVENTS_STREAM, seq, direct=True)
+    except (nats.js.errors.NotFoundError, nats.errors.TimeoutError, nats.errors.NoRespondersError):
+        return False
+    return bool(raw.data == encode_event(ev) and raw.headers and raw.headers.get(HDR_MSG_ID) == ev.event_id)
 
 
 async def _read_back(js: JetStreamContext, events: Sequence[Event], expected: int) -> AppendResult | None:

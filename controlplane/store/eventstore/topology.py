@@ -69,10 +69,14 @@ async def ensure(js: JetStreamContext, *, replicas: int, may_create: bool, start
                          api.KeyValueConfig(bucket=HEARTBEATS_BUCKET, ttl=HEARTBEAT_TTL_S,
                                             replicas=replicas, storage=api.StorageType.FILE, direct=True))
     info = await js.stream_info(f"KV_{HEARTBEATS_BUCKET}")
-    if not info.config.allow_direct:  # a bucket made by an earlier version
+    # No rollups: nats-py makes every bucket with them allowed, and an agent's put on its own key with
+    # `Nats-Rollup: all` would erase every other node's heartbeat (the server checks the subject,
+    # never the headers). Nothing here purges a heartbeat: a goodbye is an empty beat.
+    if not info.config.allow_direct or info.config.allow_rollup_hdrs:  # also a bucket made by an earlier version
         info.config.allow_direct = True
+        info.config.allow_rollup_hdrs = False
         await js.update_stream(info.config)
-        logger.info("stream_updated", stream=f"KV_{HEARTBEATS_BUCKET}", allow_direct=True)
+        logger.info("stream_updated", stream=f"KV_{HEARTBEATS_BUCKET}", allow_direct=True, allow_rollup_hdrs=False)
     # A request's status, as it is stored, is republished by the server on its status subject:
     # the terminal one (kept once, by compare-and-set) reaches the client the moment it is kept,
     # and only if it was (a losing write is never seen).
