@@ -247,7 +247,7 @@ async def child(mode: str, url: str, seed: int, samples: int, every: int) -> dic
         t0 = time.perf_counter()
         d = await Dashboard.from_url(url, port=0).start()
         started = time.perf_counter() - t0
-        async with aiohttp.ClientSession() as http, http.get(d.url + "api/state") as r:
+        async with aiohttp.ClientSession(headers=d.auth_headers()) as http, http.get(d.base_url + "api/state") as r:
             body = await r.read()
             assert r.status == 200, body[:200]
         first = time.perf_counter() - t0
