@@ -68,11 +68,20 @@ async def last_by_subject(nc: Any, stream: str, subject: str, *, timeout: float 
                      headers=h)
 
 
+class TooManyResults(InfrastructureError):
+    """A `multi_last` get matched more subjects than the server answers in one go (status 413)."""
+
+
 async def direct_batch(nc: Any, stream: str, seq: int, batch: int = MAX_BATCH, *, next_by_subj: str | None = None,
-                       timeout: float = 5.0, api: str = JS_API) -> list[DirectMsg]:
-    """Up to `batch` messages of `stream` from `seq` on (of `next_by_subj` only, if given); [] when none."""
-    req: dict[str, Any] = {"seq": max(int(seq), 1), "batch": max(1, min(int(batch), MAX_BATCH)),
-                           "max_bytes": MAX_BATCH_BYTES}
+                       multi_last: str | None = None, timeout: float = 5.0, api: str = JS_API) -> list[DirectMsg]:
+    """Up to `batch` messages of `stream` from `seq` on (of `next_by_subj` only, if given); [] when none.
+    `multi_last`: instead, the last message of each subject that matches it (TooManyResults when the
+    server will not answer that many at once)."""
+    req: dict[str, Any] = {"batch": max(1, min(int(batch), MAX_BATCH)), "max_bytes": MAX_BATCH_BYTES}
+    if multi_last:
+        req["multi_last"] = [multi_last]
+    else:
+        req["seq"] = max(int(seq), 1)
     if next_by_subj:
         req["next_by_subj"] = next_by_subj
     out: list[DirectMsg] = []
@@ -98,6 +107,8 @@ async def direct_batch(nc: Any, stream: str, seq: int, batch: int = MAX_BATCH, *
                                         f"({len(out)} messages received)") from None
     finally:
         await sub.unsubscribe()
+    if status == "413":
+        raise TooManyResults(f"direct get of {stream}: too many subjects match {multi_last!r}")
     if status == "503":
         raise InfrastructureError(f"no stream {stream} answers direct gets (missing, or allow_direct off)")
     if status not in ("204", "404"):
@@ -152,19 +163,38 @@ async def read_object(nc: Any, bucket: str, name: str, *, timeout: float = 5.0, 
 
 async def object_names(nc: Any, bucket: str, *, timeout: float = 5.0, api: str = JS_API) -> list[str]:
     """The names of the live objects of an Object Store bucket, by direct gets of its meta messages
-    (one per object: nats-py rolls each object's meta up to its last)."""
+    (one per object: nats-py rolls each object's meta up to its last).
+
+    First by one `multi_last` get (the last message of each meta subject, found by the stream's
+    subject index): a scan with `next_by_subj` walks the chunks between the metas, so its cost grew
+    with the bytes stored (200 snapshots of 300 KB: ~15-35 ms against ~4). If the server will not
+    answer that many subjects at once, by the scan."""
     stream, meta = f"OBJ_{bucket}", f"$O.{bucket}.M.>"
+    try:
+        got = await direct_batch(nc, stream, 1, MAX_BATCH, multi_last=meta, timeout=timeout, api=api)
+    except TooManyResults:
+        pass
+    else:
+        if len(got) < MAX_BATCH:
+            return _live_names(got)
     names: list[str] = []
     seq = 1
     while True:
         got = await direct_batch(nc, stream, seq, MAX_BATCH, next_by_subj=meta, timeout=timeout, api=api)
-        for m in got:
-            try:
-                info = msgspec.json.decode(m.data)
-            except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
-                continue  # not a meta message we can read: not an object
-            if isinstance(info, dict) and isinstance(info.get("name"), str) and not info.get("deleted"):
-                names.append(info["name"])
+        names.extend(_live_names(got))
         if len(got) < MAX_BATCH:
             return names
         seq = got[-1].seq + 1
+
+
+def _live_names(metas: list[DirectMsg]) -> list[str]:
+    """The names the meta messages give, less the deleted objects' and what cannot be read."""
+    names: list[str] = []
+    for m in metas:
+        try:
+            info = msgspec.json.decode(m.data)
+        except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
+            continue  # not a meta message we can read: not an object
+        if isinstance(info, dict) and isinstance(info.get("name"), str) and not info.get("deleted"):
+            names.append(info["name"])
+    return names

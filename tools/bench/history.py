@@ -21,7 +21,7 @@ and at --events only:
                              folds), p50 of --samples; one of them checked against a fold from seq 1
 The last line printed is one JSON object with the figures; progress goes to stderr.
 
-    python tools/bench/history.py [--events 1000000] [--snapshot-every 10000] [--starts 3] [--samples 30]
+    python tools/bench/history.py [--events 1000000] [--snapshot-every 5000] [--starts 3] [--samples 30]
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ from benchkit import Envelope, ReplicaRef, pct
 from controlplane.core.projections import encode_snapshot
 from controlplane.core.projections.snapshot import parse_name
 from controlplane.ops.nats_server import EmbeddedNats, die_with_parent
-from controlplane.service.snapshots import SnapshotWriter
+from controlplane.service.snapshots import SNAPSHOT_EVERY, SnapshotWriter
 from controlplane.store.eventstore import JetStreamEventLog
 from controlplane.store.rebuild import rebuild
 from schemas import events as E
@@ -247,7 +247,7 @@ async def child(mode: str, url: str, seed: int, samples: int, every: int) -> dic
         t0 = time.perf_counter()
         d = await Dashboard.from_url(url, port=0).start()
         started = time.perf_counter() - t0
-        async with aiohttp.ClientSession() as http, http.get(d.url + "api/state") as r:
+        async with aiohttp.ClientSession(headers=d.auth_headers()) as http, http.get(d.base_url + "api/state") as r:
             body = await r.read()
             assert r.status == 200, body[:200]
         first = time.perf_counter() - t0
@@ -377,7 +377,7 @@ async def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--events", type=int, default=1_000_000)
     ap.add_argument("--small", type=int, default=100_000, help="the first measuring point")
-    ap.add_argument("--snapshot-every", type=int, default=10_000)
+    ap.add_argument("--snapshot-every", type=int, default=SNAPSHOT_EVERY, help="the controller's default")
     ap.add_argument("--starts", type=int, default=3, help="new controller processes timed at each point")
     ap.add_argument("--samples", type=int, default=30, help="random past positions replayed")
     ap.add_argument("--child", help=argparse.SUPPRESS)
