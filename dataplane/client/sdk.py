@@ -42,7 +42,7 @@ from controlplane.store.eventstore import JetStreamEventLog
 from schemas import errors as errs
 from schemas.guard import Refused, decode_any
 from schemas.keys import canonical_model_key
-from schemas.requests import MAX_REQUEST_BYTES, Request, StatusUpdate, check_request_id, encoder, status_or_none
+from schemas.requests import MAX_REQUEST_BYTES, Request, StatusUpdate, check_request_id, encode_request, status_or_none
 from schemas.status import RequestStatus
 from schemas.subjects import (
     REQUEST_STATUS_BUCKET,
@@ -302,8 +302,8 @@ class Client:
         self.log  # noqa: B018  # ClientNotConnected before anything is built or listened to
         mk = canonical_model_key(model)
         rid = check_request_id(request_id or uuid.uuid4().hex)
-        body = encoder.encode(Request(request_id=rid, model_key=mk, payload=payload, submitted_at=datetime.now(UTC),
-                                      client=self.name))
+        body = encode_request(Request(request_id=rid, model_key=mk, payload=payload, submitted_at=datetime.now(UTC),
+                                     client=self.name))
         if len(body) > MAX_REQUEST_BYTES:
             raise errs.InvalidCommand(f"request of {len(body)} bytes is over the {MAX_REQUEST_BYTES} byte limit")
         job = Job(self, rid, mk)
