@@ -54,7 +54,7 @@ class _WireModelKey(metaclass=_AnyStr):
     (`class` left out when it is `WIRE_DEFAULT_CLASS`, `revision` when null), so `nats stream view` and `jq .model_key.repo_id` read it as
     fields. A string is accepted too and kept exactly as stored: events written before this
     encoding, and keys that are not canonical or carry kwargs other than repo_id/revision.
-    msgspec hands a field of this (custom) type to `_dec_hook` and checks that what it returns
+    msgspec hands a field of this (custom) type to `model_key_hook` and checks that what it returns
     `isinstance` the type: the metaclass makes every `str` pass.
     """
 
@@ -136,7 +136,8 @@ def _key_from_wire(obj: Any) -> str:
     return key
 
 
-def _dec_hook(typ: type, obj: Any) -> Any:
+def model_key_hook(typ: type, obj: Any) -> Any:
+    """msgspec's `dec_hook` for a struct with `ModelKey` fields (events, statuses, requests)."""
     if typ is _WireModelKey:
         return _key_from_wire(obj)
     raise NotImplementedError(typ)  # msgspec's dec_hook contract: "not a type this hook decodes"
@@ -437,7 +438,7 @@ class _TypeOnly(msgspec.Struct):
 
 
 _encoder = msgspec.json.Encoder()
-_decoder = msgspec.json.Decoder(AnyEvent, dec_hook=_dec_hook)
+_decoder = msgspec.json.Decoder(AnyEvent, dec_hook=model_key_hook)
 _type_decoder = msgspec.json.Decoder(_TypeOnly)
 
 

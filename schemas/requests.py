@@ -18,6 +18,7 @@ from typing import Any
 import msgspec
 
 from schemas.errors import InvalidCommand, decode_bounded
+from schemas.events import ModelKey, model_key_hook, model_ref
 from schemas.guard import Refused, decode_guarded
 from schemas.status import RequestStatus
 
@@ -34,7 +35,7 @@ _REQUEST_ID = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
 
 class Request(msgspec.Struct, frozen=True, kw_only=True):
     request_id: str
-    model_key: str
+    model_key: ModelKey  # on the wire an object, as in events (`encode_request`); a string is read too
     payload: dict[str, Any]
     submitted_at: datetime
     client: str = ""
@@ -47,7 +48,7 @@ class StatusUpdate(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True
     request_id: str
     status: RequestStatus
     ts: datetime
-    model_key: str = ""
+    model_key: ModelKey = ""  # on the wire an object, as in events (`encode_status`); a string is read too
     message: str = ""
     queue_position: int | None = None  # QUEUED: 0 = next
     wait_estimate_s: float | None = None  # QUEUED: seconds until it starts, by recent run times (None: unknown)
@@ -65,10 +66,23 @@ class StatusUpdate(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True
         return self.status.terminal
 
 
-_request_decoder = msgspec.json.Decoder(Request)
-_status_decoder = msgspec.json.Decoder(StatusUpdate)
+_request_decoder = msgspec.json.Decoder(Request, dec_hook=model_key_hook)
+_status_decoder = msgspec.json.Decoder(StatusUpdate, dec_hook=model_key_hook)
 status_decoder = _status_decoder  # raises on bad bytes: for tests reading what they wrote; services use decode_status
-encoder = msgspec.json.Encoder()
+encoder = msgspec.json.Encoder()  # writes a model key as its string: `encode_status` / `encode_request` write the object
+
+
+def encode_status(u: StatusUpdate) -> bytes:
+    """A status as published and kept: `model_key` as the object events carry (`schemas.events.model_ref`),
+    a key without that form (not canonical, extra kwargs, none) as the string it is."""
+    ref = model_ref(u.model_key) if u.model_key else None
+    return encoder.encode(u if ref is None else msgspec.structs.replace(u, model_key=ref))
+
+
+def encode_request(req: Request) -> bytes:
+    """A request as the SDK publishes it: `model_key` as the object events carry (as `encode_status`)."""
+    ref = model_ref(req.model_key) if req.model_key else None
+    return encoder.encode(req if ref is None else msgspec.structs.replace(req, model_key=ref))
 
 
 def decode_status(data: bytes) -> StatusUpdate | Refused:

@@ -30,6 +30,7 @@ REQUESTS_ALL = "ndif.req.>"
 COMMANDS_PREFIX = "ndif.cmd"
 STATUS_PREFIX = "ndif.status"
 REPLICA_CALLS_PREFIX = "ndif.run"
+REPLICA_LOGS_PREFIX = "ndif.logs"  # request/reply: a replica's recent log lines, from its node's agent (admin only)
 DISPATCHER_STATE = "ndif.dispatcher.state"  # request/reply: the dispatcher's queue view
 REQUEST_CONSUMER_PREFIX = "proc-"  # + <mtok>: a model's durable consumer on the request stream
 DISPATCHER_KILL = "ndif.dispatcher.kill"  # an admin's kill of a request; `.<user>`: a user's own
@@ -112,6 +113,17 @@ def replica_call_subject(model_key: str, replica_id: int, node_id: str = "") -> 
 def node_run_subjects(node_id: str) -> str:
     """The replica endpoints of one node: what its agent's user may subscribe to."""
     return f"{REPLICA_CALLS_PREFIX}.{node_token(node_id)}.>"
+
+
+def replica_logs_subject(node_id: str, model_key: str, replica_id: int) -> str:
+    """`ndif.logs.<ntok>.<mtok>.<replica_id>` (core request/reply): ask the agent of node `node_id`
+    for the replica's recent log lines (schemas/logs.py). Only the admin may publish here."""
+    return f"{REPLICA_LOGS_PREFIX}.{node_token(node_id)}.{model_token(model_key)}.{int(replica_id)}"
+
+
+def node_logs_subjects(node_id: str) -> str:
+    """`ndif.logs.<ntok>.>`: what one node's agent answers (and its account exports to the system's)."""
+    return f"{REPLICA_LOGS_PREFIX}.{node_token(node_id)}.>"
 
 
 def figures_subject(model_key: str) -> str:

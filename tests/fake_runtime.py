@@ -37,6 +37,7 @@ class FakeProcess:
         self.level = "COLD"
         self.devices: list[int] = []
         self.dead: str | None = None  # why it died
+        self.said: list[str] = []  # what the process wrote (the runtime's `recent_lines`)
 
 
 class FakeRuntime:
@@ -82,6 +83,7 @@ class FakeRuntime:
         if self.fail_loads(handle.spec.model_key):
             raise LoadError("sim: config.json is corrupt")
         handle.level, handle.devices = "HOT", list(devices)
+        handle.said.append(f"sim: loaded onto cards {list(devices)}")
 
     async def to_cache(self, handle: FakeProcess) -> int:
         self._alive(handle)
@@ -105,6 +107,11 @@ class FakeRuntime:
 
     async def ping(self, handle: FakeProcess, timeout_s: float) -> tuple[Liveness, str]:
         return (Liveness.DEAD, f"actor died: {handle.dead}") if handle.dead else (Liveness.ALIVE, "")
+
+    async def recent_lines(self, handle: FakeProcess, n: int) -> list[str]:
+        """The process's own newest `n` lines (the Ray runtime's come from the actor's ring)."""
+        self._alive(handle)
+        return handle.said[-n:]
 
     async def list(self) -> list[Found]:
         return [Found(model_key=mk, replica_id=rid, name=f"ModelActor:{mk}:{rid}") for mk, rid in self.processes]

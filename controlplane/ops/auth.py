@@ -92,6 +92,7 @@ from schemas.subjects import (
     STATUS_PREFIX,
     command_subject,
     kill_subject,
+    node_logs_subjects,
     node_run_subjects,
     node_token,
     replica_facts_from,
@@ -279,6 +280,7 @@ def permissions(role: str, *, name: str = "", node_id: str = "", clients: tuple[
         sub = [i.local for i in got if i.kind == "stream"] + [inbox]
         if role == "agent":
             sub.insert(0, node_run_subjects(node_id))  # its own node's replica endpoints, which it exports
+            sub.insert(1, node_logs_subjects(node_id))  # its own node's replicas' logs, asked by the admin only
     else:
         raise InvalidCommand(f"unknown role {role!r}: one of {', '.join(ROLES)}")
     # Only the roles that answer requests publish on the reply subjects they are given.
@@ -312,8 +314,9 @@ def accounts(users: list[Creds]) -> dict[str, Any]:
         "jetstream": "enabled",
         "users": [user_entry(c) for c in by_account.get(SYSTEM_ACCOUNT, [])],
         "exports": _exports(clients, readers),
-        "imports": [{"service": {"account": c.account, "subject": node_run_subjects(c.node_id)}}
-                    for c in {a.account: a for a in agents}.values()],
+        "imports": [{"service": {"account": c.account, "subject": subject(c.node_id)}}
+                    for c in {a.account: a for a in agents}.values()
+                    for subject in (node_run_subjects, node_logs_subjects)],
     }
     out: dict[str, Any] = {SYSTEM_ACCOUNT: system}
     for acc, members in sorted(by_account.items()):
@@ -325,7 +328,9 @@ def accounts(users: list[Creds]) -> dict[str, Any]:
                             for i in imports(first.role, name=first.name, node_id=first.node_id)]
         if first.role == "agent":
             entry["exports"] = [{"service": node_run_subjects(first.node_id), "accounts": [SYSTEM_ACCOUNT],
-                                 "response_threshold": REPLICA_CALL_RESPONSE_THRESHOLD}]
+                                 "response_threshold": REPLICA_CALL_RESPONSE_THRESHOLD},
+                                # the admin's `ndif logs` (in the system's account only the admin may publish there)
+                                {"service": node_logs_subjects(first.node_id), "accounts": [SYSTEM_ACCOUNT]}]
         out[acc] = entry
     return out
 

@@ -32,11 +32,13 @@ from controlplane.service.snapshots import SNAPSHOT_EVERY, SNAPSHOT_EVERY_S
 from controlplane.store.admin import AdminClient, resolve_name
 from controlplane.store.heartbeats import JetStreamHeartbeats, heartbeat_ages
 from schemas import errors as errs
+from schemas import logs as L
 from schemas.autoscale import AutoscalePolicy
 from schemas.commands import MAX_HEADROOM, CommandResult, ReplicaOutcome
 from schemas.events import Event, ReplicaEvent, RolloutUpdated, Skipped, event_tag
 from schemas.keys import canonical_model_key, display_name
 from schemas.status import Level, ReplicaState
+from schemas.subjects import replica_logs_subject
 from schemas.units import GiB, gib
 
 DEFAULT_URL = "nats://127.0.0.1:4222"
@@ -343,6 +345,58 @@ async def _history(a: argparse.Namespace, admin: AdminClient) -> int:
     return 0
 
 
+async def _logs(a: argparse.Namespace, admin: AdminClient) -> int:
+    """A replica's (or each of a model's replicas') recent log lines, asked of the agent of its node
+    (schemas/logs.py): 0 every agent answered; 3 no such replica; 5 an agent did not answer."""
+    import nats.errors
+
+    lines = L.check_lines(a.lines)
+    state = await admin.state()
+    mk = resolve_name(state, a.model)
+    name = display_name(mk)
+    reps = sorted((r for r in state.replicas.values() if r.model_key == mk and r.node_id
+                   and (a.replica_id is not None or r.state is not ReplicaState.UNLOADED)),
+                  key=lambda r: r.replica_id)
+    if a.replica_id is not None:
+        reps = [r for r in reps if r.replica_id == a.replica_id]
+        if not reps:
+            raise errs.NotFound(f"no such replica: {name} has no replica {a.replica_id} "
+                                "(`ndif status MODEL --all` lists them)")
+    if not reps:
+        raise errs.NotFound(f"{name} has no replica on any node (`ndif status MODEL --all` lists them)")
+    answers: list[dict[str, Any]] = []
+    worst = 0
+    for r in reps:
+        row: dict[str, Any] = {"replica_id": r.replica_id, "node_id": r.node_id, "state": str(r.state)}
+        try:
+            msg = await admin.log.nc.request(replica_logs_subject(r.node_id, mk, r.replica_id), L.encode_ask(lines),
+                                             timeout=min(a.timeout, 10.0))
+            got = L.decode_reply(msg.data)
+        except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
+            got = L.LogsReply(ok=False, error="InfrastructureError",
+                              message=f"no agent answered for node {r.node_id} (is its agent running?)")
+        except errs.InvalidCommand as exc:
+            got = L.LogsReply(ok=False, error="InfrastructureError", message=f"the agent's answer cannot be read: {exc}")
+        row.update(ok=got.ok, lines=got.lines, truncated=got.truncated)
+        if not got.ok:
+            row.update(error=got.error, message=got.message)
+            worst = max(worst, 5 if got.error != "NotFound" else 3)
+        answers.append(row)
+    if a.json:
+        _out({"ok": worst == 0, "model_key": mk, "replicas": answers})
+        return worst
+    for row in answers:
+        print(f"==> {name} replica {row['replica_id']} on {row['node_id']} ({row['state']}) <==")
+        if not row["ok"]:
+            print(f"error: replica {row['replica_id']}: {row['message']}", file=sys.stderr)
+            continue
+        if row["truncated"]:
+            print(f"(older lines left out; the newest {len(row['lines'])} shown)")
+        for line in row["lines"]:
+            print(line)
+    return worst
+
+
 async def _replay(a: argparse.Namespace, admin: AdminClient) -> int:
     until_seq, until_time = None, None
     if a.until.isdigit():
@@ -490,6 +544,12 @@ def add_admin_commands(sub: Any) -> None:
     p.add_argument("model", help=MODEL_HELP)
     p.add_argument("--replica-id", type=int, help="only this replica's events")
     common(p, json_flag=False)
+    p = sub.add_parser("logs", help="a replica's recent log lines, from the agent of its node (bounded)")
+    p.add_argument("model", help=MODEL_HELP)
+    p.add_argument("--replica-id", type=int, help="only this replica (default: each replica on a node)")
+    p.add_argument("--lines", type=int, default=L.DEFAULT_LINES,
+                   help=f"the newest N lines of each replica, 1-{L.MAX_LINES} (default %(default)s)")
+    common(p)
     p = sub.add_parser("replay", help="the cluster as it was at a sequence or time")
     common(p)
     p.add_argument("--until", required=True, help="sequence number or ISO time (with timezone)")
@@ -559,7 +619,7 @@ async def _dashboard(a: argparse.Namespace) -> int:
 
 ADMIN: dict[str, Callable[[argparse.Namespace, AdminClient], Coroutine[Any, Any, int]]] = {
     "deploy": _command, "scale": _command, "scale-down": _command, "evict": _command, "restart": _command,
-    "undeploy": _command, "autoscale": _command, "status": _status, "events": _events, "history": _history, "replay": _replay,
+    "undeploy": _command, "autoscale": _command, "status": _status, "events": _events, "history": _history, "logs": _logs, "replay": _replay,
 }
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import json
 import os
 import re
 import secrets
@@ -180,6 +181,25 @@ def load_creds(path: Path) -> Creds:
 
 def save_creds(c: Creds, path: Path) -> None:
     _write_private(path, msgspec.json.encode(c))
+
+
+def nats_context(c: Creds, url: str) -> dict[str, str]:
+    """The `nats` CLI's context (its `~/.config/nats/context/<name>.json` format: url, user, password,
+    inbox_prefix, jetstream_api_prefix) for one user: any NATS client can connect with these values
+    alone. A user outside the system's account reaches JetStream under `IMPORTED_JS_API`."""
+    ctx = {"description": f"ndif {c.role} user {c.user}", "url": url, "user": c.user, "password": c.password,
+           "inbox_prefix": c.inbox_prefix}
+    if c.account != SYSTEM_ACCOUNT:
+        ctx["jetstream_api_prefix"] = IMPORTED_JS_API
+    return ctx
+
+
+def write_nats_contexts(users: list[Creds], url: str, d: Path) -> Path:
+    """Write each user's `nats` context to `d/<user>.json` (`ndif up`: `$NDIF_HOME/auth/nats-context/`;
+    0600; written again on each start, since the URL may change); returns `d`."""
+    for c in users:
+        _write_private(d / f"{c.user}.json", json.dumps(nats_context(c, url), indent=2).encode() + b"\n")
+    return d
 
 
 # ---- the dashboard's operator token -------------------------------------------------------------

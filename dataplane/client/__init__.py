@@ -4,6 +4,6 @@ Installs with the base package alone (nats-py, msgspec, structlog): nothing here
 transformers or Ray (tests/unit/test_architecture.py checks `sys.modules` after the import).
 """
 
-from dataplane.client.sdk import DEFAULT_URL, Client, Job, QueueLimitExceeded, RequestFailed
+from dataplane.client.sdk import DEFAULT_URL, Client, ClientNotConnected, Job, QueueLimitExceeded, RequestFailed
 
-__all__ = ["DEFAULT_URL", "Client", "Job", "QueueLimitExceeded", "RequestFailed"]
+__all__ = ["DEFAULT_URL", "Client", "ClientNotConnected", "Job", "QueueLimitExceeded", "RequestFailed"]

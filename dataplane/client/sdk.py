@@ -42,7 +42,7 @@ from controlplane.store.eventstore import JetStreamEventLog
 from schemas import errors as errs
 from schemas.guard import Refused, decode_any
 from schemas.keys import canonical_model_key
-from schemas.requests import MAX_REQUEST_BYTES, Request, StatusUpdate, check_request_id, encoder, status_or_none
+from schemas.requests import MAX_REQUEST_BYTES, Request, StatusUpdate, check_request_id, encode_request, status_or_none
 from schemas.status import RequestStatus
 from schemas.subjects import (
     REQUEST_STATUS_BUCKET,
@@ -109,6 +109,14 @@ class QueueLimitExceeded(RequestFailed):
     @property
     def count(self) -> int | None:
         return self.status.count if self.status is not None else None
+
+
+class ClientNotConnected(RuntimeError):
+    """A `Client` used before `async with Client(...) as c:` connected it (or after it closed)."""
+
+
+NOT_CONNECTED = ("this Client is not connected: use it as `async with Client(...) as c:` "
+                 "(the connection is made on entering and closed on leaving)")
 
 
 class Job:
@@ -269,23 +277,33 @@ class Client:
         self.timeout = timeout
         self.creds = creds if creds is not None else resolve("client", url=self.url)
         self.user = self.creds.name if self.creds is not None and self.creds.role == "client" else ""
-        self.log: JetStreamEventLog = None  # type: ignore[assignment]
+        self._log: JetStreamEventLog | None = None
+
+    @property
+    def log(self) -> JetStreamEventLog:
+        """The connection; `ClientNotConnected` outside `async with Client(...)`."""
+        if self._log is None:
+            raise ClientNotConnected(NOT_CONNECTED)
+        return self._log
 
     async def __aenter__(self) -> Client:
-        self.log = await JetStreamEventLog.open(self.url, ensure=False, name=self.name, timeout=self.timeout,
-                                                creds=self.creds, role="client")
+        self._log = await JetStreamEventLog.open(self.url, ensure=False, name=self.name, timeout=self.timeout,
+                                                 creds=self.creds, role="client")
         return self
 
     async def __aexit__(self, t: type[BaseException] | None, e: BaseException | None,
                         tb: TracebackType | None) -> None:
-        await self.log.close()
+        log, self._log = self._log, None
+        if log is not None:
+            await log.close()
 
     async def submit(self, model: str, payload: dict[str, Any], *, request_id: str | None = None) -> Job:
         """Store the request durably and return its job (statuses are listened to before it is sent)."""
+        self.log  # noqa: B018  # ClientNotConnected before anything is built or listened to
         mk = canonical_model_key(model)
         rid = check_request_id(request_id or uuid.uuid4().hex)
-        body = encoder.encode(Request(request_id=rid, model_key=mk, payload=payload, submitted_at=datetime.now(UTC),
-                                      client=self.name))
+        body = encode_request(Request(request_id=rid, model_key=mk, payload=payload, submitted_at=datetime.now(UTC),
+                                     client=self.name))
         if len(body) > MAX_REQUEST_BYTES:
             raise errs.InvalidCommand(f"request of {len(body)} bytes is over the {MAX_REQUEST_BYTES} byte limit")
         job = Job(self, rid, mk)

@@ -27,6 +27,7 @@ failed; a WARM one whose actor is gone is reported unloaded. No orphan, no dupli
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import os
 import socket
@@ -48,7 +49,8 @@ from controlplane.store.eventstore import JetStreamEventLog
 from controlplane.store.heartbeats import STALE_S, JetStreamHeartbeats
 from dataplane.replica.actor import NAMESPACE, replica_resources
 from dataplane.runtime.ports import Liveness, ReplicaHandle, ReplicaRuntime, ReplicaSpec
-from schemas.errors import InfrastructureError
+from schemas import logs as L
+from schemas.errors import InfrastructureError, InvalidCommand
 from schemas.events import (
     Event,
     GpuInfo,
@@ -63,6 +65,7 @@ from schemas.events import (
     ReplicaUnloaded,
 )
 from schemas.status import DrainReason, Level, ReplicaState
+from schemas.subjects import model_token, node_logs_subjects
 
 logger = structlog.get_logger("ndif.agent")
 SCHEDULE_TIMEOUT_S = 60.0  # a replica actor Ray has not started by then is a failed load
@@ -110,8 +113,16 @@ class NodeAgent:
     def __init__(self, log: EventLog, heartbeats: Heartbeats, runtime: ReplicaRuntime, node_id: str | None = None, *,
                  gpus: tuple[GpuInfo, ...] | None = None, cpu_cache_bytes: int | None = None,
                  heartbeat_s: float = 2.0, drain_timeout_s: float = 30.0, health_interval_s: float = 1.0,
-                 execution_timeout_s: float = 60.0, hostname: str | None = None, owns_log: bool = False) -> None:
+                 execution_timeout_s: float = 60.0, hostname: str | None = None, owns_log: bool = False,
+                 nc: Any = None) -> None:
+        """`nc`: a NATS connection on which the agent answers `ndif logs` for its node's replicas
+        (`ndif.logs.<ntok>.>`); None: it keeps the lines but answers no one."""
         self.log = log
+        self.nc = nc
+        # replica -> its recent lines on this node (what the agent saw of it, and what its process
+        # said), the newest L.MAX_LINES kept; dropped when the fold forgets the replica
+        self.lines: dict[RKey, collections.deque[str]] = {}
+        self._logs_sub: Any = None
         self.heartbeats = heartbeats
         self.runtime = runtime
         self.owns_log = owns_log
@@ -158,7 +169,7 @@ class NodeAgent:
             runtime = RayRuntime(nats_url=url, nats_creds=creds)
         log = await JetStreamEventLog.open(url, ensure=False, name=f"agent:{node_id}", creds=creds, role="agent",
                                            node_id=node_id)
-        return cls(log, JetStreamHeartbeats(log.js, direct=True), runtime, node_id, owns_log=True, **kw)
+        return cls(log, JetStreamHeartbeats(log.js, direct=True), runtime, node_id, owns_log=True, nc=log.nc, **kw)
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
@@ -174,6 +185,8 @@ class NodeAgent:
         await self._adopt()
         await self.heartbeat_once()
         await self._append(self._joined())
+        if self.nc is not None:
+            self._logs_sub = await self.nc.subscribe(node_logs_subjects(self.node_id), cb=self._answer_logs)
         self._tasks += [asyncio.create_task(self._heartbeat(), name="agent-heartbeat"),
                         asyncio.create_task(self._follow(), name="agent-follow"),
                         asyncio.create_task(self._reconcile_loop(), name="agent-reconcile"),
@@ -195,6 +208,10 @@ class NodeAgent:
 
     async def halt(self) -> None:
         """Stop every loop and action at once, with no goodbye (what a dead node leaves behind)."""
+        sub, self._logs_sub = self._logs_sub, None
+        if sub is not None:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
         await cancel_and_wait([*self._tasks, *self._busy.values(), *self._drain_timers.values()], owner=self.actor)
         self._tasks.clear()
         self._busy.clear()
@@ -354,6 +371,7 @@ class NodeAgent:
                 timer.cancel()  # drained (or moved on): the unload must not wait for the timeout
                 del self._drain_timers[key]
         self._done = current_marks(self.state, self.node_id, self._done)  # bounded by this node's replicas
+        self._forget_lines()
         for action in plan_actions(self.state, self.node_id, self.actors.keys(), self._busy.keys(), self._done):
             if action.do is Do.DRAIN_TIMER:
                 self._done.add(action.mark)
@@ -515,7 +533,69 @@ class NodeAgent:
                     break
                 await asyncio.sleep(0.05)
 
+    # ---- a replica's recent lines (`ndif logs`) ------------------------------------------------
+
+    def note(self, key: RKey, text: str) -> None:
+        """Keep one line about replica `key` (time-stamped, cut to L.MAX_LINE_CHARS)."""
+        ring = self.lines.get(key)
+        if ring is None:
+            ring = self.lines[key] = collections.deque(maxlen=L.MAX_LINES)
+        ring.append(L.clip_line(f"{utcnow():%Y-%m-%d %H:%M:%S}Z {text}"))
+
+    def _note_event(self, ev: Event) -> None:
+        rid = getattr(ev, "replica_id", None)
+        if ev.model_key is None or not isinstance(rid, int):
+            return
+        detail = " ".join(f"{k}={v}" for k in ("load_seconds", "cpu_bytes", "reason", "error")
+                          if (v := getattr(ev, k, None)) not in (None, ""))
+        self.note((ev.model_key, rid), f"agent: {type(ev).__name__}" + (f" {detail}" if detail else ""))
+
+    def _forget_lines(self) -> None:
+        for key in [k for k in self.lines if k not in self.state.replicas]:
+            del self.lines[key]
+
+    async def replica_lines(self, model_key: str, replica_id: int, n: int) -> L.LogsReply:
+        """The newest `n` lines of a replica on this node: the agent's own, then, when the runtime
+        can tell them, its process's (`recent_lines`). NotFound when this node has no such replica."""
+        key = (model_key, replica_id)
+        r = self.state.replicas.get(key)
+        if (r is None or r.node_id != self.node_id) and key not in self.lines and key not in self.actors:
+            return L.LogsReply(ok=False, node_id=self.node_id, replica_id=replica_id, error="NotFound",
+                               message=f"node {self.node_id} has no replica {replica_id} of this model")
+        lines = list(self.lines.get(key, ()))
+        own = getattr(self.runtime, "recent_lines", None)
+        handle = self.actors.get(key)
+        if own is not None and handle is not None:
+            try:
+                got = await asyncio.wait_for(own(handle, n), 5)
+                lines += [f"replica: {x}" for x in got[-n:]]
+            except Exception as exc:  # noqa: BLE001 - the agent's lines still answer
+                lines.append(f"(the replica's own lines could not be read: {_error_text(exc)})")
+        return L.LogsReply(ok=True, node_id=self.node_id, replica_id=replica_id, lines=lines[-n:],
+                           truncated=len(lines) > n)
+
+    async def _answer_logs(self, msg: Any) -> None:
+        """`ndif.logs.<ntok>.<mtok>.<replica_id>`: the replica's lines, or why not (never raises)."""
+        if not msg.reply:
+            return
+        try:
+            parts = msg.subject.split(".")
+            rid = int(parts[-1]) if parts[-1].isdigit() and len(parts[-1]) <= 9 else -1
+            ask = L.decode_ask(msg.data)
+            key = next((k for k in set(self.lines) | {rk for rk in self.state.replicas}
+                        if k[1] == rid and model_token(k[0]) == parts[-2]), None) if len(parts) >= 2 else None
+            if key is None:
+                reply = L.LogsReply(ok=False, node_id=self.node_id, replica_id=rid, error="NotFound",
+                                    message=f"node {self.node_id} has no replica {rid} of this model")
+            else:
+                reply = await self.replica_lines(key[0], key[1], ask.lines)
+        except InvalidCommand as exc:
+            reply = L.LogsReply(ok=False, node_id=self.node_id, error="InvalidCommand", message=str(exc))
+        with contextlib.suppress(Exception):
+            await msg.respond(L.encode_reply(reply))
+
     async def _append(self, ev: Event) -> None:
+        self._note_event(ev)
         for attempt in range(20):
             try:
                 await self.log.append([ev], None)

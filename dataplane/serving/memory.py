@@ -12,7 +12,7 @@ import asyncio
 from collections.abc import Awaitable, Callable
 
 from dataplane.serving.ports import Deploy, OnDelivery, RevisionMoved, ServingPorts, StoredRequest
-from schemas.requests import Request, StatusUpdate, encoder, status_decoder
+from schemas.requests import Request, StatusUpdate, encode_request, status_decoder
 from schemas.subjects import request_filters, request_subject, status_key, subject_matches
 
 _ACK_PREFIX = "$MEM.ACK."
@@ -182,7 +182,7 @@ class MemoryServing:
 
     async def submit(self, req: Request) -> int:
         """Store a request on its subject (`ndif.req.<mtok>[.<user>]`), as the SDK publishes it."""
-        return await self.requests.put(request_subject(req.model_key, req.user), encoder.encode(req),
+        return await self.requests.put(request_subject(req.model_key, req.user), encode_request(req),
                                        # the SDK's shape `<user>.<mac>.<request id>` (`request_msg_id`); the mac
                                        # is the owner's password's, which the dispatcher cannot check anyway
                                        {"Nats-Msg-Id": f"{req.user}.memory.{req.request_id}" if req.user else req.request_id})

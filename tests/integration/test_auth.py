@@ -40,6 +40,7 @@ from schemas.subjects import (
     SNAPSHOTS_BUCKET,
     node_token,
     replica_call_subject,
+    replica_logs_subject,
     request_subject,
     results_bucket,
     status_key,
@@ -440,6 +441,7 @@ def _table() -> list[tuple[str, str, str, bool]]:
              "REQUESTS_STREAM": REQUESTS_STREAM, "HEARTBEATS_BUCKET": HEARTBEATS_BUCKET,
              "REQUEST_STATUS_BUCKET": REQUEST_STATUS_BUCKET, "RESULTS_BUCKET": RESULTS_BUCKET,
              "SNAPSHOTS_BUCKET": SNAPSHOTS_BUCKET, "call_A": replica_call_subject(MODEL, 0, NODE_A), "call_B": replica_call_subject(MODEL, 0, NODE_B),
+             "logs_A": replica_logs_subject(NODE_A, MODEL, 0), "logs_B": replica_logs_subject(NODE_B, MODEL, 0),
              **{f"results_{u}": results_bucket(u) for u in ("alice", "bob", "mallory")}}
     rows = []
     for line in (Path(__file__).parent / "role_permissions.txt").read_text().splitlines():

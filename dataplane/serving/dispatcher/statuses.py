@@ -21,7 +21,7 @@ import structlog
 from dataplane.serving.dispatcher.background import Background
 from dataplane.serving.ports import Delivery, Publish, ResultStores, ResultsUnavailable, RevisionMoved, StatusKV
 from dataplane.serving.processor import Pending
-from schemas.requests import INLINE_RESULT_BYTES, StatusUpdate, encoder, status_or_none
+from schemas.requests import INLINE_RESULT_BYTES, StatusUpdate, encode_status, status_or_none
 from schemas.status import RequestStatus
 from schemas.subjects import status_key, status_subject
 
@@ -84,7 +84,7 @@ class StatusWriter:
         if self.bg.stopped:
             return
         u = self._update(p, status, **kw)
-        data = encoder.encode(u)
+        data = encode_status(u)
         self.send(status_subject(u.request_id, u.user), data)
         if status in KV_STATUSES:
             self._kv_put(u, data, terminal=False).add_done_callback(_retrieve)
@@ -127,7 +127,7 @@ class StatusWriter:
                 else:
                     kw = {**kw, "result": None, "result_ref": name}
         u = self._update(p, status, **kw)
-        wrote = await self._kv_put(u, encoder.encode(u), terminal=True)
+        wrote = await self._kv_put(u, encode_status(u), terminal=True)
         if p.msg is not None:
             with contextlib.suppress(Exception):
                 await p.msg.ack()
@@ -139,7 +139,7 @@ class StatusWriter:
         if self.bg.stopped:
             return  # not acked: redelivered to the next dispatcher
         u = self._update(p, status, **kw)
-        data = encoder.encode(u)
+        data = encode_status(u)
         if len(data) > INLINE_RESULT_BYTES and u.result is not None:
             self.bg.spawn(self.finish(p, status, **kw))
             return
@@ -150,7 +150,7 @@ class StatusWriter:
 
     async def republish(self, subject: str, u: StatusUpdate) -> None:
         """Publish a kept status again on `subject`, as it is (a redelivered request's terminal status)."""
-        await self.publish(subject, encoder.encode(u), "", None)
+        await self.publish(subject, encode_status(u), "", None)
 
     def _ack_after(self, fut: asyncio.Future[bool], msg: Delivery) -> None:
         if fut.cancelled():
