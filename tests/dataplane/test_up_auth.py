@@ -50,7 +50,8 @@ def test_ndif_up_makes_users_and_local_commands_use_them(tmp_path: Path) -> None
     try:
         auth = home / "auth"
         assert (auth / "admin.creds").exists() and (auth / "nats-auth.conf").exists()
-        assert all((f.stat().st_mode & 0o777) == 0o600 for f in auth.iterdir())
+        # files 0600; the directory of `nats` CLI contexts 0700 (its files 0600)
+        assert all((f.stat().st_mode & 0o777) == (0o700 if f.is_dir() else 0o600) for f in auth.rglob("*"))
         ran = _ndif(home, port, "status")
         assert ran.returncode == 0 and "NODES" in ran.stdout, ran.stdout + ran.stderr
         ran = _ndif(tmp_path / "elsewhere", port, "status")  # no credentials: refused
