@@ -37,7 +37,7 @@ def test_hot_warm_hot_cold_keeps_outputs(ckpts: dict[str, Path], name: str) -> N
     assert r({"op": "forward", "input_ids": IDS}) == first  # same weights after the round trip
 
     other = ModelReplica(f"k-{name}", 1, str(ckpts[name]))
-    other.load(())
+    other.load((0,))  # the same device: on CUDA, CPU and GPU kernels differ in the last bits
     assert other({"op": "forward", "input_ids": IDS}) == first  # replicas of one checkpoint agree
 
     r.unload()
@@ -130,6 +130,13 @@ def _card_bytes(model, dmap: dict[str, int]) -> dict[int, int]:
     return out
 
 
+def _real_cards() -> int:
+    import torch
+
+    return torch.cuda.device_count() if ModelReplica.cuda_available() else 0
+
+
+@pytest.mark.skipif(0 < _real_cards() < 4, reason="lays out over cards 0-3: declared ones (no CUDA) or 4 real ones")
 def test_multi_card_device_map_keeps_to_the_charged_share_and_is_the_same_at_reload(ckpts: dict[str, Path]) -> None:
     """The layout on several (declared) cards budgets each card the share placement
     charged, not the card's whole memory; coming back from WARM (onto other cards) it is the same."""
