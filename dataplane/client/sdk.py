@@ -42,7 +42,15 @@ from controlplane.store.eventstore import JetStreamEventLog
 from schemas import errors as errs
 from schemas.guard import Refused, decode_any
 from schemas.keys import canonical_model_key
-from schemas.requests import MAX_REQUEST_BYTES, Request, StatusUpdate, check_request_id, encode_request, status_or_none
+from schemas.requests import (
+    MAX_REQUEST_BYTES,
+    Request,
+    StatusUpdate,
+    check_request_id,
+    encode_request,
+    payload_problem,
+    status_or_none,
+)
 from schemas.status import RequestStatus
 from schemas.subjects import (
     REQUEST_STATUS_BUCKET,
@@ -298,7 +306,13 @@ class Client:
             await log.close()
 
     async def submit(self, model: str, payload: dict[str, Any], *, request_id: str | None = None) -> Job:
-        """Store the request durably and return its job (statuses are listened to before it is sent)."""
+        """Store the request durably and return its job (statuses are listened to before it is sent).
+
+        A payload the replica would refuse whatever model runs it (schemas/requests.py
+        `payload_problem`) raises InvalidCommand here, before anything is stored."""
+        problem = payload_problem(payload)
+        if problem is not None:
+            raise errs.InvalidCommand(f"invalid request: {problem}")
         self.log  # noqa: B018  # ClientNotConnected before anything is built or listened to
         mk = canonical_model_key(model)
         rid = check_request_id(request_id or uuid.uuid4().hex)

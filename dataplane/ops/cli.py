@@ -218,7 +218,7 @@ async def _submit(a: argparse.Namespace) -> int:
             raise errs.InvalidCommand("--input-ids takes comma-separated integers, e.g. 1,2,3") from None
     else:
         raise errs.InvalidCommand("give --prompt TEXT or --input-ids 1,2,3")
-    problem = payload_problem(payload)  # the replica's own rules: refused here, nothing is queued
+    problem = payload_problem(payload)  # the replica's own rules, before connecting (the SDK checks again)
     if problem is not None:
         raise errs.InvalidCommand(f"invalid request: {problem}")
     async with Client(a.nats) as c:

@@ -4,10 +4,15 @@ rules are schemas/requests.py `payload_problem`, which the replica applies too."
 from __future__ import annotations
 
 import socket
+from collections.abc import Iterator
 
 import pytest
+import structlog
 
+from controlplane.store.credentials import Creds
+from dataplane.client import Client
 from dataplane.ops.cli import main
+from schemas.errors import InvalidCommand
 from schemas.requests import MAX_NEW_TOKENS, payload_problem
 
 
@@ -42,6 +47,15 @@ def test_what_a_replica_refuses_is_named(payload: object, says: str) -> None:
     assert problem is not None and says in problem, problem
 
 
+@pytest.fixture(autouse=True)
+def _structlog_restored() -> Iterator[None]:
+    """`main` configures structlog onto this test's captured stderr, which pytest closes after it:
+    later in-process services of the same run would write to a closed file."""
+    saved = structlog.get_config()
+    yield
+    structlog.configure(**saved)
+
+
 def _dead_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -56,3 +70,11 @@ def test_submit_refuses_an_invalid_payload_with_exit_2_before_connecting(flags: 
     code = main(["submit", "openai-community/gpt2", "--nats", f"nats://127.0.0.1:{_dead_port()}", *flags])
     assert code == 2
     assert "invalid request" in capsys.readouterr().err
+
+
+async def test_the_sdk_refuses_an_invalid_payload_before_it_stores_anything() -> None:
+    """The SDK applies the same rules: a researcher's program gets InvalidCommand at submit, nothing
+    is stored or listened to (the client is not even connected: nothing could have been sent)."""
+    c = Client(f"nats://127.0.0.1:{_dead_port()}", creds=Creds(role="client", user="client-a", name="a", password="x"))
+    with pytest.raises(InvalidCommand, match=r"invalid request: .*max_new_tokens"):
+        await c.submit("openai-community/gpt2", {"op": "generate", "prompt": "hi", "max_new_tokens": 0})
