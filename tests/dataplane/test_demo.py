@@ -19,6 +19,8 @@ def test_ndif_up_demo_runs_end_to_end(tmp_path: Path) -> None:
                           env=env, capture_output=True, text=True, timeout=280, cwd=tmp_path)
     out = proc.stdout
     assert proc.returncode == 0, out[-3000:] + proc.stderr[-3000:]
+    # Ray is told its auth mode, so it does not print that it turned token auth on by itself.
+    assert "Token authentication is enabled" not in out + proc.stderr
     assert (tmp_path / "home" / "models" / "tiny-gpt2" / "config.json").exists()  # made on the first run
     assert "$ ndif deploy" in out and "$ ndif scale" in out and "$ ndif evict" in out
     assert out.count("24 COMPLETED, 0 ERROR") == 2

@@ -378,7 +378,14 @@ async def test_operator_views_say_why_and_hide_what_is_gone(nats_server: Embedde
         assert replica_rows((await ndif(url, "status", "--all")).out) == {"0", "1"}
         one = await ndif(url, "status", str(tiny))
         assert one.rc == 0, one.err
-        assert "REPLICAS" in one.out and "RECENT EVENTS" in one.out and "node-v" in one.out, one.out
+        assert "REPLICAS" in one.out and "RECENT EVENTS" in one.out, one.out
+        rows = {ln.split()[0]: ln.split() for ln in one.out.split("REPLICAS", 1)[1].split("RECENT EVENTS")[0].splitlines()
+                if ln[:1].isdigit()}
+        # id, node, cards, level, desired, state: the failed one keeps its whole error on its row
+        assert rows["0"][:6] == ["0", "node-v", "-", "COLD", "COLD", "Unloaded"], one.out
+        assert "LoadError: sim: config.json is corrupt" in " ".join(rows["0"]), one.out
+        assert rows["1"][:6] == ["1", "node-v", "0", "HOT", "HOT", "Available"], one.out
+        assert "ReplicaLoadFailed#0  error: LoadError: sim: config.json is corrupt" in one.out, one.out
         js = (await ndif(url, "status", str(tiny), "--json")).json()
         assert {r["replica_id"] for r in js["replicas"]} == {0, 1} and js["recent_events"], js
 
