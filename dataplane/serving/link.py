@@ -127,7 +127,6 @@ class ReplicaLink:
         self._calls[token] = _Call(key, actor, self._prefix + token, fut)
         fut.add_done_callback(lambda _f: self._calls.pop(token, None))
         # The id travels in a header: across accounts the replica sees another reply subject.
-        # The id travels in a header: across accounts the replica sees another reply subject.
         self._send(subject, body, self._prefix + token, {CALL_HEADER: self._prefix + token})
         return fut
 
