@@ -27,6 +27,7 @@ from controlplane.core.projections.replica import ReplicaView
 from controlplane.dashboard.detail import event_detail
 from controlplane.dashboard.series import PHASES, LogSeries, phase
 from controlplane.store.admin import resolve_name
+from controlplane.store.history import Row, left_row
 from schemas import errors as errs
 from schemas.errors import InvalidCommand
 from schemas.events import (
@@ -47,7 +48,6 @@ from schemas.keys import canonical_model_key, display_name
 from schemas.status import Level
 
 Item = AnyEvent | Skipped  # a stored item as the log gives it
-Row = tuple[int, str, str, str, str | None]  # (seq, state, level, desired, anomaly) a replica was left in
 MAX_EVENTS_PAGE = 1000
 WINDOW = 100_000  # newest items kept in memory; older ones are read from the log when a page asks
 MAX_DETAIL = 4000  # characters of an event's detail (an error's text) sent with its row
@@ -156,10 +156,7 @@ class DashboardModel:
             mk = item.model_key
             self.model_rows.setdefault(mk, []).append(seq)
             if isinstance(item, ReplicaEvent):
-                r = live.replicas.get((mk, item.replica_id))
-                anomaly = live.anomalies[-1].message if live.anomaly_count > before and live.anomalies else None
-                row: Row = (seq, str(r.state), str(r.level), str(r.desired), anomaly) if r else (seq, "", "", "", anomaly)
-                self.replica_rows.setdefault((mk, item.replica_id), []).append(row)
+                self.replica_rows.setdefault((mk, item.replica_id), []).append(left_row(live, seq, item, before))
         if len(self.items) > self.window + max(1, self.window // 10):
             self._trim(len(self.items) - self.window)
         return True
