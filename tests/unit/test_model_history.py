@@ -19,9 +19,10 @@ from controlplane.core.projections.snapshot import encode_stored, snapshot_name
 from controlplane.store import history as H
 from controlplane.store.memlog import MemoryEventLog
 from schemas import events as E
-from schemas.events import ReplicaEvent, encode_event, event_subject
+from schemas.events import ReplicaEvent
 from schemas.status import EvictionReason, Level
 from tests.strategies import MODELS, NODES, _env, histories, node_joined
+from tests.unit.test_snapshots import stored_log
 
 THIRD = 'nnsight.modeling.language.LanguageModel:{"repo_id": "org/third", "revision": null}'
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -50,8 +51,7 @@ class CountingLog(MemoryEventLog):
 
 def stored(events: list[E.Event]) -> CountingLog:
     log = CountingLog()
-    for ev in events:
-        log.append_raw(event_subject(ev), encode_event(ev), ev.event_id, ev.ts)
+    stored_log(events, log)
     return log
 
 
