@@ -137,6 +137,13 @@ def model_events_filter(model_key: str) -> list[str]:
     return [f"{MODEL_EVENTS_PREFIX}{tok}", f"{REPLICA_EVENTS_PREFIX}{tok}.>"]
 
 
+def replica_events_filter(model_key: str, replica_id: int) -> list[str]:
+    """Subject filters that select every event of one replica: its decisions, and its observed facts
+    (which carry their source as a last token)."""
+    base = replica_subject(model_key, replica_id)
+    return [base, f"{base}.*"]
+
+
 def request_subject(model_key: str, user: str = "") -> str:
     """`ndif.req.<mtok>.<user>`; `ndif.req.<mtok>` without a user (an open server).
 

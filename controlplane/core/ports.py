@@ -61,6 +61,17 @@ class EventLog(Protocol):
 
 
 @runtime_checkable
+class SubjectReads(Protocol):
+    """Reads of the events stored on one subject filter only, selected by the store: a reader of one
+    model's events is sent those, not the whole log to drop the rest of (both logs here do this)."""
+
+    def read_subject(self, subject: str, start_seq: int = 1, *, stop_seq: int | None = None) -> AsyncIterator[Stored]:
+        """Stored events on subjects that match `subject` (NATS wildcards) from `start_seq` up to
+        `stop_seq` (default: the last sequence when the read starts), in order."""
+        ...
+
+
+@runtime_checkable
 class SnapshotStore(Protocol):
     """Stored snapshots by name (controlplane/core/projections/snapshot.py says what a name and the
     bytes hold). Every snapshot written stays until deleted: the writer's retention deletes."""

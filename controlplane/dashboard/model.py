@@ -25,8 +25,9 @@ from typing import Any
 from controlplane.core.projections import ClusterState
 from controlplane.core.projections.replica import ReplicaView
 from controlplane.dashboard.detail import event_detail
-from controlplane.dashboard.series import PHASES, LogSeries, phase
+from controlplane.dashboard.series import MAX_KEPT, PHASES, LogSeries, phase
 from controlplane.store.admin import resolve_name
+from controlplane.store.history import Row, left_row
 from schemas import errors as errs
 from schemas.errors import InvalidCommand
 from schemas.events import (
@@ -47,7 +48,6 @@ from schemas.keys import canonical_model_key, display_name
 from schemas.status import Level
 
 Item = AnyEvent | Skipped  # a stored item as the log gives it
-Row = tuple[int, str, str, str, str | None]  # (seq, state, level, desired, anomaly) a replica was left in
 MAX_EVENTS_PAGE = 1000
 WINDOW = 100_000  # newest items kept in memory; older ones are read from the log when a page asks
 MAX_DETAIL = 4000  # characters of an event's detail (an error's text) sent with its row
@@ -99,7 +99,8 @@ class Filter:
 class DashboardModel:
     """The live fold and the newest events. Single-threaded: call from one event loop."""
 
-    def __init__(self, start: ClusterState | None = None, *, window: int = WINDOW) -> None:
+    def __init__(self, start: ClusterState | None = None, *, window: int = WINDOW,
+                 series_keep: int = MAX_KEPT) -> None:
         if window < 1:
             raise ValueError("window must be >= 1")
         self.live = start if start is not None else ClusterState()
@@ -113,7 +114,7 @@ class DashboardModel:
         self.floor_ts = mt.timestamp() if mt is not None else float("-inf")
         self.replica_rows: dict[tuple[str, int], list[Row]] = {}
         self.model_rows: dict[str, list[int]] = {}  # model -> seqs of its events kept
-        self.series = LogSeries()  # replicas by phase per model, memory per card, over the log's time
+        self.series = LogSeries(series_keep)  # replicas by phase per model, memory per card, over the log's time
         self.series.seed(self.live.seq, self.floor_ts, self.live)
         self.type_counts: dict[str, int] = {}  # events folded since the start, by type (`/metrics`)
 
@@ -140,6 +141,7 @@ class DashboardModel:
             moved = [(key, live.replicas.get(key))]
         else:
             moved = _views_before(live, item)
+        held = len(live.replicas)
         live.apply(seq, item)
         self.seqs.append(seq)
         self.items.append(item)
@@ -152,14 +154,16 @@ class DashboardModel:
             changes = [(old, new) for key, old in moved if (new := live.replicas.get(key)) is not old]
             if changes:
                 self.series.moved(seq, t, changes, live)
+            # A replica becoming gone can make the fold forget its model's oldest gone one (COLD, on no
+            # card: MAX_GONE_KEPT in cluster.py): count it out too, as the fold no longer holds it.
+            forgotten = held + sum((o is None) - (n is None) for o, n in changes) - len(live.replicas)
+            if forgotten > 0 and cls in _REPLICA_EVENTS:
+                self.series.forgot(seq, t, moved[0][0][0], forgotten)
         if isinstance(item, Event) and item.model_key is not None:
             mk = item.model_key
             self.model_rows.setdefault(mk, []).append(seq)
             if isinstance(item, ReplicaEvent):
-                r = live.replicas.get((mk, item.replica_id))
-                anomaly = live.anomalies[-1].message if live.anomaly_count > before and live.anomalies else None
-                row: Row = (seq, str(r.state), str(r.level), str(r.desired), anomaly) if r else (seq, "", "", "", anomaly)
-                self.replica_rows.setdefault((mk, item.replica_id), []).append(row)
+                self.replica_rows.setdefault((mk, item.replica_id), []).append(left_row(live, seq, item, before))
         if len(self.items) > self.window + max(1, self.window // 10):
             self._trim(len(self.items) - self.window)
         return True

@@ -25,8 +25,9 @@ from controlplane.dashboard.model import (
     history_row,
     with_cards,
 )
+from controlplane.store.history import steps_of
 from controlplane.store.rebuild import newest_snapshot
-from schemas.events import Event, ReplicaEvent
+from schemas.events import Event
 from schemas.keys import display_name
 
 MAX_PAST_CACHE = 8  # past states asked recently, kept whole (scrubbing back and forth)
@@ -176,19 +177,5 @@ class Past:
         state = (await self.at_seq(lo - 1)).copy()
         steps: list[dict[str, Any]] = []
         async for batch in self._stored(lo, hi):
-            for seq, item in batch:
-                before = state.anomaly_count
-                state.apply(seq, item)
-                if not isinstance(item, Event) or item.model_key != mk:
-                    continue
-                if replica_id is not None and not (isinstance(item, ReplicaEvent) and item.replica_id == replica_id):
-                    continue
-                row = None
-                if isinstance(item, ReplicaEvent):
-                    r = state.replicas.get((mk, item.replica_id))
-                    anomaly = (state.anomalies[-1].message if state.anomaly_count > before and state.anomalies
-                               else None)
-                    row = ((seq, str(r.state), str(r.level), str(r.desired), anomaly) if r
-                           else (seq, "", "", "", anomaly))
-                steps.append(history_row(seq, item, row))
+            steps.extend(history_row(s.seq, s.item, s.row) for s in steps_of(state, batch, mk, replica_id))
         return steps

@@ -6,6 +6,14 @@ changed a count) and per GPU card (committed and reserved bytes after every chan
 series is read at any position of the log: the same figures at any past point of the timeline.
 
 Times are the log's (the prefix maximum of event times, so a series never runs backwards).
+
+Each series keeps its newest MAX_KEPT changes (trimmed to that when it passes it by a quarter), so
+the dashboard's memory is bounded by the cluster (models and cards), not by the history: a series
+is exact from `kept_from` (the time of the last change it let go) on, and a window that asks for
+earlier times is clamped there and says so (`kept_from` in its answer; the page writes it under the
+plot). Older changes are not read back from the log: rebuilding a series over an old stretch means
+folding that stretch, a cost per request that grows with how far back it reaches, and the figures
+at any one past point stay exact through the timeline's past states (a snapshot plus its tail).
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ _LOADING = frozenset({S.LOAD_REQUESTED, S.LOADING, S.RESTARTING})
 _DRAINING = frozenset({S.DRAINING, S.UNLOAD_REQUESTED})
 _PHASE_INDEX = {p: i for i, p in enumerate(PHASES)}
 MAX_POINTS = 2000
+MAX_KEPT = 4000  # changes a series keeps (the newest); twice what one window draws
 
 
 def phase(state: ReplicaState | str, level: Level | str) -> str:
@@ -64,16 +73,23 @@ def replica_phase(r: ReplicaView) -> str:
 
 
 class Steps:
-    """A step series: after the event at `seq[i]` (time `t[i]`) the values were `vals[i*k:(i+1)*k]`."""
+    """A step series: after the event at `seq[i]` (time `t[i]`) the values were `vals[i*k:(i+1)*k]`.
 
-    __slots__ = ("_last", "k", "seq", "t", "vals")
+    At most `keep` changes (the newest) are kept; `base` holds the values the last one let go left,
+    at `floor_seq` / `floor_t` (None: none let go, the series starts from zeros)."""
 
-    def __init__(self, k: int) -> None:
+    __slots__ = ("_last", "base", "floor_seq", "floor_t", "k", "keep", "seq", "t", "vals")
+
+    def __init__(self, k: int, keep: int = MAX_KEPT) -> None:
         self.k = k
+        self.keep = max(1, keep)
         self.t = array("d")
         self.seq = array("q")
         self.vals = array("q")
         self._last: tuple[int, ...] = (0,) * k
+        self.base: tuple[int, ...] = (0,) * k
+        self.floor_seq: int | None = None
+        self.floor_t: float | None = None
 
     def last(self) -> tuple[int, ...]:
         return self._last
@@ -90,17 +106,35 @@ class Steps:
         self.t.append(t)
         self.seq.append(seq)
         self.vals.extend(v)
+        if len(self.seq) > self.keep + self.keep // 4:  # trimmed in steps: amortised O(1) a change
+            self._trim(len(self.seq) - self.keep)
 
-    def window(self, t0: float, t1: float, seq_max: int, points: int = MAX_POINTS) -> tuple[list[float], list[list[int]]]:
-        """The series over [t0, t1] as it was at `seq_max`: the value at t0, every change after it
-        (or, past `points` changes, the value at the end of each of `points` equal slices), and t1."""
+    def _trim(self, n: int) -> None:
         k = self.k
+        self.base = tuple(self.vals[(n - 1) * k:n * k])
+        self.floor_seq, self.floor_t = self.seq[n - 1], self.t[n - 1]
+        del self.t[:n]
+        del self.seq[:n]
+        del self.vals[:n * k]
+
+    def window(self, t0: float, t1: float, seq_max: int,
+               points: int = MAX_POINTS) -> tuple[list[float], list[list[int]], float | None]:
+        """The series over [t0, t1] as it was at `seq_max`: the value at t0, every change after it
+        (or, past `points` changes, the value at the end of each of `points` equal slices), and t1;
+        and `kept_from`: None, or the time the window was clamped to (older changes are not kept;
+        a `seq_max` before them gives no points at all)."""
+        k = self.k
+        kept_from = None
+        if self.floor_t is not None and self.floor_seq is not None and t0 < self.floor_t:
+            kept_from, t0 = self.floor_t, self.floor_t
+        if self.floor_seq is not None and (seq_max < self.floor_seq or t1 < t0):
+            return [], [[] for _ in range(k)], self.floor_t
         end = bisect.bisect_right(self.seq, seq_max)
         lo = bisect.bisect_right(self.t, t0, 0, end)
         hi = bisect.bisect_right(self.t, t1, lo, end)
 
-        def at(i: int) -> list[int]:  # values after change i-1 (zeros before the first)
-            return list(self.vals[(i - 1) * k:i * k]) if i > 0 else [0] * k
+        def at(i: int) -> list[int]:  # values after change i-1 (what the kept ones start from before the first)
+            return list(self.vals[(i - 1) * k:i * k]) if i > 0 else list(self.base)
 
         xs = [t0]
         cols: list[list[int]] = [[v] for v in at(lo)]
@@ -118,7 +152,7 @@ class Steps:
         xs.append(t1)
         for c, v in zip(cols, at(hi), strict=True):
             c.append(v)
-        return xs, cols
+        return xs, cols, kept_from
 
 
 def _same_footprint(a: ReplicaView, b: ReplicaView) -> bool:
@@ -130,7 +164,8 @@ def _same_footprint(a: ReplicaView, b: ReplicaView) -> bool:
 class LogSeries:
     """Per model: replicas in each phase. Per card: committed and reserved bytes. Fed by the fold."""
 
-    def __init__(self) -> None:
+    def __init__(self, keep: int = MAX_KEPT) -> None:
+        self.keep = keep
         self.models: dict[str, Steps] = {}
         self.cards: dict[tuple[str, int], Steps] = {}
         self._counts: dict[str, list[int]] = {}
@@ -143,11 +178,11 @@ class LogSeries:
                 counts = self._counts[r.model_key] = [0] * len(PHASES)
             counts[_PHASE_INDEX[replica_phase(r)]] += 1
         for mk, counts in self._counts.items():
-            self.models[mk] = st = Steps(len(PHASES))
+            self.models[mk] = st = Steps(len(PHASES), self.keep)
             st.put(seq, t, counts)
         for node_id, node in state.nodes.items():
             for g in node.gpus:
-                c = self.cards[(node_id, g.index)] = Steps(2)
+                c = self.cards[(node_id, g.index)] = Steps(2, self.keep)
                 c.put(seq, t, (state.card_committed(node_id, g.index), state.card_reserved(node_id, g.index)))
 
     def moved(self, seq: int, t: float, changes: list[tuple[ReplicaView | None, ReplicaView | None]],
@@ -178,18 +213,27 @@ class LogSeries:
         for mk in touched_models:
             st = self.models.get(mk)
             if st is None:
-                st = self.models[mk] = Steps(len(PHASES))
+                st = self.models[mk] = Steps(len(PHASES), self.keep)
             st.put(seq, t, self._counts[mk])
         for node_id, g in cards:
             c = self.cards.get((node_id, g))
             if c is None:
-                c = self.cards[(node_id, g)] = Steps(2)
+                c = self.cards[(node_id, g)] = Steps(2, self.keep)
             c.put(seq, t, (state.card_committed(node_id, g), state.card_reserved(node_id, g)))
 
+    def forgot(self, seq: int, t: float, model_key: str, n: int) -> None:
+        """The fold forgot `n` of the model's gone replicas (all COLD, none on a card)."""
+        counts = self._counts.get(model_key)
+        st = self.models.get(model_key)
+        if counts is None or st is None:
+            return
+        counts[_PHASE_INDEX["COLD"]] -= n
+        st.put(seq, t, counts)
+
     def model_window(self, model_key: str, t0: float, t1: float, seq_max: int, points: int) -> dict[str, Any]:
-        s = self.models.get(model_key) or Steps(len(PHASES))
-        xs, cols = s.window(t0, t1, seq_max, points)
-        return {"t": xs, **dict(zip(PHASES, cols, strict=True))}
+        s = self.models.get(model_key) or Steps(len(PHASES), self.keep)
+        xs, cols, kept_from = s.window(t0, t1, seq_max, points)
+        return {"t": xs, **dict(zip(PHASES, cols, strict=True)), "kept_from": kept_from}
 
     def node_window(self, state: ClusterState, node_id: str, t0: float, t1: float, seq_max: int,
                     points: int) -> dict[str, Any]:
@@ -197,8 +241,8 @@ class LogSeries:
         node = state.nodes.get(node_id)
         cards = []
         for g in node.gpus if node else ():
-            s = self.cards.get((node_id, g.index)) or Steps(2)
-            xs, (committed, reserved) = s.window(t0, t1, seq_max, points)
+            s = self.cards.get((node_id, g.index)) or Steps(2, self.keep)
+            xs, (committed, reserved), kept_from = s.window(t0, t1, seq_max, points)
             cards.append({"index": g.index, "total_bytes": g.memory_bytes, "t": xs, "committed": committed,
-                          "reserved": reserved})
+                          "reserved": reserved, "kept_from": kept_from})
         return {"node_id": node_id, "cards": cards}

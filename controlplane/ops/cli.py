@@ -13,6 +13,7 @@ import asyncio
 import difflib
 import json
 import os
+import shlex
 import sys
 import traceback
 from collections.abc import Callable, Coroutine
@@ -29,6 +30,7 @@ from controlplane.ops.extras import require
 from controlplane.ops.render import explain_decision, render_model, render_status, status_json
 from controlplane.service.logs import configure
 from controlplane.service.snapshots import SNAPSHOT_EVERY, SNAPSHOT_EVERY_S
+from controlplane.store import history as H
 from controlplane.store.admin import AdminClient, resolve_name
 from controlplane.store.heartbeats import JetStreamHeartbeats, heartbeat_ages
 from schemas import errors as errs
@@ -225,6 +227,7 @@ def _duration(text: str, flag: str) -> float:
 
 WATCH_TICK_S = 1.5  # `status --watch` redraws at least this often (heartbeat ages move without events)
 RECENT_EVENTS = 12  # events of a model `ndif status MODEL` shows
+HISTORY_LIMIT = 200  # events `ndif history` shows by default (the newest; --before pages back)
 
 
 async def _status(a: argparse.Namespace, admin: AdminClient) -> int:
@@ -271,10 +274,10 @@ class _Status:
             return
         if self.model not in state.models:
             raise errs.UnknownModel(f"{display_name(self.model)} is no longer deployed (`ndif history` has its past)")
-        if reread:
-            found: list[tuple[int, Event]] = [(seq, e) async for seq, e in self.admin.events(model=self.model)
-                                              if isinstance(e, Event)]
-            self.recent = found[-RECENT_EVENTS:]
+        if reread:  # the model's newest events by subject, up to the state shown (not its whole history)
+            found, _ = await H.newest_events(self.admin.log, self.model, before=state.seq + 1, limit=RECENT_EVENTS,
+                                             last_seq=state.seq)
+            self.recent = [(seq, e) for seq, e in found if isinstance(e, Event)]
         if self.a.json:
             full = status_json(state)
             _out({"seq": state.seq, "model": next(m for m in full["models"] if m["model_key"] == self.model),  # type: ignore[attr-defined]
@@ -320,28 +323,29 @@ async def _events(a: argparse.Namespace, admin: AdminClient) -> int:
 
 
 async def _history(a: argparse.Namespace, admin: AdminClient) -> int:
-    """One model's (or replica's) timeline: each event, the state it left, and who caused it."""
+    """One model's (or replica's) timeline: each event, the state it left, and who caused it; the newest
+    `--limit` events below `--before`, folded from the newest snapshot before them (controlplane/store/history.py)."""
+    if not 1 <= a.limit <= H.MAX_LIMIT:
+        raise errs.InvalidCommand(f"--limit must be 1..{H.MAX_LIMIT:,}, got {a.limit}")
+    if a.before is not None and a.before < 1:
+        raise errs.InvalidCommand(f"--before must be a sequence number (1 or more), got {a.before}")
     mk = resolve_name(await admin.state(), a.model)
-    state = ClusterState()
-    rows = 0
-    async for batch in admin.log.read_batches():
-        for seq, item in batch:
-            state.apply(seq, item)
-            if not isinstance(item, Event) or item.model_key != mk:
-                continue
-            if a.replica_id is not None and not (isinstance(item, ReplicaEvent) and item.replica_id == a.replica_id):
-                continue
-            after = ""
-            if isinstance(item, ReplicaEvent):
-                r = state.replicas.get((mk, item.replica_id))
-                after = f"-> {r.state} ({r.level}, desired {r.desired})" if r else "-> (not a replica: refused)"
-            line = _event_line(seq, item)
-            anomaly = next((x.message for x in reversed(state.anomalies) if x.seq == seq), None)
-            print(f"{line}  {after}" + (f"  ANOMALY: {anomaly}" if anomaly else ""))
-            rows += 1
-    if not rows:
+    page = await H.model_history(admin.log, mk, replica_id=a.replica_id, before=a.before, limit=a.limit)
+    if not page.steps:
         raise errs.NotFound(f"no events for {display_name(mk)}" + (f" replica {a.replica_id}" if a.replica_id is not None
-                                                                    else ""))
+                                                                    else "")
+                            + (f" before seq {a.before}" if a.before is not None else ""))
+    if page.before is not None:
+        more = " ".join(["ndif history", shlex.quote(a.model)]
+                        + ([f"--replica-id {a.replica_id}"] if a.replica_id is not None else [])
+                        + [f"--limit {a.limit}", f"--before {page.before}"])
+        print(f"note: older events left out; `{more}` shows them", file=sys.stderr)
+    for step in page.steps:
+        after = ""
+        if step.row is not None:
+            _, st, level, desired, _anomaly = step.row
+            after = f"-> {st} ({level}, desired {desired})" if st else "-> (not a replica: refused)"
+        print(f"{_event_line(step.seq, step.item)}  {after}" + (f"  ANOMALY: {step.anomaly}" if step.anomaly else ""))
     return 0
 
 
@@ -543,6 +547,9 @@ def add_admin_commands(sub: Any) -> None:
     p = sub.add_parser("history", help="one model's or replica's timeline with causes")
     p.add_argument("model", help=MODEL_HELP)
     p.add_argument("--replica-id", type=int, help="only this replica's events")
+    p.add_argument("--limit", type=int, default=HISTORY_LIMIT,
+                   help=f"the newest N events, 1-{H.MAX_LIMIT:,} (default %(default)s)")
+    p.add_argument("--before", type=int, metavar="SEQ", help="only events before this sequence (the next older page)")
     common(p, json_flag=False)
     p = sub.add_parser("logs", help="a replica's recent log lines, from the agent of its node (bounded)")
     p.add_argument("model", help=MODEL_HELP)

@@ -13,6 +13,7 @@ from datetime import UTC, datetime
 from controlplane.core.ports import AppendResult, Stored
 from schemas.errors import ConflictError
 from schemas.events import Event, check_batch, decode_event, encode_event, event_subject, stored_item
+from schemas.subjects import subject_matches
 
 
 class MemoryEventLog:
@@ -73,6 +74,13 @@ class MemoryEventLog:
         while seq <= stop:
             yield seq, stored_item(self._subjects[seq - 1], self._bodies[seq - 1])
             seq += 1
+
+    async def read_subject(self, subject: str, start_seq: int = 1, *,
+                           stop_seq: int | None = None) -> AsyncIterator[Stored]:
+        stop = len(self._bodies) if stop_seq is None else min(stop_seq, len(self._bodies))
+        for seq in range(max(start_seq, 1), stop + 1):
+            if subject_matches(self._subjects[seq - 1], subject):
+                yield seq, stored_item(self._subjects[seq - 1], self._bodies[seq - 1])
 
     async def read_batches(self, start_seq: int = 1, *, start_time: datetime | None = None,
                            stop_seq: int | None = None) -> AsyncIterator[list[Stored]]:

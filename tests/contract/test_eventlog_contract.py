@@ -177,3 +177,20 @@ async def test_observed_facts_append_without_expectation(log):
     assert (r.first_seq, r.last_seq) == (3, 3)
     r = await log.append(loads(3, 6), None)
     assert (r.first_seq, r.last_seq) == (4, 6) and await log.last_seq() == 6
+
+
+async def test_subject_reads_hand_out_only_the_filters_events(log):
+    from controlplane.core.ports import SubjectReads
+    from schemas.subjects import model_events_filter, replica_events_filter
+
+    assert isinstance(log, SubjectReads)
+    other = [E.ReplicaLoading(**_env("agent"), model_key="other", replica_id=i) for i in range(3)]
+    await log.append([node_joined("node-a.cluster")], 0)
+    await log.append(loads(3), 1)  # seqs 2-4: model "m", replicas 0-2
+    await log.append(other, 4)  # 5-7
+    await log.append(loads(2, 3), 7)  # 8-9: replicas 3-4
+    replica_filter, model_filter = model_events_filter("m")[1], replica_events_filter("m", 1)[0]
+    assert [s for s, _ in await collect(log.read_subject(replica_filter))] == [2, 3, 4, 8, 9]
+    assert [s for s, _ in await collect(log.read_subject(replica_filter, 3, stop_seq=8))] == [3, 4, 8]
+    assert [(s, e.replica_id) for s, e in await collect(log.read_subject(model_filter))] == [(3, 1)]
+    assert await collect(log.read_subject(model_events_filter("m")[0])) == []

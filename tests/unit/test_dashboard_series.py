@@ -18,7 +18,7 @@ from controlplane.core.projections import ClusterState
 from controlplane.dashboard.metrics import model_labels, registry_for, render
 from controlplane.dashboard.model import BadQuery, DashboardModel, Filter, UnknownEntity
 from controlplane.dashboard.sampler import QueueSamples, quantile
-from controlplane.dashboard.series import PHASES, Steps, replica_phase
+from controlplane.dashboard.series import MAX_KEPT, PHASES, Steps, replica_phase
 from schemas.keys import display_name
 from tests.strategies import histories, numbered, scripted_history
 
@@ -48,17 +48,24 @@ def test_series_at_any_seq_equal_the_fold_at_that_seq(events, data):
     model that starts from a snapshot (the series begin with what it holds) and keeps a small window."""
     items = numbered(events)
     start = data.draw(st.integers(0, len(items)))
-    m = DashboardModel(fold_to(items, start), window=data.draw(st.integers(1, 50)))
+    keep = data.draw(st.sampled_from([1, 2, 5, MAX_KEPT]), label="changes kept per series")
+    m = DashboardModel(fold_to(items, start), window=data.draw(st.integers(1, 50)), series_keep=keep)
     m.add_all(items)
     for seq in data.draw(st.lists(st.integers(start, len(items)), min_size=1, max_size=4)):
         state = fold_to(items, seq)
         t = state.max_ts.timestamp() if state.max_ts is not None else 0.0
         for mk in {k[0] for k in m.live.replicas}:
             got = m.series.model_window(mk, t - 3600, t, seq, 50)
+            if not got["t"]:  # a position older than the changes kept: said, never a wrong figure
+                assert got["kept_from"] is not None and seq < m.series.models[mk].floor_seq  # type: ignore[operator]
+                continue
             assert {p: got[p][-1] for p in PHASES} == counts(state, mk), (mk, seq)
         for node_id in state.nodes:
             w = m.series.node_window(state, node_id, t - 3600, t, seq, 50)
             for card in w["cards"]:
+                if not card["t"]:
+                    assert card["kept_from"] is not None
+                    continue
                 assert card["committed"][-1] == state.card_committed(node_id, card["index"])
                 assert card["reserved"][-1] == state.card_reserved(node_id, card["index"])
 
@@ -72,7 +79,8 @@ def test_a_window_reads_the_step_at_each_of_its_times(changes, a, b, points):
         t += dt / 10
         s.put(i + 1, t, [v])
     t0, t1 = min(a, b), max(a, b)
-    xs, (vals,) = s.window(t0, t1, seq_max=len(changes), points=points)
+    xs, (vals,), kept_from = s.window(t0, t1, seq_max=len(changes), points=points)
+    assert kept_from is None
 
     def truth(at):
         i = sum(1 for x in s.t if x <= at)
@@ -89,7 +97,54 @@ def test_a_window_stops_at_its_seq():
     s = Steps(1)
     for i, v in enumerate([1, 2, 3]):
         s.put(i + 1, float(i), [v])
-    assert s.window(-1, 10, seq_max=2, points=10) == ([-1, 0.0, 1.0, 10], [[0, 1, 2, 2]])
+    assert s.window(-1, 10, seq_max=2, points=10) == ([-1, 0.0, 1.0, 10], [[0, 1, 2, 2]], None)
+
+
+@given(st.lists(st.tuples(st.floats(0, 100), st.integers(0, 5)), max_size=60), st.integers(1, 8),
+       st.floats(0, 700), st.floats(0, 700), st.integers(0, 61))
+def test_a_trimmed_series_is_exact_where_it_answers_and_says_where_it_was_clamped(changes, keep, a, b, seq_max):
+    """The newest `keep` changes kept: every value a window gives is the full series' at that time, and a
+    window reaching before the oldest kept change starts at `kept_from` (none at all before it)."""
+    whole, kept = Steps(1, keep=10**9), Steps(1, keep=keep)
+    t = 0.0
+    for i, (dt, v) in enumerate(changes):
+        t += dt / 10
+        whole.put(i + 1, t, [v])
+        kept.put(i + 1, t, [v])
+    assert len(kept.seq) <= keep + keep // 4
+    t0, t1 = min(a, b) / 10, max(a, b) / 10
+    xs, (vals,), kept_from = kept.window(t0, t1, seq_max, points=1000)
+    if kept.floor_t is None:
+        assert (xs, [vals], kept_from) == (*whole.window(t0, t1, seq_max, points=1000)[:2], None)
+        return
+    assert (kept_from is not None) == (t0 < kept.floor_t or seq_max < kept.floor_seq)
+    if not xs:
+        assert seq_max < kept.floor_seq or t1 < kept.floor_t  # type: ignore[operator]
+        return
+    assert xs[0] == max(t0, kept.floor_t)
+    full_xs, (full_vals,), _ = whole.window(xs[0], t1, seq_max, points=1000)
+    assert (xs, vals) == (full_xs, full_vals)
+
+
+def test_memory_stays_bounded_over_a_long_history():
+    """A long generated history (12,000 replicas loaded and evicted, 52,000 events): each series holds
+    at most its bound however many events were folded, and the figures at the end are still the fold's."""
+    keep = 100
+    m = DashboardModel(window=1_000, series_keep=keep)
+    items = numbered(scripted_history(12_000))
+    m.add_all(items)
+    held = [len(s.seq) for s in [*m.series.models.values(), *m.series.cards.values()]]
+    assert len(items) > 50_000 and held and max(held) <= keep + keep // 4, max(held)
+    assert all(len(s.vals) == len(s.seq) * s.k and len(s.t) == len(s.seq)
+               for s in [*m.series.models.values(), *m.series.cards.values()])
+    assert len(m.items) <= 1_000 + 100
+    t = m.time_of(m.seq) or 0.0
+    for mk in m.live.models:
+        got = m.series.model_window(mk, t - 10, t, m.seq, 50)
+        assert {p: got[p][-1] for p in PHASES} == counts(m.live, mk)
+    for node_id in m.live.nodes:
+        for card in m.series.node_window(m.live, node_id, t - 10, t, m.seq, 50)["cards"]:
+            assert card["committed"][-1] == m.live.card_committed(node_id, card["index"])
 
 
 def row(completed, errors, queued=0, lat=None):

@@ -39,9 +39,10 @@ from tests.strategies import _env, histories, numbered, scripted_history
 SETTINGS = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
-def stored_log(events: list[E.Event]) -> MemoryEventLog:
-    """A log holding exactly these events, duplicates included (as a foreign writer could store them)."""
-    log = MemoryEventLog()
+def stored_log(events: list[E.Event], log: MemoryEventLog | None = None) -> MemoryEventLog:
+    """A log (`log`, or a new one) holding exactly these events, duplicates included (as a foreign
+    writer could store them)."""
+    log = log if log is not None else MemoryEventLog()
     for ev in events:
         log.append_raw(event_subject(ev), encode_event(ev), ev.event_id, ev.ts)
     return log

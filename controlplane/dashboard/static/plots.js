@@ -70,9 +70,14 @@ export class Trends {
     const p = new URLSearchParams({ window: this.window, points: "300" });
     if (this.until !== null) p.set("until", this.until);
     const jobs = [];
+    this.keptFrom = null;  // the latest time a plot was clamped to (the dashboard keeps the newest changes only)
     if (this.model) jobs.push(getJson(`/api/series?${p}&model=${encodeURIComponent(this.model)}`).then((b) => this.drawModel(b)));
     if (this.node) jobs.push(getJson(`/api/series?${p}&node=${encodeURIComponent(this.node)}`).then((b) => this.drawNode(b)));
-    try { await Promise.all(jobs); $("plots-note").textContent = ""; } catch (err) { $("plots-note").textContent = err.message; }
+    try {
+      await Promise.all(jobs);
+      $("plots-note").textContent = this.keptFrom == null ? ""
+        : `replicas and memory from ${fullTime(this.keptFrom)} on: older changes are not kept (docs/dashboard.md)`;
+    } catch (err) { $("plots-note").textContent = err.message; }
   }
 
   drawModel(b) {
@@ -82,6 +87,7 @@ export class Trends {
     this.charts.rate.setData([q.t, q.completed_per_s, q.errors_per_s]);
     this.charts.latency.setData([q.t, q.p50_s, q.p99_s]);
     this.charts.replicas.setData([r.t, ...Object.keys(COLORS).map((k) => r[k])]);
+    this.clamped(r.kept_from);
     for (const c of [this.charts.queue, this.charts.rate, this.charts.latency, this.charts.replicas]) c.setScale("x", scale);
     const since = q.sampled_since;
     for (const el of document.querySelectorAll("#plots .sampled-mark")) {
@@ -91,6 +97,10 @@ export class Trends {
     pr.rev += 1; pr.model = b.model_key; pr.t1 = b.t1; pr.live = b.live;
     pr.queue = { t: q.t.slice(-60), completed_per_s: q.completed_per_s.slice(-60), waiting: q.waiting.slice(-60), p50_s: q.p50_s.slice(-60) };
     pr.replicas = Object.fromEntries(Object.keys(COLORS).map((k) => [k, r[k].at(-1)]));
+  }
+
+  clamped(t) {
+    if (t != null && (this.keptFrom == null || t > this.keptFrom)) this.keptFrom = t;
   }
 
   drawNode(b) {
@@ -110,6 +120,7 @@ export class Trends {
       return times.map((t) => { while (j + 1 < c.t.length && c.t[j + 1] <= t) j++; return c.committed[j] / 2 ** 30; });
     });
     this.charts.node.setData([times, ...cols]);
+    for (const c of cards) this.clamped(c.kept_from);
     this.charts.node.setScale("x", { min: b.t0, max: b.t1 });
     const pr = this.probe.plots;
     pr.node = b.node.node_id; pr.cards = cards.map((c) => c.committed.at(-1));

@@ -1,4 +1,4 @@
-"""Reads and the live feed of the event stream: `read`, `follow` (and their batch forms), `seq_at`.
+"""Reads and the live feed of the event stream: `read`, `follow` (and their batch forms), `read_subject`, `seq_at`.
 
 Events come by an ordered push consumer, or by batched direct gets for users who may create no
 consumer; followers check that sequences are contiguous and resubscribe from the last applied one
@@ -71,6 +71,24 @@ async def read_batches(src: FeedSource, start_seq: int = 1, *, start_time: datet
     feed = _feed_direct if stop - max(start_seq, 1) < SHORT_READ else _feed
     async for batch in feed(src, start_seq, stop):
         yield batch
+
+
+async def read_subject(src: FeedSource, subject: str, start_seq: int = 1, *,
+                       stop_seq: int | None = None) -> AsyncIterator[Stored]:
+    """The events on subjects matching `subject`, by batched direct gets that name it (`next_by_subj`):
+    the server skips the rest, so a read of one model's events costs its events, not the log's."""
+    stop = await last_seq(src.js, src.timeout) if stop_seq is None else stop_seq
+    seq = max(start_seq, 1)
+    while seq <= stop:
+        msgs = await direct_batch(src.nc, EVENTS_STREAM, seq, MAX_BATCH, next_by_subj=subject, timeout=src.timeout,
+                                  api=src.api)
+        for m in msgs:
+            if m.seq > stop:
+                return
+            yield m.seq, stored_item(m.subject, m.data)
+        if not msgs:
+            return
+        seq = msgs[-1].seq + 1
 
 
 async def follow(src: FeedSource, start_seq: int = 1) -> AsyncIterator[Stored]:

@@ -151,6 +151,9 @@ class JetStreamEventLog:
         """Like `read`, in lists of whatever arrived together (a fold then loops without awaiting)."""
         return feed.read_batches(self, start_seq, start_time=start_time, stop_seq=stop_seq)
 
+    def read_subject(self, subject: str, start_seq: int = 1, *, stop_seq: int | None = None) -> AsyncIterator[Stored]:
+        return feed.read_subject(self, subject, start_seq, stop_seq=stop_seq)
+
     def follow(self, start_seq: int = 1) -> AsyncIterator[Stored]:
         return feed.follow(self, start_seq)
 
