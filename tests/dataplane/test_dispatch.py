@@ -26,8 +26,9 @@ from dataplane.replica.model import ModelReplica
 from dataplane.runtime.ray_adapter import get_actor, kill_actor
 from dataplane.serving.dispatcher import Dispatcher
 from schemas import errors as errs
+from schemas.errors import InvalidCommand
 from schemas.keys import canonical_model_key
-from schemas.requests import status_decoder
+from schemas.requests import Request, encoder, status_decoder
 from schemas.status import ReplicaState
 from schemas.subjects import REQUEST_STATUS_BUCKET, request_subject
 from tests.conftest import bounded
@@ -205,10 +206,14 @@ async def test_bad_requests_get_error_and_disturb_nothing(service: dict[str, Any
     res = await admin.deploy(str(models["gpt2"]), 1)
     await admin.wait(res, timeout=120)
     async with Client(url) as c:
-        bad_op = await c.submit(str(models["gpt2"]), {"op": "train"})
-        with pytest.raises(RequestFailed, match="unknown op") as info:
-            await bad_op.result(timeout=60)
-        assert info.value.error == "BadRequest"
+        with pytest.raises(InvalidCommand, match="unknown op"):  # the SDK refuses it before storing it
+            await c.submit(str(models["gpt2"]), {"op": "train"})
+        # A client that skips the SDK's check: the replica refuses it, the request ends ERROR.
+        mk = canonical_model_key(str(models["gpt2"]))
+        bad = Request(request_id="bad-op-1", model_key=mk, payload={"op": "train"}, submitted_at=datetime.now(UTC))
+        await lg.js.publish(request_subject(mk), encoder.encode(bad), headers={"Nats-Msg-Id": "bad-op-1"})
+        final_bad = await _final_kept(await c.job("bad-op-1"))
+        assert str(final_bad.status) == "ERROR" and "unknown op" in final_bad.message, final_bad
         (tmp_path / "nothing").mkdir()
         unknown = await c.submit(str(tmp_path / "nothing"), {"op": "forward", "input_ids": [[1]]})
         with pytest.raises(RequestFailed, match="unknown model"):

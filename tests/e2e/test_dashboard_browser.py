@@ -278,7 +278,7 @@ async def test_a_plot_moves_while_requests_flow(scene: Scene) -> None:
         n = 0
         async with Client(scene.url) as c:
             while not stop.is_set():
-                jobs = [await c.submit(scene.ckpt["gpt2"], {"op": "noop", "i": n + i}) for i in range(20)]
+                jobs = [await c.submit(scene.ckpt["gpt2"], {"op": "echo", "data": n + i}) for i in range(20)]
                 for j in jobs:
                     await j.result(timeout=30)
                     await j.close()

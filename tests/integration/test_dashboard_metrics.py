@@ -61,9 +61,9 @@ async def test_metrics_are_scraped_and_parsed_while_requests_flow(nats_server: E
                 while not d.samples.spans:
                     await asyncio.sleep(0.05)
             async with Client(url) as c:
-                jobs = [await c.submit(ckpt, {"i": i}) for i in range(N)]
+                jobs = [await c.submit(ckpt, {"op": "echo", "data": i}) for i in range(N)]
                 for i, j in enumerate(jobs):
-                    assert (await j.result(timeout=30)) == {"echo": {"i": i}}
+                    assert (await j.result(timeout=30)) == {"echo": {"op": "echo", "data": i}}
                     await j.close()
             async with asyncio.timeout(10):  # the dashboard's next ask sees them
                 while (d.queues["models"].get(mk) or {}).get("completed") != N:
