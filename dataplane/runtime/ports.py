@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 import msgspec
 
+from dataplane.replica.journal import Line
 from dataplane.replica.wire import Answer
 
 ReplicaHandle = Any  # opaque to callers: a Ray actor handle, a fake's object
@@ -98,6 +99,11 @@ class ReplicaRuntime(Protocol):
 
     async def list(self) -> list[Found]:
         """Every live replica process by contract name (all nodes: `info` tells where each runs)."""
+        ...
+
+    async def recent_lines(self, handle: ReplicaHandle, n: int, timeout_s: float) -> list[Line]:
+        """The replica process's own newest `n` lines, oldest first (dataplane/replica/journal.py);
+        TimeoutError when it does not answer within `timeout_s`."""
         ...
 
 
