@@ -97,15 +97,15 @@ class ReplicaRuntime(Protocol):
         """Is the process alive; with DEAD, why (one line)."""
         ...
 
-    async def list(self) -> list[Found]:
-        """Every live replica process by contract name (all nodes: `info` tells where each runs)."""
-        ...
-
     async def recent_lines(self, handle: ReplicaHandle, n: int, timeout_s: float) -> list[Line]:
         """The replica process's own newest `n` lines, oldest first (dataplane/replica/journal.py);
         TimeoutError when it does not answer within `timeout_s`."""
         ...
 
+
+    async def list(self) -> list[Found]:
+        """Every live replica process by contract name (all nodes: `info` tells where each runs)."""
+        ...
 
 class ReplicaCaller(Protocol):
     """The request path's calls into a replica process, and the fallback of the NATS replica link
