@@ -102,10 +102,10 @@ class ReplicaRuntime(Protocol):
         TimeoutError when it does not answer within `timeout_s`."""
         ...
 
-
     async def list(self) -> list[Found]:
         """Every live replica process by contract name (all nodes: `info` tells where each runs)."""
         ...
+
 
 class ReplicaCaller(Protocol):
     """The request path's calls into a replica process, and the fallback of the NATS replica link

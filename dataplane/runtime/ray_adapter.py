@@ -284,10 +284,10 @@ class RayRuntime:
             raise TimeoutError(f"the replica did not answer within {timeout_s:g} s") from None
         return lines
 
-
     async def list(self) -> list[Found]:
         found = await asyncio.to_thread(list_replica_actors)
         return [Found(model_key=mk, replica_id=rid, name=name) for mk, rid, name in found]
+
 
 # ---- the request path's calls ----------------------------------------------------------------
 
