@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -202,4 +203,6 @@ async def test_ndif_logs_shows_the_replica_processs_own_lines(nats_server: Embed
         ran = await ndif(url, "logs", str(tiny), "--replica-id", "0", "--json")
         row = json.loads(ran.out)["replicas"][0]
         assert ran.rc == 0 and row["ok"] and "missing" not in row, row
-        assert any(" replica: info replica_loaded " in ln and "devices=[" in ln for ln in row["lines"]), row
+        shape = r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3}Z replica: info replica_loaded model_key=\S.* replica_id=0 .*" \
+                r"seconds=[\d.]+ devices=\[\d\]"
+        assert any(re.match(shape, ln) for ln in row["lines"]), row
