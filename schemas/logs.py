@@ -35,6 +35,7 @@ class LogsReply(msgspec.Struct, frozen=True, kw_only=True):
     replica_id: int = -1
     lines: list[str] = msgspec.field(default_factory=list)
     truncated: bool = False  # older lines (or bytes) were left out to keep within the bounds
+    missing: str = ""  # with `ok`: why the replica process's own lines are not among `lines` (else "")
     error: str = ""
     message: str = ""
 

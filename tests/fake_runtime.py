@@ -15,6 +15,7 @@ from typing import Any
 
 import msgspec
 
+from dataplane.replica.journal import Journal, Line
 from dataplane.replica.model import LoadError
 from dataplane.replica.wire import Answer, Completed, NotRun
 from dataplane.runtime.ports import Found, Liveness, ReplicaSpec
@@ -37,7 +38,8 @@ class FakeProcess:
         self.level = "COLD"
         self.devices: list[int] = []
         self.dead: str | None = None  # why it died
-        self.said: list[str] = []  # what the process wrote (the runtime's `recent_lines`)
+        self.said = Journal()  # what the process wrote (the runtime's `recent_lines`)
+        self.silent = False  # True: it does not answer `recent_lines` (a replica busy or stuck)
 
 
 class FakeRuntime:
@@ -83,7 +85,7 @@ class FakeRuntime:
         if self.fail_loads(handle.spec.model_key):
             raise LoadError("sim: config.json is corrupt")
         handle.level, handle.devices = "HOT", list(devices)
-        handle.said.append(f"sim: loaded onto cards {list(devices)}")
+        handle.said.add(f"sim: loaded onto cards {list(devices)}")
 
     async def to_cache(self, handle: FakeProcess) -> int:
         self._alive(handle)
@@ -108,10 +110,13 @@ class FakeRuntime:
     async def ping(self, handle: FakeProcess, timeout_s: float) -> tuple[Liveness, str]:
         return (Liveness.DEAD, f"actor died: {handle.dead}") if handle.dead else (Liveness.ALIVE, "")
 
-    async def recent_lines(self, handle: FakeProcess, n: int) -> list[str]:
-        """The process's own newest `n` lines (the Ray runtime's come from the actor's ring)."""
+    async def recent_lines(self, handle: FakeProcess, n: int, timeout_s: float) -> list[Line]:
+        """The process's own newest `n` lines; a silent one is waited for `timeout_s`, as Ray's."""
         self._alive(handle)
-        return handle.said[-n:]
+        if handle.silent:
+            await asyncio.sleep(timeout_s)
+            raise TimeoutError(f"the replica did not answer within {timeout_s:g} s")
+        return handle.said.recent(n)
 
     async def list(self) -> list[Found]:
         return [Found(model_key=mk, replica_id=rid, name=f"ModelActor:{mk}:{rid}") for mk, rid in self.processes]

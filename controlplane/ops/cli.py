@@ -382,6 +382,8 @@ async def _logs(a: argparse.Namespace, admin: AdminClient) -> int:
         except errs.InvalidCommand as exc:
             got = L.LogsReply(ok=False, error="InfrastructureError", message=f"the agent's answer cannot be read: {exc}")
         row.update(ok=got.ok, lines=got.lines, truncated=got.truncated)
+        if got.missing:
+            row.update(missing=got.missing)
         if not got.ok:
             row.update(error=got.error, message=got.message)
             worst = max(worst, 5 if got.error != "NotFound" else 3)
@@ -396,6 +398,9 @@ async def _logs(a: argparse.Namespace, admin: AdminClient) -> int:
             continue
         if row["truncated"]:
             print(f"(older lines left out; the newest {len(row['lines'])} shown)")
+        if row.get("missing"):
+            print(f"({row['missing']})")
+            print(f"note: replica {row['replica_id']}: {row['missing']}", file=sys.stderr)
         for line in row["lines"]:
             print(line)
     return worst

@@ -27,7 +27,6 @@ failed; a WARM one whose actor is gone is reported unloaded. No orphan, no dupli
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import os
 import socket
@@ -48,6 +47,7 @@ from controlplane.store.credentials import Creds, resolve
 from controlplane.store.eventstore import JetStreamEventLog
 from controlplane.store.heartbeats import STALE_S, JetStreamHeartbeats
 from dataplane.replica.actor import NAMESPACE, replica_resources
+from dataplane.replica.journal import Journal, Line, merge, stamp
 from dataplane.runtime.ports import Liveness, ReplicaHandle, ReplicaRuntime, ReplicaSpec
 from schemas import logs as L
 from schemas.errors import InfrastructureError, InvalidCommand
@@ -69,6 +69,7 @@ from schemas.subjects import model_token, node_logs_subjects
 
 logger = structlog.get_logger("ndif.agent")
 SCHEDULE_TIMEOUT_S = 60.0  # a replica actor Ray has not started by then is a failed load
+LOGS_TIMEOUT_S = 3.0  # how long `ndif logs` waits for a replica's own lines (the CLI waits up to 10 s)
 
 
 class ReplicaNotScheduled(InfrastructureError):
@@ -121,7 +122,7 @@ class NodeAgent:
         self.nc = nc
         # replica -> its recent lines on this node (what the agent saw of it, and what its process
         # said), the newest L.MAX_LINES kept; dropped when the fold forgets the replica
-        self.lines: dict[RKey, collections.deque[str]] = {}
+        self.lines: dict[RKey, Journal] = {}
         self._logs_sub: Any = None
         self.heartbeats = heartbeats
         self.runtime = runtime
@@ -539,8 +540,8 @@ class NodeAgent:
         """Keep one line about replica `key` (time-stamped, cut to L.MAX_LINE_CHARS)."""
         ring = self.lines.get(key)
         if ring is None:
-            ring = self.lines[key] = collections.deque(maxlen=L.MAX_LINES)
-        ring.append(L.clip_line(f"{utcnow():%Y-%m-%d %H:%M:%S}Z {text}"))
+            ring = self.lines[key] = Journal()
+        ring.add(text, utcnow().timestamp())
 
     def _note_event(self, ev: Event) -> None:
         rid = getattr(ev, "replica_id", None)
@@ -555,24 +556,33 @@ class NodeAgent:
             del self.lines[key]
 
     async def replica_lines(self, model_key: str, replica_id: int, n: int) -> L.LogsReply:
-        """The newest `n` lines of a replica on this node: the agent's own, then, when the runtime
-        can tell them, its process's (`recent_lines`). NotFound when this node has no such replica."""
+        """The newest `n` lines of a replica on this node: the agent's own and its process's
+        (`ReplicaRuntime.recent_lines`, asked for at most `LOGS_TIMEOUT_S`), merged by time. A process
+        that does not answer in time (or is gone) leaves the agent's lines, and `missing` says why.
+        NotFound when this node has no such replica."""
         key = (model_key, replica_id)
         r = self.state.replicas.get(key)
         if (r is None or r.node_id != self.node_id) and key not in self.lines and key not in self.actors:
             return L.LogsReply(ok=False, node_id=self.node_id, replica_id=replica_id, error="NotFound",
                                message=f"node {self.node_id} has no replica {replica_id} of this model")
-        lines = list(self.lines.get(key, ()))
-        own = getattr(self.runtime, "recent_lines", None)
+        agent = self.lines[key].recent(n) if key in self.lines else []
+        own: list[Line] = []
+        missing = ""
         handle = self.actors.get(key)
-        if own is not None and handle is not None:
+        if handle is None:
+            missing = "the replica has no process on this node now: only the agent's lines are shown"
+        else:
             try:
-                got = await asyncio.wait_for(own(handle, n), 5)
-                lines += [f"replica: {x}" for x in got[-n:]]
+                # the runtime bounds the call itself; this bounds a runtime that overruns its own bound
+                got = await asyncio.wait_for(self.runtime.recent_lines(handle, n, LOGS_TIMEOUT_S), LOGS_TIMEOUT_S + 1)
+                own = [Line(at=x.at, text=f"replica: {x.text}") for x in got[-n:]]
             except Exception as exc:  # noqa: BLE001 - the agent's lines still answer
-                lines.append(f"(the replica's own lines could not be read: {_error_text(exc)})")
-        return L.LogsReply(ok=True, node_id=self.node_id, replica_id=replica_id, lines=lines[-n:],
-                           truncated=len(lines) > n)
+                why = (f"it did not answer within {LOGS_TIMEOUT_S:g} s" if isinstance(exc, TimeoutError)
+                       else _error_text(exc))
+                missing = f"the replica's own lines could not be read ({why}): only the agent's lines are shown"
+        lines = merge(agent, own)
+        return L.LogsReply(ok=True, node_id=self.node_id, replica_id=replica_id, lines=[stamp(x) for x in lines[-n:]],
+                           truncated=len(lines) > n, missing=missing)
 
     async def _answer_logs(self, msg: Any) -> None:
         """`ndif.logs.<ntok>.<mtok>.<replica_id>`: the replica's lines, or why not (never raises)."""

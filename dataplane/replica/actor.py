@@ -17,6 +17,11 @@ Given the NATS URL (the agent passes its own), the actor also answers `run_batch
 `ndif.run.<ntok>.<mtok>.<replica_id>` (dataplane/replica/endpoint.py): the dispatcher's fast path
 to it (the node token first: an agent's user may serve its own node's endpoints only). The call
 and its answers are dataplane/replica/wire.py's.
+
+The actor keeps its process's own recent log lines (`recent_lines`; dataplane/replica/journal.py),
+which `ndif logs` shows beside the agent's: with `capture_logs` (the Ray adapter's actors, one per
+process) every structlog event and printed `logging` record of the process, else only what the
+actor itself notes.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import time
 from typing import Any
 
 from dataplane.replica.endpoint import ReplicaEndpoint
+from dataplane.replica.journal import Journal, Line, capture_process_logs
 from dataplane.replica.model import LoadError, ModelReplica, ReplicaNotHot, error_text
 from dataplane.replica.wire import Answer, Completed, Failed, NotRun
 from schemas.subjects import replica_call_subject
@@ -57,8 +63,11 @@ class ModelActor:
 
     def __init__(self, model_key: str, replica_id: int, checkpoint: str, *, revision: str | None = None,
                  dtype: str = "float32", node_id: str = "", execution_timeout_s: float = 60.0,
-                 nats_url: str | None = None, nats_creds: Any = None) -> None:
+                 nats_url: str | None = None, nats_creds: Any = None, capture_logs: bool = False) -> None:
         self.node_id = node_id
+        self.journal = Journal()
+        if capture_logs:  # before the replica and its endpoint say anything
+            capture_process_logs(self.journal)
         self.replica = ModelReplica(model_key, replica_id, checkpoint, revision=revision, dtype=dtype,
                                     execution_timeout_s=execution_timeout_s)
         # The request path's endpoint (dataplane/replica/endpoint.py): `run_batch` over NATS as well.
@@ -97,6 +106,10 @@ class ModelActor:
 
     def ping(self) -> bool:
         return True
+
+    def recent_lines(self, n: int) -> list[Line]:
+        """The process's own newest `n` lines (at most `schemas.logs.MAX_LINES`), oldest first."""
+        return self.journal.recent(n)
 
     def calls_active(self, replies: list[str]) -> list[bool]:
         """Which of these endpoint calls this replica still works on (the dispatcher's check)."""

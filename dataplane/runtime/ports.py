@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 import msgspec
 
+from dataplane.replica.journal import Line
 from dataplane.replica.wire import Answer
 
 ReplicaHandle = Any  # opaque to callers: a Ray actor handle, a fake's object
@@ -94,6 +95,11 @@ class ReplicaRuntime(Protocol):
 
     async def ping(self, handle: ReplicaHandle, timeout_s: float) -> tuple[Liveness, str]:
         """Is the process alive; with DEAD, why (one line)."""
+        ...
+
+    async def recent_lines(self, handle: ReplicaHandle, n: int, timeout_s: float) -> list[Line]:
+        """The replica process's own newest `n` lines, oldest first (dataplane/replica/journal.py);
+        TimeoutError when it does not answer within `timeout_s`."""
         ...
 
     async def list(self) -> list[Found]:

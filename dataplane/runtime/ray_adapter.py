@@ -25,6 +25,7 @@ from ray._private import ray_constants
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from dataplane.replica.actor import NAMESPACE, ModelActor, actor_name, parse_actor_name, replica_resources
+from dataplane.replica.journal import Line
 from dataplane.replica.wire import Answer
 from dataplane.runtime.ports import Found, Liveness, ReplicaHandle, ReplicaSpec
 
@@ -167,7 +168,7 @@ def create_actor(model_key: str, replica_id: int, checkpoint: str, *, ray_node_i
         scheduling_strategy=NodeAffinitySchedulingStrategy(ray_node_id, soft=False),
         runtime_env={"env_vars": env},
     ).remote(model_key, replica_id, checkpoint, revision=revision, dtype=dtype, node_id=node_id,
-             execution_timeout_s=execution_timeout_s, nats_url=nats_url, nats_creds=nats_creds)
+             execution_timeout_s=execution_timeout_s, nats_url=nats_url, nats_creds=nats_creds, capture_logs=True)
 
 
 def get_actor(model_key: str, replica_id: int) -> Any | None:
@@ -272,6 +273,16 @@ class RayRuntime:
         except (TimeoutError, ray.exceptions.GetTimeoutError):
             return Liveness.BUSY, ""
         return Liveness.ALIVE, ""
+
+    async def recent_lines(self, handle: ReplicaHandle, n: int, timeout_s: float) -> list[Line]:
+        ref = handle.recent_lines.remote(n)
+        try:
+            lines: list[Line] = await asyncio.wait_for(ref, timeout_s)
+        except (TimeoutError, ray.exceptions.GetTimeoutError):
+            with contextlib.suppress(Exception):
+                ray.cancel(ref)  # a queued call the actor never started is dropped
+            raise TimeoutError(f"the replica did not answer within {timeout_s:g} s") from None
+        return lines
 
     async def list(self) -> list[Found]:
         found = await asyncio.to_thread(list_replica_actors)

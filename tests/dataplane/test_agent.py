@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -31,6 +32,7 @@ from dataplane.runtime.ray_adapter import get_actor, kill_actor, list_replica_ac
 from schemas.keys import canonical_model_key
 from tests.conftest import fresh_event_log
 from tests.dataplane.conftest import kill_all_actors
+from tests.integration.cluster import ndif
 from tests.integration.scenario import lifecycle_scenario
 from tests.waiting import until_state
 
@@ -182,3 +184,25 @@ async def test_corrupt_checkpoint_load_fails_and_frees_its_cards(nats_server: Em
         assert get_actor(mk_bad, 0) is None and get_actor(mk_ok, 0) is not None
         assert st.anomaly_count == 0, st.anomalies
         assert parse_actor_name(actor_name(mk_ok, 0)) == (mk_ok, 0)
+
+
+async def test_ndif_logs_shows_the_replica_processs_own_lines(nats_server: EmbeddedNats, admin: AdminClient,
+                                                              tiny: Path) -> None:
+    """Under Ray the replica actor keeps its own lines (its structlog events, e.g. `replica_loaded`)
+    and `ndif logs` shows them beside the agent's, in time order."""
+    url = nats_server.url
+    async with Controller.from_url(url, policy_interval_s=0.2), await agent(url):
+        res = await admin.deploy(str(tiny), 1)
+        await admin.wait(res, timeout=90)
+        ran = await ndif(url, "logs", str(tiny), "--replica-id", "0")
+        assert ran.rc == 0, ran.err
+        block = ran.out.split("<==", 1)[1]
+        assert "replica: info replica_loaded" in block, ran.out
+        assert block.index("replica: info replica_loaded") < block.index("agent: ReplicaLoaded"), ran.out
+        assert "note:" not in ran.err and "could not be read" not in ran.out, (ran.out, ran.err)
+        ran = await ndif(url, "logs", str(tiny), "--replica-id", "0", "--json")
+        row = json.loads(ran.out)["replicas"][0]
+        assert ran.rc == 0 and row["ok"] and "missing" not in row, row
+        shape = r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3}Z replica: info replica_loaded model_key=\S.* replica_id=0 .*" \
+                r"seconds=[\d.]+ devices=\[\d\]"
+        assert any(re.match(shape, ln) for ln in row["lines"]), row

@@ -2,7 +2,8 @@
 nats-server with the users and accounts `ndif up` generates (agents over the in-memory runtime).
 
 - the admin reads each replica's lines: the agent's own (its facts about the replica) and the
-  process's (the runtime's `recent_lines`), bounded by `--lines`;
+  process's (the runtime's `recent_lines`), merged by time, bounded by `--lines`;
+- a replica process that does not answer in time leaves the agent's lines, and the answer says so;
 - "no such replica" is exit 3, an agent that does not answer exit 5, a bad `--lines` exit 2;
 - a client cannot ask an agent for logs (its account imports no such service) and an agent
   answers only for its own node's subjects (the role matrix, role_permissions.txt, holds the rest).
@@ -82,13 +83,32 @@ async def test_ndif_logs_reads_a_replicas_lines_from_its_agent_and_says_what_wen
             assert f"replica {rid} on {node} (Available)" in ran.out
         assert ran.out.count("agent: ReplicaLoaded load_seconds=") == 2
         assert ran.out.count("replica: sim: loaded onto cards [0]") == 2
+        block = ran.out.split("<==")[1]
+        # merged by time: the process said it loaded before the agent reported it
+        assert block.index("replica: sim: loaded") < block.index("agent: ReplicaLoaded"), block
+        stamps = [ln.split("Z ", 1)[0] for ln in block.strip().splitlines()[:-1] if "Z " in ln]
+        assert stamps == sorted(stamps) and len(stamps) >= 3, block
 
         ran = await ndif(url, "logs", str(d), "--replica-id", "1", "--lines", "1", "--json", env=env)
         assert ran.rc == 0, ran.err
         out = json.loads(ran.out)
         assert out["ok"] is True and [r["replica_id"] for r in out["replicas"]] == [1]
-        assert out["replicas"][0]["lines"] == ["replica: sim: loaded onto cards [0]"]
-        assert out["replicas"][0]["truncated"] is True
+        [line] = out["replicas"][0]["lines"]
+        assert "Z agent: ReplicaLoaded load_seconds=" in line, line
+        assert out["replicas"][0]["truncated"] is True and "missing" not in out["replicas"][0]
+
+        # A replica process that does not answer: the agent's lines, and it says the process's are missing.
+        runtime = next(a.runtime for a in agents if a.node_id == nodes[1])
+        assert isinstance(runtime, FakeRuntime)
+        runtime.processes[(model, 1)].silent = True
+        ran = await ndif(url, "logs", str(d), "--replica-id", "1", env=env)
+        assert ran.rc == 0, ran.err
+        assert "agent: ReplicaLoaded" in ran.out and "replica: sim:" not in ran.out
+        assert "did not answer within 3 s" in ran.out and "note: replica 1:" in ran.err, (ran.out, ran.err)
+        ran = await ndif(url, "logs", str(d), "--replica-id", "1", "--json", env=env)
+        row = json.loads(ran.out)["replicas"][0]
+        assert ran.rc == 0 and row["ok"] is True and "did not answer" in row["missing"], row
+        runtime.processes[(model, 1)].silent = False
 
         ran = await ndif(url, "logs", str(d), "--replica-id", "7", env=env)
         assert ran.rc == 3 and "no such replica" in ran.err, (ran.rc, ran.err)
