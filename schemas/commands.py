@@ -15,6 +15,7 @@ import msgspec
 
 from schemas.autoscale import AutoscalePolicy
 from schemas.errors import InvalidCommand, decode_bounded
+from schemas.guard import Refused, decode_guarded
 from schemas.status import Level
 
 MAX_HEADROOM: Final = 4.0  # charging more than 5x a model's size is a typo, not a setting
@@ -250,6 +251,14 @@ class CommandResult(msgspec.Struct, frozen=True, kw_only=True):
 
 MAX_COMMAND_BYTES: Final = 64 * 1024
 _command_decoder = msgspec.json.Decoder(AnyCommand)
+# A result lists a decision's replicas, evictions and refusals: bounded by what one NATS message carries.
+MAX_RESULT_BYTES: Final = 8 << 20
+_result_decoder = msgspec.json.Decoder(CommandResult)
+
+
+def decode_result(data: bytes) -> CommandResult | Refused:
+    """A controller's reply to a command, or `Refused` with the reason (never raises)."""
+    return decode_guarded(_result_decoder, data, limit=MAX_RESULT_BYTES, what="command result")
 
 
 def decode_command(data: bytes, limits: Limits | None = None, *, verb: str | None = None) -> AnyCommand:

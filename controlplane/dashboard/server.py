@@ -51,6 +51,7 @@ from controlplane.service.tasks import cancel_and_wait
 from controlplane.store.credentials import JS_API, Creds
 from controlplane.store.rebuild import newest_snapshot
 from schemas import errors as errs
+from schemas.guard import Refused, decode_any
 from schemas.subjects import DISPATCHER_STATE, REQUESTS_STREAM, model_token, request_consumer_token
 
 logger = structlog.get_logger("ndif.dashboard")
@@ -78,6 +79,26 @@ def _error(status: int, message: str) -> web.Response:
 
 def _json(obj: Any) -> web.Response:
     return web.Response(body=_enc.encode(obj), content_type="application/json")
+
+
+_QUEUE_FIELDS = ("status", "queued", "in_flight", "completed", "errors", "serving_replicas", "oldest_wait_s",
+                 "run_ms", "latency_s")
+MAX_STATE_BYTES = 8 << 20  # a dispatcher's state answer: bounded by what one NATS message carries
+
+
+def dispatcher_rows(data: bytes) -> tuple[Any, dict[str, dict[str, Any]], str | None]:
+    """A dispatcher's state answer as (its name, each model's queue row, why it could not be read
+    or None). Never raises: whatever the bytes, the rows it could read."""
+    d = decode_any(data, limit=MAX_STATE_BYTES, what="dispatcher state")
+    if not isinstance(d, dict):
+        return None, {}, d.reason if isinstance(d, Refused) else "the dispatcher's state is not an object"
+    rows: dict[str, dict[str, Any]] = {}
+    procs = d.get("processors")
+    for p in procs if isinstance(procs, list) else []:
+        if isinstance(p, dict) and isinstance(p.get("model_key"), str):
+            rows[p["model_key"]] = {k: p.get(k) for k in _QUEUE_FIELDS}
+    name = d.get("dispatcher")
+    return name if isinstance(name, str) else None, rows, None
 
 
 @web.middleware
@@ -298,12 +319,10 @@ class Dashboard:
             return out
         try:
             msg = await self.nc.request(DISPATCHER_STATE, b"", timeout=1.0)
-            d = msgspec.json.decode(msg.data)
-            out["dispatcher"] = d.get("dispatcher")
-            for p in d.get("processors", []):
-                models[p["model_key"]] = {k: p.get(k) for k in (
-                    "status", "queued", "in_flight", "completed", "errors", "serving_replicas", "oldest_wait_s",
-                    "run_ms", "latency_s")}
+            out["dispatcher"], rows, problem = dispatcher_rows(msg.data)
+            models.update(rows)
+            if problem:
+                out["error"] = problem
         except (nats.errors.NoRespondersError, nats.errors.TimeoutError) as exc:
             out["error"] = f"no dispatcher answered ({type(exc).__name__})"
         # Every model's work-queue consumer in a few listing requests (256 a page), not one request each.

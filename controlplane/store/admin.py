@@ -34,14 +34,15 @@ from schemas.commands import (
     Scale,
     ScaleDown,
     Undeploy,
+    decode_result,
     validate,
 )
 from schemas.events import Event, ReplicaEvent
+from schemas.guard import Refused
 from schemas.keys import canonical_model_key, display_name
 from schemas.status import ReplicaState
 from schemas.subjects import command_subject
 
-_result_decoder = msgspec.json.Decoder(CommandResult)
 _encoder = msgspec.json.Encoder()
 _ERRORS: dict[str, type[errs.NdifError]] = {
     c.__name__: c for c in (errs.InvalidCommand, errs.CommandIdConflict, errs.AlreadyDeployed, errs.NotFound,
@@ -116,7 +117,9 @@ class AdminClient:
                 f"no controller answered within {self.timeout:.0f}s; the command may still be decided: "
                 f"re-run it with the same command id ({cmd.command_id}) to get its result"
             ) from None
-        res = _result_decoder.decode(msg.data)
+        res = decode_result(msg.data)
+        if isinstance(res, Refused):
+            raise errs.InfrastructureError(f"the controller's answer to {cmd.command_id} cannot be read: {res.reason}")
         if not res.ok and not res.last_seq:  # refused, nothing appended (a short placement is a result)
             cls = _ERRORS.get(res.error or "", errs.NdifError)
             if cls is errs.ConflictError:

@@ -191,10 +191,7 @@ def _live_names(metas: list[DirectMsg]) -> list[str]:
     """The names the meta messages give, less the deleted objects' and what cannot be read."""
     names: list[str] = []
     for m in metas:
-        try:
-            info = msgspec.json.decode(m.data)
-        except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
-            continue  # not a meta message we can read: not an object
+        info = decode_any(m.data, limit=64 * 1024, what="object meta")  # Refused: not an object we can read
         if isinstance(info, dict) and isinstance(info.get("name"), str) and not info.get("deleted"):
             names.append(info["name"])
     return names

@@ -56,12 +56,15 @@ class MemoryEventLog:
             self._changed.notify_all()
         return AppendResult(first_seq=last + 1, last_seq=last + n)
 
-    def append_raw(self, subject: str, body: bytes, msg_id: str, ts: datetime) -> int:
-        """Store an arbitrary body (malformed or from a newer version), as a foreign writer could."""
+    async def append_raw(self, subject: str, body: bytes, msg_id: str, ts: datetime) -> int:
+        """Store an arbitrary body (malformed or from a newer version), as a foreign writer could;
+        followers are woken as by `append`."""
         self._bodies.append(body)
         self._ids.append(msg_id)
         self._subjects.append(subject)
         self._times.append(ts)
+        async with self._changed:
+            self._changed.notify_all()
         return len(self._bodies)
 
     async def read(self, start_seq: int = 1, *, start_time: datetime | None = None,

@@ -23,6 +23,7 @@ from nats.aio.msg import Msg
 from controlplane.store.credentials import Creds
 from controlplane.store.eventstore import connect
 from dataplane.replica.wire import HEADROOM_BYTES, Answer, Answers, Parked, decode_call, encode_reply
+from schemas.guard import Refused
 
 logger = structlog.get_logger("ndif.replica_endpoint")
 
@@ -109,6 +110,9 @@ class ReplicaEndpoint:
     async def _serve(self, msg: Msg, call: str) -> None:
         try:
             batch = decode_call(msg.data)
+            if isinstance(batch, Refused):  # unanswered: the dispatcher's check finds it lost
+                self.logger.warning("replica_endpoint_call_refused", reason=batch.reason[:300])
+                return
             answers = await self._loop.run_in_executor(self._pool, self._run_batch, batch.payloads)
             try:
                 body = encode_reply(Answers(answers=answers))

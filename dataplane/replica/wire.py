@@ -16,9 +16,13 @@ kw_only struct pickles through a dict of its fields, about twice the time of a p
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
+
+from schemas.guard import Refused
+
+T = TypeVar("T")
 
 # A call or a reply goes over NATS only while it is smaller than the server's max payload minus
 # this much (the room its headers and the protocol line take).
@@ -77,9 +81,9 @@ def encode_call(payloads: list[dict[str, Any]]) -> bytes:
     return _encoder.encode(Call(payloads=payloads))
 
 
-def decode_call(data: bytes) -> Call:
-    """A call's body; msgspec.DecodeError (ValidationError included) when it is not one."""
-    return _call_decoder.decode(data)
+def decode_call(data: bytes) -> Call | Refused:
+    """A call's body, or `Refused` with the reason (never raises)."""
+    return _decode(_call_decoder, data, "replica call")
 
 
 def encode_reply(reply: Reply) -> bytes:
@@ -87,7 +91,17 @@ def encode_reply(reply: Reply) -> bytes:
     return _encoder.encode(reply)
 
 
-def decode_reply(data: bytes) -> Reply:
-    """A reply's body; msgspec.DecodeError (ValidationError included) when it is not one, and
-    RecursionError for nesting deeper than the decoder goes."""
-    return _reply_decoder.decode(data)
+def decode_reply(data: bytes) -> Reply | Refused:
+    """A reply's body, or `Refused` with the reason (never raises)."""
+    return _decode(_reply_decoder, data, "replica answer")
+
+
+def _decode(decoder: msgspec.msgpack.Decoder[T], data: bytes, what: str) -> T | Refused:
+    # msgpack has no text to scan for depth first (schemas/guard.py's way for JSON): msgspec raises
+    # DecodeError for what is malformed, RecursionError for nesting past the interpreter's limit.
+    try:
+        return decoder.decode(data)
+    except msgspec.DecodeError as exc:
+        return Refused(reason=f"malformed {what}: {exc}")
+    except Exception as exc:  # noqa: BLE001 - RecursionError, or anything else: a refusal, never raised
+        return Refused(reason=f"unreadable {what}: {type(exc).__name__}: {str(exc)[:200]}")

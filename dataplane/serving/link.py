@@ -29,7 +29,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import msgspec
 import structlog
 from nats.aio.msg import Msg
 from nats.js import api
@@ -37,6 +36,7 @@ from nats.js import api
 from dataplane.replica.endpoint import CALL_HEADER
 from dataplane.replica.wire import HEADROOM_BYTES, Answer, Parked, decode_reply
 from dataplane.runtime.ports import ReplicaCaller
+from schemas.guard import Refused
 
 logger = structlog.get_logger("ndif.replica_link")
 
@@ -137,10 +137,9 @@ class ReplicaLink:
         if msg.headers and msg.headers.get(api.Header.STATUS) == NO_RESPONDERS:
             c.fut.set_exception(NoEndpoint(f"no endpoint for replica {c.key[1]} of {c.key[0]}"))
             return
-        try:
-            reply = decode_reply(msg.data)
-        except (msgspec.DecodeError, ValueError, TypeError, RecursionError) as exc:
-            c.fut.set_exception(ReplyLost(f"unreadable answer from replica {c.key[1]}: {exc}"))
+        reply = decode_reply(msg.data)
+        if isinstance(reply, Refused):
+            c.fut.set_exception(ReplyLost(f"unreadable answer from replica {c.key[1]}: {reply.reason}"))
             return
         if isinstance(reply, Parked):
             t = asyncio.ensure_future(self._take(c))

@@ -65,7 +65,7 @@ async def test_every_follower_reads_past_poison(tmp_path) -> None:
         following = asyncio.create_task(follower.run())
         try:
             for i, (subject, body) in enumerate(poisons()):
-                log.append_raw(subject, body, f"poison-{i}", datetime.now(UTC))
+                await log.append_raw(subject, body, f"poison-{i}", datetime.now(UTC))
             last = await log.last_seq()
             await until(lambda: min(ctl.state.seq, agent.state.seq, disp_state.seq, dash.model.seq) >= last)
             for st in (ctl.state, agent.state, disp_state, dash.model.live):

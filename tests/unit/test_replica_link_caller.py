@@ -18,7 +18,7 @@ from nats.aio.msg import Msg
 
 from controlplane.service.parts import Parts
 from controlplane.store.memlog import MemoryEventLog
-from dataplane.replica.wire import Answer, Answers, Completed, Parked, decode_call, encode_call, encode_reply
+from dataplane.replica.wire import Answer, Answers, Call, Completed, Parked, decode_call, encode_call, encode_reply
 from dataplane.serving import link as link_module
 from dataplane.serving.dispatcher import Dispatcher
 from dataplane.serving.link import NoEndpoint, ReplicaLink, ReplyLost
@@ -110,7 +110,9 @@ def endpoint(bus: Bus, caller: RecordingCaller, *, park: bool = False, body: byt
     """A replica endpoint: echoes each payload, or parks the answers with `caller`, or answers `body`."""
 
     async def on_call(msg: Msg) -> None:
-        answers: list[Answer] = [Completed(result=p, seconds=0.001) for p in decode_call(msg.data).payloads]
+        call = decode_call(msg.data)
+        assert isinstance(call, Call), call
+        answers: list[Answer] = [Completed(result=p, seconds=0.001) for p in call.payloads]
         if park:
             caller.parked[msg.reply] = answers
         out = body if body is not None else encode_reply(Parked() if park else Answers(answers=answers))

@@ -7,16 +7,37 @@ every follower runs: no exception escapes, the fold moves past every message.
 
 from __future__ import annotations
 
+import hashlib
+import zlib
+
 import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from controlplane.core.fairness import FairnessPolicy, decode_policy
 from controlplane.core.projections import ClusterState
+from controlplane.core.projections.cluster import SNAPSHOT_SCHEMA
+from controlplane.core.projections.snapshot import KIND, SnapshotHeader, decode_stored, encode_stored
+from controlplane.dashboard.server import dispatcher_rows
 from controlplane.store.heartbeats import beat_counts
+from dataplane.replica.wire import (
+    Answers,
+    Call,
+    Completed,
+    Failed,
+    NotRun,
+    Parked,
+    decode_call,
+    decode_reply,
+    encode_call,
+    encode_reply,
+)
 from dataplane.serving.dispatcher.intake import _checked, _id_of
 from schemas import events as E
-from schemas.commands import decode_command
+from schemas import logs as L
+from schemas.autoscale import QueueFigures, decode_figures
+from schemas.commands import CommandResult, decode_command, decode_result
 from schemas.errors import InvalidCommand
 from schemas.guard import MAX_DEPTH, Refused, body_problem, decode_any, depth
 from schemas.inventory import decode_inventory
@@ -138,6 +159,108 @@ def test_model_keys_from_the_wire_never_raise_past_invalid_command(text: str) ->
         model_parts(key)
     except InvalidCommand:
         pass
+
+
+@many
+@given(hostile_bytes)
+def test_queue_figures_decoding_refuses_with_invalid_command_only(data: bytes) -> None:
+    try:
+        assert isinstance(decode_figures(data), QueueFigures)
+    except InvalidCommand as exc:
+        assert str(exc)
+
+
+@many
+@given(hostile_bytes)
+def test_logs_ask_and_answer_decoding_refuse_with_invalid_command_only(data: bytes) -> None:
+    for decode, cls in ((L.decode_ask, L.LogsAsk), (L.decode_reply, L.LogsReply)):
+        try:
+            assert isinstance(decode(data), cls)  # type: ignore[operator]
+        except InvalidCommand as exc:
+            assert str(exc)
+
+
+@many
+@given(hostile_bytes)
+def test_fairness_policy_decoding_refuses_with_invalid_command_only(data: bytes) -> None:
+    try:
+        assert isinstance(decode_policy(data), FairnessPolicy)
+    except InvalidCommand as exc:
+        assert str(exc)
+
+
+@many
+@given(hostile_bytes)
+def test_a_command_result_and_a_dispatcher_state_answer_are_read_or_refused(data: bytes) -> None:
+    got = decode_result(data)
+    assert isinstance(got, CommandResult) or (isinstance(got, Refused) and got.reason), got
+    name, rows, problem = dispatcher_rows(data)  # the dashboard's queue table
+    assert (name is None or isinstance(name, str)) and isinstance(rows, dict)
+    assert problem is None or isinstance(problem, str)
+
+
+@st.composite
+def hostile_msgpack(draw: st.DrawFn) -> bytes:
+    """msgpack a replica call or answer must survive: nesting past the recursion limit, invalid UTF-8
+    in a string, real calls and answers cut and flipped, and any bytes (hostile JSON included)."""
+    kind = draw(st.sampled_from(["deep", "utf8", "mutated", "any"]))
+    real = draw(st.sampled_from([encode_call([{"op": "echo", "data": "x" * 20}]),
+                                 encode_reply(Answers(answers=[Completed(result={"a": [1]}, seconds=0.5),
+                                                               Failed(error="E", message="m", seconds=1.0),
+                                                               NotRun(reason="r")])),
+                                 encode_reply(Parked())]))
+    if kind == "deep":
+        head = draw(st.sampled_from([b"", b"\x91\x91\x81\xa1a", b"\x92\xa7answers\x91\x93\xa9completed"]))
+        return head + draw(st.sampled_from([b"\x91", b"\x81\xa1a"])) * draw(st.integers(100, 50_000)) + b"\x01"
+    if kind == "utf8":
+        bad = draw(st.sampled_from([b"\xa1\xff", b"\xa2\xc3\x28", b"\xa3\xed\xa0\x80"]))
+        return draw(st.sampled_from([b"\x91\x91\x81\xa1a", b"\x91\x91\x81", b"\x92", b"\x92\xa6failed"])) + bad
+    if kind == "mutated":
+        body = bytearray(real)
+        for _ in range(draw(st.integers(1, 4))):
+            i = draw(st.integers(0, len(body)))
+            if draw(st.booleans()) and i < len(body):
+                body[i] = draw(st.integers(0, 255))
+            else:
+                del body[i:]
+        return bytes(body)
+    return bytes(draw(hostile_bytes))
+
+
+@many
+@given(hostile_msgpack())
+def test_replica_calls_and_answers_are_read_or_refused(data: bytes) -> None:
+    """The replica's endpoint and the dispatcher's link (dataplane/replica/wire.py) never raise."""
+    call = decode_call(data)
+    assert isinstance(call, Call) or (isinstance(call, Refused) and call.reason), call
+    reply = decode_reply(data)
+    assert isinstance(reply, (Answers, Parked)) or (isinstance(reply, Refused) and reply.reason), reply
+
+
+@st.composite
+def hostile_snapshot(draw: st.DrawFn) -> bytes:
+    """Stored snapshot bytes: any bytes, or a header that matches its body (size and digest) over a
+    hostile inflated body, or a real snapshot cut or flipped."""
+    kind = draw(st.sampled_from(["any", "body", "mutated"]))
+    if kind == "any":
+        return bytes(draw(hostile_bytes))
+    if kind == "body":
+        body = zlib.compress(draw(hostile_bytes | deep_json(at_least=2_000)), 1)
+        header = SnapshotHeader(kind=KIND, schema=SNAPSHOT_SCHEMA, seq=1, event_id="e", max_ts=None,
+                                body_bytes=len(body), body_sha256=hashlib.sha256(body).hexdigest())
+        return msgspec.json.encode(header) + b"\n" + body
+    _, data = encode_stored(ClusterState())
+    out = bytearray(data)
+    i = draw(st.integers(0, len(out) - 1))
+    out[i] = draw(st.integers(0, 255))
+    return bytes(out[:draw(st.integers(0, len(out)))])
+
+
+@many
+@given(hostile_snapshot())
+def test_a_stored_snapshot_is_read_or_refused_with_the_reason(data: bytes) -> None:
+    got = decode_stored(data)
+    assert (isinstance(got, str) and got) or (isinstance(got, tuple) and isinstance(got[1], ClusterState)), got
 
 
 # ---- every follower's fold: one bad message never stops it -------------------------------------

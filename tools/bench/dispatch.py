@@ -13,9 +13,11 @@ One run, one machine, 2 no-op replicas (real ModelActors of a tiny checkpoint an
 The last line printed is one JSON object with the figures.
 
 The dispatcher runs in its own process (`ndif dispatcher`), as deployed; the client, controller
-and agent in this one.
+and agent in this one. With `--auth` the server has the users and accounts `ndif up` configures
+(controlplane/ops/auth.py `ensure_local`): the SDK connects as a client user, the dispatcher, the
+agent (and its replicas' endpoints), the controller and the admin as their roles.
 
-    python tools/bench/dispatch.py [--requests 2000] [--rounds 5] [--single 400] [--cycles 20] [--in-process]
+    python tools/bench/dispatch.py [--requests 2000] [--rounds 5] [--single 400] [--cycles 20] [--in-process] [--auth]
 """
 
 from __future__ import annotations
@@ -42,9 +44,11 @@ logging.getLogger("ray").setLevel(logging.ERROR)
 
 from benchkit import pct  # noqa: E402
 
+from controlplane.ops.auth import LocalAuth, ensure_local  # noqa: E402
 from controlplane.ops.nats_server import EmbeddedNats  # noqa: E402
 from controlplane.service.controller import Controller  # noqa: E402
 from controlplane.store.admin import AdminClient  # noqa: E402
+from controlplane.store.credentials import Creds, creds_file  # noqa: E402
 from controlplane.store.eventstore import JetStreamEventLog  # noqa: E402
 from dataplane.client import Client  # noqa: E402
 from dataplane.node.agent import NodeAgent, declared_gpus  # noqa: E402
@@ -130,20 +134,25 @@ def _serve_loop() -> asyncio.AbstractEventLoop:
 
 async def main(a: argparse.Namespace) -> dict[str, float]:
     tmp = Path(tempfile.mkdtemp(prefix="ndif-bench-"))
-    srv = EmbeddedNats(tmp / "nats")
+    auth: LocalAuth | None = ensure_local(["bench-node"], clients=["bench"], home=tmp / "home") if a.auth else None
+
+    def role(name: str) -> Creds | None:
+        return auth.role(name) if auth else None
+
+    srv = EmbeddedNats(tmp / "nats", config_file=auth.config_path if auth else None)
     await srv.astart()
     url = srv.url
-    log = await JetStreamEventLog.open(url)
+    log = await JetStreamEventLog.open(url, creds=role("admin"))
     await log.close()
     ray_adapter.start_local(2, num_cpus=4)
     ckpt = str(make_tiny_gpt2(tmp / "tiny"))
     mk = canonical_model_key(ckpt)
     out: dict[str, float] = {}
     try:
-        async with Controller.from_url(url, policy_interval_s=0.5), \
+        async with Controller.from_url(url, policy_interval_s=0.5, creds=role("controller")), \
                 await NodeAgent.open(url, "bench-node", gpus=declared_gpus(2, 80 * 10**9), cpu_cache_bytes=10**10,
-                          drain_timeout_s=0.05, heartbeat_s=1.0) as _agent, \
-                await AdminClient.open(url) as admin, Client(url) as c:
+                          drain_timeout_s=0.05, heartbeat_s=1.0, creds=role("agent:bench-node")) as _agent, \
+                await AdminClient.open(url, creds=role("admin")) as admin, Client(url, creds=role("client:bench")) as c:
             res = await admin.deploy(ckpt, 2)
             await admin.wait(res, timeout=120)
             actor0, actor1 = get_actor(mk, 0), get_actor(mk, 1)
@@ -154,7 +163,8 @@ async def main(a: argparse.Namespace) -> dict[str, float]:
                 return subprocess.Popen(
                     [sys.executable, "-m", "dataplane.ops.cli", "dispatcher", "--nats", url, "--ray-address",
                      ray_adapter.gcs_address()],
-                    env={**os.environ, "NDIF_LOG_LEVEL": "WARNING", "NDIF_REPLICA_LINK": link})
+                    env={**os.environ, "NDIF_LOG_LEVEL": "WARNING", "NDIF_REPLICA_LINK": link,
+                         **({"NDIF_CREDS": str(creds_file("dispatcher", home=tmp / "home"))} if auth else {})})
 
             async def warm() -> None:
                 for _ in range(50):  # warm both paths (the first request also waits for the dispatcher)
@@ -162,7 +172,7 @@ async def main(a: argparse.Namespace) -> dict[str, float]:
                     await actors[0].__call__.remote(NOOP)
 
             disp_proc = None if a.in_process else dispatcher_process("nats")
-            inproc = await Dispatcher.from_url(url).start() if a.in_process else None
+            inproc = await Dispatcher.from_url(url, creds=role("dispatcher")).start() if a.in_process else None
             try:
                 await warm()
                 raw, ours = await single(c, ckpt, actors, a.single)
@@ -225,7 +235,7 @@ async def main(a: argparse.Namespace) -> dict[str, float]:
                       f"{pct(ours, 50):.2f} ms; added p50 {out['ray_link_p50_overhead_ms']:.2f} ms", flush=True)
 
             # (c) event -> lanes, seen inside a dispatcher: evict replica 1 to WARM and scale back.
-            async with Dispatcher.from_url(url) as disp:
+            async with Dispatcher.from_url(url, creds=role("dispatcher")) as disp:
                 await c.run(ckpt, NOOP, timeout=60)  # the processor exists once a request came
                 proc = next(p for p in disp.processors.values() if p.model_key == mk)
                 lags = []
@@ -260,6 +270,8 @@ if __name__ == "__main__":
     p.add_argument("--rounds", type=int, default=5, help="paired throughput rounds (median reported)")
     p.add_argument("--in-process", action="store_true",
                    help="run the dispatcher in the benchmark's process (default: its own, as deployed)")
+    p.add_argument("--auth", action="store_true",
+                   help="users and accounts as `ndif up` configures them, each part connected as its role")
     res = asyncio.run(main(p.parse_args()))
     keys = ["ours_rps", "ray_serve_rps", "raw_ray_rps", "throughput_ratio_vs_serve", "p50_overhead_ms",
             "p99_overhead_ms", "event_to_worker_p99_ms"]

@@ -28,6 +28,7 @@ from controlplane.store.eventstore.connection import stream_seq
 from controlplane.store.eventstore.topology import last_seq
 from schemas.errors import InfrastructureError, InfrastructureTimeout
 from schemas.events import stored_item
+from schemas.guard import decode_any
 from schemas.subjects import EVENTS_ALL, EVENTS_STREAM
 
 logger = structlog.get_logger("ndif.eventstore")
@@ -108,12 +109,17 @@ async def seq_at(src: FeedSource, when: datetime) -> int | None:
         resp = await src.nc.request(f"{src.api}.STREAM.MSG.GET.{EVENTS_STREAM}", req, timeout=src.timeout)
     except nats.errors.TimeoutError:
         raise InfrastructureTimeout("looking up a sequence by time timed out") from None
-    body = msgspec.json.decode(resp.data)
+    body = decode_any(resp.data, limit=8 << 20, what="JetStream answer")  # the message, base64
+    if not isinstance(body, dict) or not isinstance(body.get("error", {}), dict):
+        raise InfrastructureError(f"looking up a sequence by time: an unreadable answer ({str(body)[:200]})")
     if "error" in body:
         if body["error"].get("code") == 404:
             return None
         raise InfrastructureError(f"looking up a sequence by time: {body['error'].get('description')}")
-    return int(body["message"]["seq"])
+    seq = body.get("message", {}).get("seq") if isinstance(body.get("message"), dict) else None
+    if not isinstance(seq, int):
+        raise InfrastructureError("looking up a sequence by time: the answer names no sequence")
+    return seq
 
 
 async def _feed(src: FeedSource, start_seq: int, stop_seq: int | None) -> AsyncIterator[list[Stored]]:
