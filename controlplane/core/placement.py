@@ -6,9 +6,10 @@ and the tie-break seed come in and are recorded in the events). NDIF's rules:
 - candidate levels per node, best first: DEPLOYED (the model is already HOT there and it fits),
   CACHED_AND_FREE (a WARM copy there and it fits), FREE, CACHED_AND_FULL, FULL (fits after
   evictions), CANT_ACCOMMODATE. WARM copies are reused first, keeping their replica ids;
-- replicas of one model spread (what fits without evictions is ranked by): first a card that holds
-  the fewest replicas of the model (none, while one is left), then a node holding fewer replicas
-  of it, then a WARM copy there, then the seeded node order. Within a node, cards are taken by
+- replicas of one model spread (what fits without evictions is ranked by): first a node holding
+  the fewest replicas of it (nodes are the failure domain), then a card that holds the fewest
+  replicas of the model (none, while one is left), then a WARM copy there, then the seeded node
+  order. Within a node, cards are taken by
   (fewest replicas of the model, not being vacated by a leaving replica, best fit: least free
   first): 4 replicas on 2 free cards land 2+2, a new replica never waits for a card another is
   leaving while a free one fits, other models still pack and big models keep finding whole cards;
@@ -492,8 +493,8 @@ def _choose(w: _Work, nodes: list[NodeView], pos: _Positions, req: PlacementRequ
             now_s: float, min_deploy_s: float) -> _Choice | None:
     """The best node for one more replica: (level, node, cards, bytes per card, evictions, WARM copy).
 
-    What fits without evictions ranks by (the most replicas of the model on a card it would share,
-    replicas of the model on the node, no WARM copy there, seeded node order). Nodes holding the model or a WARM copy of it
+    What fits without evictions ranks by (replicas of the model on the node, the most replicas of
+    the model on a card it would share, no WARM copy there, seeded node order). Nodes holding the model or a WARM copy of it
     are few and ranked exactly; every other node ranks (no, 0, no WARM, order), so the first of
     them that fits is the only one worth finding. Only when nothing fits as is are eviction costs
     computed, over every node.
@@ -509,7 +510,7 @@ def _choose(w: _Work, nodes: list[NodeView], pos: _Positions, req: PlacementRequ
             continue
         warm = warm_by_node.get(node_id)
         count = spread.count.get(node_id, 0)
-        rank = (fit[2], count, warm is None, pos[node_id])
+        rank = (count, fit[2], warm is None, pos[node_id])
         if best is None or rank < best[0]:
             level = Candidate.CACHED_AND_FREE if warm else Candidate.DEPLOYED if count else Candidate.FREE
             best = (rank, (level, node_id, fit[0], fit[1], (), warm))
