@@ -19,12 +19,13 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from controlplane.core.projections import ClusterState
 from controlplane.ops.nats_server import stop_process
 from controlplane.service.controller import Controller
 from controlplane.store.admin import AdminClient
 from controlplane.store.eventstore import JetStreamEventLog
 from schemas.inventory import CardGroup, Inventory, NodeInventory
-from schemas.status import RequestStatus
+from schemas.status import ReplicaState, RequestStatus
 from tests.conftest import bounded, fresh_event_log
 from tests.raynodes import RayNodes
 from tests.waiting import dispatcher_answering, until_state
@@ -107,6 +108,12 @@ async def running(url: str, rn: RayNodes, specs: dict[str, NodeSpec], *,
         await bounded(admin.close(), "admin.close")
         await bounded(ctl.stop(), "controller.stop")
         await bounded(lg.close(), "log.close")
+
+
+async def until_available(st: Stack, model_key: str, n: int, timeout: float = 150.0) -> ClusterState:
+    """The fold once `n` replicas of the model are Available."""
+    return await until_state(st.admin, lambda s: sum(r.state is ReplicaState.AVAILABLE
+                                                     for r in s.model_replicas(model_key)) >= n, timeout)
 
 
 def served_by(statuses: list[Any]) -> set[int]:

@@ -99,6 +99,22 @@ class RayNodes:
         self.workers += 1
         return self._start(node_id, ["--address", self.address, "--node-ip-address", f"127.0.0.{11 + self.workers}"])
 
+    def start(self, head: str, *workers: str, tries: int = 2) -> None:
+        """The head, then each worker once the one before it is up (raylets registering at once on
+        a loaded machine miss Ray's 30 s registration wait); a node that did not start is tried again."""
+        for i, node_id in enumerate((head, *workers)):
+            for attempt in range(tries):
+                self.head(node_id) if i == 0 else self.worker(node_id)
+                try:
+                    self.wait_started()
+                    break
+                except RuntimeError:
+                    node = self.nodes.pop(node_id)
+                    node.proc.send_signal(signal.SIGTERM)
+                    _end(node.proc)
+                    if attempt == tries - 1:
+                        raise
+
     def wait_started(self, timeout_s: float = 90.0) -> None:
         """Until every node this started says `Ray runtime started` (RuntimeError with its output if one ended)."""
         deadline = time.monotonic() + timeout_s

@@ -164,6 +164,7 @@ def status_json(state: ClusterState, heartbeats: dict[str, float | None] | None 
             "checkpoint": m.registration.checkpoint if m.registration else None,
             "next_replica_id": m.next_replica_id,
             "headroom": m.headroom, "charge_bytes": _charge(state, mk), "gpus": m.gpus,
+            "requires": m.requires.terms() if m.requires is not None else [],
             "autoscale": msgspec.to_builtins(m.autoscale) if m.autoscale is not None else None,
             "autoscale_manual": m.autoscale_manual, "autoscale_condition": m.autoscale_condition,
         })

@@ -4,7 +4,9 @@ inventory of the three nodes, one `ndif agent` process per Ray node and an `ndif
 
 A model's replicas spread over the nodes (one per node: the failure domain), each replica's actor
 runs on the Ray node its placement names (asked inside the actor), a request is served by a replica
-on every node, and `ndif status` shows every node with its Ray node.
+on every node, and `ndif status` shows every node with its Ray node. Nodes differ (card kind and
+memory, labels, from the inventory): `ndif deploy --require` lands only on nodes meeting it, and a
+requirement no node meets is refused, naming what the closest node has.
 """
 
 from __future__ import annotations
@@ -22,23 +24,23 @@ from dataplane.node.tiny_models import make_tiny_gpt2
 from schemas.keys import canonical_model_key
 from schemas.requests import status_decoder
 from schemas.status import ReplicaState
-from tests.integration.cluster import ndif
-from tests.multinode import NodeSpec, running, served_by
+from tests.integration.cluster import config_only, ndif
+from tests.multinode import NodeSpec, running, served_by, until_available
 from tests.raynodes import RayNodes, probe
 
-pytestmark = pytest.mark.timeout(240)
-NODES = {"node-a": NodeSpec(count=1, gib=16), "node-b": NodeSpec(count=1, gib=16), "node-c": NodeSpec(count=2, gib=16)}
+# Each test takes about a minute on a loaded 2-core machine (three raylets, three agents, replica
+# processes importing torch): run with --long, as the other multi-process fault tests.
+pytestmark = [pytest.mark.timeout(300), pytest.mark.long]
+NODES = {"node-a": NodeSpec(count=1, gib=16, kind="A100", labels={"pool": "general"}),
+         "node-b": NodeSpec(count=1, gib=16, kind="H100", labels={"pool": "research"}),
+         "node-c": NodeSpec(count=2, gib=32, kind="H100", labels={"pool": "research"})}
 
 
 @pytest.fixture(scope="module")
 def ray_nodes() -> Iterator[RayNodes]:
     rn = RayNodes()
     try:
-        rn.head("node-a")
-        rn.wait_started()
-        rn.worker("node-b")
-        rn.worker("node-c")
-        rn.wait_started()
+        rn.start("node-a", "node-b", "node-c")
         yield rn
     finally:
         rn.stop()
@@ -93,3 +95,31 @@ async def test_replicas_spread_over_ray_nodes_and_each_serves(nats_server: Embed
         assert {n: rows[n]["ray_node_id"] for n in NODES} == {n: labelled[n] for n in NODES}
         text = (await ndif(url, "status")).out
         assert all(n in text for n in NODES)
+
+
+async def test_requirements_met_on_real_nodes_and_refused_with_their_reason(
+        nats_server: EmbeddedNats, ray_nodes: RayNodes, tiny: Path, tmp_path: Path) -> None:
+    url = nats_server.url
+    mk = canonical_model_key(str(tiny))
+    other = config_only(tmp_path, "other", tiny)
+    async with running(url, ray_nodes, NODES) as st:
+        ran = await ndif(url, "deploy", str(tiny), "--replicas", "2", "--require", "gpu=H100",
+                         "--require", "pool=research", "--wait", "--wait-timeout", "150", timeout=180)
+        assert ran.rc == 0, ran.err
+        state = await until_available(st, mk, 2)
+        assert sorted(r.node_id for r in state.model_replicas(mk)) == ["node-b", "node-c"]
+        seen = probe(ray_nodes.address, ray_nodes.env)
+        labelled = {n["node_id"]: n["ray_node_id"] for n in seen["nodes"] if n["alive"]}
+        where = {a["replica_id"]: a["ray_node_id"] for a in seen["actors"] if a["model_key"] == mk}
+        assert {where[r.replica_id] for r in state.model_replicas(mk)} == {labelled["node-b"], labelled["node-c"]}
+        status = (await ndif(url, "status", "--json")).json()
+        assert next(m for m in status["models"] if m["model_key"] == mk)["requires"] == ["gpu=H100", "pool=research"]
+        assert {n["node_id"]: n["labels"] for n in status["nodes"]}["node-c"] == {"pool": "research"}
+
+        before = await st.log.last_seq()
+        ran = await ndif(url, "deploy", other, "--size-gib", "0.01", "--require", "gpu=H100",
+                         "--require", "gpu-memory-gib=64")
+        assert ran.rc == 2 and "64.00 GiB per card needed, has 32.00 GiB" in ran.err, (ran.rc, ran.err)
+        ran = await ndif(url, "deploy", other, "--size-gib", "0.01", "--require", "pool=gpu-lab")
+        assert ran.rc == 2 and "pool=gpu-lab needed, has pool=" in ran.err, (ran.rc, ran.err)
+        assert await st.log.last_seq() == before  # refused before anything was appended
