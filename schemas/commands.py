@@ -16,6 +16,7 @@ import msgspec
 from schemas.autoscale import AutoscalePolicy
 from schemas.errors import InvalidCommand, decode_bounded
 from schemas.guard import Refused, decode_guarded
+from schemas.inventory import Requirements, check_requirements
 from schemas.status import Level
 
 MAX_HEADROOM: Final = 4.0  # charging more than 5x a model's size is a typo, not a setting
@@ -36,6 +37,8 @@ class Deploy(Command, frozen=True, kw_only=True, tag="deploy"):
     size_bytes: int | None = None  # override the measured size at registration
     headroom: float | None = None  # fraction charged over the size (None: the controller's default)
     gpus: int | None = None  # exactly N cards of one node per replica (None: as few as hold the charge)
+    # Only nodes meeting these hold its replicas, kept for the model (`--require`; None: any node).
+    requires: Requirements | None = None
     # Asked for by a user's request (the dispatcher's provisioning), not by the operator: the model
     # must be one the operator offers (controlplane/service/registry.py). Trusted as sent: only the
     # operator and the dispatcher may send commands (controlplane/ops/auth.py).
@@ -176,6 +179,8 @@ def validate(cmd: AnyCommand, limits: Limits | None = None) -> AnyCommand:
     if isinstance(cmd, Deploy) and cmd.headroom is not None and not 0.0 <= cmd.headroom <= MAX_HEADROOM:
         raise InvalidCommand(f"--headroom must be between 0 and {MAX_HEADROOM:g} (a fraction of the size), "
                              f"got {cmd.headroom}")
+    if isinstance(cmd, Deploy) and cmd.requires is not None:
+        check_requirements(cmd.requires)
     gpus = getattr(cmd, "gpus", None)
     if gpus is not None and not 1 <= gpus <= MAX_GPUS:
         raise InvalidCommand(f"--gpus must be between 1 and {MAX_GPUS}, got {gpus}")
@@ -199,7 +204,7 @@ def validate(cmd: AnyCommand, limits: Limits | None = None) -> AnyCommand:
 # Fields added to a command after commands were first recorded, with their defaults: at the default
 # they are left out of the fingerprint, so a command recorded before a field existed keeps its
 # fingerprint (a resent old command id is still recognised, and old decisions re-decide byte for byte).
-_LATER_FIELDS: dict[str, object] = {"rolling": False, "for_request": False}
+_LATER_FIELDS: dict[str, object] = {"rolling": False, "for_request": False, "requires": None}
 
 
 def fingerprint(cmd: AnyCommand) -> str:

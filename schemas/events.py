@@ -18,7 +18,7 @@ import msgspec
 from schemas.autoscale import AutoscalePolicy, QueueFigures
 from schemas.errors import InvalidCommand
 from schemas.guard import MAX_DEPTH, body_problem
-from schemas.inventory import NodeInventory
+from schemas.inventory import NodeInventory, Requirements
 from schemas.keys import model_parts
 from schemas.status import DeploymentOp, DrainReason, EvictionReason, Level
 from schemas.subjects import (
@@ -226,6 +226,9 @@ class DeploymentRequested(Event, frozen=True, kw_only=True, tag="DeploymentReque
     # per replica (None: as few cards as hold the charge).
     headroom: float | None = None
     gpus: int | None = None
+    # What a node must offer to hold its replicas; unset (and not written, so a decision without it
+    # is stored byte for byte as before the field): unchanged.
+    requires: Requirements | msgspec.UnsetType = msgspec.UNSET
 
 
 class PlacementRejected(Event, frozen=True, kw_only=True, tag="PlacementRejected"):

@@ -10,7 +10,8 @@ The controller records it in the log (`NodeDeclared`, one per node), and from th
 on a node's capacity is what is declared for it: its agent's report (`NodeJoined`) can lower it
 (a card it cannot see), never raise it, and a report beyond it is an anomaly, not capacity
 (controlplane/core/inventory.py). Cards are numbered in the order declared. `kind` and `labels`
-name what a card and a node are, for placement rules to come.
+name what a card and a node are: a model's `Requirements` (`ndif deploy --require`) are met
+against them.
 """
 
 from __future__ import annotations
@@ -110,3 +111,61 @@ def local_inventory(node_id: str, cards: list[tuple[int, str]]) -> Inventory:
         else:
             groups.append(CardGroup(count=1, memory_bytes=mem, kind=kind))
     return check_inventory(Inventory(nodes={node_id: NodeInventory(cards=tuple(groups))}))
+
+
+MAX_REQUIREMENTS: Final = 16
+
+
+class Requirements(msgspec.Struct, frozen=True, kw_only=True, gc=False, omit_defaults=True,
+                   forbid_unknown_fields=True):
+    """What a node must offer to hold a model's replicas (`ndif deploy --require`), as Seldon's
+    scheduler filters servers by their capabilities: every card of the kind `gpu`, every card at
+    least `min_card_bytes`, and each of `labels` (the operator's inventory says all three)."""
+
+    gpu: str = ""
+    min_card_bytes: int = 0
+    labels: dict[str, str] = {}
+
+    def terms(self) -> list[str]:
+        """Each requirement as the operator types it (`gpu=H100`, `gpu-memory-gib=40`, `pool=research`)."""
+        out = [f"gpu={self.gpu}"] if self.gpu else []
+        if self.min_card_bytes:
+            out.append(f"gpu-memory-gib={self.min_card_bytes / 2**30:g}")
+        return out + [f"{k}={v}" for k, v in sorted(self.labels.items())]
+
+
+def parse_requirements(items: list[str]) -> Requirements | None:
+    """`--require KEY=VALUE` items: `gpu=KIND`, `gpu-memory-gib=N` (the least memory per card, GiB),
+    any other key a label the node must carry with that value. None for no items; InvalidCommand for
+    a malformed item."""
+    if not items:
+        return None
+    gpu, min_bytes, labels = "", 0, {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key or not value:
+            raise InvalidCommand(f"--require takes KEY=VALUE (gpu=H100, gpu-memory-gib=40, pool=research), got {item!r}")
+        if key == "gpu":
+            gpu = value
+        elif key == "gpu-memory-gib":
+            try:
+                gib = float(value)
+            except ValueError:
+                raise InvalidCommand(f"--require gpu-memory-gib takes a number of GiB, got {value!r}") from None
+            min_bytes = int(gib * 2**30) if 0 < gib * 2**30 <= MAX_CARD_BYTES else -1
+        else:
+            labels[key] = value
+    return check_requirements(Requirements(gpu=gpu, min_card_bytes=min_bytes, labels=labels))
+
+
+def check_requirements(req: Requirements) -> Requirements:
+    """Refuse (InvalidCommand) requirements no node could be declared to meet; return them unchanged."""
+    if len(req.labels) > MAX_REQUIREMENTS:
+        raise InvalidCommand(f"at most {MAX_REQUIREMENTS} label requirements, got {len(req.labels)}")
+    if req.gpu and not _NAME.fullmatch(req.gpu):
+        raise InvalidCommand("--require gpu=KIND: a card kind is 1-128 printable ASCII characters")
+    if not 0 <= req.min_card_bytes <= MAX_CARD_BYTES:
+        raise InvalidCommand(f"--require gpu-memory-gib is above 0 and at most {MAX_CARD_BYTES // 2**30}")
+    if not all(_NAME.fullmatch(k) and _NAME.fullmatch(v) for k, v in req.labels.items()):
+        raise InvalidCommand("--require KEY=VALUE: keys and values are 1-128 printable ASCII characters")
+    return req

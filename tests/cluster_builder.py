@@ -7,6 +7,7 @@ from datetime import UTC, datetime, timedelta
 from controlplane.core.context import DecisionContext
 from controlplane.core.projections import ClusterState
 from schemas import events as E
+from schemas.inventory import CardGroup, NodeInventory
 from schemas.status import DeploymentOp, EvictionReason, Level
 
 GB = 10**9
@@ -29,6 +30,14 @@ class Builder:
     def node(self, node_id: str, gpus: int = 8, gpu_gb: int = 80, cpu_gb: int = 0) -> Builder:
         return self.add(E.NodeJoined(**self._env("agent"), node_id=node_id, cpu_cache_bytes=cpu_gb * GB,
                                      gpus=tuple(E.GpuInfo(index=i, memory_bytes=gpu_gb * GB) for i in range(gpus))))
+
+    def declared(self, node_id: str, gpus: int = 8, gpu_gb: int = 80, *, kind: str = "",
+                 labels: dict[str, str] | None = None, cpu_gb: int = 0) -> Builder:
+        """A node the operator's inventory declares (cards of `kind`, `labels`), then its agent's report."""
+        inv = NodeInventory(cards=(CardGroup(count=gpus, memory_bytes=gpu_gb * GB, kind=kind),), labels=labels or {})
+        self.add(E.NodeDeclared(**self._env("controller"), command_id=f"inventory-{node_id}", node_id=node_id,
+                                node=inv))
+        return self.node(node_id, gpus, gpu_gb, cpu_gb)
 
     def model(self, model: str, gb: float) -> Builder:
         return self.add(E.ModelRegistered(**self._env(), model_key=model, checkpoint="/ckpt",

@@ -22,10 +22,12 @@ from controlplane.core.placement import (
     gpus_refusal,
     padded,
     plan,
+    scale_down_victims,
 )
 from controlplane.core.projections.cluster import ClusterState
 from controlplane.core.projections.cluster import Registration as Registration  # decide()'s argument type, re-exported
 from controlplane.core.projections.replica import ReplicaView
+from controlplane.core.requirements import requirements_refusal
 from schemas.commands import (
     MAX_REPLICAS_PER_MODEL,
     AnyCommand,
@@ -57,7 +59,7 @@ from schemas.events import (
     ReplicaScheduled,
     RolloutUpdated,
 )
-from schemas.inventory import Inventory, NodeInventory
+from schemas.inventory import Inventory, NodeInventory, Requirements
 from schemas.keys import display_name
 from schemas.status import DeploymentOp, EvictionReason, Level, ReplicaState
 from schemas.units import gib
@@ -93,7 +95,7 @@ def decide(state: ClusterState, cmd: AnyCommand, ctx: DecisionContext, *,
                     f"use `ndif scale {display_name(cmd.model_key)} --replicas N`")
             body = _grow(state, cmd.model_key, cmd.replicas, cmd.replicas, DeploymentOp.DEPLOY, cmd.replicas,
                          cmd.dedicated, ctx, registration, cmd.size_bytes, min_deploy_s,
-                         headroom if cmd.headroom is None else cmd.headroom, cmd.gpus)
+                         headroom if cmd.headroom is None else cmd.headroom, cmd.gpus, cmd.requires)
         case Scale():
             _not_undeploying(state, cmd.model_key)
             current = state.replica_count(cmd.model_key)
@@ -113,7 +115,8 @@ def decide(state: ClusterState, cmd: AnyCommand, ctx: DecisionContext, *,
                 m = state.models.get(cmd.model_key)
                 body = _grow(state, cmd.model_key, target - current, target, op, cmd.replicas, cmd.dedicated, ctx,
                              registration, None, min_deploy_s, model_headroom(state, cmd.model_key, headroom),
-                             cmd.gpus if cmd.gpus is not None else (m.gpus if m is not None else None))
+                             cmd.gpus if cmd.gpus is not None else (m.gpus if m is not None else None),
+                             m.requires if m is not None else None)
         case ScaleDown():
             body = _scale_down(state, cmd, ctx)
         case Evict():
@@ -188,20 +191,25 @@ def model_headroom(state: ClusterState, model_key: str, default: float) -> float
 
 def _grow(state: ClusterState, model_key: str, new: int, target: int, op: DeploymentOp, typed: int,
           dedicated: bool, ctx: DecisionContext, registration: Registration | None, override: int | None,
-          min_deploy_s: float, headroom: float, gpus: int | None) -> list[Event]:
+          min_deploy_s: float, headroom: float, gpus: int | None,
+          requires: Requirements | None = None) -> list[Event]:
     size, reg = _size(state, model_key, registration, override)
-    if gpus is not None:
-        why = gpus_refusal(state, padded(size, headroom), gpus)
-        if why is not None:  # refused before anything is reserved: nothing is appended
-            raise InvalidCommand(f"{display_name(model_key)}: {why}")
+    # Refused before anything is reserved (nothing is appended): no live node meets what the model
+    # requires, or none has the cards its GPU count asks for.
+    why = requirements_refusal(state, requires)
+    if why is None and gpus is not None:
+        why = gpus_refusal(state, padded(size, headroom), gpus, requires)
+    if why is not None:
+        raise InvalidCommand(f"{display_name(model_key)}: {why}")
     events: list[Event] = []
     if reg is not None:
         events.append(ctx.event(ModelRegistered, model_key=model_key, checkpoint=reg.checkpoint,
                                 revision=reg.revision, size_bytes=reg.size_bytes, dtype=reg.dtype))
     events.append(ctx.event(DeploymentRequested, model_key=model_key, op=op, replicas=typed, target_hot=target,
-                            dedicated=dedicated, headroom=headroom, gpus=gpus))
+                            dedicated=dedicated, headroom=headroom, gpus=gpus,
+                            requires=msgspec.UNSET if requires is None else requires))
     p = plan(state, [PlacementRequest(model_key=model_key, size_bytes=size, replicas=new, dedicated=dedicated,
-                             headroom=headroom, gpus=gpus)],
+                             headroom=headroom, gpus=gpus, requires=requires)],
              now_s=ctx.now.timestamp(), seed=ctx.seed, min_deploy_s=min_deploy_s)
     return events + plan_events(p, ctx)
 
@@ -238,10 +246,12 @@ def _scale_down(state: ClusterState, cmd: ScaleDown, ctx: DecisionContext) -> li
 
 def shrink(state: ClusterState, model_key: str, keep: int, ctx: DecisionContext, *,
            to: Level = Level.COLD) -> list[Event]:
-    """At most `keep` HOT replicas: the highest ids leave (drained first when serving) to `to`
-    (WARM where the node's CPU cache holds them, else COLD). Nothing when there are no more."""
+    """At most `keep` HOT replicas: those that leave (drained first when serving) go to `to` (WARM
+    where the node's CPU cache holds them, else COLD), chosen so that the ones kept stay spread over
+    nodes (`scale_down_victims`: the most crowded node first, then the highest id). Nothing when
+    there are no more."""
     hot = [r for r in state.model_replicas(model_key) if r.desired is Level.HOT]
-    excess = sorted(hot, key=lambda r: r.replica_id, reverse=True)[: max(0, len(hot) - keep)]
+    excess = scale_down_victims(hot, len(hot) - keep)
     if not excess:
         return []
     events: list[Event] = [ctx.event(DeploymentRequested, model_key=model_key, op=DeploymentOp.SCALE_DOWN,
@@ -265,7 +275,7 @@ def grow(state: ClusterState, model_key: str, target: int, ctx: DecisionContext,
         return []
     m = state.models[model_key]
     return _grow(state, model_key, target - current, target, DeploymentOp.SCALE, target, m.dedicated, ctx, None,
-                 None, min_deploy_s, model_headroom(state, model_key, headroom), m.gpus)
+                 None, min_deploy_s, model_headroom(state, model_key, headroom), m.gpus, m.requires)
 
 
 def _evict(state: ClusterState, cmd: Evict, ctx: DecisionContext) -> list[Event]:
@@ -462,7 +472,8 @@ def decide_unplaced(state: ClusterState, ctx: DecisionContext, *, headroom: floa
         if m is None or m.registration is None:
             continue
         reqs.append(PlacementRequest(model_key=mk, size_bytes=m.registration.size_bytes, replicas=len(wanted[mk]),
-                            dedicated=False, headroom=model_headroom(state, mk, headroom), gpus=m.gpus))
+                            dedicated=False, headroom=model_headroom(state, mk, headroom), gpus=m.gpus,
+                            requires=m.requires))
     p = plan(state, reqs, now_s=ctx.now.timestamp(), seed=ctx.seed, min_deploy_s=float("inf"))
     if not p.placed:
         return []
@@ -495,7 +506,7 @@ def _replace_replicas(state: ClusterState, gone: Sequence[ReplicaView], ctx: Dec
         if m is not None and m.registration is not None:
             reqs.append(PlacementRequest(model_key=mk, size_bytes=m.registration.size_bytes, replicas=n,
                                 dedicated=any(r.dedicated for r in gone if r.model_key == mk),
-                                headroom=model_headroom(state, mk, headroom), gpus=m.gpus))
+                                headroom=model_headroom(state, mk, headroom), gpus=m.gpus, requires=m.requires))
     p = plan(state, reqs, now_s=ctx.now.timestamp(), seed=ctx.seed, min_deploy_s=min_deploy_s) if reqs else None
     for pl in p.placed if p is not None else ():
         placed[pl.model_key] = placed.get(pl.model_key, 0) + 1

@@ -6,9 +6,10 @@ and the tie-break seed come in and are recorded in the events). NDIF's rules:
 - candidate levels per node, best first: DEPLOYED (the model is already HOT there and it fits),
   CACHED_AND_FREE (a WARM copy there and it fits), FREE, CACHED_AND_FULL, FULL (fits after
   evictions), CANT_ACCOMMODATE. WARM copies are reused first, keeping their replica ids;
-- replicas of one model spread (what fits without evictions is ranked by): first a card that holds
-  the fewest replicas of the model (none, while one is left), then a node holding fewer replicas
-  of it, then a WARM copy there, then the seeded node order. Within a node, cards are taken by
+- replicas of one model spread (what fits without evictions is ranked by): first a node holding
+  the fewest replicas of it (nodes are the failure domain), then a card that holds the fewest
+  replicas of the model (none, while one is left), then a WARM copy there, then the seeded node
+  order. Within a node, cards are taken by
   (fewest replicas of the model, not being vacated by a leaving replica, best fit: least free
   first): 4 replicas on 2 free cards land 2+2, a new replica never waits for a card another is
   leaving while a free one fits, other models still pack and big models keep finding whole cards;
@@ -41,6 +42,8 @@ import msgspec
 
 from controlplane.core.projections.cluster import ClusterState, NodeView, RKey
 from controlplane.core.projections.replica import ReplicaView
+from controlplane.core.requirements import meets
+from schemas.inventory import Requirements
 from schemas.status import Level, ReplicaState
 from schemas.units import gib
 
@@ -75,6 +78,7 @@ class PlacementRequest(msgspec.Struct, frozen=True, kw_only=True):
     dedicated: bool = False
     headroom: float = PADDING  # charged size = ceil(size_bytes * (1 + headroom))
     gpus: int | None = None  # exactly this many cards of one node per replica; None: as few as fit
+    requires: Requirements | None = None  # only nodes meeting these are considered (None: any)
 
 
 class Placed(msgspec.Struct, frozen=True, kw_only=True):
@@ -123,16 +127,16 @@ def card_share(charge: int, gpus: int) -> int:
     return math.ceil(charge / gpus)
 
 
-def gpus_refusal(state: ClusterState, charge: int, gpus: int) -> str | None:
+def gpus_refusal(state: ClusterState, charge: int, gpus: int, requires: Requirements | None = None) -> str | None:
     """Why `gpus` cards per replica can never hold a `charge`-byte model here, or None if some can.
 
-    A live node must have `gpus` cards each at least `ceil(charge / gpus)` big (free or not: busy
-    cards are a matter for evictions and retries, too small ones are not).
+    A live node (meeting `requires`) must have `gpus` cards each at least `ceil(charge / gpus)` big
+    (free or not: busy cards are a matter for evictions and retries, too small ones are not).
     """
     share = card_share(charge, gpus)
     best = 0
     for node in state.nodes.values():
-        if not node.alive:
+        if not node.alive or not meets(node, requires):
             continue
         sizes = sorted((g.memory_bytes for g in node.gpus), reverse=True)
         if len(sizes) >= gpus:
@@ -145,13 +149,14 @@ def gpus_refusal(state: ClusterState, charge: int, gpus: int) -> str | None:
             f"node has {gpus} cards that big (at most {gib(best)} on the {gpus}th largest card of a node)")
 
 
-def _node_order(state: ClusterState, seed: int) -> list[NodeView]:
-    """Live nodes with GPUs in the order ties are broken: sorted by id, rotated by the seed.
+def _node_order(state: ClusterState, seed: int, requires: Requirements | None = None) -> list[NodeView]:
+    """Live nodes with GPUs (meeting `requires`) in the order ties are broken: sorted by id, rotated
+    by the seed.
 
     Each command's seed (recorded in its events) starts the scan at a different node, spreading
     replicas across equally good nodes; the same seed gives the same order on replay.
     """
-    live = [n for _, n in sorted(state.nodes.items()) if n.alive and n.gpus]
+    live = [n for _, n in sorted(state.nodes.items()) if n.alive and n.gpus and meets(n, requires)]
     if not live:
         return live
     k = seed % len(live)
@@ -410,9 +415,10 @@ def plan(state: ClusterState, requests: Iterable[PlacementRequest], *, now_s: fl
     evictions: list[Eviction] = []
     shortfalls: list[Shortfall] = []
     next_ids: dict[str, int] = {}
-    nodes = _node_order(state, seed)
-    pos = _Positions(nodes, seed)
+    every = _node_order(state, seed)
     for req in sorted(requests, key=lambda r: (-r.size_bytes, r.model_key)):
+        nodes = every if req.requires is None else _node_order(state, seed, req.requires)
+        pos = _Positions(nodes, seed)
         size = padded(req.size_bytes, req.headroom)
         m = state.models.get(req.model_key)
         next_ids.setdefault(req.model_key, m.next_replica_id if m else 0)
@@ -492,8 +498,8 @@ def _choose(w: _Work, nodes: list[NodeView], pos: _Positions, req: PlacementRequ
             now_s: float, min_deploy_s: float) -> _Choice | None:
     """The best node for one more replica: (level, node, cards, bytes per card, evictions, WARM copy).
 
-    What fits without evictions ranks by (the most replicas of the model on a card it would share,
-    replicas of the model on the node, no WARM copy there, seeded node order). Nodes holding the model or a WARM copy of it
+    What fits without evictions ranks by (replicas of the model on the node, the most replicas of
+    the model on a card it would share, no WARM copy there, seeded node order). Nodes holding the model or a WARM copy of it
     are few and ranked exactly; every other node ranks (no, 0, no WARM, order), so the first of
     them that fits is the only one worth finding. Only when nothing fits as is are eviction costs
     computed, over every node.
@@ -509,7 +515,7 @@ def _choose(w: _Work, nodes: list[NodeView], pos: _Positions, req: PlacementRequ
             continue
         warm = warm_by_node.get(node_id)
         count = spread.count.get(node_id, 0)
-        rank = (fit[2], count, warm is None, pos[node_id])
+        rank = (count, fit[2], warm is None, pos[node_id])
         if best is None or rank < best[0]:
             level = Candidate.CACHED_AND_FREE if warm else Candidate.DEPLOYED if count else Candidate.FREE
             best = (rank, (level, node_id, fit[0], fit[1], (), warm))
@@ -720,6 +726,24 @@ def _evict(w: _Work, key: RKey, by_model: str, by_rid: int) -> list[Eviction]:
             w.cpu_extra[r.node_id] = w.cpu_extra.get(r.node_id, 0) + size
     out.append(Eviction(model_key=r.model_key, replica_id=r.replica_id, node_id=r.node_id, target=target,
                         by_model_key=by_model, by_replica_id=by_rid))
+    return out
+
+
+def scale_down_victims(replicas: Iterable[ReplicaView], n: int) -> list[ReplicaView]:
+    """The `n` replicas of one model a scale-down removes, so that those kept stay spread over nodes
+    (Ray Serve's downscale undoes its spread; ours must not): each next one from the node that still
+    holds the most of them, ties to the highest replica id. So the kept replicas cover as many nodes
+    as they can (min(kept, nodes)) and the most crowded node holds as few as any choice allows; on
+    replicas one per node this is the highest ids, as before."""
+    left = sorted(replicas, key=lambda r: r.replica_id)
+    out: list[ReplicaView] = []
+    for _ in range(max(0, min(n, len(left)))):
+        count: dict[str, int] = {}
+        for r in left:
+            count[r.node_id] = count.get(r.node_id, 0) + 1
+        victim = max(left, key=lambda r: (count[r.node_id], r.replica_id))
+        left.remove(victim)
+        out.append(victim)
     return out
 
 

@@ -38,6 +38,7 @@ from schemas import logs as L
 from schemas.autoscale import AutoscalePolicy
 from schemas.commands import MAX_HEADROOM, CommandResult, ReplicaOutcome
 from schemas.events import Event, ReplicaEvent, RolloutUpdated, Skipped, event_tag
+from schemas.inventory import parse_requirements
 from schemas.keys import canonical_model_key, display_name
 from schemas.status import Level, ReplicaState
 from schemas.subjects import replica_logs_subject
@@ -124,7 +125,8 @@ async def _command_on(a: argparse.Namespace, admin: AdminClient) -> int:
     match a.cmd:
         case "deploy":
             res = await admin.deploy(a.model, a.replicas, dedicated=a.dedicated, size_bytes=a.size_bytes,
-                                     command_id=cid, headroom=a.headroom, gpus=a.gpus)
+                                     command_id=cid, headroom=a.headroom, gpus=a.gpus,
+                                     requires=parse_requirements(a.require))
         case "scale":
             res = await admin.scale(a.model, a.replicas, scale_up=a.scale_up, dedicated=a.dedicated, command_id=cid,
                                     gpus=a.gpus)
@@ -487,6 +489,10 @@ def add_admin_commands(sub: Any) -> None:
                    help="fraction charged over the model's size, e.g. 0.15 (default: the controller's --headroom)")
     p.add_argument("--gpus", type=int, help="place each replica on exactly N cards of one node, each charged "
                    "ceil(charge / N) (default: as few cards as hold the charge)")
+    p.add_argument("--require", action="append", default=[], metavar="KEY=VALUE",
+                   help="only nodes meeting this hold the replicas (kept for the model; repeatable): gpu=KIND "
+                        "(every card of that kind), gpu-memory-gib=N (every card at least N GiB), any other "
+                        "KEY=VALUE a label of the node (the operator's inventory says all three)")
     mutating(p)
     p = sub.add_parser("scale", help="at least N HOT replicas (or N more with --scale-up); never scales down")
     p.add_argument("model", help=MODEL_HELP)

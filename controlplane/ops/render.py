@@ -66,11 +66,15 @@ def render_status(state: ClusterState, heartbeats: dict[str, float | None] | Non
             node = state.nodes[node_id]
             cards = " ".join(f"gpu{c.index}:{_gib(c.reserved_bytes)}/{_gib(c.total_bytes)}"
                              for c in state.node_cards(node_id))
+            kinds = ",".join(sorted({g.kind for g in node.gpus if g.kind}))
+            labels = ",".join(f"{k}={v}" for k, v in sorted(node.labels.items()))
             rows.append([node_id, "up" if node.alive else "LOST", cards or "-",
-                         f"{_gib(state.cpu_committed(node_id))}/{_gib(node.cpu_cache_bytes)}"])
+                         f"{_gib(state.cpu_committed(node_id))}/{_gib(node.cpu_cache_bytes)}",
+                         " ".join(x for x in (kinds, labels) if x) or "-", node.ray_node_id[:12] or "-"])
             if heartbeats is not None:
                 rows[-1].append(heartbeat_text(heartbeats.get(node_id), node.alive))
-        header = ["node", "state", "gpus", "cpu cache committed"] + (["heartbeat"] if heartbeats is not None else [])
+        header = (["node", "state", "gpus", "cpu cache committed", "kind labels", "ray node"]
+                  + (["heartbeat"] if heartbeats is not None else []))
         out += ["", "NODES (GiB reserved/total)"] + _table(rows, header)
     if state.models:
         rows = []
@@ -134,11 +138,13 @@ def status_json(state: ClusterState, heartbeats: dict[str, float | None] | None 
     nodes = []
     for node_id in sorted(state.nodes):
         node = state.nodes[node_id]
+        kinds = {g.index: g.kind for g in node.gpus}
         nodes.append({
-            "node_id": node_id, "alive": node.alive, "hostname": node.hostname,
+            "node_id": node_id, "alive": node.alive, "hostname": node.hostname, "ray_node_id": node.ray_node_id,
+            "labels": dict(node.labels),
             "cpu_cache_bytes": node.cpu_cache_bytes, "cpu_cached_bytes": state.cpu_cached(node_id),
             "cpu_committed_bytes": state.cpu_committed(node_id),
-            "gpus": [{"index": c.index, "total_bytes": c.total_bytes, "reserved_bytes": c.reserved_bytes,
+            "gpus": [{"index": c.index, "kind": kinds.get(c.index, ""), "total_bytes": c.total_bytes, "reserved_bytes": c.reserved_bytes,
                       "committed_bytes": c.committed_bytes, "used_bytes": c.used_bytes, "free_bytes": c.free_bytes,
                       "replicas": [{"model_key": m, "replica_id": r, "bytes": b} for m, r, b in c.replicas]}
                      for c in state.node_cards(node_id)],
@@ -158,6 +164,7 @@ def status_json(state: ClusterState, heartbeats: dict[str, float | None] | None 
             "checkpoint": m.registration.checkpoint if m.registration else None,
             "next_replica_id": m.next_replica_id,
             "headroom": m.headroom, "charge_bytes": _charge(state, mk), "gpus": m.gpus,
+            "requires": m.requires.terms() if m.requires is not None else [],
             "autoscale": msgspec.to_builtins(m.autoscale) if m.autoscale is not None else None,
             "autoscale_manual": m.autoscale_manual, "autoscale_condition": m.autoscale_condition,
         })

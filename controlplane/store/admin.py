@@ -39,6 +39,7 @@ from schemas.commands import (
 )
 from schemas.events import Event, ReplicaEvent
 from schemas.guard import Refused
+from schemas.inventory import Requirements
 from schemas.keys import canonical_model_key, display_name
 from schemas.status import ReplicaState
 from schemas.subjects import command_subject
@@ -136,12 +137,13 @@ class AdminClient:
 
     async def deploy(self, model: str, replicas: int = 1, *, dedicated: bool = False, size_bytes: int | None = None,
                      command_id: str | None = None, headroom: float | None = None,
-                     gpus: int | None = None, for_request: bool = False) -> CommandResult:
+                     gpus: int | None = None, for_request: bool = False,
+                     requires: Requirements | None = None) -> CommandResult:
         """`for_request`: asked for by a user's request (the dispatcher), so only a model the operator
         offers is deployed (controlplane/service/registry.py)."""
         return await self.command(self._cmd(Deploy, command_id, model_key=model, replicas=replicas,
                                             dedicated=dedicated, size_bytes=size_bytes, headroom=headroom, gpus=gpus,
-                                            for_request=for_request))
+                                            for_request=for_request, requires=requires))
 
     async def scale(self, model: str, replicas: int, *, scale_up: bool = False, dedicated: bool = False,
                     command_id: str | None = None, gpus: int | None = None) -> CommandResult:

@@ -151,10 +151,12 @@ class NodeAgent:
 
     @classmethod
     async def open(cls, url: str, node_id: str | None = None, *, creds: Creds | None = None,
-                   runtime: ReplicaRuntime | None = None, **kw: Any) -> NodeAgent:
+                   runtime: ReplicaRuntime | None = None, ray_node_id: str | None = None, **kw: Any) -> NodeAgent:
         """An agent over NATS at `url` (not started): its event log and, by default, a Ray runtime
         whose replicas serve their NATS endpoints with this agent's credentials. Ray must be
-        initialised in this process (`ndif up` and `ndif agent` do it)."""
+        initialised in this process (`ndif up` and `ndif agent` do it). The replicas are pinned to
+        `ray_node_id`, else to the Ray node labelled `ndif.node_id=<node_id>` (deploy/ray/), else to
+        the Ray node this process joined through."""
         node_id = node_id or socket.gethostname()
         if runtime is None:
             from dataplane.runtime import ray_adapter
@@ -165,9 +167,10 @@ class NodeAgent:
         if creds is None:
             creds = resolve("agent", url=url, node_id=node_id)
         if runtime is None:
-            from dataplane.runtime.ray_adapter import RayRuntime
+            from dataplane.runtime.ray_adapter import RayRuntime, ray_node_for
 
-            runtime = RayRuntime(nats_url=url, nats_creds=creds)
+            location = ray_node_id or await asyncio.to_thread(ray_node_for, node_id)
+            runtime = RayRuntime(nats_url=url, nats_creds=creds, location=location)
         log = await JetStreamEventLog.open(url, ensure=False, name=f"agent:{node_id}", creds=creds, role="agent",
                                            node_id=node_id)
         return cls(log, JetStreamHeartbeats(log.js, direct=True), runtime, node_id, owns_log=True, nc=log.nc, **kw)

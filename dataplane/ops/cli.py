@@ -72,6 +72,8 @@ def add_dataplane_commands(sub: Any) -> None:
     _nats(p)
     p.add_argument("--ray-address", default=os.environ.get("RAY_ADDRESS", "auto"),
                    help="Ray cluster to join (default: auto, the cluster of this machine)")
+    p.add_argument("--ray-node-id", help="the Ray node this agent's replicas run on (default: the Ray node "
+                                         "labelled ndif.node_id=<node id>, else the one this process joined)")
     _node_args(p)
     p = sub.add_parser("dispatcher", help="run the request dispatcher (processors per model)")
     _nats(p)
@@ -125,7 +127,7 @@ async def _agent(a: argparse.Namespace) -> int:
 
     _join_ray(a.ray_address)
     kw = _agent_kwargs(a)
-    async with await NodeAgent.open(a.nats, kw.pop("node_id"), **kw):
+    async with await NodeAgent.open(a.nats, kw.pop("node_id"), ray_node_id=a.ray_node_id, **kw):
         await until_signal()
     return 0
 

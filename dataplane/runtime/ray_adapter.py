@@ -28,6 +28,7 @@ from dataplane.replica.actor import NAMESPACE, ModelActor, actor_name, parse_act
 from dataplane.replica.journal import Line
 from dataplane.replica.wire import Answer
 from dataplane.runtime.ports import Found, Liveness, ReplicaHandle, ReplicaSpec
+from schemas.errors import InfrastructureError
 
 # ---- the local Ray ---------------------------------------------------------------------------
 
@@ -75,6 +76,14 @@ def _private_token() -> None:
         setup.addFilter(_QuietTokenNotice())
 
 
+def auth_token_path() -> str | None:
+    """The token file this process's Ray clusters use: the operator's RAY_AUTH_TOKEN_PATH, else a
+    private one made here (`_private_token`); None when the token is given inline (RAY_AUTH_TOKEN) or
+    auth is off. Processes started from here (`ray start`, agents) inherit it."""
+    _private_token()
+    return os.environ.get("RAY_AUTH_TOKEN_PATH")
+
+
 class _QuietTokenNotice(logging.Filter):
     """Drops Ray's "Token authentication is enabled for this Ray cluster" notice (the token is ours)."""
 
@@ -96,8 +105,57 @@ def start_local(num_gpus: int, *, num_cpus: int | None = None) -> str:
 
 
 def join(address: str) -> None:
-    """Join the Ray cluster at `address` (`ndif agent`, `ndif dispatcher`). ConnectionError when there is none."""
-    ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
+    """Join the Ray cluster at `address` (`ndif agent`, `ndif dispatcher`). ConnectionError when there is none.
+
+    A cluster whose head is on loopback (`127.x.y.z:PORT`: tests, one machine) is joined through the
+    head's raylet at that address: Ray otherwise looks for a raylet at this machine's address.
+    InfrastructureError naming RAY_AUTH_TOKEN / RAY_AUTH_TOKEN_PATH when the cluster wants a token
+    this process was not given (Ray's own error is a bare `InvalidAuthToken`)."""
+    if any(os.environ.get(v) for v in _TOKEN_ENVS):
+        os.environ.setdefault("RAY_AUTH_MODE", "token")  # a token given is meant to be sent
+    host = address.rsplit(":", 1)[0]
+    kw: dict[str, Any] = {"_node_ip_address": host} if host.startswith("127.") else {}
+    try:
+        ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, **kw)
+    except Exception as exc:
+        if not _auth_refused(exc):
+            raise
+        given = next((v for v in _TOKEN_ENVS if os.environ.get(v)), None)
+        raise InfrastructureError(
+            f"the Ray cluster at {address!r} refused this process's auth token "
+            f"({'none given' if given is None else 'from ' + given}): give it the cluster's token, "
+            "RAY_AUTH_TOKEN_PATH=<the cluster's token file> or RAY_AUTH_TOKEN=<the token>") from None
+
+
+def _auth_refused(exc: BaseException) -> bool:
+    """Is this Ray's refusal of a missing or wrong auth token (its text is all it says)?"""
+    seen: BaseException | None = exc
+    while seen is not None:
+        text = f"{type(seen).__name__}: {seen}"
+        if "InvalidAuthToken" in text or "AuthenticationError" in text:
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+NODE_LABEL = "ndif.node_id"  # the Ray node label that names the ndif node a Ray node is (deploy/ray/)
+
+
+def ray_node_for(node_id: str) -> str | None:
+    """The live Ray node labelled `ndif.node_id=<node_id>` (`ray start --labels`), or None.
+
+    Several raylets may share one address (a loopback cluster) or a machine may run several: the
+    label, not the address this process joined through, says which Ray node an agent is for."""
+    for n in ray.nodes():  # type: ignore[no-untyped-call]
+        if n.get("Alive") and (n.get("Labels") or {}).get(NODE_LABEL) == node_id:
+            return str(n["NodeID"])
+    return None
+
+
+def ray_nodes() -> list[dict[str, Any]]:
+    """Every Ray node of the cluster: id, alive, its ndif node label (tests and `ndif` tools)."""
+    return [{"ray_node_id": str(n["NodeID"]), "alive": bool(n.get("Alive")),
+             "node_id": (n.get("Labels") or {}).get(NODE_LABEL)} for n in ray.nodes()]  # type: ignore[no-untyped-call]
 
 
 def is_initialized() -> bool:
@@ -311,9 +369,9 @@ class RayCaller:
         return actor_gone(exc)
 
 
-__all__ = ["RayCaller", "RayRuntime", "RemoteModelActor", "actor_gone", "create_actor", "current_location",
-           "gcs_address", "get", "get_actor", "is_initialized", "join", "kill_actor", "list_replica_actors",
-           "shutdown", "start_local"]
+__all__ = ["RayCaller", "RayRuntime", "RemoteModelActor", "actor_gone", "auth_token_path", "create_actor",
+           "current_location", "gcs_address", "get", "get_actor", "is_initialized", "join", "kill_actor",
+           "list_replica_actors", "ray_node_for", "ray_nodes", "shutdown", "start_local"]
 
 
 # ---- Ray Serve, the baseline tools/bench/dispatch.py measures us against -----------------------

@@ -101,7 +101,7 @@ def reference_choose(w, nodes, pos, req, size, spread, now_s, min_deploy_s):
         chosen = fitting[:n]
         warm = warm_by_node.get(node.node_id)
         count = spread.count.get(node.node_id, 0)
-        rank = (max(c[0] for c in chosen), count, warm is None, i)
+        rank = (count, max(c[0] for c in chosen), warm is None, i)
         level = (placement.Candidate.CACHED_AND_FREE if warm else placement.Candidate.DEPLOYED if count
                  else placement.Candidate.FREE)
         if best is None or rank < best[0]:

@@ -99,7 +99,7 @@ def test_a_warm_copy_is_reused_where_the_node_holds_no_replica():
 
 
 def _options(state: ClusterState, model: str, charge: int, gpus: int | None):
-    """Every (shares a card with the model, replicas of the model on the node) a placement without
+    """Every (replicas of the model on the node, shares a card with the model) a placement without
     evictions could take: all card subsets of every live node (brute force)."""
     out = set()
     for node in state.nodes.values():
@@ -111,7 +111,7 @@ def _options(state: ClusterState, model: str, charge: int, gpus: int | None):
         held = {g for r in holders for g in r.gpu_indices}
         fit = [g.index for g in node.gpus if g.memory_bytes - state.card_committed(node.node_id, g.index) >= bpg]
         for cards in itertools.combinations(fit, n):
-            out.add((any(c in held for c in cards), len(holders)))
+            out.add((len(holders), any(c in held for c in cards)))
     return out
 
 
@@ -119,9 +119,9 @@ def _options(state: ClusterState, model: str, charge: int, gpus: int | None):
 @given(clusters(), st.sampled_from([f"m{i}" for i in range(6)]), st.sampled_from([2, 6, 10, 17, 30]),
        st.sampled_from([None, None, 1, 2]), st.integers(0, 10))
 def test_spread_holds_whenever_room_allows(b, model, gb, gpus, seed):
-    """A replica placed without evictions shares a card with its model only when no fitting card
-    free of the model exists anywhere, and goes to a node with the fewest replicas of the model
-    among those: the brute-force minimum over every node and card subset."""
+    """A replica placed without evictions goes to a node with the fewest replicas of the model (nodes
+    first: the failure domain), and among those shares a card with its model only when no fitting
+    card free of it exists there: the brute-force minimum over every node and card subset."""
     charge = padded(gb * GB)
     options = _options(b.state, model, charge, gpus)
     p = plan(b.state, [PlacementRequest(model_key=model, size_bytes=gb * GB, replicas=1, gpus=gpus)], now_s=NOW, seed=seed)
@@ -133,7 +133,7 @@ def test_spread_holds_whenever_room_allows(b, model, gb, gpus, seed):
     holders = [r for r in b.state.model_replicas(model) if r.on_gpu and r.desired is Level.HOT
                and r.node_id == pl.node_id]
     shares = any(g in r.gpu_indices for r in holders for g in pl.gpu_indices)
-    assert (shares, len(holders)) == min(options)
+    assert (len(holders), shares) == min(options)
 
 
 def test_spread_choices_replay_identically_for_a_seed():

@@ -46,7 +46,7 @@ from schemas.events import (
     RolloutUpdated,
     author_problem,
 )
-from schemas.inventory import NodeInventory
+from schemas.inventory import NodeInventory, Requirements
 from schemas.status import Level, ModelStatus, ReplicaState
 from schemas.units import gib
 
@@ -140,6 +140,7 @@ class ModelView(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     since_seq: int = 0
     headroom: float | None = None  # charged over the size; None: never recorded (the controller's default)
     gpus: int | None = None  # cards per replica; None: as few as hold the charge
+    requires: Requirements | None = None  # what a node must offer to hold its replicas (None: any node)
     undeployed: bool = False  # `ndif undeploy`: forgotten once its last replica is Unloaded
     # A rolling restart under way: replicas still to restart, and the one restarted last.
     rollout: tuple[int, ...] = ()
@@ -325,6 +326,7 @@ class ClusterState(Projection):
                     m, target_hot=ev.target_hot, dedicated=ev.dedicated, since_seq=seq,
                     headroom=m.headroom if ev.headroom is None else ev.headroom,
                     gpus=m.gpus if ev.gpus is None else ev.gpus,
+                    requires=ev.requires if isinstance(ev.requires, Requirements) else m.requires,
                     # an operator's deploy/scale/scale-down of an autoscaled model: its count stands
                     # (a dispatcher's provisioning deploy of a model at zero is not an operator's)
                     autoscale_manual=m.autoscale_manual or (m.autoscale is not None
