@@ -56,16 +56,21 @@ class MemoryEventLog:
             self._changed.notify_all()
         return AppendResult(first_seq=last + 1, last_seq=last + n)
 
-    async def append_raw(self, subject: str, body: bytes, msg_id: str, ts: datetime) -> int:
-        """Store an arbitrary body (malformed or from a newer version), as a foreign writer could;
-        followers are woken as by `append`."""
+    def store_raw(self, subject: str, body: bytes, msg_id: str, ts: datetime) -> int:
+        """Store an arbitrary body (malformed or from a newer version), as a foreign writer could,
+        waking nobody: a log filled before anyone follows it. Its seq."""
         self._bodies.append(body)
         self._ids.append(msg_id)
         self._subjects.append(subject)
         self._times.append(ts)
+        return len(self._bodies)
+
+    async def append_raw(self, subject: str, body: bytes, msg_id: str, ts: datetime) -> int:
+        """`store_raw`, then wake the followers as `append` does."""
+        seq = self.store_raw(subject, body, msg_id, ts)
         async with self._changed:
             self._changed.notify_all()
-        return len(self._bodies)
+        return seq
 
     async def read(self, start_seq: int = 1, *, start_time: datetime | None = None,
                    stop_seq: int | None = None) -> AsyncIterator[Stored]:

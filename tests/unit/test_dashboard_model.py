@@ -39,7 +39,7 @@ async def dashboard(events: list[E.Event], *, window: int = 100_000, snapshots: 
     from the newest snapshot (stored at each of `snapshots`), then the events after it."""
     log = MemoryEventLog()
     for ev in events:
-        log.append_raw(event_subject(ev), encode_event(ev), ev.event_id, ev.ts)
+        log.store_raw(event_subject(ev), encode_event(ev), ev.event_id, ev.ts)
     pairs = numbered(events)
     for cut in snapshots:
         header, data = encode_stored(fold(pairs[:cut], ClusterState()))

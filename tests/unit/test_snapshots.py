@@ -44,7 +44,7 @@ def stored_log(events: list[E.Event], log: MemoryEventLog | None = None) -> Memo
     writer could store them)."""
     log = log if log is not None else MemoryEventLog()
     for ev in events:
-        log.append_raw(event_subject(ev), encode_event(ev), ev.event_id, ev.ts)
+        log.store_raw(event_subject(ev), encode_event(ev), ev.event_id, ev.ts)
     return log
 
 
