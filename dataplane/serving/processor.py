@@ -27,7 +27,13 @@ from typing import Any, Protocol
 
 import structlog
 
-from controlplane.core.fairness import FairnessPolicy, FairQueue, position_update_due, wait_estimate_s
+from controlplane.core.fairness import (
+    FairnessPolicy,
+    RequestQueue,
+    position_update_due,
+    request_queue,
+    wait_estimate_s,
+)
 from controlplane.core.projections.queue import ModelQueueView, processor_status
 from dataplane.replica.model import ReplicaNotHot, error_text
 from dataplane.replica.wire import Completed, NotRun, encode_call
@@ -97,7 +103,7 @@ class Processor:
         self.token = token
         self.model_key: str | None = None
         self.hooks = hooks
-        self.queue: FairQueue[Pending] = FairQueue(hooks.fairness, lambda p: p.req.user)
+        self.queue: RequestQueue[Pending] = request_queue(hooks.fairness, lambda p: p.req.user)
         self.view: ModelQueueView | None = None
         self.lanes: dict[int, list[asyncio.Task[None]]] = {}  # replica id -> its lane tasks
         # replica id -> `<user>.<request id>` (status_key: ids are each user's own) -> request
