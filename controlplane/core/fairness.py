@@ -202,6 +202,7 @@ class FairQueue(_Accounts[T]):
     def __init__(self, policy: FairnessPolicy, user_of: Callable[[T], str]) -> None:
         super().__init__(policy, user_of)
         self._queues: dict[str, deque[tuple[_Tag, T]]] = {}  # user -> its queued requests, in tag order
+        self._tags: dict[int, _Tag] = {}  # id(item) of a queued request -> its tag (positions in O(log n))
         self._finish: dict[str, float] = {}  # user -> finish tag of its last request
         self._vtime: dict[int, float] = {}  # band -> start tag of the last request dispatched in it
         self._seq = 0
@@ -228,11 +229,7 @@ class FairQueue(_Accounts[T]):
 
     def position(self, item: T) -> int | None:
         """How many queued requests go before `item` (0: next), running limits aside; None if not queued."""
-        user = self.user_of(item)
-        mine = self._queues.get(user)
-        if not mine:
-            return None
-        tag = next((t for t, it in mine if it is item), None)
+        tag = self._tags.get(id(item))
         if tag is None:
             return None
         # Tags are unique (arrival breaks ties): what sorts at or before it, less itself.
@@ -247,7 +244,9 @@ class FairQueue(_Accounts[T]):
         start = max(self._vtime.get(s.band, 0.0), self._finish.get(user, 0.0))
         self._finish[user] = start + 1.0 / s.weight
         self._seq += 1
-        self._queues.setdefault(user, deque()).append(((-s.band, start, self._seq), item))
+        tag = (-s.band, start, self._seq)
+        self._queues.setdefault(user, deque()).append((tag, item))
+        self._tags[id(item)] = tag
         self._len += 1
 
     def push_back(self, item: T) -> None:
@@ -262,6 +261,7 @@ class FairQueue(_Accounts[T]):
         q = self._queues.setdefault(user, deque())
         i = bisect_right(_Keys(q), tag)
         q.insert(i, (tag, item))
+        self._tags[id(item)] = tag
         self._len += 1
 
     def pop(self) -> T | None:
@@ -275,6 +275,7 @@ class FairQueue(_Accounts[T]):
             return None
         tag, user = best
         _, item = self._queues[user].popleft()
+        del self._tags[id(item)]
         self._len -= 1
         self._vtime[-tag[0]] = max(self._vtime.get(-tag[0], 0.0), tag[1])
         self._taken(user, tag, item)
@@ -286,21 +287,19 @@ class FairQueue(_Accounts[T]):
 
     def remove(self, item: T) -> bool:
         """Take a queued request out (cancelled, expired); whether it was queued."""
-        user = self.user_of(item)
-        q = self._queues.get(user)
-        if not q:
+        tag = self._tags.pop(id(item), None)
+        if tag is None:
             return False
-        for i, (_, it) in enumerate(q):
-            if it is item:
-                del q[i]
-                self._len -= 1
-                # A request that never ran leaves no debt: the user's next one starts where its
-                # last queued one finishes (or where the band is, when none is left).
-                s = self.share(user)
-                self._finish[user] = q[-1][0][1] + 1.0 / s.weight if q else self._vtime.get(s.band, 0.0)
-                self._forget(user)
-                return True
-        return False
+        user = self.user_of(item)
+        q = self._queues[user]
+        del q[bisect_right(_Keys(q), tag) - 1]
+        self._len -= 1
+        # A request that never ran leaves no debt: the user's next one starts where its last queued
+        # one finishes (or where the band is, when none is left).
+        s = self.share(user)
+        self._finish[user] = q[-1][0][1] + 1.0 / s.weight if q else self._vtime.get(s.band, 0.0)
+        self._forget(user)
+        return True
 
     def _forget(self, user: str) -> None:
         # Users holding nothing leave no state behind (the finish tag stays: bounded by users seen).
