@@ -27,6 +27,7 @@ and, for the record, the FIFO rounds' light wait and idle figures, the req/s med
 backlog when the light user finished.
 
     python tools/bench/fairness.py [--heavy 1500] [--light 30] [--rounds 4] [--gap-ms 50] [--sample-ms 5]
+                                   [--new-tokens 0]
 """
 
 from __future__ import annotations
@@ -74,9 +75,10 @@ DISPATCHERS = ("bench-dispatcher-a", "bench-dispatcher-b")
 class Load:
     """Publishes requests as the SDK does (its dedup id shape) and times each to its terminal status."""
 
-    def __init__(self, log: JetStreamEventLog, mk: str) -> None:
+    def __init__(self, log: JetStreamEventLog, mk: str, new_tokens: int = 0) -> None:
         self.log = log
         self.mk = mk
+        self.new_tokens = new_tokens  # 0: every request a forward pass; N: a generation of N tokens
         self.sent: dict[str, float] = {}  # request id -> monotonic publish time
         self.ended: dict[str, float] = {}  # request id -> monotonic time its terminal status arrived
         self.failed: dict[str, str] = {}  # request id -> its error, for a request that did not complete
@@ -97,8 +99,10 @@ class Load:
 
     async def submit(self, user: str, i: int) -> str:
         rid = f"{user}-{i}-{uuid.uuid4().hex[:10]}"
-        req = Request(request_id=rid, model_key=self.mk, submitted_at=datetime.now(UTC), user=user,
-                      payload={"op": "forward", "input_ids": [[1 + i % 50, 2, 3]]})
+        payload: dict[str, Any] = {"op": "forward", "input_ids": [[1 + i % 50, 2, 3]]}
+        if self.new_tokens:
+            payload.update(op="generate", max_new_tokens=self.new_tokens)
+        req = Request(request_id=rid, model_key=self.mk, submitted_at=datetime.now(UTC), user=user, payload=payload)
         self.sent[rid] = time.monotonic()
         await self.log.js.publish(request_subject(self.mk, user), encoder.encode(req),
                                   headers={"Nats-Msg-Id": f"{user}.bench.{rid}"})
@@ -193,7 +197,7 @@ async def flood_round(url: str, policy: FairnessPolicy, load: Load, token: str, 
         sampling.cancel()
         await stop_dispatchers(ds)
     return {"rps": (a.heavy + a.light) / (t1 - t0), "light_p99_s": pct(light, 99), "light_p50_s": pct(light, 50),
-            "idle_replica_s": sampler.idle_s, "heavy_left_when_light_done": left, "flood_s": t1 - t0}, light
+            "light_first_s": light[0], "light_rest_max_s": max(light[1:], default=0.0), "idle_replica_s": sampler.idle_s, "heavy_left_when_light_done": left, "flood_s": t1 - t0}, light
 
 
 async def main(a: argparse.Namespace) -> dict[str, float]:
@@ -214,7 +218,7 @@ async def main(a: argparse.Namespace) -> dict[str, float]:
                                      drain_timeout_s=0.05, heartbeat_s=1.0), \
                 await AdminClient.open(url) as admin:
             await admin.wait(await admin.deploy(ckpt, REPLICAS), timeout=120)
-            load = Load(log, mk)
+            load = Load(log, mk, a.new_tokens)
             sub = await load.listen()
             try:
                 ds = await start_dispatchers(url, fair, load, token)
@@ -234,7 +238,9 @@ async def main(a: argparse.Namespace) -> dict[str, float]:
                         waits[name] += w
                         g = got[name]
                         print(f"(flood) round {r + 1} {name}: {g['rps']:.0f} req/s, light wait p50 "
-                              f"{g['light_p50_s'] * 1000:.1f} ms / p99 {g['light_p99_s'] * 1000:.1f} ms, flood "
+                              f"{g['light_p50_s'] * 1000:.1f} ms / p99 {g['light_p99_s'] * 1000:.1f} ms (the first "
+                              f"{g['light_first_s'] * 1000:.1f} ms, the others at most "
+                              f"{g['light_rest_max_s'] * 1000:.1f} ms), flood "
                               f"left when the light user finished {g['heavy_left_when_light_done']:.0f}, idle "
                               f"replica-s with a queue {g['idle_replica_s']:.3f}", flush=True)
                     rounds.append((got["fair"], got["fifo"]))
@@ -259,6 +265,7 @@ async def main(a: argparse.Namespace) -> dict[str, float]:
     out["flood_requests"] = a.heavy
     out["light_requests"] = a.light
     out["rounds"] = a.rounds
+    out["new_tokens"] = a.new_tokens
     return out
 
 
@@ -269,6 +276,8 @@ if __name__ == "__main__":
     p.add_argument("--gap-ms", type=float, default=50.0, help="the light user's pause between its requests")
     p.add_argument("--rounds", type=int, default=4, help="paired rounds (fair and FIFO each once a round)")
     p.add_argument("--sample-ms", type=float, default=5.0, help="the idle sampler's period")
+    p.add_argument("--new-tokens", type=int, default=0,
+                   help="0: every request (both users') a forward pass; N: a generation of N tokens (slower requests)")
     res = asyncio.run(main(p.parse_args()))
     keys = ["light_user_wait_p99_s", "idle_light_user_wait_p99_s", "light_wait_ratio", "idle_replica_s_with_queue",
             "fair_throughput_ratio"]
