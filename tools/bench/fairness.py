@@ -7,12 +7,13 @@ consumer (each with its lanes on both replicas, as two dispatcher hosts would). 
 in this process, so a sampler can read their queues and calls; the load is published as the SDK
 publishes it, on each user's own subject.
 
- (idle) the light user alone: `--light` requests one after another (`--gap-ms` apart), each timed
-        from its publish to its terminal status;
+ (idle) the light user alone: `--light` requests, one published every `--gap-ms` (whatever became
+        of the earlier ones), each timed from its publish to its terminal status;
  (flood) rounds, fair and FIFO dispatchers alternately (`NDIF_FAIRNESS` `order`, the same policy
         otherwise): the heavy user stores `--heavy` requests (200 publishes at a time), then the
         light user runs the idle phase's pattern while the flood is served; each round's throughput
-        is all its requests over the time from the first publish to the last terminal status.
+        is all its requests (the same work under either order) over the time from the first publish
+        to the last terminal status.
  Meanwhile a sampler (every `--sample-ms`) adds up replica-seconds a ready replica had no call
  outstanding from either dispatcher while the model had requests waiting: queued at a dispatcher,
  or handed to another replica behind the one it runs.
@@ -66,7 +67,7 @@ from dataplane.serving.dispatcher import Dispatcher  # noqa: E402
 from dataplane.serving.processor import Processor, idle_replicas_with_queue  # noqa: E402
 from schemas.keys import canonical_model_key  # noqa: E402
 from schemas.requests import Request, encoder, status_decoder  # noqa: E402
-from schemas.subjects import model_token, request_subject  # noqa: E402
+from schemas.subjects import model_token, request_subject, user_statuses  # noqa: E402
 
 REPLICAS = 2
 DISPATCHERS = ("bench-dispatcher-a", "bench-dispatcher-b")
@@ -84,7 +85,10 @@ class Load:
         self.failed: dict[str, str] = {}  # request id -> its error, for a request that did not complete
         self.waiters: dict[str, asyncio.Event] = {}
 
-    async def listen(self) -> Any:
+    async def listen(self) -> list[Any]:
+        """One subscription per user: the light user's statuses never queue behind the flood's in
+        this client (nats-py hands each subscription its messages in order, from its own queue)."""
+
         async def on_status(msg: Any) -> None:
             s = status_decoder.decode(msg.data)
             if s.terminal and s.request_id in self.sent and s.request_id not in self.ended:
@@ -95,7 +99,7 @@ class Load:
                 if ev is not None:
                     ev.set()
 
-        return await self.log.nc.subscribe("ndif.status.>", cb=on_status)
+        return [await self.log.nc.subscribe(user_statuses(user), cb=on_status) for user in ("light", "heavy", "warm")]
 
     async def submit(self, user: str, i: int) -> str:
         rid = f"{user}-{i}-{uuid.uuid4().hex[:10]}"
@@ -117,11 +121,13 @@ class Load:
         return self.ended[rid] - self.sent[rid]
 
     async def light_user(self, n: int, gap_s: float) -> list[float]:
-        waits = []
+        """`n` requests, one published every `gap_s` whatever the earlier ones' fate (so the work of a
+        round is the same under fair and FIFO dispatch); each one's wait."""
+        tasks = []
         for i in range(n):
-            waits.append(await self.one("light", i))
+            tasks.append(asyncio.create_task(self.one("light", i)))
             await asyncio.sleep(gap_s)
-        return waits
+        return list(await asyncio.gather(*tasks))
 
     async def flood(self, n: int) -> list[str]:
         rids: list[str] = []
@@ -190,9 +196,10 @@ async def flood_round(url: str, policy: FairnessPolicy, load: Load, token: str, 
         t0 = time.monotonic()
         heavy = await load.flood(a.heavy)
         light = await load.light_user(a.light, a.gap_ms / 1000)
+        light_done = time.monotonic()
         left = sum(r not in load.ended for r in heavy)
         await load.until_ended(heavy, timeout=600)
-        t1 = max(load.ended[r] for r in heavy)
+        t1 = max(light_done, *(load.ended[r] for r in heavy))  # the round's every request ended
     finally:
         sampling.cancel()
         await stop_dispatchers(ds)
@@ -219,7 +226,7 @@ async def main(a: argparse.Namespace) -> dict[str, float]:
                 await AdminClient.open(url) as admin:
             await admin.wait(await admin.deploy(ckpt, REPLICAS), timeout=120)
             load = Load(log, mk, a.new_tokens)
-            sub = await load.listen()
+            subs = await load.listen()
             try:
                 ds = await start_dispatchers(url, fair, load, token)
                 try:
@@ -245,7 +252,8 @@ async def main(a: argparse.Namespace) -> dict[str, float]:
                               f"replica-s with a queue {g['idle_replica_s']:.3f}", flush=True)
                     rounds.append((got["fair"], got["fifo"]))
             finally:
-                await sub.unsubscribe()
+                for sub in subs:
+                    await sub.unsubscribe()
             if load.failed:
                 raise RuntimeError(f"{len(load.failed)} requests did not complete, e.g. {next(iter(load.failed.values()))}")
     finally:
