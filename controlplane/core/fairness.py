@@ -179,6 +179,13 @@ class _Accounts(Generic[T]):
         if got is not None:
             self._dec(got[0])
 
+    def _given_back(self, item: T) -> tuple[str, _Tag] | None:
+        """A request `pop` took, no longer running: its user and tag (None: it was not taken)."""
+        got = self._out.pop(id(item), None)
+        if got is not None:
+            self._dec(got[0])
+        return got
+
     def _taken(self, user: str, tag: _Tag, item: T) -> None:
         self._out[id(item)] = (user, tag)
         self._running[user] = self.running(user) + 1
@@ -252,12 +259,11 @@ class FairQueue(_Accounts[T]):
     def push_back(self, item: T) -> None:
         """A request taken by `pop` that did not run (its replica left): back where its tag puts it,
         ahead of its user's later ones; no longer running."""
-        got = self._out.pop(id(item), None)
+        got = self._given_back(item)
         if got is None:
             self.push(item)
             return
         user, tag = got
-        self._dec(user)
         q = self._queues.setdefault(user, deque())
         i = bisect_right(_Keys(q), tag)
         q.insert(i, (tag, item))
@@ -345,12 +351,11 @@ class FifoQueue(_Accounts[T]):
         self._held(item, tag)
 
     def push_back(self, item: T) -> None:
-        got = self._out.pop(id(item), None)
+        got = self._given_back(item)
         if got is None:
             self.push(item)
             return
-        user, tag = got
-        self._dec(user)
+        tag = got[1]
         self._q.insert(bisect_right(_Keys(self._q), tag), (tag, item))
         self._held(item, tag)
 

@@ -39,6 +39,14 @@ def policy(weights: dict[str, float] | None = None, **default: int) -> FairnessP
                           users={u: Share(weight=w) for u, w in (weights or {}).items()})
 
 
+def push_new(q: RequestQueue[Req], queued: list[Req], user: str, n: int) -> int:
+    """Push request number `n` of `user` and note it as queued; the next number."""
+    r = Req(user, n)
+    q.push(r)
+    queued.append(r)
+    return n + 1
+
+
 def drain(q: FairQueue[Req]) -> list[Req]:
     out = []
     while (r := q.pop()) is not None:
@@ -183,10 +191,7 @@ def test_nothing_is_lost_or_reordered_within_a_user_and_limits_hold(ops: list[tu
     started: dict[str, list[int]] = {}  # user -> numbers of its requests in the order first taken
     for op, arg in ops:
         if op == "push":
-            r = Req(str(arg), n)
-            n += 1
-            q.push(r)
-            queued.append(r)
+            n = push_new(q, queued, str(arg), n)
         elif op == "pop":
             top = max((p.share(r.user).band for r in queued if q.running(r.user) < max_running), default=None)
             got = q.pop()
@@ -292,10 +297,7 @@ def test_fifo_loses_nothing_and_keeps_arrival_order(ops: list[tuple[str, object]
     n = 0
     for op, arg in ops:
         if op == "push":
-            r = Req(str(arg), n)
-            n += 1
-            q.push(r)
-            queued.append(r)
+            n = push_new(q, queued, str(arg), n)
         elif op == "pop":
             eligible = [r for r in queued if q.running(r.user) < max_running]
             got = q.pop()
