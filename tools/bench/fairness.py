@@ -67,6 +67,7 @@ from dataplane.serving.dispatcher import Dispatcher  # noqa: E402
 from dataplane.serving.processor import Processor, idle_replicas_with_queue  # noqa: E402
 from schemas.keys import canonical_model_key  # noqa: E402
 from schemas.requests import Request, encoder, status_decoder  # noqa: E402
+from schemas.status import RequestStatus  # noqa: E402
 from schemas.subjects import model_token, request_subject, user_statuses  # noqa: E402
 
 REPLICAS = 2
@@ -93,7 +94,7 @@ class Load:
             s = status_decoder.decode(msg.data)
             if s.terminal and s.request_id in self.sent and s.request_id not in self.ended:
                 self.ended[s.request_id] = time.monotonic()
-                if str(s.status) != "COMPLETED":
+                if s.status is not RequestStatus.COMPLETED:
                     self.failed[s.request_id] = f"{s.error}: {s.message}"
                 ev = self.waiters.pop(s.request_id, None)
                 if ev is not None:
