@@ -23,7 +23,7 @@ from typing import IO
 
 from workload import GB, Workload
 
-from controlplane.core.autoscale import REFUSED_RETRY_S, decide_autoscale, decision_id
+from controlplane.core.autoscale import REFUSED_RETRY_S, classify, decide_autoscale, decision_id, evaluate
 from controlplane.core.context import DecisionContext
 from controlplane.core.decide import decide
 from controlplane.core.placement import PADDING
@@ -114,8 +114,9 @@ class Sim:
 
     def __init__(self, w: Workload, *, mode: str, start: list[int], policies: dict[int, AutoscalePolicy] | None = None,
                  log: IO[bytes] | None = None, check: Callable[[Sim, int], None] | None = None,
-                 progress: Callable[[str], None] | None = None) -> None:
+                 progress: Callable[[str], None] | None = None, exhaustive: bool = False) -> None:
         self.w, self.mode, self.policies = w, mode, policies or {}
+        self.exhaustive = exhaustive
         self.log, self.check, self.progress = log, check, progress
         self.state = ClusterState()
         n = len(w.model_keys)
@@ -127,7 +128,13 @@ class Sim:
         self.done = [0] * n
         self.arrived_now = [0] * n
         self.dirty: set[int] = set(range(n))
-        self.last_key: list[tuple[int, int, float] | None] = [None] * n
+        self.count = [0] * n  # each model's replica count (desired HOT), kept in step with the fold
+        self.last_busy = [0.0] * n  # when the dispatcher's figures last saw the model busy (its idle clock)
+        # The inputs of the model's last evaluation: raw (count, demand, oldest over max wait, queued)
+        # and what `classify` made of them; equal inputs, an unchanged fold, no delay run out: the
+        # same answer (none), so no evaluation.
+        self.last_raw: list[tuple[int, int, bool, bool] | None] = [None] * n
+        self.last_key: list[tuple[object, ...] | None] = [None] * n
         # When the autoscaler's answer for an unchanged model can next change (a delay running out).
         self.due = [math.inf] * n
         self.wake: list[tuple[float, int]] = []
@@ -145,13 +152,16 @@ class Sim:
         self.card_s = 0.0
         self.cold = self.warm = self.evictions = self.decisions = self.watches = self.rejected = 0
         self.events = self.evaluations = 0
+        self._now_s, self._now_dt = 0.0, T0
         self.by_reason: Counter[str] = Counter()
         self._setup(start)
 
     # ---- the log ------------------------------------------------------------------------------
 
     def now(self) -> datetime:
-        return T0 + timedelta(seconds=self.now_s)
+        if self._now_s != self.now_s:
+            self._now_s, self._now_dt = self.now_s, T0 + timedelta(seconds=self.now_s)
+        return self._now_dt
 
     def apply(self, events: list[E.Event]) -> None:
         """Fold events as the controller's follow loop would, keeping the sim's own indexes in step."""
@@ -178,6 +188,7 @@ class Sim:
                 continue
             i = self.index[rkey[0]]
             self.dirty.add(i)
+            self.count[i] = st.replica_count(rkey[0])
             new = st.replicas.get(rkey)
             if cls is E.ReplicaScheduled:
                 if ev.source is Level.WARM:  # type: ignore[attr-defined]
@@ -286,7 +297,7 @@ class Sim:
         return QueueFigures(model_key=self.w.model_keys[i], queued=len(q), running=running,
                             oldest_wait_s=round(t - q[0], 3) if q else 0.0,
                             arrival_rate=self.arrived_now[i] / self.w.spec.tick_s, completions=self.done[i],
-                            dispatcher=DISPATCHER, ts=self.now())
+                            dispatcher=DISPATCHER, ts=self.now(), idle_s=t - self.last_busy[i])
 
     # ---- the day -----------------------------------------------------------------------------
 
@@ -340,7 +351,9 @@ class Sim:
                 active.add(m)
             t_end = self.now_s + tick
             touched = list(active)
+            busy = self.last_busy
             for m in touched:
+                busy[m] = t_end  # queued, running or finishing in this tick: the figures at its end say busy
                 self._serve(m, t_end)
                 if not self.queue[m] and not any(f > t_end for f in self.free[m]):
                     active.discard(m)
@@ -350,7 +363,7 @@ class Sim:
             self.card_s += len(self.card_refs) * tick
             self.now_s = t_end
             if autoscaled:
-                todo = set(touched)
+                todo = set(self.policies) if self.exhaustive else set(touched)
                 todo |= self.dirty
                 while self.wake and self.wake[0][0] <= t_end:
                     todo.add(heapq.heappop(self.wake)[1])
@@ -386,25 +399,39 @@ class Sim:
         )
 
     def _autoscale(self, i: int) -> None:
-        """The controller's tick for one model, skipped when its answer cannot have changed: same
-        figures, same replicas, and no condition whose delay is running."""
+        """The controller's tick for one model, skipped when its answer cannot have changed: the
+        same inputs of `classify` (or the same classification), the same fold, and no delay run
+        out since the last evaluation (which then decided nothing). `exhaustive` evaluates anyway
+        (the check that skipping changes no decision)."""
         q = self.queue[i]
-        mk = self.w.model_keys[i]
         t = self.now_s
-        running = sum(1 for f in self.free[i] if f > t)
-        key = (len(q), running, round(t - q[0], 3) if q else 0.0)
-        if i not in self.dirty and key == self.last_key[i] and t < self.due[i]:
+        n = self.count[i]
+        p = self.policies[i]
+        queued = len(q)
+        demand = queued + sum(1 for f in self.free[i] if f > t)
+        over = bool(q) and p.max_wait_s is not None and t - q[0] > p.max_wait_s
+        raw = (n, demand, over, queued > 0)
+        fresh = i not in self.dirty and t < self.due[i]
+        if fresh and raw == self.last_raw[i] and not self.exhaustive:
+            return
+        self.last_raw[i] = raw
+        f = self.figures(i)
+        key = (n, classify(p, n, f), n == 0 and queued > 0)
+        if fresh and key == self.last_key[i] and not self.exhaustive:
             return
         self.dirty.discard(i)
         self.last_key[i] = key
         self.evaluations += 1
-        cid = decision_id(self.state, mk, str(i))
-        ctx = DecisionContext(now=self.now(), actor=CONTROLLER, command_id=cid, seed=self.state.seq)
-        events = decide_autoscale(self.state, mk, self.figures(i), ctx, headroom=PADDING)
-        if events:
-            self.apply(events)
-            self.dirty.add(i)
-            return
+        mk = self.w.model_keys[i]
+        now = self.now()
+        if evaluate(self.state, mk, f, now) is not None:
+            cid = decision_id(self.state, mk, str(i))
+            ctx = DecisionContext(now=now, actor=CONTROLLER, command_id=cid, seed=self.state.seq)
+            events = decide_autoscale(self.state, mk, f, ctx, headroom=PADDING)
+            if events:
+                self.apply(events)
+                self.dirty.add(i)
+                return
         due = self._next_due(i, t)
         self.due[i] = due
         if due < math.inf:
@@ -412,15 +439,17 @@ class Sim:
 
     def _next_due(self, i: int, t: float) -> float:
         """The first time after `t` at which `evaluate` could answer otherwise on the same figures
-        and fold: a delay of the watched condition, or one counted from the last change, running out."""
+        and fold: a delay of the watched condition, of idle, or one counted from the last change,
+        running out."""
         m = self.state.models[self.w.model_keys[i]]
         p = m.autoscale
         if p is None:
             return math.inf
-        marks = []
+        idle = self.last_busy[i]
+        marks = [idle + p.downscale_delay_s, idle + p.idle_after_s]
         if m.autoscale_since is not None:
             since = (m.autoscale_since - T0).total_seconds()
-            marks += [since + p.upscale_delay_s, since + p.downscale_delay_s, since + p.idle_after_s]
+            marks += [since + p.upscale_delay_s, since + p.downscale_delay_s]
         if m.autoscale_last_at is not None:
             last = (m.autoscale_last_at - T0).total_seconds()
             marks += [last + p.downscale_delay_s, last + max(REFUSED_RETRY_S, p.upscale_delay_s)]

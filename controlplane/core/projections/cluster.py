@@ -613,7 +613,8 @@ class ClusterState(Projection):
 
     def replica_count(self, model_key: str) -> int:
         """The replica count of a model: replicas whose desired level is HOT."""
-        return sum(1 for r in self.model_replicas(model_key) if r.desired is Level.HOT)
+        replicas = self.replicas
+        return sum(1 for i in self._by_model.get(model_key, ()) if replicas[(model_key, i)].desired is Level.HOT)
 
     def model_status(self, model_key: str, min_ready: int = 1) -> ModelStatus:
         """The model's status, derived from its replicas (Available once min(`min_ready`, its target) serve)."""
