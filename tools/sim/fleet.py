@@ -23,7 +23,7 @@ from typing import IO
 
 from workload import GB, Workload
 
-from controlplane.core.autoscale import REFUSED_RETRY_S, classify, decide_autoscale, decision_id, evaluate
+from controlplane.core.autoscale import DOWN, IDLE, REFUSED_RETRY_S, classify, decide_autoscale, decision_id, evaluate
 from controlplane.core.context import DecisionContext
 from controlplane.core.decide import decide
 from controlplane.core.placement import PADDING
@@ -130,11 +130,9 @@ class Sim:
         self.dirty: set[int] = set(range(n))
         self.count = [0] * n  # each model's replica count (desired HOT), kept in step with the fold
         self.last_busy = [0.0] * n  # when the dispatcher's figures last saw the model busy (its idle clock)
-        # The inputs of the model's last evaluation: raw (count, demand, oldest over max wait, queued)
-        # and what `classify` made of them; equal inputs, an unchanged fold, no delay run out: the
-        # same answer (none), so no evaluation.
-        self.last_raw: list[tuple[int, int, bool, bool] | None] = [None] * n
-        self.last_key: list[tuple[object, ...] | None] = [None] * n
+        # The figures `classify` reads at the model's last look (count, queued, running, oldest
+        # over its max wait): the same again, an unchanged fold, no delay run out: the same answer.
+        self.last_raw: list[tuple[int, int, int, bool] | None] = [None] * n
         # When the autoscaler's answer for an unchanged model can next change (a delay running out).
         self.due = [math.inf] * n
         self.wake: list[tuple[float, int]] = []
@@ -342,20 +340,25 @@ class Sim:
             self.now_s = t * tick
             self._fire_timers()
             models, counts = w.arrivals(t)
+            queue, arrived, now_s = self.queue, self.arrived_now, self.now_s
             for m, c in zip(models.tolist(), counts.tolist(), strict=True):
-                q = self.queue[m]
-                step = tick / c
-                base = self.now_s + step / 2
-                q.extend(base + j * step for j in range(c))
-                self.arrived_now[m] = c
+                if c == 1:
+                    queue[m].append(now_s + tick / 2)
+                else:
+                    step = tick / c
+                    base = now_s + step / 2
+                    queue[m].extend([base + j * step for j in range(c)])
+                arrived[m] = c
                 active.add(m)
             t_end = self.now_s + tick
             touched = list(active)
             busy = self.last_busy
+            free = self.free
             for m in touched:
                 busy[m] = t_end  # queued, running or finishing in this tick: the figures at its end say busy
-                self._serve(m, t_end)
-                if not self.queue[m] and not any(f > t_end for f in self.free[m]):
+                if queue[m]:
+                    self._serve(m, t_end)
+                if not queue[m] and max(free[m], default=0.0) <= t_end:
                     active.discard(m)
             # GPU accounting for this tick, then the figures at its end go to the autoscaler: for
             # the models whose figures moved, whose replicas changed, or whose delay ran out.
@@ -408,22 +411,22 @@ class Sim:
         n = self.count[i]
         p = self.policies[i]
         queued = len(q)
-        demand = queued + sum(1 for f in self.free[i] if f > t)
-        over = bool(q) and p.max_wait_s is not None and t - q[0] > p.max_wait_s
-        raw = (n, demand, over, queued > 0)
-        fresh = i not in self.dirty and t < self.due[i]
-        if fresh and raw == self.last_raw[i] and not self.exhaustive:
+        lanes = self.free[i]
+        running = sum(1 for f in lanes if f > t) if lanes and max(lanes) > t else 0
+        fresh = i not in self.dirty and t < self.due[i] and not self.exhaustive
+        raw = (n, queued, running, bool(q) and p.max_wait_s is not None and t - q[0] > p.max_wait_s)
+        if fresh and raw == self.last_raw[i]:
             return
         self.last_raw[i] = raw
-        f = self.figures(i)
-        key = (n, classify(p, n, f), n == 0 and queued > 0)
-        if fresh and key == self.last_key[i] and not self.exhaustive:
+        seen = QueueFigures(queued=queued, running=running, oldest_wait_s=t - q[0] if q else 0.0)
+        key = classify(p, n, seen)
+        if fresh and not (n == 0 and queued) and self._same(i, key[0]):
             return
         self.dirty.discard(i)
-        self.last_key[i] = key
         self.evaluations += 1
         mk = self.w.model_keys[i]
         now = self.now()
+        f = self.figures(i)
         if evaluate(self.state, mk, f, now) is not None:
             cid = decision_id(self.state, mk, str(i))
             ctx = DecisionContext(now=now, actor=CONTROLLER, command_id=cid, seed=self.state.seq)
@@ -436,6 +439,13 @@ class Sim:
         self.due[i] = due
         if due < math.inf:
             heapq.heappush(self.wake, (due, i))
+
+    def _same(self, i: int, condition: str) -> bool:
+        """The condition the figures show is the one the log watches (idle: within a `down` or
+        nothing watched, its delay in the figures): before a delay runs out, `evaluate` answers
+        nothing, whatever count the condition asks for."""
+        logged = self.state.models[self.w.model_keys[i]].autoscale_condition
+        return condition == logged or (condition == IDLE and logged in ("", DOWN))
 
     def _next_due(self, i: int, t: float) -> float:
         """The first time after `t` at which `evaluate` could answer otherwise on the same figures

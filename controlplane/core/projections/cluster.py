@@ -211,7 +211,7 @@ class ClusterState(Projection):
     """Fold of NDIF_EVENTS into the cluster placement view."""
 
     __slots__ = ("_by_model", "_card_leaving", "_card_totals", "_cards", "_cpu", "_cpu_pending", "_gone",
-                 "_node_free", "commands", "declared", "models", "nodes", "replicas", "undeployed")
+                 "_live_nodes", "_node_free", "commands", "declared", "models", "nodes", "replicas", "undeployed")
 
     def __init__(self) -> None:
         super().__init__()
@@ -237,6 +237,7 @@ class ClusterState(Projection):
         # node -> free (total - committed) bytes of its cards, largest first; computed on demand and
         # dropped whenever a card of the node changes. Lets placement skip full nodes in O(1).
         self._node_free: dict[str, NodeFree] = {}
+        self._live_nodes: list[NodeView] | None = None  # live_nodes(), dropped on every node event
 
     # ---- the reducer -------------------------------------------------------------------------
 
@@ -279,6 +280,8 @@ class ClusterState(Projection):
         if isinstance(ev, ReplicaEvent):
             self._replica_event(seq, ev)
             return
+        if isinstance(ev, NodeJoined | NodeDeclared | NodeLost):
+            self._live_nodes = None
         match ev:
             case NodeJoined():
                 self._node_free.pop(ev.node_id, None)  # a node may re-join with other cards
@@ -606,6 +609,13 @@ class ClusterState(Projection):
         before it caches anything new)."""
         held = sum(b for k, b in self._cpu.get(node_id, {}).items() if self.replicas[k].desired is not Level.COLD)
         return held + self.cpu_pending(node_id)
+
+    def live_nodes(self) -> list[NodeView]:
+        """Live nodes with GPUs, sorted by id (placement's scan order before its rotation); kept
+        until the next node event, so a decision does not sort a large fleet again."""
+        if self._live_nodes is None:
+            self._live_nodes = [n for _, n in sorted(self.nodes.items()) if n.alive and n.gpus]
+        return self._live_nodes
 
     def model_replicas(self, model_key: str) -> list[ReplicaView]:
         """Every replica of a model ever scheduled, by replica id."""
