@@ -129,7 +129,7 @@ def _evaluate(state: ClusterState, m: ModelView, p: AutoscalePolicy, figures: Qu
     if condition == UP and held >= p.upscale_delay_s:
         return act(rule, want, held=held)
     if condition == DOWN and held >= p.downscale_delay_s and _quiet(m, now, p.downscale_delay_s):
-        return act(rule, want, held=held)
+        return act(rule, want, held=held, level=p.idle_to)
     if condition != m.autoscale_condition:
         return act("watch", n, condition, since if condition else None, held)
     return None
@@ -155,7 +155,7 @@ def _idle(m: ModelView, p: AutoscalePolicy, n: int, want: int, figures: QueueFig
     floor = max(p.min_replicas, 1)
     part = max(held, down_held)
     if part >= p.downscale_delay_s and floor < n and _quiet(m, now, p.downscale_delay_s):
-        return act("queue-below-target", floor, part)
+        return act("queue-below-target", floor, part, p.idle_to)
     if m.autoscale_condition == UP:  # the load it watched is gone
         return Decision(model_key=m.model_key, rule="watch", current=n, target=n, condition="", since=None)
     return None

@@ -80,7 +80,7 @@ async def test_burst_up_end_down_history_says_why_and_a_manual_count_stands(
             ran = await ndif(url, "history", str(tiny))
             assert ran.rc == 0 and "scaled 1 -> 4: 37 queued, 2 running, 1 replicas, target 4 per replica, above for" \
                 in ran.out, ran.out
-            assert "scaled 4 -> 1: 0 queued, 2 running, 4 replicas" in ran.out
+            assert "scaled 4 -> 1 (queue-below-target, to WARM): 0 queued, 2 running, 4 replicas" in ran.out
 
             ran = await ndif(url, "scale", str(tiny), "--replicas", "3")
             assert ran.rc == 0, ran.err

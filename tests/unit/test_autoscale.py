@@ -181,6 +181,16 @@ def test_a_down_watch_goes_on_through_idle_spells():
         assert tick(b.state, figures(idle=1) if t % 10 else figures(running=1), at(t)) == []
     down = tick(b.state, figures(idle=1), at(60))
     assert (down[0].rule, down[0].current, down[0].target) == ("queue-below-target", 4, 1)
+    # replicas scaled down go where the policy sends idle ones: a WARM copy brings them back fast
+    assert [e.target for e in down if isinstance(e, E.ReplicaEvictionRequested)] == [Level.WARM] * 3
+
+
+def test_a_scale_down_goes_to_the_policys_level():
+    for level in (Level.WARM, Level.COLD):
+        b = cluster(4, msgspec.structs.replace(POLICY, idle_to=level, downscale_delay_s=0))
+        down = tick(b.state, figures(running=2), at(0))
+        assert (down[0].rule, down[0].target, down[0].level) == ("queue-below-target", 1, level)
+        assert [e.target for e in down if isinstance(e, E.ReplicaEvictionRequested)] == [level] * 3
 
 
 def test_from_zero_at_once_on_the_first_queued_request():

@@ -36,8 +36,12 @@ from schemas.status import Level, ReplicaState
 
 S = ReplicaState
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
-SIM_POLICY = AutoscalePolicy(min_replicas=0, max_replicas=8, target_queue_per_replica=4.0, upscale_delay_s=5.0,
-                             downscale_delay_s=60.0, idle_to=Level.WARM, idle_after_s=300.0, max_wait_s=30.0)
+# The simulated fleet's policy: scale up once more than 1.5 requests wait or run per replica
+# (held 2 s) or the oldest has waited 5 s; down after 2 minutes below, to WARM copies; to zero after
+# 15 minutes idle. A model with requests every few minutes keeps a replica; one idle for longer
+# gives its GPU back and its next request waits for a load from the WARM copy.
+SIM_POLICY = AutoscalePolicy(min_replicas=0, max_replicas=8, target_queue_per_replica=1.5, upscale_delay_s=2.0,
+                             downscale_delay_s=120.0, idle_to=Level.WARM, idle_after_s=900.0, max_wait_s=5.0)
 DISPATCHER = "dispatcher:sim"
 CONTROLLER = "controller:sim"
 
