@@ -193,6 +193,19 @@ def test_a_scale_down_goes_to_the_policys_level():
         assert [e.target for e in down if isinstance(e, E.ReplicaEvictionRequested)] == [level] * 3
 
 
+def test_a_replica_brought_back_from_zero_is_not_sent_away_on_figures_from_before():
+    """The dispatcher's provisioning deploys from zero on a request's arrival; the figures the
+    controller holds may still be the idle ones taken before it: idle counts from the raise."""
+    b = cluster(0, msgspec.structs.replace(POLICY, min_replicas=0, idle_after_s=300, downscale_delay_s=60))
+    apply(b.state, decide(b.state, Scale(command_id="prov", model_key=M, replicas=1, actor="dispatcher:d"),
+                          DecisionContext(now=at(0), actor="dispatcher:d", command_id="prov")))
+    assert b.state.replica_count(M) == 1 and not b.state.models[M].autoscale_manual
+    assert tick(b.state, figures(idle=1000), at(1)) == []  # stale: taken before the request
+    assert tick(b.state, figures(idle=1000), at(299)) == []
+    gone = tick(b.state, figures(idle=1000), at(300))
+    assert (gone[0].rule, gone[0].target, gone[0].held_s) == ("idle", 0, 300)
+
+
 def test_from_zero_at_once_on_the_first_queued_request():
     b = cluster(0, msgspec.structs.replace(POLICY, min_replicas=0))
     (head, *rest) = tick(b.state, figures(queued=1), at(0))

@@ -12,7 +12,8 @@ replicas stay scheduled, which is all a decision needs.
 Then from zero, on a real stack of its own (another nats-server; a controller, a node agent on a
 local Ray with 1 declared GPU, a dispatcher, all in this process; a tiny GPT-2 from
 dataplane/node/tiny_models.py): the model deployed at 1 replica gets a policy of min 0, max 2,
-idle after `--idle-after` s to WARM, and is waited down to zero; then `--zero-trials` times one
+idle after `--idle-after` s to WARM, serves one request (the dispatcher publishes figures of the
+models it serves) and is waited down to zero; then `--zero-trials` times one
 request is submitted and waited for: `from_zero_first_result_s` (median; `..._max_s`) is submit ->
 its result, and before each trial the model is at zero again. Last, at zero, `--burst` requests
 submitted at once. `lost` counts the requests of this phase without their right result (an error
@@ -171,15 +172,30 @@ async def bench(url: str, ckpt: str, a: argparse.Namespace) -> dict[str, object]
             "upscale_delay_s": a.upscale_delay, "trials": a.trials, "flaps": flaps, "steady_s": a.steady}
 
 
-async def at_zero(admin: AdminClient, mk: str, timeout: float = 60.0) -> float:
-    """Wait until the model has no replica wanted HOT and none holding a GPU; seconds waited."""
+async def at_zero(admin: AdminClient, mk: str, timeout: float = 60.0) -> tuple[float, int]:
+    """Wait until the model has no replica wanted HOT and none holding a GPU: (seconds waited,
+    the log's last seq then)."""
     t0 = time.perf_counter()
     while time.perf_counter() - t0 < timeout:
         st = await admin.state()
         if st.replica_count(mk) == 0 and not any(r.on_gpu for r in st.model_replicas(mk)):
-            return time.perf_counter() - t0
+            return time.perf_counter() - t0, st.seq
         await asyncio.sleep(0.1)
     raise TimeoutError(f"{mk} not at zero after {timeout:g} s")
+
+
+async def brought_back(admin: AdminClient, mk: str, after: int) -> str:
+    """What brought the model back from zero after seq `after`: the autoscaler's from-zero rule
+    or the dispatcher's provisioning deploy (whichever asked first), and the load it took."""
+    how, took = [], []
+    async for _, e in admin.events(model=mk, start_seq=after + 1):
+        if isinstance(e, E.AutoscaleDecided) and e.rule == "from-zero":
+            how.append("autoscaler from-zero")
+        elif isinstance(e, E.DeploymentRequested) and e.actor.startswith("dispatcher:"):
+            how.append("dispatcher provisioning")
+        elif isinstance(e, E.ReplicaLoaded):
+            took.append(f"{e.load_seconds:.2f} s load")
+    return ", ".join(how + took) or "nothing"
 
 
 async def from_zero(tmp: Path, a: argparse.Namespace) -> dict[str, object]:
@@ -215,15 +231,19 @@ async def from_zero(tmp: Path, a: argparse.Namespace) -> dict[str, object]:
                     return False, False
                 return isinstance(out, dict) and out.get("echo") == i, False
 
+            # The dispatcher publishes a model's figures once it has served it (no figures: no
+            # decision), so one request first; then the model idles down to zero.
+            right, err = await one(-1)
+            asked, ok, errors = asked + 1, ok + right, errors + err
             for trial in range(a.zero_trials):
-                waited = await at_zero(admin, mk)
+                waited, seq = await at_zero(admin, mk)
                 t0 = time.perf_counter()
                 right, err = await one(trial)
                 firsts.append(time.perf_counter() - t0)
                 asked, ok, errors = asked + 1, ok + right, errors + err
                 print(f"from zero {trial + 1}: at zero after {waited:.1f} s; first result in {firsts[-1]:.2f} s "
-                      f"({'right' if right else 'WRONG'})", flush=True)
-            await at_zero(admin, mk)
+                      f"({'right' if right else 'WRONG'}; back by {await brought_back(admin, mk, seq)})", flush=True)
+            _, seq = await at_zero(admin, mk)
             t0 = time.perf_counter()
             done = await asyncio.gather(*(one(1000 + i) for i in range(a.burst)))
             asked += a.burst
@@ -231,7 +251,8 @@ async def from_zero(tmp: Path, a: argparse.Namespace) -> dict[str, object]:
             errors += sum(e for _, e in done)
             st = await admin.state()
             print(f"burst of {a.burst} at zero: {sum(r for r, _ in done)} right in {time.perf_counter() - t0:.2f} s; "
-                  f"{st.replica_count(mk)} replicas; anomalies {st.anomaly_count}", flush=True)
+                  f"back by {await brought_back(admin, mk, seq)}; {st.replica_count(mk)} replicas; "
+                  f"anomalies {st.anomaly_count}", flush=True)
     finally:
         ray_adapter.shutdown()
         srv.close()

@@ -157,6 +157,10 @@ class ModelView(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     autoscale_cid: str = ""
     autoscale_seq: int = 0
     autoscale_scaled_seq: int = 0  # seq of its last decision that changed the count
+    # When the count was last raised (the autoscaler's scale-up, or a deploy: an operator's or a
+    # dispatcher's provisioning from zero): idle is counted from here at the earliest, as figures
+    # taken before the raise do not show the requests that caused it.
+    autoscale_raised_at: datetime | None = None
 
 
 class CommandRecord(msgspec.Struct, frozen=True, kw_only=True, gc=False):
@@ -328,6 +332,7 @@ class ClusterState(Projection):
                     m, target_hot=ev.target_hot, dedicated=ev.dedicated, since_seq=seq,
                     headroom=m.headroom if ev.headroom is None else ev.headroom,
                     gpus=m.gpus if ev.gpus is None else ev.gpus,
+                    autoscale_raised_at=ev.ts if ev.target_hot > m.target_hot else m.autoscale_raised_at,
                     # an operator's deploy/scale/scale-down of an autoscaled model: its count stands
                     # (a dispatcher's provisioning deploy of a model at zero is not an operator's)
                     autoscale_manual=m.autoscale_manual or (m.autoscale is not None
@@ -344,7 +349,8 @@ class ClusterState(Projection):
                 self.models[ev.model_key] = _replace(
                     m, autoscale_condition=ev.condition, autoscale_since=ev.since if ev.condition else None,
                     autoscale_last_at=ev.ts if scaled else m.autoscale_last_at, autoscale_cid=ev.command_id or "",
-                    autoscale_seq=seq, autoscale_scaled_seq=seq if scaled else m.autoscale_scaled_seq)
+                    autoscale_seq=seq, autoscale_scaled_seq=seq if scaled else m.autoscale_scaled_seq,
+                    autoscale_raised_at=ev.ts if ev.target > ev.current else m.autoscale_raised_at)
             case PlacementRejected():
                 m = self._model(ev.model_key)
                 rej = RejectionView(seq=seq, needed_bytes=ev.needed_bytes, free_bytes=ev.free_bytes,
