@@ -12,7 +12,7 @@ replicas stay scheduled, which is all a decision needs.
 Then from zero, on a real stack of its own (another nats-server; a controller, a node agent on a
 local Ray with 1 declared GPU, a dispatcher, all in this process; a tiny GPT-2 from
 dataplane/node/tiny_models.py): the model deployed at 1 replica gets a policy of min 0, max 2,
-idle after `--idle-after` s to WARM, serves one request (the dispatcher publishes figures of the
+idle after `--idle-after` s to `--idle-to` (WARM: a copy in the node's CPU memory), serves one request (the dispatcher publishes figures of the
 models it serves) and is waited down to zero; then `--zero-trials` times one
 request is submitted and waited for: `from_zero_first_result_s` (median; `..._max_s`) is submit ->
 its result, and before each trial the model is at zero again. Last, at zero, `--burst` requests
@@ -20,7 +20,7 @@ submitted at once. `lost` counts the requests of this phase without their right 
 or none at all: `errors` counts the errors among them).
 
     python tools/bench/autoscale.py [--trials 10] [--steady 20] [--upscale-delay 0] [--zero-trials 3]
-                                    [--burst 50] [--idle-after 2]
+                                    [--burst 50] [--idle-after 2] [--idle-to WARM|COLD]
 """
 
 from __future__ import annotations
@@ -219,7 +219,7 @@ async def from_zero(tmp: Path, a: argparse.Namespace) -> dict[str, object]:
             await admin.wait(res, timeout=120)
             await admin.autoscale(ckpt, AutoscalePolicy(
                 min_replicas=0, max_replicas=2, target_queue_per_replica=4, upscale_delay_s=0, downscale_delay_s=1,
-                idle_to=Level.WARM, idle_after_s=a.idle_after, max_wait_s=None))
+                idle_to=Level(a.idle_to), idle_after_s=a.idle_after, max_wait_s=None))
 
             async def one(i: int) -> tuple[bool, bool]:
                 """(the right result, an error)."""
@@ -258,7 +258,7 @@ async def from_zero(tmp: Path, a: argparse.Namespace) -> dict[str, object]:
         srv.close()
     return {"from_zero_first_result_s": round(statistics.median(firsts), 3) if firsts else None,
             "from_zero_first_result_max_s": round(max(firsts), 3) if firsts else None,
-            "lost": asked - ok, "errors": errors, "requests": asked, "zero_trials": len(firsts)}
+            "lost": asked - ok, "errors": errors, "requests": asked, "zero_trials": len(firsts), "idle_to": a.idle_to}
 
 
 async def amain(a: argparse.Namespace) -> dict[str, object]:
@@ -285,6 +285,7 @@ def main() -> None:
     p.add_argument("--zero-trials", type=int, default=3, help="single requests, each to the model at zero")
     p.add_argument("--burst", type=int, default=50, help="requests submitted at once to the model at zero")
     p.add_argument("--idle-after", type=float, default=2.0, help="the from-zero policy's idle_after_s")
+    p.add_argument("--idle-to", choices=["WARM", "COLD"], default="WARM", help="the from-zero policy's idle_to")
     a = p.parse_args()
     print(json.dumps(asyncio.run(amain(a))))
 
