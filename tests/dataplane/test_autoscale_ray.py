@@ -1,7 +1,8 @@
 """Autoscaling on a real stack: nats-server, controller, node agent on a local Ray, dispatcher, a tiny
 GPT-2, requests through the SDK. A burst scales up and its end down, idle goes to zero and the next
 request comes back from zero, with every request answered; a controller SIGKILLed during a ramp
-loses, doubles and reverses no decision; `ndif history` says why each count changed."""
+loses, doubles and reverses no decision, and an operator's count then stands; `ndif history` says
+why each count changed."""
 
 from __future__ import annotations
 
@@ -164,6 +165,14 @@ async def test_a_controller_sigkilled_during_a_ramp_loses_doubles_and_reverses_n
         ran = await ndif(url, "history", ckpt)
         assert ran.rc == 0 and "scaled 1 -> 3: 7 queued, 2 running, 1 replicas, target 4 per replica, above for" \
             in ran.out, ran.out
+        # An operator's count stands against the load (and against the restarted controller).
+        ran = await ndif(url, "scale-down", ckpt, "--replicas", "2")
+        assert ran.rc == 0, ran.err
+        await until_state(admin, lambda s: s.replica_count(mk) == 2, 30)
+        await asyncio.sleep(2.0)  # several ticks, the load still asking for 4
+        st = await admin.state()
+        assert st.replica_count(mk) == 2 and st.models[mk].autoscale_manual
+        assert scaled(await autoscale_events(admin, mk)) == steps
     finally:
         task.cancel()
         for p in procs:
