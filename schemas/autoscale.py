@@ -28,9 +28,10 @@ class AutoscalePolicy(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     `upscale_delay_s`, or the oldest queued request has waited longer than `max_wait_s` (that long,
     also for `upscale_delay_s`), up to `max_replicas`. Down: when the load would fit in fewer
     replicas at 80% of the target for `downscale_delay_s`, never below `max(min_replicas, 1)`.
-    Idle (nothing queued or running) for `idle_after_s`: down to `min_replicas` (0 allowed), the
-    replicas leaving to `idle_to` (WARM where the node's CPU cache holds them, else COLD). A
-    model at 0 replicas with a request queued gets one at once.
+    Idle (nothing queued or running, as the dispatchers' `idle_s` counts it) for `idle_after_s`:
+    down to `min_replicas` (0 allowed). Replicas taken down, idle or not, go to `idle_to` (WARM
+    where the node's CPU cache holds them, else COLD). A model at 0 replicas with a request
+    queued gets one at once.
     """
 
     min_replicas: int = 1
