@@ -14,7 +14,6 @@ import sys
 import time
 from pathlib import Path
 
-import msgspec
 import pytest
 
 from controlplane.ops.nats_server import EmbeddedNats, stop_process
@@ -23,14 +22,12 @@ from dataplane.client import Client
 from dataplane.client.sdk import RequestFailed
 from dataplane.node.agent import NodeAgent, declared_gpus
 from schemas import events as E
-from schemas.autoscale import QueueFigures
 from schemas.errors import InfrastructureError
 from schemas.keys import canonical_model_key
 from schemas.status import ReplicaState
-from schemas.subjects import figures_subject
 from tests.conftest import bounded, fresh_event_log
 from tests.dataplane.conftest import kill_all_actors, running_service
-from tests.integration.cluster import ndif
+from tests.integration.cluster import Publisher, ndif
 from tests.waiting import until_state
 
 pytestmark = pytest.mark.timeout(180)
@@ -98,20 +95,6 @@ async def test_a_burst_scales_up_its_end_down_idle_to_zero_and_back_from_zero_no
         print(f"from zero: first result in {from_zero_s:.2f} s; steps {steps}")
 
 
-class Publisher:
-    """A dispatcher's figures (queued, running) on the model's subject every 0.2 s."""
-
-    def __init__(self, admin: AdminClient, model_key: str) -> None:
-        self.admin, self.model_key, self.load = admin, model_key, (0, 0)
-
-    async def run(self) -> None:
-        while True:
-            q, r = self.load
-            f = QueueFigures(model_key=self.model_key, queued=q, running=r, dispatcher="dispatcher:test")
-            await self.admin.log.nc.publish(figures_subject(self.model_key), msgspec.json.encode(f))
-            await asyncio.sleep(0.2)
-
-
 def controller_process(url: str) -> subprocess.Popen[bytes]:
     return subprocess.Popen([sys.executable, "-m", "dataplane.ops.cli", "controller", "--nats", url],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -128,8 +111,8 @@ async def test_a_controller_sigkilled_during_a_ramp_loses_doubles_and_reverses_n
     ckpt = str(models["gpt2"])
     mk = canonical_model_key(ckpt)
     procs: list[subprocess.Popen[bytes]] = [controller_process(url)]
-    pub = Publisher(admin, mk)
-    task = asyncio.create_task(pub.run())
+    figures = contextlib.ExitStack()
+    pub = figures.enter_context(Publisher(admin, mk))  # a dispatcher's figures, by hand: the load is set
     try:
         async with asyncio.timeout(60):  # the controller process is up once it answers a command
             while True:
@@ -174,7 +157,7 @@ async def test_a_controller_sigkilled_during_a_ramp_loses_doubles_and_reverses_n
         assert st.replica_count(mk) == 2 and st.models[mk].autoscale_manual
         assert scaled(await autoscale_events(admin, mk)) == steps
     finally:
-        task.cancel()
+        figures.close()
         for p in procs:
             with contextlib.suppress(Exception):
                 stop_process(p, signal.SIGTERM, 10)
