@@ -157,9 +157,9 @@ class ModelView(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     autoscale_cid: str = ""
     autoscale_seq: int = 0
     autoscale_scaled_seq: int = 0  # seq of its last decision that changed the count
-    # When the count was last raised (the autoscaler's scale-up, or a deploy: an operator's or a
-    # dispatcher's provisioning from zero): idle is counted from here at the earliest, as figures
-    # taken before the raise do not show the requests that caused it.
+    # When the count of an autoscaled model was last raised (the autoscaler's scale-up, or a deploy:
+    # an operator's or a dispatcher's provisioning from zero): idle is counted from here at the
+    # earliest, as figures taken before the raise do not show the requests that caused it.
     autoscale_raised_at: datetime | None = None
 
 
@@ -332,7 +332,8 @@ class ClusterState(Projection):
                     m, target_hot=ev.target_hot, dedicated=ev.dedicated, since_seq=seq,
                     headroom=m.headroom if ev.headroom is None else ev.headroom,
                     gpus=m.gpus if ev.gpus is None else ev.gpus,
-                    autoscale_raised_at=ev.ts if ev.target_hot > m.target_hot else m.autoscale_raised_at,
+                    autoscale_raised_at=(ev.ts if m.autoscale is not None and ev.target_hot > m.target_hot
+                                         else m.autoscale_raised_at),
                     # an operator's deploy/scale/scale-down of an autoscaled model: its count stands
                     # (a dispatcher's provisioning deploy of a model at zero is not an operator's)
                     autoscale_manual=m.autoscale_manual or (m.autoscale is not None
