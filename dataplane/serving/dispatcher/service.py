@@ -165,6 +165,7 @@ class Dispatcher:
         self.intake: Intake | None = None
         self.follower: LogFollower | None = None
         self._last_figures: dict[str, tuple[int, int]] = {}  # model token -> (queued + running, finished)
+        self._busy_at: dict[str, float] = {}  # model token -> when figures last saw it busy (monotonic)
 
     @classmethod
     def from_url(cls, url: str, *, creds: Creds | None = None, name: str | None = None, **kw: Any) -> Dispatcher:
@@ -283,7 +284,9 @@ class Dispatcher:
 
     def figures(self, now_s: float, dt_s: float) -> list[QueueFigures]:
         """Every served model's queue figures now (`now_s`: monotonic; `dt_s`: since the last call,
-        for the arrival rate: requests finished plus the growth of queued + running, per second)."""
+        for the arrival rate: requests finished plus the growth of queued + running, per second;
+        `idle_s`: since a call last saw the model's requests queued, running or finished, or since
+        its first call)."""
         out = []
         stamp = utcnow()
         for p in self.processors.values():
@@ -293,10 +296,13 @@ class Dispatcher:
             before = self._last_figures.get(p.token, (queued + running, finished))
             arrivals = max(0, finished - before[1] + queued + running - before[0])
             self._last_figures[p.token] = (queued + running, finished)
+            if queued + running or finished != before[1] or p.token not in self._busy_at:
+                self._busy_at[p.token] = now_s
             oldest = max(0.0, now_s - min(x.received for x in p.queue)) if p.queue else 0.0
             out.append(QueueFigures(model_key=p.model_key, queued=queued, running=running, oldest_wait_s=round(oldest, 3),
                                     arrival_rate=round(arrivals / dt_s, 3) if dt_s > 0 else 0.0, completions=finished,
-                                    dispatcher=self.name, ts=stamp))
+                                    dispatcher=self.name, ts=stamp,
+                                    idle_s=round(now_s - self._busy_at[p.token], 3)))
         return out
 
     async def _publish_figures(self, nc: NatsClient) -> None:
