@@ -64,6 +64,7 @@ class NodeLossRun:
     failed: dict[str, str] = field(default_factory=dict)  # request id -> why its result did not come
     completed: Counter[str] = field(default_factory=Counter)  # COMPLETED statuses per request id
     terminal: Counter[str] = field(default_factory=Counter)  # terminal statuses per request id
+    retried: set[str] = field(default_factory=set)  # requests run again (a status with attempt > 1)
     detect_s: float | None = None  # kill -> NodeLost
     scheduled_s: float | None = None  # kill -> ReplicaScheduled on another node
     loaded_s: float | None = None  # kill -> that replica's ReplicaLoaded
@@ -71,6 +72,8 @@ class NodeLossRun:
     max_gap_s: float | None = None  # the longest time after the kill with no request completing anywhere
     replaced_on: str | None = None  # the node the lost replica was placed again on
     spread: list[str] = field(default_factory=list)  # nodes of the Available replicas after recovery
+    ray_node_before: str = ""  # the victim's Ray node id before the kill (its NodeJoined)
+    ray_node_after: str = ""  # and in its NodeJoined after the restart (a fresh raylet: another id)
     rejoin_s: float | None = None  # node restarted -> NodeJoined
     rejoin_replica_s: float | None = None  # scale-up -> the replica on the rejoined node Available
     rejoined_replica_on: str | None = None
@@ -90,7 +93,7 @@ class NodeLossRun:
             return None if a is None or b is None else round(b - a, 2)
 
         return {"nodes": self.nodes, "requests": len(self.submitted), "lost": self.lost,
-                "run_twice": self.run_twice, "node_loss_recovery_s": part(0.0, self.first_result_s),
+                "run_twice": self.run_twice, "retried": len(self.retried), "node_loss_recovery_s": part(0.0, self.first_result_s),
                 "detect_s": part(0.0, self.detect_s), "place_s": part(self.detect_s, self.scheduled_s),
                 "load_s": part(self.scheduled_s, self.loaded_s),
                 "first_result_s": part(self.loaded_s, self.first_result_s),
@@ -118,7 +121,8 @@ async def node_loss(st: Stack, model: str, *, replicas: int, heartbeat_grace_s: 
         state = await st.admin.wait(res, timeout=180)
         holders = sorted({r.node_id for r in state.model_replicas(mk) if r.state is ReplicaState.AVAILABLE})
         victim = next(n for n in holders if n != head)
-        run = NodeLossRun(nodes=len(st.specs), victim=victim, heartbeat_grace_s=heartbeat_grace_s)
+        run = NodeLossRun(nodes=len(st.specs), victim=victim, heartbeat_grace_s=heartbeat_grace_s,
+                          ray_node_before=state.nodes[victim].ray_node_id)
         async with Client(st.url) as client:
             results: list[asyncio.Task[None]] = []
 
@@ -154,6 +158,8 @@ async def node_loss(st: Stack, model: str, *, replicas: int, heartbeat_grace_s: 
                 run.terminal[u.request_id] += 1
             if u.status is RequestStatus.COMPLETED:
                 run.completed[u.request_id] += 1
+            if u.attempt > 1:
+                run.retried.add(u.request_id)
         done = sorted(t for t, u in seen.statuses if u.status is RequestStatus.COMPLETED and t >= kill)
         run.max_gap_s = max((b - a for a, b in zip([kill, *done], done, strict=False)), default=None)
         state = await st.admin.state()
@@ -197,8 +203,9 @@ async def _rejoin(st: Stack, mk: str, model: str, run: NodeLossRun, replicas: in
     started = time.monotonic()
     await asyncio.to_thread(st.rn.restart, run.victim)
     st.start_agent(run.victim)
-    await until_state(st.admin, lambda s: run.victim in s.nodes and s.nodes[run.victim].alive, 120)
+    state = await until_state(st.admin, lambda s: run.victim in s.nodes and s.nodes[run.victim].alive, 120)
     run.rejoin_s = time.monotonic() - started
+    run.ray_node_after = state.nodes[run.victim].ray_node_id
     before = {r.replica_id for r in (await st.admin.state()).model_replicas(mk)}
     scaled = time.monotonic()
     await st.admin.scale(model, replicas + 1)

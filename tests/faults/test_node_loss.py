@@ -58,4 +58,6 @@ async def test_node_killed_under_traffic_loses_nothing_and_rejoins(nats_server: 
     assert run.replaced_on not in (None, run.victim)
     assert len(run.spread) == 2 and len(set(run.spread)) == 2 and run.victim not in run.spread, figures
     assert run.detect_s is not None and run.detect_s >= GRACE_S - 1, figures  # the grace, not something sooner
+    # Rejoined as the Ray node started again (its agent found the fresh raylet by its label), and used.
+    assert run.ray_node_before and run.ray_node_after not in ("", run.ray_node_before), figures
     assert run.rejoined_replica_on == run.victim, figures
