@@ -16,6 +16,7 @@ from schemas.status import Level
 # Bounds on what a policy may say: beyond them a value is a typo, not a setting.
 MAX_DELAY_S: Final = 86_400.0  # upscale / downscale delay, max wait: a day
 MAX_IDLE_AFTER_S: Final = 7 * 86_400.0
+MAX_IDLE_S: Final = 10 * MAX_IDLE_AFTER_S  # the most idle time figures carry: past any policy's idle-after
 MAX_TARGET_QUEUE: Final = 100_000.0
 FIGURES_CADENCE_S: Final = 1.0  # how often a dispatcher publishes a model's figures
 FIGURES_STALE_S: Final = 3 * FIGURES_CADENCE_S  # a dispatcher not heard from for longer counts for nothing
@@ -109,7 +110,7 @@ def decode_figures(data: bytes) -> QueueFigures:
     f = decode_bounded(_figures_decoder, data, limit=MAX_FIGURES_BYTES, what="queue figures")
     if (min(f.queued, f.running, f.completions) < 0 or not 0 <= f.oldest_wait_s <= 10 * MAX_DELAY_S
             or not 0 <= f.arrival_rate <= 1e9
-            or not 0 <= f.idle_s <= 10 * MAX_IDLE_AFTER_S or not f.model_key or len(f.model_key) > 2000):
+            or not 0 <= f.idle_s <= MAX_IDLE_S or not f.model_key or len(f.model_key) > 2000):
         raise InvalidCommand("queue figures out of bounds")
     return f
 

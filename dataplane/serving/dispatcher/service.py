@@ -65,7 +65,7 @@ from dataplane.serving.link import ReplicaLink
 from dataplane.serving.ports import ServingPorts
 from dataplane.serving.processor import Processor, ProcessorHooks
 from schemas import errors as errs
-from schemas.autoscale import FIGURES_CADENCE_S, QueueFigures
+from schemas.autoscale import FIGURES_CADENCE_S, MAX_IDLE_S, QueueFigures
 from schemas.subjects import DISPATCHER_STATE, figures_subject, kill_subject
 
 _figures_encoder = msgspec.json.Encoder()
@@ -289,6 +289,9 @@ class Dispatcher:
         its first call)."""
         out = []
         stamp = utcnow()
+        for gone in set(self._busy_at) - set(self.processors):  # a processor that left: its figures go too
+            self._busy_at.pop(gone, None)
+            self._last_figures.pop(gone, None)
         for p in self.processors.values():
             if p.model_key is None:
                 continue
@@ -302,7 +305,7 @@ class Dispatcher:
             out.append(QueueFigures(model_key=p.model_key, queued=queued, running=running, oldest_wait_s=round(oldest, 3),
                                     arrival_rate=round(arrivals / dt_s, 3) if dt_s > 0 else 0.0, completions=finished,
                                     dispatcher=self.name, ts=stamp,
-                                    idle_s=round(now_s - self._busy_at[p.token], 3)))
+                                    idle_s=round(min(now_s - self._busy_at[p.token], MAX_IDLE_S), 3)))
         return out
 
     async def _publish_figures(self, nc: NatsClient) -> None:
