@@ -22,7 +22,7 @@ def unmet(node: NodeView, req: Requirements | None) -> list[str]:
     if req.gpu:
         kinds = sorted({g.kind or "(none declared)" for g in node.gpus})
         if not node.gpus or kinds != [req.gpu]:
-            out.append(f"gpu={req.gpu} needed, has {'/'.join(kinds) or 'no card'}")
+            out.append(f"gpu={req.gpu} needed, has {'cards of kind ' + '/'.join(kinds) if kinds else 'no card'}")
     if req.min_card_bytes:
         least = min((g.memory_bytes for g in node.gpus), default=0)
         if least < req.min_card_bytes:
@@ -56,4 +56,4 @@ def requirements_refusal(state: ClusterState, req: Requirements | None) -> str |
     wanted = " ".join(f"--require {t}" for t in req.terms())
     if best is None:
         return f"{wanted}: no live node with GPU cards"
-    return f"{wanted}: no live node meets them; the closest, {best[0][2]}: {'; '.join(best[1])}"
+    return f"{wanted}: no live node meets these requirements; the closest, {best[0][2]}: {'; '.join(best[1])}"

@@ -461,7 +461,8 @@ async def open_dashboard(nats_url: str, port: int = DEFAULT_PORT, *, creds: Cred
     except errs.InfrastructureError as exc:
         if port == 0:
             raise
-        logger.warning("dashboard_port_taken", port=port, error=str(exc))
+        logger.warning("dashboard_port_taken", port=port, error=str(exc).removesuffix("; try --port"),
+                       using="a free port instead (`ndif up --dashboard-port P` picks one)")
         return await Dashboard.from_url(nats_url, port=0, creds=creds, token=token).start()
 
 

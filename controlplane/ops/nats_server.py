@@ -124,7 +124,7 @@ class StoreLock:
             os.close(fd)
             raise StoreInUse(
                 f"the JetStream store {self.path.parent} is in use by another cluster ({holder}): stop that one "
-                "first, or start this one with another NDIF_HOME (or --store DIR) and another --port",
+                "first, or start this one with another NDIF_HOME and another --port",
                 retryable=False) from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"pid {os.getpid()}, port {port}\n".encode(), 0)

@@ -246,13 +246,27 @@ def _loopback(url: str) -> bool:
     return all(h in ("127.0.0.1", "localhost", "::1") for h in hosts)
 
 
+_OPEN_SERVERS: set[str] = set()
+
+
+def mark_open(url: str) -> None:
+    """This process runs the server at `url` without users (`ndif up --open`, `ndif up --demo`): its
+    services and clients send no credentials there, whatever `NDIF_CREDS` or `$NDIF_HOME/auth/` hold
+    (a user of an account would ask JetStream under its account's API prefix, which an open server
+    does not answer)."""
+    _OPEN_SERVERS.add(url)
+
+
 def resolve(role: str, *, url: str, node_id: str = "", name: str = "") -> Creds | None:
     """The credentials a local command of `role` uses when given none.
 
-    `NDIF_CREDS` (a credentials file) wins; else, for a loopback URL, `$NDIF_HOME/auth/`'s file of
-    this role (the client of $USER, the agent of `node_id`), if `ndif up` made one; else None (an
-    open server). Local files are never sent to a remote server.
+    None for a server this process runs open (`mark_open`); else `NDIF_CREDS` (a credentials file)
+    wins; else, for a loopback URL, `$NDIF_HOME/auth/`'s file of this role (the client of $USER, the
+    agent of `node_id`), if `ndif up` made one; else None (an open server). Local files are never
+    sent to a remote server.
     """
+    if url in _OPEN_SERVERS:
+        return None
     env = os.environ.get("NDIF_CREDS")
     if env:
         return load_creds(Path(env))

@@ -18,7 +18,7 @@ from controlplane.dashboard.server import Dashboard, open_dashboard
 from controlplane.ops.auth import LocalAuth
 from controlplane.ops.nats_server import EmbeddedNats, StoreInUse
 from controlplane.service.controller import Controller
-from controlplane.store.credentials import Creds, write_nats_contexts
+from controlplane.store.credentials import Creds, mark_open, write_nats_contexts
 from controlplane.store.eventstore import JetStreamEventLog
 from dataplane.node.agent import NodeAgent
 from dataplane.runtime import ray_adapter
@@ -84,7 +84,10 @@ class LocalCluster:
                                       f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__}); "
                                       "is another `ndif up` running? try --port") from None
         self._nats_started = True
-        if self.auth is not None:  # what the `nats` CLI (or any NATS client) connects with: docs/nats-cli.md
+        if self.auth is None:
+            mark_open(self.url)  # no local credentials to a server without users (e.g. left by an earlier `ndif up`)
+        else:
+            # what the `nats` CLI (or any NATS client) connects with: docs/nats-cli.md
             write_nats_contexts(list(self.auth.users.values()), self.url, self.auth.config_path.parent / "nats-context")
         return self.url
 

@@ -10,10 +10,15 @@ from pathlib import Path
 
 import pytest
 
+from controlplane.ops.auth import ensure_local
+
 pytestmark = pytest.mark.timeout(300)
 
 
 def test_ndif_up_demo_runs_end_to_end(tmp_path: Path) -> None:
+    # The home holds the credentials an earlier `ndif up` made: the demo's open server gets none of
+    # them (a dashboard or client user would ask JetStream under its account's prefix there).
+    ensure_local(["vm"], home=tmp_path / "home")
     env = {**os.environ, "NDIF_HOME": str(tmp_path / "home"), "NDIF_LOG_LEVEL": "WARNING"}
     proc = subprocess.run([sys.executable, "-m", "dataplane.ops.cli", "up", "--demo", "--requests", "24"],
                           env=env, capture_output=True, text=True, timeout=280, cwd=tmp_path)

@@ -72,7 +72,7 @@ def test_a_refusal_names_what_the_closest_node_lacks() -> None:
     why = requirements_refusal(s, Requirements(gpu="H100", labels={"pool": "gpu-lab"}))
     assert why is not None and "pool=gpu-lab needed" in why and "has pool=" in why
     why = requirements_refusal(s, Requirements(gpu="L4", labels={"pool": "research"}))
-    assert why is not None and "closest, c" in why and "gpu=L4 needed, has H100" in why  # larger cards: closer
+    assert why is not None and "closest, c" in why and "gpu=L4 needed, has cards of kind H100" in why  # larger cards: closer
     why = requirements_refusal(s, Requirements(min_card_bytes=100 * GiB))
     assert why is not None and "per card needed" in why
     assert requirements_refusal(s, Requirements(gpu="A100")) is None
