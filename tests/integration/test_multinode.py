@@ -25,9 +25,10 @@ from dataplane.ops.multinode import NodeSpec, running, served_by, until_availabl
 from dataplane.ops.raynodes import RayNodes, probe
 from schemas.keys import canonical_model_key
 from schemas.requests import status_decoder
-from schemas.status import ReplicaState
+from schemas.status import Level, ReplicaState
 from tests.conftest import fresh_event_log
 from tests.integration.cluster import config_only, ndif
+from tests.waiting import until_state
 
 # Each test takes about a minute on a loaded 2-core machine (three raylets, three agents, replica
 # processes importing torch): run with --long, as the other multi-process fault tests.
@@ -96,6 +97,16 @@ async def test_replicas_spread_over_ray_nodes_and_each_serves(nats_server: Embed
         assert {n: rows[n]["ray_node_id"] for n in NODES} == {n: labelled[n] for n in NODES}
         text = (await ndif(url, "status")).out
         assert all(n in text for n in NODES)
+
+        # Scale-down keeps the spread: a fourth replica doubles one node up (node-c has two cards);
+        # back to three, the one removed is from that node, so each node still holds one.
+        state = await st.admin.wait(await st.admin.scale(str(tiny), 4), timeout=150)
+        hot = [r.node_id for r in state.model_replicas(mk) if r.state is ReplicaState.AVAILABLE]
+        assert sorted(hot) == sorted([*NODES, "node-c"]), hot
+        await st.admin.scale_down(str(tiny), 3)
+        state = await until_state(st.admin, lambda s: sorted(
+            r.node_id for r in s.model_replicas(mk) if r.desired is Level.HOT) == sorted(NODES), timeout=60)
+        assert state.replica_count(mk) == 3
 
 
 async def test_requirements_met_on_real_nodes_and_refused_with_their_reason(
