@@ -55,11 +55,11 @@ async def natsjs_run(natsjs: Path, steps: list[dict[str, Any]], *, ready: asynci
                                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     assert proc.stderr is not None and proc.stdout is not None
     err: list[str] = []
-    while line := await asyncio.wait_for(proc.stderr.readline(), 60):
+    while line := await asyncio.wait_for(proc.stderr.readline(), 150):  # silent while its steps run
         err.append(line.decode())
         if line.strip() == b"READY" and ready is not None:
             ready.set()
-    out = await asyncio.wait_for(proc.stdout.read(), 150)  # seven steps of up to ~5 s each; a loaded CI machine
+    out = await asyncio.wait_for(proc.stdout.read(), 30)
     assert await proc.wait() == 0, "".join(err)
     results: list[Any] = json.loads(out)
     return results
