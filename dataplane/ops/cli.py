@@ -40,6 +40,9 @@ def _node_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds to wait for the dispatcher's drain report before unloading anyway")
     p.add_argument("--heartbeat", type=float, default=2.0, help="heartbeat interval in seconds")
+    p.add_argument("--pool-size", type=int, default=1,
+                   help="idle replica processes kept ready on this node, torch and transformers imported, so a "
+                        "cold start costs the weight load only (0: none; default %(default)s)")
 
 
 def _nats(p: argparse.ArgumentParser) -> None:
@@ -99,8 +102,14 @@ def add_dataplane_commands(sub: Any) -> None:
 
 def _agent_kwargs(a: argparse.Namespace) -> dict[str, Any]:
     from dataplane.node.agent import declared_gpus
+    from dataplane.runtime.pool import check_size
 
-    kw: dict[str, Any] = {"node_id": a.node_id, "drain_timeout_s": a.drain_timeout, "heartbeat_s": a.heartbeat}
+    try:
+        pool_size = check_size(a.pool_size)
+    except ValueError as exc:
+        raise errs.InvalidCommand(f"--pool-size: {exc}") from None
+    kw: dict[str, Any] = {"node_id": a.node_id, "drain_timeout_s": a.drain_timeout, "heartbeat_s": a.heartbeat,
+                          "pool_size": pool_size}
     if a.gpus is not None:
         kw["gpus"] = declared_gpus(a.gpus, a.gpu_memory_bytes)
     if a.cpu_cache_bytes is not None:

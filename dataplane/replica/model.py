@@ -63,6 +63,14 @@ class BadRequest(NdifError, ValueError):
     """The request is malformed (unknown op, bad input_ids, too large)."""
 
 
+def warm_imports() -> None:
+    """Import what a load needs (torch, transformers' auto classes, accelerate), so that a process
+    started ahead of need (dataplane/runtime/pool.py) spends a cold start on the weights only."""
+    import accelerate  # noqa: F401
+    import torch  # noqa: F401
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: F401
+
+
 class ModelReplica:
     """Holds one replica's weights and runs requests on them."""
 
