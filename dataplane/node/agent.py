@@ -156,7 +156,7 @@ class NodeAgent:
         """An agent over NATS at `url` (not started): its event log and, by default, a Ray runtime
         whose replicas serve their NATS endpoints with this agent's credentials. Ray must be
         initialised in this process (`ndif up` and `ndif agent` do it). The replicas are pinned to
-        `ray_node_id`, else to the Ray node labelled `ndif.node_id=<node_id>` (deploy/ray/), else to
+        `ray_node_id`, else to the Ray node labelled `ndif.node_id=<node_id>` (deploy/head.sh, deploy/worker.sh), else to
         the Ray node this process joined through. `pool_size`: idle replica processes the Ray
         runtime keeps ready on that node (dataplane/runtime/pool.py)."""
         node_id = node_id or socket.gethostname()

@@ -126,7 +126,7 @@ def _join_ray(address: str) -> None:
     except ConnectionError as exc:
         raise errs.InfrastructureError(
             f"cannot join a Ray cluster at {address!r} ({str(exc).splitlines()[0]}): start one with "
-            "deploy/ray/start-head.sh (or `ray start --head`), pass --ray-address / set RAY_ADDRESS, "
+            "deploy/head.sh (docs/deploy.md; or `ray start --head`), pass --ray-address / set RAY_ADDRESS, "
             "or run everything on one machine with `ndif up`") from None
 
 

@@ -27,7 +27,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from dataplane.replica.actor import NAMESPACE, PREFIX, ModelActor, actor_name, parse_actor_name, replica_resources
 from dataplane.replica.journal import Line
-from dataplane.replica.model import warm_imports
+from dataplane.replica.model import warm_up
 from dataplane.replica.wire import Answer
 from dataplane.runtime.pool import Pool, member_number, member_prefix
 from dataplane.runtime.ports import Found, Liveness, ReplicaHandle, ReplicaSpec
@@ -141,7 +141,7 @@ def _auth_refused(exc: BaseException) -> bool:
     return False
 
 
-NODE_LABEL = "ndif.node_id"  # the Ray node label that names the ndif node a Ray node is (deploy/ray/)
+NODE_LABEL = "ndif.node_id"  # the Ray node label that names the ndif node a Ray node is (deploy/head.sh, deploy/worker.sh)
 
 
 def ray_node_for(node_id: str) -> str | None:
@@ -202,6 +202,10 @@ class _RayModelActor(ModelActor):
         here = current_location()
         return {**super().info(), "ray_node_id": here, "location": here, "pid": os.getpid()}
 
+    def pid(self) -> int:
+        """This process's pid (a pooled one answers before it is a replica; tests compare them)."""
+        return os.getpid()
+
     @ray.method(enable_task_events=False)
     def calls_active(self, replies: list[str]) -> list[bool]:  # type: ignore[override]
         return super().calls_active(replies)
@@ -213,11 +217,12 @@ class _RayModelActor(ModelActor):
 
 class _PooledModelActor(_RayModelActor):
     """A replica process started before any replica needs it (dataplane/runtime/pool.py): it imports
-    torch and transformers now, and becomes a replica when `adopt` hands it one's identity (the
-    arguments `ModelActor` takes); every other method is the replica's, called after that."""
+    torch and transformers and warms their loading path now (`warm_up`), and becomes a replica when
+    `adopt` hands it one's identity (the arguments `ModelActor` takes); every other method is the
+    replica's, called after that."""
 
     def __init__(self) -> None:  # ModelActor.__init__ runs in `adopt`, once there is a replica
-        warm_imports()
+        warm_up()
 
     def adopt(self, model_key: str, replica_id: int, checkpoint: str, **kw: Any) -> int:
         """Become replica (model_key, replica_id); this process's pid."""
@@ -384,7 +389,6 @@ class RayRuntime:
                               "execution_timeout_s": spec.execution_timeout_s, "nats_url": self.nats_url,
                               "nats_creds": self.nats_creds}
         while (taken := self.pool.take()) is not None:
-            self._refill_wanted.set()
             name, handle = taken
             try:
                 await handle.adopt.remote(spec.model_key, spec.replica_id, spec.checkpoint, capture_logs=True, **kw)
@@ -484,7 +488,12 @@ class RayRuntime:
         return info
 
     async def load(self, handle: ReplicaHandle, devices: list[int], bytes_per_gpu: int) -> None:
-        await handle.load.remote(devices, bytes_per_gpu)
+        try:
+            await handle.load.remote(devices, bytes_per_gpu)
+        finally:
+            # A member taken for this replica is replaced now, after its load: a new process's imports
+            # would compete with the load for the node's CPUs (measured here: about 2x slower on 2 cores).
+            self._refill_wanted.set()
 
     async def to_cache(self, handle: ReplicaHandle) -> int:
         return int(await handle.to_cache.remote())

@@ -1,8 +1,9 @@
 """What an operator runs, run for real: deploy/head.sh for the head (NATS, Ray head, controller,
 dispatcher and its own agent) and deploy/worker.sh for two workers, each on an address of its own on
 loopback (as tests/raynodes.py), with the Ray token and the NATS users the head made. A tiny model
-with 3 replicas gets one on each node (asked inside each actor), a request is served, and the
-scripts' own stop ends every process they started. A worker without the token, or with a wrong one,
+with 3 replicas gets one on each node (asked inside each actor), each node's replica process pool
+shows full again in `ndif status`, a request is served, and the scripts' own stop ends every
+process they started. A worker without the token, or with a wrong one,
 stops with one line naming it and a non-zero exit.
 """
 
@@ -14,6 +15,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -109,6 +111,15 @@ def test_head_and_two_workers_from_the_deploy_scripts(root: Path) -> None:
         assert ran.returncode == 0, ran.stdout + ran.stderr
         status = json.loads(subprocess.run([sys.executable, "-m", "dataplane.ops.cli", "status", "--json", "--nats", url],
                                            env=admin, capture_output=True, text=True, timeout=60, check=True).stdout)
+        # Each agent's pool (default size 1) shows in `ndif status` from its heartbeat, full again
+        # after its replica took a pooled process.
+        deadline = time.monotonic() + 120
+        while {n["node_id"]: n["pool"] for n in status["nodes"]} != {n: {"ready": 1, "size": 1} for n in NODES}:
+            assert time.monotonic() < deadline, status["nodes"]
+            time.sleep(1)
+            status = json.loads(subprocess.run([sys.executable, "-m", "dataplane.ops.cli", "status", "--json", "--nats",
+                                                url], env=admin, capture_output=True, text=True, timeout=60,
+                                               check=True).stdout)
         mk = canonical_model_key(str(tiny))
         hot = [r for r in status["replicas"] if r["model_key"] == mk and r["state"] == "Available"]
         assert sorted(r["node_id"] for r in hot) == sorted(NODES), "one replica per node"
