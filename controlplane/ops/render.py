@@ -58,7 +58,7 @@ def render_status(state: ClusterState, heartbeats: dict[str, float | None] | Non
 
     With `heartbeats` (node id -> seconds since its last heartbeat; `ndif status`, not `replay`),
     the nodes table has a heartbeat column; with `pools` (node id -> its agent's replica process pool,
-    ready and size, from its heartbeat) a pool column. Replicas that no longer exist (`gone`) are counted, not
+    ready and size, from its heartbeat; nodes without one absent) a pool column when any has one. Replicas that no longer exist (`gone`) are counted, not
     listed, unless `show_all`."""
     out = [f"cluster at seq {state.seq}"]
     if state.nodes:
@@ -74,11 +74,11 @@ def render_status(state: ClusterState, heartbeats: dict[str, float | None] | Non
                          " ".join(x for x in (kinds, labels) if x) or "-", node.ray_node_id[:12] or "-"])
             if heartbeats is not None:
                 rows[-1].append(heartbeat_text(heartbeats.get(node_id), node.alive))
-            if pools is not None:
+            if pools:  # a pool column only where some agent keeps a pool
                 pool = pools.get(node_id)
                 rows[-1].append(f"{pool[0]}/{pool[1]}" if pool is not None else "-")
         header = (["node", "state", "gpus", "cpu cache committed", "kind labels", "ray node"]
-                  + (["heartbeat"] if heartbeats is not None else []) + (["pool"] if pools is not None else []))
+                  + (["heartbeat"] if heartbeats is not None else []) + (["pool"] if pools else []))
         out += ["", "NODES (GiB reserved/total)"] + _table(rows, header)
     if state.models:
         rows = []
@@ -158,9 +158,9 @@ def status_json(state: ClusterState, heartbeats: dict[str, float | None] | None 
             age = heartbeats.get(node_id)
             nodes[-1]["heartbeat_age_s"] = age
             nodes[-1]["stale"] = node.alive and (age is None or age > STALE_S)
-        if pools is not None:  # the agent's replica process pool from its heartbeat (null: it keeps none)
-            pool = pools.get(node_id)
-            nodes[-1]["pool"] = {"ready": pool[0], "size": pool[1]} if pool is not None else None
+        pool = (pools or {}).get(node_id)
+        if pool is not None:  # the agent's replica process pool, from its heartbeat (absent: it keeps none)
+            nodes[-1]["pool"] = {"ready": pool[0], "size": pool[1]}
     models = []
     for mk in sorted(state.models):
         m = state.models[mk]

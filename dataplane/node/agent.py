@@ -297,7 +297,8 @@ class NodeAgent:
 
     async def heartbeat_once(self) -> None:
         report = getattr(self.runtime, "pool_report", None)  # a runtime with a process pool (Ray's)
-        await self.heartbeats.beat(self.node_id, report() if report is not None and report()[1] else None)
+        pool = report() if report is not None else None
+        await self.heartbeats.beat(self.node_id, pool if pool is not None and pool[1] else None)
 
     def _joined(self) -> NodeJoined:
         assert self.gpus is not None

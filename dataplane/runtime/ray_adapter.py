@@ -273,8 +273,13 @@ def put_alias(model_key: str, replica_id: int, member: str) -> None:
     internal_kv._internal_kv_put(actor_name(model_key, replica_id), member, True, namespace=_ALIAS_NS)
 
 
-def drop_alias(model_key: str, replica_id: int) -> None:
-    internal_kv._internal_kv_del(actor_name(model_key, replica_id), namespace=_ALIAS_NS)
+def drop_stale_aliases(prefix: str) -> int:
+    """Forget the aliases to members named with `prefix` (one node's) whose process is gone; how many."""
+    live = set(_named_actors())
+    stale = [name for name, target in _aliases().items() if target.startswith(prefix) and target not in live]
+    for name in stale:
+        internal_kv._internal_kv_del(name, namespace=_ALIAS_NS)
+    return len(stale)
 
 
 def _aliases() -> dict[str, str]:
@@ -444,6 +449,9 @@ class RayRuntime:
         while True:
             await self._refill_wanted.wait()
             self._refill_wanted.clear()
+            # The aliases of this node's replicas that ended (a kill, a crash) name nothing: forgotten.
+            with contextlib.suppress(Exception):
+                await asyncio.to_thread(drop_stale_aliases, member_prefix(self._location))
             for name in self.pool.refill():
                 try:
                     handle = await asyncio.to_thread(create_pooled_actor, name, self._location)

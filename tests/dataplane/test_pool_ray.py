@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from dataplane.runtime import ray_adapter
+from dataplane.runtime.pool import member_prefix
 from dataplane.runtime.ports import ReplicaSpec
 from dataplane.runtime.ray_adapter import RayRuntime
 
@@ -50,5 +51,7 @@ async def test_a_cold_load_takes_the_pooled_process_and_the_pool_refills(local_r
 
         await rt.kill(handle)
         assert await rt.get("pool-test", 0) is None  # a dead member's alias names nothing
+        assert ray_adapter.drop_stale_aliases(member_prefix(rt.location)) == 1  # and is forgotten
+        assert ray_adapter.drop_stale_aliases(member_prefix(rt.location)) == 0
     finally:
         await rt.stop_pool(kill=True)

@@ -120,6 +120,10 @@ def test_head_and_two_workers_from_the_deploy_scripts(root: Path) -> None:
             status = json.loads(subprocess.run([sys.executable, "-m", "dataplane.ops.cli", "status", "--json", "--nats",
                                                 url], env=admin, capture_output=True, text=True, timeout=60,
                                                check=True).stdout)
+        text = subprocess.run([sys.executable, "-m", "dataplane.ops.cli", "status", "--nats", url], env=admin,
+                              capture_output=True, text=True, timeout=60, check=True).stdout
+        assert "pool" in text and all(line.rstrip().endswith("1/1") for line in text.splitlines()
+                                      if line.startswith(NODES)), text
         mk = canonical_model_key(str(tiny))
         hot = [r for r in status["replicas"] if r["model_key"] == mk and r["state"] == "Available"]
         assert sorted(r["node_id"] for r in hot) == sorted(NODES), "one replica per node"
