@@ -54,11 +54,12 @@ TOKEN=${TOKEN:-$AUTH/ray_auth_token}
 NATS_URL=${NATS_URL:-nats://$ADDRESS:$NATS_PORT}
 
 # The inventory's nodes (checked as the controller reads it) and a NATS user per role and node.
-mapfile -t NODES < <("$PYTHON" -c '
+nodes=$("$PYTHON" -c '
 import sys
 from schemas.inventory import decode_inventory
-print("\n".join(decode_inventory(open(sys.argv[1], "rb").read()).nodes))' "$INVENTORY") \
-  || die "--inventory $INVENTORY: not an inventory (schemas/inventory.py)"
+print("\n".join(decode_inventory(open(sys.argv[1], "rb").read()).nodes))' "$INVENTORY" 2>/dev/null) \
+  || die "--inventory $INVENTORY: not an inventory (schemas/inventory.py has its format)"
+mapfile -t NODES <<<"$nodes"
 node_args=(); for n in "${NODES[@]}"; do node_args+=(--node "$n"); done
 client_args=(); for c in "${CLIENTS[@]}"; do client_args+=(--client "$c"); done
 "$PYTHON" -m controlplane.ops.auth --home "$HOME_DIR" "${node_args[@]}" "${client_args[@]}" >/dev/null
@@ -83,16 +84,16 @@ else
   start nats "$("$PYTHON" -c 'from controlplane.ops.nats_server import find_nats_server; print(find_nats_server())')" \
     -c "$RUN/nats.conf" -js -sd "$HOME_DIR/nats" -a "$ADDRESS" -p "$NATS_PORT" -n "ndif-$NODE_ID"
 fi
-wait_line nats "Server is ready" 30 || { tail -20 "$RUN/nats.log" >&2; die "nats-server did not start (log $RUN/nats.log)"; }
+wait_line nats "Server is ready" 30 || { tail -20 "$RUN/nats.log" >&2; fail "nats-server did not start (log $RUN/nats.log)"; }
 # The streams and buckets, made by the admin (the services only check that they exist); on a NATS
 # cluster every server must be up first.
 NDIF_CREDS=$(creds admin) "${NDIF[@]}" init --nats "$NATS_URL" --timeout 60 >/dev/null \
-  || die "could not create the streams on $NATS_URL (\`ndif init\` above says why)"
+  || fail "could not create the streams on $NATS_URL (\`ndif init\` above says why)"
 
 # shellcheck disable=SC2086  # NDIF_RAY_ARGS is a list of flags
 start ray "$RAY" start --head --block --port "$RAY_PORT" --node-ip-address "$ADDRESS" --num-gpus 0 \
   --labels "ndif.node_id=$NODE_ID" --include-dashboard false --disable-usage-stats ${NDIF_RAY_ARGS:-}
-wait_line ray "Ray runtime started" 120 || { tail -30 "$RUN/ray.log" >&2; die "the Ray head did not start (log $RUN/ray.log)"; }
+wait_line ray "Ray runtime started" 120 || { tail -30 "$RUN/ray.log" >&2; fail "the Ray head did not start (log $RUN/ray.log)"; }
 RAY_ADDRESS=$ADDRESS:$RAY_PORT
 
 NDIF_CREDS=$(creds controller) start controller "${NDIF[@]}" controller --nats "$NATS_URL" --inventory "$INVENTORY"

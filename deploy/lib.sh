@@ -12,6 +12,9 @@ fi
 
 die() { echo "$SCRIPT: $*" >&2; exit 2; }
 
+# fail MESSAGE: a start that went wrong half way: stop what this run started, then die.
+fail() { stop_all >/dev/null 2>&1 || true; die "$@"; }
+
 need() {  # need NAME VALUE: a required option
   [[ -n $2 ]] || die "missing $1 (see $SCRIPT --help)"
 }
