@@ -1,6 +1,6 @@
 """The admin commands of `ndif` (NDIF's CLI habits, plus what an event log makes possible).
 
-deploy, scale, scale-down, evict, restart, undeploy, autoscale, status, events, history, replay, controller.
+deploy, scale, scale-down, evict, restart, undeploy, autoscale, status, events, history, replay, init, controller.
 Every command takes --nats URL (env NDIF_NATS_URL). Errors print one line to stderr and exit
 non-zero: 2 invalid input, 3 unknown model/replica, 4 conflict, 5 infrastructure (no controller,
 timeout), 6 replay found anomalies (--strict), 7 deploy/scale placed nothing, 8 placed fewer than asked.

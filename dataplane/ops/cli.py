@@ -4,8 +4,8 @@
         embedded NATS + local Ray + controller + one node agent + dispatcher + dashboard, until Ctrl-C
     ndif up --demo [--requests 200] [--stay] [--dashboard-port 8470]
         the same, driven end to end: deploy, request bursts through the SDK, scale, evict mid-burst
-    ndif agent --nats URL [--ray-address ADDR] [--node-id ID] [--gpus N --gpu-memory-gib G]
-        one node agent (run one per Ray node)
+    ndif agent --nats URL [--ray-address ADDR] [--node-id ID] [--gpus N --gpu-memory-gib G] [--pool-size K]
+        one node agent (run one per Ray node), keeping K pre-started replica processes ready
     ndif dispatcher --nats URL [--ray-address ADDR]      the request dispatcher
     ndif submit MODEL (--prompt TEXT | --input-ids 1,2,3) [--max-new-tokens N] [--forward] [--json]
     ndif queue [--json]                                  each processor's state
