@@ -16,6 +16,7 @@ from schemas.status import Level
 # Bounds on what a policy may say: beyond them a value is a typo, not a setting.
 MAX_DELAY_S: Final = 86_400.0  # upscale / downscale delay, max wait: a day
 MAX_IDLE_AFTER_S: Final = 7 * 86_400.0
+MAX_IDLE_S: Final = 10 * MAX_IDLE_AFTER_S  # the most idle time figures carry: past any policy's idle-after
 MAX_TARGET_QUEUE: Final = 100_000.0
 FIGURES_CADENCE_S: Final = 1.0  # how often a dispatcher publishes a model's figures
 FIGURES_STALE_S: Final = 3 * FIGURES_CADENCE_S  # a dispatcher not heard from for longer counts for nothing
@@ -28,9 +29,10 @@ class AutoscalePolicy(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     `upscale_delay_s`, or the oldest queued request has waited longer than `max_wait_s` (that long,
     also for `upscale_delay_s`), up to `max_replicas`. Down: when the load would fit in fewer
     replicas at 80% of the target for `downscale_delay_s`, never below `max(min_replicas, 1)`.
-    Idle (nothing queued or running) for `idle_after_s`: down to `min_replicas` (0 allowed), the
-    replicas leaving to `idle_to` (WARM where the node's CPU cache holds them, else COLD). A
-    model at 0 replicas with a request queued gets one at once.
+    Idle (nothing queued or running, as the dispatchers' `idle_s` counts it) for `idle_after_s`:
+    down to `min_replicas` (0 allowed). Replicas taken down, idle or not, go to `idle_to` (WARM
+    where the node's CPU cache holds them, else COLD). A model at 0 replicas with a request
+    queued gets one at once.
     """
 
     min_replicas: int = 1
@@ -76,7 +78,11 @@ class QueueFigures(msgspec.Struct, frozen=True, kw_only=True, gc=False):
 
     `arrival_rate` is requests per second over the last cadence; `completions` counts requests
     finished (completed or failed) since the dispatcher started; `oldest_wait_s` is how long the
-    oldest queued request has waited (0 when none is queued).
+    oldest queued request has waited (0 when none is queued); `idle_s` how long the dispatcher has
+    had none of the model's requests queued, running or finishing (0 while it has; since its own
+    start at most: a restarted dispatcher's idle clock starts again, which only delays a scale-down).
+    The autoscaler's idle delay runs on `idle_s`: a request between two evaluations restarts it
+    without an event in the log.
     """
 
     model_key: str = ""  # "" inside an AutoscaleDecided (the event names the model)
@@ -88,6 +94,7 @@ class QueueFigures(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     dispatcher: str = ""
     ts: datetime | None = None  # when the dispatcher took them
     dispatchers: int = 1
+    idle_s: float = 0.0
 
     @property
     def demand(self) -> int:
@@ -102,7 +109,8 @@ def decode_figures(data: bytes) -> QueueFigures:
     """A dispatcher's published figures; InvalidCommand for anything malformed or out of bounds."""
     f = decode_bounded(_figures_decoder, data, limit=MAX_FIGURES_BYTES, what="queue figures")
     if (min(f.queued, f.running, f.completions) < 0 or not 0 <= f.oldest_wait_s <= 10 * MAX_DELAY_S
-            or not 0 <= f.arrival_rate <= 1e9 or not f.model_key or len(f.model_key) > 2000):
+            or not 0 <= f.arrival_rate <= 1e9
+            or not 0 <= f.idle_s <= MAX_IDLE_S or not f.model_key or len(f.model_key) > 2000):
         raise InvalidCommand("queue figures out of bounds")
     return f
 
@@ -117,4 +125,5 @@ def sum_figures(model_key: str, parts: list[QueueFigures]) -> QueueFigures | Non
                         oldest_wait_s=max(p.oldest_wait_s for p in parts),
                         arrival_rate=sum(p.arrival_rate for p in parts),
                         completions=sum(p.completions for p in parts), dispatcher="",
-                        ts=max(stamps) if stamps else None, dispatchers=len(parts))
+                        ts=max(stamps) if stamps else None, dispatchers=len(parts),
+                        idle_s=min(p.idle_s for p in parts))

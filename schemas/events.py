@@ -277,8 +277,10 @@ class AutoscaleDecided(Event, frozen=True, kw_only=True, tag="AutoscaleDecided")
     decision, with the figures it saw (summed over dispatchers), the rule that fired and the
     replica count it computed. With `target` != `current` the decision's placement or eviction
     events follow (same command id). `condition` is what the autoscaler watches from here on
-    (`up`, `down`, `idle`, or "" for nothing) and `since` when that condition began: a restarted
-    controller reads both from the log, so its delays run on from where they were."""
+    (`up`, `down`, or "" for nothing; a recorded `idle` holds no delay: the idle delay runs on the
+    figures' `idle_s`) and `since` when that condition began (for a scale-down when idle: when the idle
+    began): a restarted controller reads both from the log, so its delays run on from where they
+    were."""
 
     model_key: ModelKey
     rule: str  # queue-above-target | oldest-wait | from-zero | queue-below-target | idle | min | max | watch

@@ -4,14 +4,15 @@
 `AutoscaleDecided` with the figures, the rule and the target, then the placement or eviction events
 `ndif scale` / `ndif scale-down` would append. Everything the autoscaler remembers between two
 evaluations is in the log (the condition it watches and since when, when it last changed the
-count), so a restarted controller decides as one that never stopped, and no figures (none heard
-from any dispatcher) means no decision, never a scale-down.
+count) or in the figures (how long the model has been idle), so a restarted controller decides as
+one that never stopped, and no figures (none heard from any dispatcher) means no decision, never a
+scale-down.
 """
 
 from __future__ import annotations
 
 import math
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Final
 
 import msgspec
@@ -53,8 +54,9 @@ class Decision(msgspec.Struct, frozen=True, kw_only=True):
         return self.target != self.current
 
 
-def _classify(p: AutoscalePolicy, n: int, f: QueueFigures) -> tuple[str, str, int]:
-    """(condition, rule, the count it asks for) from the figures alone."""
+def classify(p: AutoscalePolicy, n: int, f: QueueFigures) -> tuple[str, str, int]:
+    """(condition, rule, the count it asks for) from the figures alone: with the fold's view of the
+    model, all `evaluate` reads of the figures besides `queued` at zero and `idle_s` while idle."""
     demand = f.demand
     t = p.target_queue_per_replica
     if demand == 0:
@@ -80,8 +82,9 @@ def evaluate(state: ClusterState, model_key: str, figures: QueueFigures | None, 
     is undeployed, and without figures. The policy's bounds first (a count below `min_replicas` or
     above `max_replicas` is corrected at once); from zero with a request queued, one replica at
     once; otherwise a condition must hold for its delay (up: `upscale_delay_s`; down:
-    `downscale_delay_s`, counted also from the last change of the count; idle: down to
-    `max(min, 1)` after `downscale_delay_s`, to `min_replicas` after `idle_after_s`).
+    `downscale_delay_s`, counted also from the last change of the count; idle, as the figures'
+    `idle_s` counts it: down to `max(min, 1)` after `downscale_delay_s`, to `min_replicas` after
+    `idle_after_s`).
     """
     m = state.models.get(model_key)
     if m is None or m.autoscale is None or m.autoscale_manual or m.undeployed or m.registration is None:
@@ -115,25 +118,50 @@ def _evaluate(state: ClusterState, m: ModelView, p: AutoscalePolicy, figures: Qu
         return act("max", p.max_replicas)
     if figures is None:
         return None  # nothing heard: no window, no decision (never a scale-down on silence)
-    condition, rule, want = _classify(p, n, figures)
+    condition, rule, want = classify(p, n, figures)
     if n == 0 and figures.queued:
         return act("from-zero", max(1, min(want, p.max_replicas)))
+    if condition == IDLE:
+        return _idle(m, p, n, want, figures, now)
     since = m.autoscale_since if condition and condition == m.autoscale_condition else now
     assert since is not None
     held = max(0.0, (now - since).total_seconds())
     if condition == UP and held >= p.upscale_delay_s:
         return act(rule, want, held=held)
     if condition == DOWN and held >= p.downscale_delay_s and _quiet(m, now, p.downscale_delay_s):
-        return act(rule, want, held=held)
-    if condition == IDLE:
-        if held >= p.idle_after_s and want < n:
-            return act("idle", want, held=held, level=p.idle_to)
-        floor = max(p.min_replicas, 1)
-        if held >= p.downscale_delay_s and floor < n and _quiet(m, now, p.downscale_delay_s):
-            # part of the way: the idle condition goes on being watched from when it began
-            return act("queue-below-target", floor, IDLE, since, held)
+        return act(rule, want, held=held, level=p.idle_to)
     if condition != m.autoscale_condition:
         return act("watch", n, condition, since if condition else None, held)
+    return None
+
+
+def _idle(m: ModelView, p: AutoscalePolicy, n: int, want: int, figures: QueueFigures, now: datetime) -> Decision | None:
+    """Nothing queued or running, more replicas than `min_replicas`. The idle delay runs on the
+    dispatchers' `idle_s`, not on a condition in the log: a sparse model's requests start and stop
+    no watch (no event per request). A `down` watched before the model went idle goes on being
+    watched (the load fell further), and either one held for `downscale_delay_s` takes the count
+    part of the way, to `max(min_replicas, 1)`; `idle_after_s` of idle takes it to `min_replicas`.
+    Idle counts from the count's last raise at the earliest: a replica just brought back from zero
+    (by the dispatcher's provisioning, say) is not sent away on figures taken before its request."""
+    held = figures.idle_s
+    if m.autoscale_raised_at is not None:  # figures older than the last raise do not show its cause
+        held = min(held, max(0.0, (now - m.autoscale_raised_at).total_seconds()))
+    since = now - timedelta(seconds=held)
+    down_held = (max(0.0, (now - m.autoscale_since).total_seconds())
+                 if m.autoscale_condition == DOWN and m.autoscale_since is not None else 0.0)
+
+    def act(rule: str, target: int, held_s: float, level: Level = Level.COLD) -> Decision:
+        return Decision(model_key=m.model_key, rule=rule, current=n, target=target, condition="", since=since,
+                        held_s=held_s, level=level)
+
+    if held >= p.idle_after_s and want < n:
+        return act("idle", want, held, p.idle_to)
+    floor = max(p.min_replicas, 1)
+    part = max(held, down_held)
+    if part >= p.downscale_delay_s and floor < n and _quiet(m, now, p.downscale_delay_s):
+        return act("queue-below-target", floor, part, p.idle_to)
+    if m.autoscale_condition == UP:  # the load it watched is gone
+        return Decision(model_key=m.model_key, rule="watch", current=n, target=n, condition="", since=None)
     return None
 
 

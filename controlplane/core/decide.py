@@ -93,9 +93,14 @@ def decide(state: ClusterState, cmd: AnyCommand, ctx: DecisionContext, *,
                 raise AlreadyDeployed(
                     f"{display_name(cmd.model_key)} already has {state.replica_count(cmd.model_key)} HOT replicas: "
                     f"use `ndif scale {display_name(cmd.model_key)} --replicas N`")
+            # A deploy of a model at zero (the dispatcher's on a first request, or an operator's
+            # without flags) keeps the card count and requirements the model was deployed with.
+            kept = state.models.get(cmd.model_key)
+            gpus = cmd.gpus if cmd.gpus is not None else (kept.gpus if kept is not None else None)
+            requires = cmd.requires if cmd.requires is not None else (kept.requires if kept is not None else None)
             body = _grow(state, cmd.model_key, cmd.replicas, cmd.replicas, DeploymentOp.DEPLOY, cmd.replicas,
                          cmd.dedicated, ctx, registration, cmd.size_bytes, min_deploy_s,
-                         headroom if cmd.headroom is None else cmd.headroom, cmd.gpus, cmd.requires)
+                         headroom if cmd.headroom is None else cmd.headroom, gpus, requires)
         case Scale():
             _not_undeploying(state, cmd.model_key)
             current = state.replica_count(cmd.model_key)

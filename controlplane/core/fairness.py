@@ -6,7 +6,8 @@ gets a virtual start tag `max(V, F_user)` and the user's finish tag moves on by 
 next request is the one with the highest band, then the smallest start tag (ties: arrival). So a
 user's share of dispatches while several are backlogged is its weight over the band's total, a
 newcomer's first request starts at the band's virtual time (never behind another's backlog), and a
-user's own requests keep their order. Running limits make a user ineligible (its requests wait,
+user's own requests keep their order (`FairQueue`; `FifoQueue` is arrival order over every user,
+the baseline it is measured against). Running limits make a user ineligible (its requests wait,
 others go); queued limits refuse a new request at once, with the limit and the count.
 """
 
@@ -17,7 +18,7 @@ from bisect import bisect_right
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Annotated, Any, Final, Generic, TypeVar
+from typing import Annotated, Any, Final, Generic, Literal, Protocol, TypeVar
 
 import msgspec
 
@@ -48,6 +49,9 @@ class FairnessPolicy(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     entry, else its tier's (`user_tiers`), else `default`, field by field."""
 
     default: Share = Share()
+    # "fifo": one queue in arrival order over every user (weights and bands unused, limits kept):
+    # dispatch as it was before fair queueing, the baseline tools/bench/fairness.py measures against.
+    order: Literal["fair", "fifo"] = "fair"
     tiers: dict[str, Share] = {}
     user_tiers: dict[str, str] = {}
     users: dict[str, Share] = {}
@@ -105,29 +109,113 @@ class LimitReached:
 _Tag = tuple[int, float, int]  # (-band, virtual start, arrival): the dispatch order
 
 
-class FairQueue(Generic[T]):
-    """One model's queued requests, fair over users (`user_of`); it also counts each user's running
-    ones (taken by `pop`, given back by `release` or `push_back`)."""
+class RequestQueue(Protocol[T]):
+    """What a processor needs of its queue: `FairQueue`, or `FifoQueue` (NDIF_FAIRNESS `order`)."""
+
+    def __len__(self) -> int: ...
+    def __bool__(self) -> bool: ...
+    def __iter__(self) -> Iterator[T]: ...
+    def queued(self, user: str) -> int: ...
+    def running(self, user: str) -> int: ...
+    def users(self) -> dict[str, tuple[int, int]]: ...
+    def admit(self, user: str) -> LimitReached | None: ...
+    def position(self, item: T) -> int | None: ...
+    def push(self, item: T) -> None: ...
+    def push_back(self, item: T) -> None: ...
+    def pop(self) -> T | None: ...
+    def ready(self) -> bool: ...
+    def release(self, item: T) -> None: ...
+    def remove(self, item: T) -> bool: ...
+
+
+def request_queue(policy: FairnessPolicy, user_of: Callable[[T], str]) -> RequestQueue[T]:
+    """The queue the policy asks for: fair over users (the default), or FIFO."""
+    return FifoQueue(policy, user_of) if policy.order == "fifo" else FairQueue(policy, user_of)
+
+
+class _Accounts(Generic[T]):
+    """What both queues keep beside their order: each user's settings and running requests (taken
+    by `pop`, given back by `release` or `push_back`)."""
 
     def __init__(self, policy: FairnessPolicy, user_of: Callable[[T], str]) -> None:
         self.policy = policy
         self.user_of = user_of
-        self._queues: dict[str, deque[tuple[_Tag, T]]] = {}  # user -> its queued requests, in tag order
-        self._finish: dict[str, float] = {}  # user -> finish tag of its last request
-        self._vtime: dict[int, float] = {}  # band -> start tag of the last request dispatched in it
         self._out: dict[int, tuple[str, _Tag]] = {}  # id(item) of a running request -> (user, its tag)
         self._running: dict[str, int] = {}
         self._shares: dict[str, Resolved] = {}
-        self._seq = 0
-        self._len = 0
-
-    # ---- what is held ------------------------------------------------------------------------
 
     def share(self, user: str) -> Resolved:
         s = self._shares.get(user)
         if s is None:
             s = self._shares[user] = self.policy.share(user)
         return s
+
+    def running(self, user: str) -> int:
+        return self._running.get(user, 0)
+
+    def queued(self, user: str) -> int:
+        raise NotImplementedError
+
+    def _queued_users(self) -> set[str]:
+        raise NotImplementedError
+
+    def users(self) -> dict[str, tuple[int, int]]:
+        """user -> (queued, running), for every user holding either."""
+        names = self._queued_users() | {u for u, n in self._running.items() if n}
+        return {u: (self.queued(u), self.running(u)) for u in sorted(names)}
+
+    def eligible(self, user: str) -> bool:
+        """Under its running limit?"""
+        return self.running(user) < self.share(user).max_running
+
+    def admit(self, user: str) -> LimitReached | None:
+        """May `user` queue one more request? None, or why not."""
+        limit, count = self.share(user).max_queued, self.queued(user)
+        return LimitReached(user=user, limit=limit, count=count) if count >= limit else None
+
+    def release(self, item: T) -> None:
+        """A request taken by `pop` is done (answered, failed or cancelled)."""
+        got = self._out.pop(id(item), None)
+        if got is not None:
+            self._dec(got[0])
+
+    def _given_back(self, item: T) -> tuple[str, _Tag] | None:
+        """A request `pop` took, no longer running: its user and tag (None: it was not taken)."""
+        got = self._out.pop(id(item), None)
+        if got is not None:
+            self._dec(got[0])
+        return got
+
+    def _taken(self, user: str, tag: _Tag, item: T) -> None:
+        self._out[id(item)] = (user, tag)
+        self._running[user] = self.running(user) + 1
+
+    def _dec(self, user: str) -> None:
+        n = self._running.get(user, 0) - 1
+        if n > 0:
+            self._running[user] = n
+        else:
+            self._running.pop(user, None)
+        self._forget(user)
+
+    def _forget(self, user: str) -> None:
+        pass
+
+
+class FairQueue(_Accounts[T]):
+    """One model's queued requests, fair over users (`user_of`); it also counts each user's running
+    ones (taken by `pop`, given back by `release` or `push_back`)."""
+
+    def __init__(self, policy: FairnessPolicy, user_of: Callable[[T], str]) -> None:
+        super().__init__(policy, user_of)
+        self._queues: dict[str, deque[tuple[_Tag, T]]] = {}  # user -> its queued requests, in tag order
+        self._tags: dict[int, _Tag] = {}  # id(item) of a queued request -> its tag (positions in O(log n))
+        self._finish: dict[str, float] = {}  # user -> finish tag of its last request
+        self._vtime: dict[int, float] = {}  # band -> start tag of the last request dispatched in it
+        self._seq = 0
+        self._len = 0
+
+    # ---- what is held ------------------------------------------------------------------------
 
     def __len__(self) -> int:
         return self._len
@@ -143,26 +231,12 @@ class FairQueue(Generic[T]):
         q = self._queues.get(user)
         return len(q) if q else 0
 
-    def running(self, user: str) -> int:
-        return self._running.get(user, 0)
-
-    def users(self) -> dict[str, tuple[int, int]]:
-        """user -> (queued, running), for every user holding either."""
-        names = {u for u, q in self._queues.items() if q} | {u for u, n in self._running.items() if n}
-        return {u: (self.queued(u), self.running(u)) for u in sorted(names)}
-
-    def admit(self, user: str) -> LimitReached | None:
-        """May `user` queue one more request? None, or why not."""
-        limit, count = self.share(user).max_queued, self.queued(user)
-        return LimitReached(user=user, limit=limit, count=count) if count >= limit else None
+    def _queued_users(self) -> set[str]:
+        return {u for u, q in self._queues.items() if q}
 
     def position(self, item: T) -> int | None:
         """How many queued requests go before `item` (0: next), running limits aside; None if not queued."""
-        user = self.user_of(item)
-        mine = self._queues.get(user)
-        if not mine:
-            return None
-        tag = next((t for t, it in mine if it is item), None)
+        tag = self._tags.get(id(item))
         if tag is None:
             return None
         # Tags are unique (arrival breaks ties): what sorts at or before it, less itself.
@@ -177,21 +251,23 @@ class FairQueue(Generic[T]):
         start = max(self._vtime.get(s.band, 0.0), self._finish.get(user, 0.0))
         self._finish[user] = start + 1.0 / s.weight
         self._seq += 1
-        self._queues.setdefault(user, deque()).append(((-s.band, start, self._seq), item))
+        tag = (-s.band, start, self._seq)
+        self._queues.setdefault(user, deque()).append((tag, item))
+        self._tags[id(item)] = tag
         self._len += 1
 
     def push_back(self, item: T) -> None:
         """A request taken by `pop` that did not run (its replica left): back where its tag puts it,
         ahead of its user's later ones; no longer running."""
-        got = self._out.pop(id(item), None)
+        got = self._given_back(item)
         if got is None:
             self.push(item)
             return
         user, tag = got
-        self._dec(user)
         q = self._queues.setdefault(user, deque())
         i = bisect_right(_Keys(q), tag)
         q.insert(i, (tag, item))
+        self._tags[id(item)] = tag
         self._len += 1
 
     def pop(self) -> T | None:
@@ -199,58 +275,123 @@ class FairQueue(Generic[T]):
         running limit (None: nothing such). It counts as running until `release` or `push_back`."""
         best: tuple[_Tag, str] | None = None
         for user, q in self._queues.items():
-            if q and self.running(user) < self.share(user).max_running and (best is None or q[0][0] < best[0]):
+            if q and self.eligible(user) and (best is None or q[0][0] < best[0]):
                 best = (q[0][0], user)
         if best is None:
             return None
         tag, user = best
         _, item = self._queues[user].popleft()
+        del self._tags[id(item)]
         self._len -= 1
         self._vtime[-tag[0]] = max(self._vtime.get(-tag[0], 0.0), tag[1])
-        self._out[id(item)] = (user, tag)
-        self._running[user] = self.running(user) + 1
+        self._taken(user, tag, item)
         return item
 
     def ready(self) -> bool:
         """Would `pop` give a request?"""
-        return any(q and self.running(u) < self.share(u).max_running for u, q in self._queues.items())
-
-    def release(self, item: T) -> None:
-        """A request taken by `pop` is done (answered, failed or cancelled)."""
-        got = self._out.pop(id(item), None)
-        if got is not None:
-            self._dec(got[0])
+        return any(q and self.eligible(u) for u, q in self._queues.items())
 
     def remove(self, item: T) -> bool:
         """Take a queued request out (cancelled, expired); whether it was queued."""
-        user = self.user_of(item)
-        q = self._queues.get(user)
-        if not q:
+        tag = self._tags.pop(id(item), None)
+        if tag is None:
             return False
-        for i, (_, it) in enumerate(q):
-            if it is item:
-                del q[i]
-                self._len -= 1
-                # A request that never ran leaves no debt: the user's next one starts where its
-                # last queued one finishes (or where the band is, when none is left).
-                s = self.share(user)
-                self._finish[user] = q[-1][0][1] + 1.0 / s.weight if q else self._vtime.get(s.band, 0.0)
-                self._forget(user)
-                return True
-        return False
-
-    def _dec(self, user: str) -> None:
-        n = self._running.get(user, 0) - 1
-        if n > 0:
-            self._running[user] = n
-        else:
-            self._running.pop(user, None)
+        user = self.user_of(item)
+        q = self._queues[user]
+        del q[bisect_right(_Keys(q), tag) - 1]
+        self._len -= 1
+        # A request that never ran leaves no debt: the user's next one starts where its last queued
+        # one finishes (or where the band is, when none is left).
+        s = self.share(user)
+        self._finish[user] = q[-1][0][1] + 1.0 / s.weight if q else self._vtime.get(s.band, 0.0)
         self._forget(user)
+        return True
 
     def _forget(self, user: str) -> None:
         # Users holding nothing leave no state behind (the finish tag stays: bounded by users seen).
         if not self._queues.get(user) and user not in self._running:
             self._queues.pop(user, None)
+
+
+class FifoQueue(_Accounts[T]):
+    """One model's queued requests in arrival order over every user (NDIF_FAIRNESS `order: fifo`):
+    the head goes first unless its user is at its running limit (then the first request of a user
+    that is not). Queued limits hold as in `FairQueue`; weights and bands are not used."""
+
+    def __init__(self, policy: FairnessPolicy, user_of: Callable[[T], str]) -> None:
+        super().__init__(policy, user_of)
+        self._q: deque[tuple[_Tag, T]] = deque()  # in arrival order (a pushed-back request: its own place)
+        self._tags: dict[int, _Tag] = {}  # id(item) of a queued request -> its tag
+        self._counts: dict[str, int] = {}  # user -> its queued requests
+        self._seq = 0
+
+    def __len__(self) -> int:
+        return len(self._q)
+
+    def __bool__(self) -> bool:
+        return bool(self._q)
+
+    def __iter__(self) -> Iterator[T]:
+        return (item for _, item in self._q)
+
+    def queued(self, user: str) -> int:
+        return self._counts.get(user, 0)
+
+    def _queued_users(self) -> set[str]:
+        return set(self._counts)
+
+    def position(self, item: T) -> int | None:
+        tag = self._tags.get(id(item))
+        return None if tag is None else bisect_right(_Keys(self._q), tag) - 1
+
+    def push(self, item: T) -> None:
+        self._seq += 1
+        tag = (0, float(self._seq), self._seq)
+        self._q.append((tag, item))
+        self._held(item, tag)
+
+    def push_back(self, item: T) -> None:
+        got = self._given_back(item)
+        if got is None:
+            self.push(item)
+            return
+        tag = got[1]
+        self._q.insert(bisect_right(_Keys(self._q), tag), (tag, item))
+        self._held(item, tag)
+
+    def pop(self) -> T | None:
+        for i, (tag, item) in enumerate(self._q):
+            user = self.user_of(item)
+            if self.eligible(user):
+                del self._q[i]
+                self._unheld(item, user)
+                self._taken(user, tag, item)
+                return item
+        return None
+
+    def ready(self) -> bool:
+        return any(self.eligible(self.user_of(item)) for _, item in self._q)
+
+    def remove(self, item: T) -> bool:
+        tag = self._tags.get(id(item))
+        if tag is None:
+            return False
+        del self._q[bisect_right(_Keys(self._q), tag) - 1]
+        self._unheld(item, self.user_of(item))
+        return True
+
+    def _held(self, item: T, tag: _Tag) -> None:
+        self._tags[id(item)] = tag
+        user = self.user_of(item)
+        self._counts[user] = self.queued(user) + 1
+
+    def _unheld(self, item: T, user: str) -> None:
+        del self._tags[id(item)]
+        n = self._counts[user] - 1
+        if n:
+            self._counts[user] = n
+        else:
+            del self._counts[user]
 
 
 class _Keys:

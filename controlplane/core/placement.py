@@ -156,7 +156,7 @@ def _node_order(state: ClusterState, seed: int, requires: Requirements | None = 
     Each command's seed (recorded in its events) starts the scan at a different node, spreading
     replicas across equally good nodes; the same seed gives the same order on replay.
     """
-    live = [n for _, n in sorted(state.nodes.items()) if n.alive and n.gpus and meets(n, requires)]
+    live = [n for n in state.live_nodes() if meets(n, requires)] if requires else state.live_nodes()
     if not live:
         return live
     k = seed % len(live)

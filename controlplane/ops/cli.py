@@ -536,8 +536,8 @@ def add_admin_commands(sub: Any) -> None:
                    help="how long it must stay below before removing replicas, and since the last change "
                         "(default %(default)ss)")
     p.add_argument("--idle-to", choices=["WARM", "COLD", "warm", "cold"], default=str(d.idle_to),
-                   help="where replicas of an idle model go (default %(default)s; WARM where the node's CPU cache "
-                        "holds them, else COLD)")
+                   help="where replicas the autoscaler takes down go, idle or not (default %(default)s; WARM where "
+                        "the node's CPU cache holds them, else COLD)")
     p.add_argument("--idle-after", type=duration_arg, default=d.idle_after_s, metavar="DURATION",
                    help="nothing queued or running for this long: down to --min (default %(default)ss)")
     p.add_argument("--max-wait", default=f"{d.max_wait_s:g}s", metavar="DURATION",

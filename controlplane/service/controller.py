@@ -77,6 +77,7 @@ from schemas.subjects import COMMANDS_PREFIX, FIGURES_ANY, HEARTBEATS_BUCKET, mo
 logger = structlog.get_logger("ndif.controller")
 
 QUEUE_GROUP = "ndif-controller"
+AUTOSCALE_REFUSED_RETRY_S = 30.0  # a model whose autoscale decision was refused is evaluated again after this
 _result_encoder = msgspec.json.Encoder()
 
 
@@ -524,12 +525,23 @@ class Controller:
         """Evaluate every autoscaled model's policy on a tick; a decision is appended through the
         committer under an id naming the model and the position of its last autoscale event, so
         several controllers append it once."""
+        refused: dict[str, tuple[str, float]] = {}  # model -> (why its last decision was refused, retry after)
         while True:
             await asyncio.sleep(self.autoscale_interval_s)
+            now = time.monotonic()
             for model_key, m in list(self.state.models.items()):
-                if m.autoscale is not None and not m.autoscale_manual:
-                    with contextlib.suppress(NdifError):
-                        await self.autoscale(model_key)
+                if m.autoscale is None or m.autoscale_manual or refused.get(model_key, ("", 0.0))[1] > now:
+                    continue
+                try:
+                    await self.autoscale(model_key)
+                    refused.pop(model_key, None)
+                except NdifError as exc:
+                    # e.g. no live node meets the model's requirements: said once per reason, and the
+                    # model is not asked again for a while (no committer turn on every tick)
+                    if refused.get(model_key, ("",))[0] != str(exc):
+                        logger.warning("autoscale_refused", model_key=model_key, error=type(exc).__name__,
+                                       message=str(exc), retry_s=AUTOSCALE_REFUSED_RETRY_S)
+                    refused[model_key] = (str(exc), now + AUTOSCALE_REFUSED_RETRY_S)
 
     async def autoscale(self, model_key: str) -> list[Event]:
         """One evaluation of a model's policy now; the events appended (none: nothing to do)."""
@@ -552,6 +564,7 @@ class Controller:
                 logger.info("autoscale_decided", model_key=model_key, rule=e.rule, current=e.current, target=e.target,
                             condition=e.condition, first_seq=res.first_seq)
         return list(res.events)
+
 
 
 # Events after which a wanted-but-unplaced replica may fit: a node (re)joined, or memory was freed.

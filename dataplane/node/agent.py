@@ -578,7 +578,8 @@ class NodeAgent:
         if (r is None or r.node_id != self.node_id) and key not in self.lines and key not in self.actors:
             return L.LogsReply(ok=False, node_id=self.node_id, replica_id=replica_id, error="NotFound",
                                message=f"node {self.node_id} has no replica {replica_id} of this model")
-        agent = self.lines[key].recent(n) if key in self.lines else []
+        # one line more than asked from each source: a source with more than `n` says `truncated`
+        agent = self.lines[key].recent(n + 1) if key in self.lines else []
         own: list[Line] = []
         missing = ""
         handle = self.actors.get(key)
@@ -587,8 +588,9 @@ class NodeAgent:
         else:
             try:
                 # the runtime bounds the call itself; this bounds a runtime that overruns its own bound
-                got = await asyncio.wait_for(self.runtime.recent_lines(handle, n, LOGS_TIMEOUT_S), LOGS_TIMEOUT_S + 1)
-                own = [Line(at=x.at, text=f"replica: {x.text}") for x in got[-n:]]
+                got = await asyncio.wait_for(self.runtime.recent_lines(handle, n + 1, LOGS_TIMEOUT_S),
+                                             LOGS_TIMEOUT_S + 1)
+                own = [Line(at=x.at, text=f"replica: {x.text}") for x in got[-(n + 1):]]
             except Exception as exc:  # noqa: BLE001 - the agent's lines still answer
                 why = (f"it did not answer within {LOGS_TIMEOUT_S:g} s" if isinstance(exc, TimeoutError)
                        else _error_text(exc))

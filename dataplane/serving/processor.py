@@ -27,7 +27,13 @@ from typing import Any, Protocol
 
 import structlog
 
-from controlplane.core.fairness import FairnessPolicy, FairQueue, position_update_due, wait_estimate_s
+from controlplane.core.fairness import (
+    FairnessPolicy,
+    RequestQueue,
+    position_update_due,
+    request_queue,
+    wait_estimate_s,
+)
 from controlplane.core.projections.queue import ModelQueueView, processor_status
 from dataplane.replica.model import ReplicaNotHot, error_text
 from dataplane.replica.wire import Completed, NotRun, encode_call
@@ -97,7 +103,7 @@ class Processor:
         self.token = token
         self.model_key: str | None = None
         self.hooks = hooks
-        self.queue: FairQueue[Pending] = FairQueue(hooks.fairness, lambda p: p.req.user)
+        self.queue: RequestQueue[Pending] = request_queue(hooks.fairness, lambda p: p.req.user)
         self.view: ModelQueueView | None = None
         self.lanes: dict[int, list[asyncio.Task[None]]] = {}  # replica id -> its lane tasks
         # replica id -> `<user>.<request id>` (status_key: ids are each user's own) -> request
@@ -116,6 +122,7 @@ class Processor:
         self.errors = 0
         self.latency = LatencyHistogram()  # taken -> terminal answer, of requests answered here
         self._idle: collections.deque[tuple[int, asyncio.Future[_Call | None]]] = collections.deque()  # idle lanes
+        self._prefer: dict[int, int] = {}  # replica id -> its place in this dispatcher's tie-break order
         self._actors: dict[int, Any] = {}
         self.exec_s: float | None = None  # recent run time of one request on a replica (moving average)
         self.logger = logger.bind(model_key=None, token=token)
@@ -135,6 +142,12 @@ class Processor:
         self.draining = set(view.draining)
         gone = self.ready - ready
         self.ready = ready
+        # Ties among equally loaded replicas: this dispatcher's rank among those that serve the
+        # model (from the log, so every dispatcher has the same list) rotates its order of them.
+        names = sorted({n for _, by in view.served_by for n in by})
+        rank = names.index(self.hooks.name) if self.hooks.name in names else 0
+        order = sorted(ready)
+        self._prefer = {rid: (i - rank) % len(order) for i, rid in enumerate(order)}
         self.nodes = dict(view.nodes)
         for rid in ready - set(self.lanes):
             self.lanes[rid] = [asyncio.create_task(self._lane(rid), name=f"lane-{self.token}-{rid}-{i}")
@@ -176,13 +189,8 @@ class Processor:
         self.queue.push(p)
         # Lanes waiting: the calls to their replicas start now (the request this lane takes may be
         # another user's, by fair share); a request taken at once never queued, so no QUEUED.
-        while self._idle and self.queue.ready():
-            rid, fut = self._idle.popleft()
-            if fut.done():
-                continue
-            if rid not in self.ready:
-                fut.set_result(None)  # that lane's replica left: let it retire, try the next
-                continue
+        while self.queue.ready() and (lane := self._idle_lane()) is not None:
+            rid, fut = lane
             nxt = self.queue.pop()
             assert nxt is not None
             fut.set_result(self._submit(rid, [nxt]))
@@ -237,12 +245,42 @@ class Processor:
         return sum(len(r) for r in self.in_flight.values())
 
     def _notify(self, *, everyone: bool = False) -> None:
-        """Wake as many idle lanes as there are queued requests (all of them when the set changed)."""
-        n = len(self._idle) if everyone else (min(len(self.queue), len(self._idle)) if self.queue.ready() else 0)
-        for _ in range(n):
-            _, fut = self._idle.popleft()
-            if not fut.done():
-                fut.set_result(None)
+        """Wake as many idle lanes as there are queued requests, least loaded replicas first (all of
+        them when the set changed)."""
+        if everyone:
+            while self._idle:
+                _, fut = self._idle.popleft()
+                if not fut.done():
+                    fut.set_result(None)
+            return
+        for _ in range(min(len(self.queue), len(self._idle)) if self.queue.ready() else 0):
+            lane = self._idle_lane()
+            if lane is None:
+                break
+            lane[1].set_result(None)
+
+    def _idle_lane(self) -> tuple[int, asyncio.Future[_Call | None]] | None:
+        """Take the idle lane a request should go to: of the ready replica with the fewest requests
+        outstanding from this dispatcher (least outstanding), ties broken by this dispatcher's own
+        order of the replicas (`_prefer`), so that dispatchers at low load start on different
+        replicas. Lanes of replicas that left are let go on the way. None: no idle lane."""
+        best: tuple[tuple[int, int], tuple[int, asyncio.Future[_Call | None]]] | None = None
+        keep: collections.deque[tuple[int, asyncio.Future[_Call | None]]] = collections.deque()
+        for lane in self._idle:
+            rid, fut = lane
+            if fut.done():
+                continue
+            if rid not in self.ready:
+                fut.set_result(None)  # that lane's replica left: let it retire
+                continue
+            keep.append(lane)
+            key = (len(self.in_flight.get(rid, ())), self._prefer.get(rid, 0))
+            if best is None or key < best[0]:
+                best = (key, lane)
+        if best is not None:
+            keep.remove(best[1])
+        self._idle = keep
+        return best[1] if best is not None else None
 
     async def _lane(self, rid: int) -> None:
         """One lane of replica `rid`: a call with the head of the queue (and what waits behind it,
@@ -430,3 +468,17 @@ class Processor:
             # Completion latency (dataplane/serving/latency.py): cumulative, readers take differences.
             "latency_s": self.latency.snapshot(),
         }
+
+
+def idle_replicas_with_queue(procs: list[Processor]) -> int:
+    """How many ready replicas of one model have no request outstanding from any of `procs` (the
+    model's processors, one per dispatcher) while requests of the model wait: queued at a dispatcher,
+    or handed to another replica behind the one it runs. What the lane choice keeps at 0
+    (tools/bench/fairness.py adds it up over time)."""
+    ready: set[int] = set().union(*(p.ready for p in procs)) if procs else set()
+    out = {rid: sum(len(p.in_flight.get(rid, {})) for p in procs) for rid in ready}
+    idle = sum(n == 0 for n in out.values())
+    if not idle:
+        return 0
+    waiting = any(len(p.queue) for p in procs) or any(n > 1 for n in out.values())
+    return idle if waiting else 0

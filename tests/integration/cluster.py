@@ -1,16 +1,22 @@
-"""Helpers for control-plane integration tests: the `ndif` CLI as a subprocess, settling the cluster."""
+"""Helpers for control-plane integration tests: the `ndif` CLI as a subprocess, settling the cluster,
+a dispatcher's queue figures published by hand."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from controlplane.core.projections import ClusterState
 from controlplane.store.admin import AdminClient
+from schemas.autoscale import QueueFigures
 from schemas.status import ReplicaState
+from schemas.subjects import figures_subject
 from tests import cli_zygote
 from tests.waiting import until_state
 
@@ -61,3 +67,27 @@ def config_only(root: Path, name: str, tiny: Path) -> str:
     d.mkdir(parents=True, exist_ok=True)
     (d / "config.json").write_bytes((tiny / "config.json").read_bytes())
     return str(d)
+
+
+class Publisher:
+    """A dispatcher's figures: `load` (queued, running) published every 0.2 s until stopped."""
+
+    def __init__(self, admin: AdminClient, model_key: str) -> None:
+        self.admin, self.model_key = admin, model_key
+        self.load = (0, 0)
+        self.task: asyncio.Task[None] | None = None
+
+    async def _run(self) -> None:
+        while True:
+            q, r = self.load
+            f = QueueFigures(model_key=self.model_key, queued=q, running=r, dispatcher="dispatcher:test")
+            await self.admin.log.nc.publish(figures_subject(self.model_key), msgspec.json.encode(f))
+            await asyncio.sleep(0.2)
+
+    def __enter__(self) -> Publisher:
+        self.task = asyncio.create_task(self._run())
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        assert self.task is not None
+        self.task.cancel()

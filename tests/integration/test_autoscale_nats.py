@@ -8,46 +8,19 @@ import asyncio
 import contextlib
 from pathlib import Path
 
-import msgspec
 import pytest
 
 from controlplane.ops.nats_server import EmbeddedNats
 from controlplane.service.controller import Controller
 from controlplane.store.admin import AdminClient
 from schemas import events as E
-from schemas.autoscale import QueueFigures
 from schemas.keys import canonical_model_key
 from schemas.status import ReplicaState
-from schemas.subjects import figures_subject
 from tests.agent_sim import ScriptedAgent
-from tests.integration.cluster import ndif
+from tests.integration.cluster import Publisher, ndif
 from tests.waiting import until_state
 
 pytestmark = pytest.mark.timeout(180)
-
-
-class Publisher:
-    """A dispatcher's figures: `load` (queued, running) published every 0.2 s until stopped."""
-
-    def __init__(self, admin: AdminClient, model_key: str) -> None:
-        self.admin, self.model_key = admin, model_key
-        self.load = (0, 0)
-        self.task: asyncio.Task[None] | None = None
-
-    async def _run(self) -> None:
-        while True:
-            q, r = self.load
-            f = QueueFigures(model_key=self.model_key, queued=q, running=r, dispatcher="dispatcher:test")
-            await self.admin.log.nc.publish(figures_subject(self.model_key), msgspec.json.encode(f))
-            await asyncio.sleep(0.2)
-
-    def __enter__(self) -> Publisher:
-        self.task = asyncio.create_task(self._run())
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        assert self.task is not None
-        self.task.cancel()
 
 
 async def test_burst_up_end_down_history_says_why_and_a_manual_count_stands(
@@ -80,7 +53,7 @@ async def test_burst_up_end_down_history_says_why_and_a_manual_count_stands(
             ran = await ndif(url, "history", str(tiny))
             assert ran.rc == 0 and "scaled 1 -> 4: 37 queued, 2 running, 1 replicas, target 4 per replica, above for" \
                 in ran.out, ran.out
-            assert "scaled 4 -> 1: 0 queued, 2 running, 4 replicas" in ran.out
+            assert "scaled 4 -> 1 (queue-below-target, to WARM): 0 queued, 2 running, 4 replicas" in ran.out
 
             ran = await ndif(url, "scale", str(tiny), "--replicas", "3")
             assert ran.rc == 0, ran.err

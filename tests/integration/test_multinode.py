@@ -21,12 +21,13 @@ import pytest
 from controlplane.ops.nats_server import EmbeddedNats
 from dataplane.client import Client
 from dataplane.node.tiny_models import make_tiny_gpt2
+from dataplane.ops.multinode import NodeSpec, running, served_by, until_available
+from dataplane.ops.raynodes import RayNodes, probe
 from schemas.keys import canonical_model_key
 from schemas.requests import status_decoder
 from schemas.status import ReplicaState
+from tests.conftest import fresh_event_log
 from tests.integration.cluster import config_only, ndif
-from tests.multinode import NodeSpec, running, served_by, until_available
-from tests.raynodes import RayNodes, probe
 
 # Each test takes about a minute on a loaded 2-core machine (three raylets, three agents, replica
 # processes importing torch): run with --long, as the other multi-process fault tests.
@@ -55,7 +56,7 @@ async def test_replicas_spread_over_ray_nodes_and_each_serves(nats_server: Embed
                                                               tiny: Path) -> None:
     url = nats_server.url
     mk = canonical_model_key(str(tiny))
-    async with running(url, ray_nodes, NODES) as st:
+    async with running(url, await fresh_event_log(url), ray_nodes, NODES) as st:
         res = await st.admin.deploy(str(tiny), 3)
         state = await st.admin.wait(res, timeout=150)
         reps = [r for r in state.model_replicas(mk) if r.state is ReplicaState.AVAILABLE]
@@ -102,7 +103,7 @@ async def test_requirements_met_on_real_nodes_and_refused_with_their_reason(
     url = nats_server.url
     mk = canonical_model_key(str(tiny))
     other = config_only(tmp_path, "other", tiny)
-    async with running(url, ray_nodes, NODES) as st:
+    async with running(url, await fresh_event_log(url), ray_nodes, NODES) as st:
         ran = await ndif(url, "deploy", str(tiny), "--replicas", "2", "--require", "gpu=H100",
                          "--require", "pool=research", "--wait", "--wait-timeout", "150", timeout=180)
         assert ran.rc == 0, ran.err

@@ -45,8 +45,8 @@ def apply(state: ClusterState, events: list[E.Event]) -> None:
         state.apply(state.seq + 1, e)
 
 
-def figures(queued: int = 0, running: int = 0, oldest: float = 0.0) -> QueueFigures:
-    return QueueFigures(model_key=M, queued=queued, running=running, oldest_wait_s=oldest)
+def figures(queued: int = 0, running: int = 0, oldest: float = 0.0, idle: float = 0.0) -> QueueFigures:
+    return QueueFigures(model_key=M, queued=queued, running=running, oldest_wait_s=oldest, idle_s=idle)
 
 
 def tick(state: ClusterState, f: QueueFigures | None, now: datetime) -> list[E.Event]:
@@ -146,16 +146,64 @@ def test_the_oldest_wait_is_a_signal_too():
 
 def test_down_after_its_delay_never_below_min_and_idle_goes_warm_then_to_min():
     b = cluster(4, msgspec.structs.replace(POLICY, min_replicas=0))
-    tick(b.state, figures(queued=0), at(0))  # idle starts
-    part = tick(b.state, figures(queued=0), at(60))
-    assert (part[0].rule, part[0].target, part[0].condition, part[0].since) == ("queue-below-target", 1, "idle", at(0))
+    assert tick(b.state, figures(queued=0, idle=0), at(0)) == []  # idle starts: the figures count it
+    part = tick(b.state, figures(queued=0, idle=60), at(60))
+    assert (part[0].rule, part[0].target, part[0].condition, part[0].since) == ("queue-below-target", 1, "", at(0))
     assert b.state.replica_count(M) == 1
-    assert tick(b.state, figures(queued=0), at(200)) == []
-    gone = tick(b.state, figures(queued=0), at(300))
-    assert (gone[0].rule, gone[0].target, gone[0].level) == ("idle", 0, Level.WARM)
+    assert tick(b.state, figures(queued=0, idle=200), at(200)) == []
+    gone = tick(b.state, figures(queued=0, idle=300), at(300))
+    assert (gone[0].rule, gone[0].target, gone[0].level, gone[0].held_s) == ("idle", 0, Level.WARM, 300)
     ev = [e for e in gone if isinstance(e, E.ReplicaEvictionRequested)]
     assert len(ev) == 1 and ev[0].target is Level.WARM and ev[0].drain
     assert b.state.replica_count(M) == 0
+
+
+def test_a_sparse_models_requests_append_nothing_while_its_idle_delay_restarts():
+    """Requests now and then, each resetting the dispatcher's idle clock: no event per request
+    (the delay is in the figures), and the idle rule fires only after `idle_after_s` of quiet."""
+    b = cluster(1, msgspec.structs.replace(POLICY, min_replicas=0))
+    appended: list[E.Event] = []
+    for t in range(0, 1200, 10):
+        busy = t % 200 == 0  # a request every 200 s, served within the second
+        appended += tick(b.state, figures(running=1) if busy else figures(idle=t % 200), at(t))
+    assert appended == [] and b.state.replica_count(M) == 1
+    gone = tick(b.state, figures(idle=300), at(1500))
+    assert (gone[0].rule, gone[0].target, gone[0].held_s) == ("idle", 0, 300)
+
+
+def test_a_down_watch_goes_on_through_idle_spells():
+    """Light load, then none, then light again: the `down` watch begun under the light load is
+    not restarted by the idle spells (the load only fell further), and the count goes down after
+    `downscale_delay_s` from its start."""
+    b = cluster(4)
+    assert [e.condition for e in tick(b.state, figures(running=1), at(0))] == ["down"]
+    for t in range(5, 60, 5):
+        assert tick(b.state, figures(idle=1) if t % 10 else figures(running=1), at(t)) == []
+    down = tick(b.state, figures(idle=1), at(60))
+    assert (down[0].rule, down[0].current, down[0].target) == ("queue-below-target", 4, 1)
+    # replicas scaled down go where the policy sends idle ones: a WARM copy brings them back fast
+    assert [e.target for e in down if isinstance(e, E.ReplicaEvictionRequested)] == [Level.WARM] * 3
+
+
+def test_a_scale_down_goes_to_the_policys_level():
+    for level in (Level.WARM, Level.COLD):
+        b = cluster(4, msgspec.structs.replace(POLICY, idle_to=level, downscale_delay_s=0))
+        down = tick(b.state, figures(running=2), at(0))
+        assert (down[0].rule, down[0].target, down[0].level) == ("queue-below-target", 1, level)
+        assert [e.target for e in down if isinstance(e, E.ReplicaEvictionRequested)] == [level] * 3
+
+
+def test_a_replica_brought_back_from_zero_is_not_sent_away_on_figures_from_before():
+    """The dispatcher's provisioning deploys from zero on a request's arrival; the figures the
+    controller holds may still be the idle ones taken before it: idle counts from the raise."""
+    b = cluster(0, msgspec.structs.replace(POLICY, min_replicas=0, idle_after_s=300, downscale_delay_s=60))
+    apply(b.state, decide(b.state, Scale(command_id="prov", model_key=M, replicas=1, actor="dispatcher:d"),
+                          DecisionContext(now=at(0), actor="dispatcher:d", command_id="prov")))
+    assert b.state.replica_count(M) == 1 and not b.state.models[M].autoscale_manual
+    assert tick(b.state, figures(idle=1000), at(1)) == []  # stale: taken before the request
+    assert tick(b.state, figures(idle=1000), at(299)) == []
+    gone = tick(b.state, figures(idle=1000), at(300))
+    assert (gone[0].rule, gone[0].target, gone[0].held_s) == ("idle", 0, 300)
 
 
 def test_from_zero_at_once_on_the_first_queued_request():
@@ -250,10 +298,12 @@ def drive(policy: AutoscalePolicy, load: list[tuple[int, int, float]], *, start:
     history: list[E.Event] = []
     base = b.state.copy()
     state = b.state
+    busy = 0  # the dispatcher's idle clock: since it started, or last saw a request
     for i, (q, r, oldest) in enumerate(load):
         if i == restart_at:
             state = decode_snapshot(encode_snapshot(state)) if via_snapshot else _refold(base, history)
-        history += tick(state, figures(queued=q, running=r, oldest=oldest), at(i))
+        busy = i if q + r else busy
+        history += tick(state, figures(queued=q, running=r, oldest=oldest, idle=i - busy), at(i))
     return history
 
 

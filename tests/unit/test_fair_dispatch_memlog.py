@@ -1,7 +1,8 @@
 """Fair dispatch through the whole dispatcher over the in-memory log and serving ports, with the real
 controller and node agent (tests/unit/test_dispatcher_memlog.py's stack, a replica that takes 10 ms
 a request): a light user is not queued behind a heavy user's backlog, a user past its queued limit
-is refused at once with the limit and the count, queued requests hear of their moving position."""
+is refused at once with the limit and the count, queued requests hear of their moving position and
+wait estimate."""
 
 from __future__ import annotations
 
@@ -70,13 +71,14 @@ async def limited(tmp_path: Any) -> AsyncIterator[tuple[Stack, SlowCaller]]:
         yield s
 
 
-def queued_positions(stack: Stack, request_id: str) -> list[int]:
+def queued_statuses(stack: Stack, request_id: str) -> list[tuple[int, float | None]]:
+    """(queue position, wait estimate) of each QUEUED status published for the request."""
     out = []
     for subject, body in stack.serving.published:
         if subject_matches(subject, "ndif.status.>") and subject.endswith(request_id):
             s = msgspec.json.decode(body)
             if s["status"] == "QUEUED":
-                out.append(s["queue_position"])
+                out.append((s["queue_position"], s.get("wait_estimate_s")))
     return out
 
 
@@ -117,8 +119,13 @@ async def test_a_light_user_is_served_while_a_heavy_users_backlog_is_still_large
     # A queued heavy request heard of its position as it moved, not once.
     last = heavy[-1]
     assert (await final(stack, last)).status is R.COMPLETED
-    moves = queued_positions(stack, last.request_id)
+    told = queued_statuses(stack, last.request_id)
+    moves = [pos for pos, _ in told]
     assert len(moves) >= 3 and moves == sorted(moves, reverse=True) and moves[-1] < moves[0]
+    # Every one of them carried a wait estimate (run times are known: the warm request ran), and it
+    # shrank as the request moved up.
+    waits = [w for _, w in told if w is not None]
+    assert len(waits) == len(told) and waits[-1] < waits[0], told
 
 
 async def test_a_user_past_its_queued_limit_is_refused_at_once_with_the_limit_and_count(

@@ -12,9 +12,12 @@ from hypothesis import strategies as st
 from controlplane.core.fairness import (
     FairnessPolicy,
     FairQueue,
+    FifoQueue,
+    RequestQueue,
     Share,
     decode_policy,
     position_update_due,
+    request_queue,
     wait_estimate_s,
 )
 from schemas.errors import InvalidCommand
@@ -34,6 +37,14 @@ def q_of(policy: FairnessPolicy | None = None) -> FairQueue[Req]:
 def policy(weights: dict[str, float] | None = None, **default: int) -> FairnessPolicy:
     return FairnessPolicy(default=Share(**default),  # type: ignore[arg-type]
                           users={u: Share(weight=w) for u, w in (weights or {}).items()})
+
+
+def push_new(q: RequestQueue[Req], queued: list[Req], user: str, n: int) -> int:
+    """Push request number `n` of `user` and note it as queued; the next number."""
+    r = Req(user, n)
+    q.push(r)
+    queued.append(r)
+    return n + 1
 
 
 def drain(q: FairQueue[Req]) -> list[Req]:
@@ -180,10 +191,7 @@ def test_nothing_is_lost_or_reordered_within_a_user_and_limits_hold(ops: list[tu
     started: dict[str, list[int]] = {}  # user -> numbers of its requests in the order first taken
     for op, arg in ops:
         if op == "push":
-            r = Req(str(arg), n)
-            n += 1
-            q.push(r)
-            queued.append(r)
+            n = push_new(q, queued, str(arg), n)
         elif op == "pop":
             top = max((p.share(r.user).band for r in queued if q.running(r.user) < max_running), default=None)
             got = q.pop()
@@ -254,3 +262,64 @@ def test_weights_hold_while_everyone_is_backlogged(weights: list[float], n: int)
     total = sum(weights)
     for u, w in zip(users, weights, strict=True):
         assert abs(taken.count(u) - n * w / total) <= len(users)
+
+
+# ---- FIFO (NDIF_FAIRNESS order "fifo": the baseline tools/bench/fairness.py measures) -------------
+
+def test_fifo_goes_in_arrival_order_over_users_and_keeps_limits() -> None:
+    p = decode_policy(b'{"order": "fifo", "default": {"max_running": 2, "max_queued": 3}}')
+    q: RequestQueue[Req] = request_queue(p, lambda r: r.user)
+    assert isinstance(q, FifoQueue)
+    heavy = [Req("heavy", i) for i in range(3)]
+    for r in heavy:
+        q.push(r)
+    light = Req("light", 0)
+    q.push(light)
+    assert q.position(light) == 3  # behind the whole backlog: what fair queueing is for
+    refused = q.admit("heavy")
+    assert refused is not None and (refused.limit, refused.count) == (3, 3)
+    a, b = q.pop(), q.pop()
+    assert [a, b] == heavy[:2]
+    assert q.pop() is light  # heavy is at its running limit: the first request of another user goes
+    assert q.users() == {"heavy": (1, 2), "light": (0, 1)}
+    assert b is not None
+    q.push_back(b)
+    assert list(q) == [b, heavy[2]] and q.running("heavy") == 1
+
+
+@settings(max_examples=200, deadline=None)
+@given(ops=ops_st, max_running=st.integers(1, 4))
+def test_fifo_loses_nothing_and_keeps_arrival_order(ops: list[tuple[str, object]], max_running: int) -> None:
+    q: FifoQueue[Req] = FifoQueue(FairnessPolicy(order="fifo", default=Share(max_running=max_running)),
+                                  lambda r: r.user)
+    queued: list[Req] = []  # in arrival order
+    running: list[Req] = []
+    n = 0
+    for op, arg in ops:
+        if op == "push":
+            n = push_new(q, queued, str(arg), n)
+        elif op == "pop":
+            eligible = [r for r in queued if q.running(r.user) < max_running]
+            got = q.pop()
+            if got is None:
+                assert not eligible
+                continue
+            assert got is eligible[0]  # the oldest request of a user under its running limit
+            queued.remove(got)
+            running.append(got)
+        elif op in ("release", "push_back") and running:
+            r = running.pop(int(arg) % len(running))  # type: ignore[call-overload]
+            if op == "release":
+                q.release(r)
+            else:
+                q.push_back(r)
+                queued.append(r)
+                queued.sort(key=lambda x: x.n)  # back in its own place
+        elif op == "remove" and queued:
+            r = queued.pop(int(arg) % len(queued))  # type: ignore[call-overload]
+            assert q.remove(r) and not q.remove(r)
+        assert list(q) == queued and len(q) == len(queued)
+        assert all(q.position(r) == i for i, r in enumerate(queued))
+        for u in "abcd":
+            assert q.queued(u) == sum(r.user == u for r in queued)
+            assert q.running(u) == sum(r.user == u for r in running) <= max_running

@@ -67,3 +67,20 @@ def test_capture_keeps_the_processs_own_lines_and_still_prints_them() -> None:
     # the process still prints what it printed before
     assert "replica_loaded" in ran.stdout + ran.stderr
     assert "disk slow" in ran.stderr and "weights not initialised" in ran.stderr and "old api" in ran.stderr
+
+
+async def test_an_answer_cut_to_the_lines_asked_says_it_was_cut() -> None:
+    """`truncated` is true exactly when the agent held more lines than asked, whichever source
+    had them (here the agent's own, the replica having no process on this node)."""
+    from tests.memory_stack import memory_stack
+    from tests.unit.test_dispatcher_memlog import EchoCaller
+
+    async with memory_stack(EchoCaller) as s:
+        key = ("m", 0)
+        for i in range(3):
+            s.agent.note(key, f"line {i}")
+        exact = await s.agent.replica_lines("m", 0, 3)
+        cut = await s.agent.replica_lines("m", 0, 2)
+    assert exact.ok and len(exact.lines) == 3 and not exact.truncated, exact
+    assert cut.ok and len(cut.lines) == 2 and cut.truncated and cut.lines[-1].endswith("line 2"), cut
+    assert "no process" in cut.missing

@@ -15,3 +15,13 @@ def test_queue_names_each_model_by_its_short_name() -> None:
     lines = "\n".join(queue_lines(state))
     assert "  openai-community/gpt2\n    READY: 0 queued, 1 running" in lines
     assert key not in lines
+
+
+def test_queue_shows_each_users_queued_and_running_counts() -> None:
+    state = {"dispatcher": "dispatcher:h", "processors": [{
+        "model_key": canonical_model_key("openai-community/gpt2"), "status": "BUSY", "queued": 1203, "in_flight": 8,
+        "ready_replicas": [0, 1], "draining_replicas": [], "starting_replicas": [], "serving_replicas": [0, 1],
+        "completed": 40, "errors": 0, "users": {"heavy": {"queued": 1200, "running": 6},
+                                                "light": {"queued": 3, "running": 2}, "": {"queued": 0, "running": 0}}}]}
+    lines = queue_lines(state)
+    assert lines[-1] == "    per user: heavy 1200 queued / 6 running, light 3 queued / 2 running, (open) 0 queued / 0 running"

@@ -17,7 +17,7 @@ from controlplane.core.decide import decide, decide_node_lost
 from controlplane.core.placement import PlacementRequest, plan
 from controlplane.core.requirements import meets, requirements_refusal, unmet
 from schemas import events as E
-from schemas.commands import Deploy, Scale, decode_command, fingerprint
+from schemas.commands import Deploy, Scale, ScaleDown, decode_command, fingerprint
 from schemas.errors import InvalidCommand
 from schemas.inventory import Requirements, parse_requirements
 from tests.cluster_builder import GB, Builder, ctx
@@ -137,3 +137,23 @@ def test_placement_never_uses_a_node_that_does_not_meet_them(specs, req, n, seed
     assert (why is None) == bool(ok)
     if why is not None:
         assert all(unmet(node, req) for node in b.state.nodes.values())
+
+
+def test_a_deploy_from_zero_keeps_the_requirements_and_card_count_the_model_was_deployed_with() -> None:
+    """The dispatcher's deploy of a model at zero (its first request) names no requirements: the
+    model's own still hold (on every later decision, as `--require` promises)."""
+    b = (Builder()
+         .declared("a", 2, 80, kind="H100", labels={"pool": "research"})
+         .declared("b", 4, 80, kind="H100", labels={"pool": "general"})
+         .declared("c", 4, 80, kind="H100", labels={"pool": "general"}).model("m", 10))
+    for e in decide(b.state, Deploy(command_id="d", model_key="m", replicas=1, gpus=2,
+                                    requires=Requirements(labels={"pool": "research"})), ctx("d")):
+        b.add(e)
+    for e in decide(b.state, ScaleDown(command_id="s", model_key="m", replicas=0), ctx("s")):
+        b.add(e)
+    assert b.state.replica_count("m") == 0 and b.state.models["m"].requires is not None
+    for seed in range(6):
+        evs = decide(b.state, Deploy(command_id=f"p{seed}", model_key="m", replicas=1, for_request=True,
+                                     actor="dispatcher:x"), ctx(f"p{seed}", seed=seed))
+        placed = [e for e in evs if isinstance(e, E.ReplicaScheduled)]
+        assert [(e.node_id, len(e.gpu_indices)) for e in placed] == [("a", 2)], placed

@@ -5,6 +5,7 @@ min..max, a fold without anomalies), and the same spec gives the same day."""
 from __future__ import annotations
 
 import dataclasses
+import io
 import sys
 from pathlib import Path
 
@@ -53,3 +54,19 @@ def test_the_same_spec_is_the_same_day():
     assert a.requests == b.requests and (a.counts == b.counts).all() and a.sizes_gb == b.sizes_gb
     other = generate(dataclasses.replace(SPEC, seed=4))
     assert other.requests != a.requests or other.sizes_gb != a.sizes_gb
+
+
+def test_skipping_unchanged_models_changes_no_decision():
+    """The sim evaluates a model only when its inputs, its fold or a running delay could change
+    the answer; evaluating every model on every tick must log the very same day."""
+    w = generate(SPEC)
+    n = len(w.model_keys)
+    logs = []
+    for exhaustive in (False, True):
+        buf = io.BytesIO()
+        r = Sim(w, mode="autoscaler", start=[1] * n, policies=dict.fromkeys(range(n), POLICY), log=buf,
+                exhaustive=exhaustive).run()
+        logs.append((buf.getvalue(), r.evaluations))
+    (skipping, few), (every, many) = logs
+    assert skipping == every and skipping.count(b"AutoscaleDecided") > 10
+    assert few < many / 5

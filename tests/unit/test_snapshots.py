@@ -19,6 +19,7 @@ from structlog.testing import capture_logs
 from controlplane.core.projections import ClusterState, encode_snapshot, fold, replay
 from controlplane.core.projections import base as base_mod
 from controlplane.core.projections import cluster as cluster_mod
+from controlplane.core.projections.cluster import SNAPSHOT_SCHEMA
 from controlplane.core.projections.snapshot import (
     SnapshotHeader,
     decode_stored,
@@ -89,7 +90,7 @@ def corrupt(data: bytes, how: str) -> bytes:
         case "no-header":
             return body
         case "not-zlib":  # a well-formed header over a body that does not inflate
-            bad = b'{"kind":"cluster","schema":2}'
+            bad = b'{"kind":"cluster","schema":%d}' % SNAPSHOT_SCHEMA
             h = msgspec.json.decode(head, type=SnapshotHeader)
             import hashlib
 
@@ -98,7 +99,7 @@ def corrupt(data: bytes, how: str) -> bytes:
         case _:  # a well-formed header over a body of the wrong shape
             import zlib
 
-            bad = zlib.compress(b'{"kind":"cluster","schema":2,"seq":"x"}')
+            bad = zlib.compress(b'{"kind":"cluster","schema":%d,"seq":"x"}' % SNAPSHOT_SCHEMA)
             h = msgspec.json.decode(head, type=SnapshotHeader)
             import hashlib
 
@@ -150,7 +151,7 @@ def test_a_bad_snapshot_is_ignored_and_the_fold_is_the_full_one(events, other, d
         log = stored_log(events)
         header, good = encode_stored(full(pairs[:cut]))
         if case in ("old-schema", "new-schema"):
-            name, bad = with_schema(good, 1 if case == "old-schema" else 3)
+            name, bad = with_schema(good, SNAPSHOT_SCHEMA - 1 if case == "old-schema" else SNAPSHOT_SCHEMA + 1)
         elif case == "reset":  # the log was started anew: its snapshots were of another history
             other_pairs = numbered(other)
             c = data.draw(st.integers(1, len(other_pairs)), label="cut in the old log")
@@ -178,12 +179,12 @@ async def test_an_older_snapshot_of_this_schema_is_used_when_the_newest_is_of_an
     pairs = numbered(scripted_history(12))
     log = stored_log([e for _, e in pairs])
     mine = await put(log, full(pairs[:10]))
-    name, data = with_schema(encode_stored(full(pairs[:30]))[1], 1)
+    name, data = with_schema(encode_stored(full(pairs[:30]))[1], SNAPSHOT_SCHEMA - 1)
     await log.save_snapshot(name, data)
     with capture_logs() as logs:
         assert await rebuild(log) == full(pairs)
     assert used(logs) == [mine]
-    assert ignored(logs) == ["schema 1; this version reads schema 2"]
+    assert ignored(logs) == [f"schema {SNAPSHOT_SCHEMA - 1}; this version reads schema {SNAPSHOT_SCHEMA}"]
 
 
 async def test_a_snapshot_past_the_end_or_naming_another_event_is_refused_in_words():
@@ -214,7 +215,7 @@ def test_names_say_what_a_snapshot_covers_and_refuse_what_is_not_one():
     pairs = numbered(scripted_history(3))
     h, data = encode_stored(full(pairs))
     n = parse_name(snapshot_name(h))
-    assert n is not None and (n.kind, n.schema, n.seq) == ("cluster", 2, len(pairs))
+    assert n is not None and (n.kind, n.schema, n.seq) == ("cluster", SNAPSHOT_SCHEMA, len(pairs))
     assert n.max_ts_us is not None and n.max_ts_us == int(full(pairs).max_ts.timestamp() * 1_000_000)  # type: ignore[union-attr]
     for bad in ("cluster", "cluster.v2.12.t1", "cluster.v2.000000000012", "../x.v2.000000000012.t1", ""):
         assert parse_name(bad) is None

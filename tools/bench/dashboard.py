@@ -53,6 +53,17 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-backg
                  "--disable-component-update", "--disable-sync", "--no-first-run"]
 
 
+async def until(page: Any, js: str, timeout: float) -> None:
+    """Poll a JS expression every 20 ms until it is truthy. `page.evaluate` runs outside the page's
+    CSP (`script-src 'self'`); playwright's `wait_for_function` evaluates its string with eval inside
+    the page, which that CSP refuses."""
+    deadline = time.monotonic() + timeout
+    while not await page.evaluate(js):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"not true within {timeout} s: {js}")
+        await asyncio.sleep(0.02)
+
+
 class History:
     """A valid history (no anomalies): the replicas and their cards are fixed, levels move."""
 
@@ -220,8 +231,7 @@ async def main() -> None:
                 page = await browser.new_page(viewport={"width": 1400, "height": 900})
                 t0 = time.perf_counter()
                 await page.goto(dash.url)  # the URL with the token: the page keeps it in a cookie
-                await page.wait_for_function(f"window.ndif && window.ndif.renderedSeq >= {last}", timeout=60_000,
-                                             polling=20)
+                await until(page, f"window.ndif && window.ndif.renderedSeq >= {last}", timeout=60)
                 out["first_render_s"] = round(time.perf_counter() - t0, 2)
                 # Where it went: the state's fetch (request to parsed) and the first frame's script.
                 probe_t = await page.evaluate("window.ndif.t")
@@ -230,8 +240,8 @@ async def main() -> None:
                 out["page_blocks"] = await page.evaluate("document.querySelectorAll('.block').length")
                 # The plots and lifelines are on: the selected model's four plots, its lifelines and
                 # the first node's card memory, asked after the first render.
-                await page.wait_for_function("window.ndif.plots.rev > 0 && window.ndif.plots.cards && "
-                                             "window.ndif.lifeline.rev > 0", timeout=60_000, polling=20)
+                await until(page, "window.ndif.plots.rev > 0 && window.ndif.plots.cards && "
+                            "window.ndif.lifeline.rev > 0", timeout=60)
                 out["plots_drawn_s"] = round(time.perf_counter() - t0, 2)
                 print(f"first render {out['first_render_s']} s ({out['page_blocks']} blocks drawn)", flush=True)
 
@@ -252,7 +262,7 @@ async def main() -> None:
                 sent, elapsed = await asyncio.get_running_loop().run_in_executor(None, parent.recv)
                 proc.join()
                 final = sent[-1][0]
-                await page.wait_for_function(f"window.ndif.renderedSeq >= {final}", timeout=30_000)
+                await until(page, f"window.ndif.renderedSeq >= {final}", timeout=30)
                 renders = await page.evaluate("window.ndif.renders")
                 received = await page.evaluate("window.ndif.received")  # [seq, ms] as each update arrived
                 await browser.close()

@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -90,8 +92,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"workload: {w.requests} requests for {spec.models} models on {spec.nodes} nodes x "
               f"{spec.gpus_per_node} GPUs over {a.hours:g} h, generated in {t_gen:.1f} s", flush=True)
     counts = [a.fixed] * spec.models if a.fixed else peak_counts(w, cap=policy.max_replicas)
-    fixed = run_fixed(w, counts, quiet=a.quiet)
-    auto = run_autoscaler(w, policy, log_path=a.log, quiet=a.quiet)
+    # The two days are independent: the fixed one in a forked process (it inherits the workload)
+    # while this one runs the autoscaler's.
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("fork")) as pool:
+        fixed_day = pool.submit(run_fixed, w, counts, quiet=a.quiet)
+        auto = run_autoscaler(w, policy, log_path=a.log, quiet=a.quiet)
+        fixed = fixed_day.result()
     total = time.perf_counter() - t0
     if not a.quiet:
         print("fixed:      " + json.dumps(fixed.summary()), flush=True)

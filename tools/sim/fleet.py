@@ -23,7 +23,7 @@ from typing import IO
 
 from workload import GB, Workload
 
-from controlplane.core.autoscale import REFUSED_RETRY_S, decide_autoscale, decision_id
+from controlplane.core.autoscale import DOWN, IDLE, REFUSED_RETRY_S, classify, decide_autoscale, decision_id, evaluate
 from controlplane.core.context import DecisionContext
 from controlplane.core.decide import decide
 from controlplane.core.placement import PADDING
@@ -36,8 +36,12 @@ from schemas.status import Level, ReplicaState
 
 S = ReplicaState
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
-SIM_POLICY = AutoscalePolicy(min_replicas=0, max_replicas=8, target_queue_per_replica=4.0, upscale_delay_s=5.0,
-                             downscale_delay_s=60.0, idle_to=Level.WARM, idle_after_s=300.0, max_wait_s=30.0)
+# The simulated fleet's policy: scale up once more than 1.5 requests wait or run per replica
+# (held 2 s) or the oldest has waited 5 s; down after 2 minutes below, to WARM copies; to zero after
+# 15 minutes idle. A model with requests every few minutes keeps a replica; one idle for longer
+# gives its GPU back and its next request waits for a load from the WARM copy.
+SIM_POLICY = AutoscalePolicy(min_replicas=0, max_replicas=8, target_queue_per_replica=1.5, upscale_delay_s=2.0,
+                             downscale_delay_s=120.0, idle_to=Level.WARM, idle_after_s=900.0, max_wait_s=5.0)
 DISPATCHER = "dispatcher:sim"
 CONTROLLER = "controller:sim"
 
@@ -114,8 +118,9 @@ class Sim:
 
     def __init__(self, w: Workload, *, mode: str, start: list[int], policies: dict[int, AutoscalePolicy] | None = None,
                  log: IO[bytes] | None = None, check: Callable[[Sim, int], None] | None = None,
-                 progress: Callable[[str], None] | None = None) -> None:
+                 progress: Callable[[str], None] | None = None, exhaustive: bool = False) -> None:
         self.w, self.mode, self.policies = w, mode, policies or {}
+        self.exhaustive = exhaustive
         self.log, self.check, self.progress = log, check, progress
         self.state = ClusterState()
         n = len(w.model_keys)
@@ -127,7 +132,11 @@ class Sim:
         self.done = [0] * n
         self.arrived_now = [0] * n
         self.dirty: set[int] = set(range(n))
-        self.last_key: list[tuple[int, int, float] | None] = [None] * n
+        self.count = [0] * n  # each model's replica count (desired HOT), kept in step with the fold
+        self.last_busy = [0.0] * n  # when the dispatcher's figures last saw the model busy (its idle clock)
+        # The figures `classify` reads at the model's last look (count, queued, running, oldest
+        # over its max wait): the same again, an unchanged fold, no delay run out: the same answer.
+        self.last_raw: list[tuple[int, int, int, bool] | None] = [None] * n
         # When the autoscaler's answer for an unchanged model can next change (a delay running out).
         self.due = [math.inf] * n
         self.wake: list[tuple[float, int]] = []
@@ -145,13 +154,16 @@ class Sim:
         self.card_s = 0.0
         self.cold = self.warm = self.evictions = self.decisions = self.watches = self.rejected = 0
         self.events = self.evaluations = 0
+        self._now_s, self._now_dt = 0.0, T0
         self.by_reason: Counter[str] = Counter()
         self._setup(start)
 
     # ---- the log ------------------------------------------------------------------------------
 
     def now(self) -> datetime:
-        return T0 + timedelta(seconds=self.now_s)
+        if self._now_s != self.now_s:
+            self._now_s, self._now_dt = self.now_s, T0 + timedelta(seconds=self.now_s)
+        return self._now_dt
 
     def apply(self, events: list[E.Event]) -> None:
         """Fold events as the controller's follow loop would, keeping the sim's own indexes in step."""
@@ -178,6 +190,7 @@ class Sim:
                 continue
             i = self.index[rkey[0]]
             self.dirty.add(i)
+            self.count[i] = st.replica_count(rkey[0])
             new = st.replicas.get(rkey)
             if cls is E.ReplicaScheduled:
                 if ev.source is Level.WARM:  # type: ignore[attr-defined]
@@ -286,7 +299,7 @@ class Sim:
         return QueueFigures(model_key=self.w.model_keys[i], queued=len(q), running=running,
                             oldest_wait_s=round(t - q[0], 3) if q else 0.0,
                             arrival_rate=self.arrived_now[i] / self.w.spec.tick_s, completions=self.done[i],
-                            dispatcher=DISPATCHER, ts=self.now())
+                            dispatcher=DISPATCHER, ts=self.now(), idle_s=t - self.last_busy[i])
 
     # ---- the day -----------------------------------------------------------------------------
 
@@ -331,18 +344,25 @@ class Sim:
             self.now_s = t * tick
             self._fire_timers()
             models, counts = w.arrivals(t)
+            queue, arrived, now_s = self.queue, self.arrived_now, self.now_s
             for m, c in zip(models.tolist(), counts.tolist(), strict=True):
-                q = self.queue[m]
-                step = tick / c
-                base = self.now_s + step / 2
-                q.extend(base + j * step for j in range(c))
-                self.arrived_now[m] = c
+                if c == 1:
+                    queue[m].append(now_s + tick / 2)
+                else:
+                    step = tick / c
+                    base = now_s + step / 2
+                    queue[m].extend([base + j * step for j in range(c)])
+                arrived[m] = c
                 active.add(m)
             t_end = self.now_s + tick
             touched = list(active)
+            busy = self.last_busy
+            free = self.free
             for m in touched:
-                self._serve(m, t_end)
-                if not self.queue[m] and not any(f > t_end for f in self.free[m]):
+                busy[m] = t_end  # queued, running or finishing in this tick: the figures at its end say busy
+                if queue[m]:
+                    self._serve(m, t_end)
+                if not queue[m] and max(free[m], default=0.0) <= t_end:
                     active.discard(m)
             # GPU accounting for this tick, then the figures at its end go to the autoscaler: for
             # the models whose figures moved, whose replicas changed, or whose delay ran out.
@@ -350,7 +370,7 @@ class Sim:
             self.card_s += len(self.card_refs) * tick
             self.now_s = t_end
             if autoscaled:
-                todo = set(touched)
+                todo = set(self.policies) if self.exhaustive else set(touched)
                 todo |= self.dirty
                 while self.wake and self.wake[0][0] <= t_end:
                     todo.add(heapq.heappop(self.wake)[1])
@@ -386,41 +406,67 @@ class Sim:
         )
 
     def _autoscale(self, i: int) -> None:
-        """The controller's tick for one model, skipped when its answer cannot have changed: same
-        figures, same replicas, and no condition whose delay is running."""
+        """The controller's tick for one model, skipped when its answer cannot have changed: the
+        same inputs of `classify` (or the same classification), the same fold, and no delay run
+        out since the last evaluation (which then decided nothing). `exhaustive` evaluates anyway
+        (the check that skipping changes no decision)."""
         q = self.queue[i]
-        mk = self.w.model_keys[i]
         t = self.now_s
-        running = sum(1 for f in self.free[i] if f > t)
-        key = (len(q), running, round(t - q[0], 3) if q else 0.0)
-        if i not in self.dirty and key == self.last_key[i] and t < self.due[i]:
+        n = self.count[i]
+        p = self.policies[i]
+        queued = len(q)
+        lanes = self.free[i]
+        running = sum(1 for f in lanes if f > t) if lanes and max(lanes) > t else 0
+        fresh = i not in self.dirty and t < self.due[i] and not self.exhaustive
+        raw = (n, queued, running, bool(q) and p.max_wait_s is not None and t - q[0] > p.max_wait_s)
+        if fresh and raw == self.last_raw[i]:
+            return
+        self.last_raw[i] = raw
+        seen = QueueFigures(queued=queued, running=running, oldest_wait_s=t - q[0] if q else 0.0)
+        key = classify(p, n, seen)
+        if fresh and not (n == 0 and queued) and self._same(i, key[0]):
             return
         self.dirty.discard(i)
-        self.last_key[i] = key
         self.evaluations += 1
-        cid = decision_id(self.state, mk, str(i))
-        ctx = DecisionContext(now=self.now(), actor=CONTROLLER, command_id=cid, seed=self.state.seq)
-        events = decide_autoscale(self.state, mk, self.figures(i), ctx, headroom=PADDING)
-        if events:
-            self.apply(events)
-            self.dirty.add(i)
-            return
+        mk = self.w.model_keys[i]
+        now = self.now()
+        f = self.figures(i)
+        if evaluate(self.state, mk, f, now) is not None:
+            cid = decision_id(self.state, mk, str(i))
+            ctx = DecisionContext(now=now, actor=CONTROLLER, command_id=cid, seed=self.state.seq)
+            events = decide_autoscale(self.state, mk, f, ctx, headroom=PADDING)
+            if events:
+                self.apply(events)
+                self.dirty.add(i)
+                return
         due = self._next_due(i, t)
         self.due[i] = due
         if due < math.inf:
             heapq.heappush(self.wake, (due, i))
 
+    def _same(self, i: int, condition: str) -> bool:
+        """The condition the figures show is the one the log watches (idle: within a `down` or
+        nothing watched, its delay in the figures): before a delay runs out, `evaluate` answers
+        nothing, whatever count the condition asks for."""
+        logged = self.state.models[self.w.model_keys[i]].autoscale_condition
+        return condition == logged or (condition == IDLE and logged in ("", DOWN))
+
     def _next_due(self, i: int, t: float) -> float:
         """The first time after `t` at which `evaluate` could answer otherwise on the same figures
-        and fold: a delay of the watched condition, or one counted from the last change, running out."""
+        and fold: a delay of the watched condition, of idle, or one counted from the last change,
+        running out."""
         m = self.state.models[self.w.model_keys[i]]
         p = m.autoscale
         if p is None:
             return math.inf
-        marks = []
+        idle = self.last_busy[i]
+        marks = [idle + p.downscale_delay_s, idle + p.idle_after_s]
         if m.autoscale_since is not None:
             since = (m.autoscale_since - T0).total_seconds()
-            marks += [since + p.upscale_delay_s, since + p.downscale_delay_s, since + p.idle_after_s]
+            marks += [since + p.upscale_delay_s, since + p.downscale_delay_s]
+        if m.autoscale_raised_at is not None:
+            raised = (m.autoscale_raised_at - T0).total_seconds()
+            marks += [raised + p.downscale_delay_s, raised + p.idle_after_s]
         if m.autoscale_last_at is not None:
             last = (m.autoscale_last_at - T0).total_seconds()
             marks += [last + p.downscale_delay_s, last + max(REFUSED_RETRY_S, p.upscale_delay_s)]

@@ -60,7 +60,7 @@ _DEAD = frozenset({ReplicaState.FAILED, ReplicaState.LOAD_FAILED})
 
 _AUTHORED = AGENT_FACTS | DISPATCHER_FACTS
 
-SNAPSHOT_SCHEMA = 2  # of ClusterSnapshot: a snapshot of another schema is never loaded (folded anew instead)
+SNAPSHOT_SCHEMA = 3  # of ClusterSnapshot: a snapshot of another schema is never loaded (folded anew instead)
 # Commands whose records (the idempotency of a command id, its events' positions) are kept: a
 # command id sent again after this many newer commands is decided anew.
 MAX_COMMANDS_KEPT = 10_000
@@ -158,6 +158,10 @@ class ModelView(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     autoscale_cid: str = ""
     autoscale_seq: int = 0
     autoscale_scaled_seq: int = 0  # seq of its last decision that changed the count
+    # When the count of an autoscaled model was last raised (the autoscaler's scale-up, or a deploy:
+    # an operator's or a dispatcher's provisioning from zero): idle is counted from here at the
+    # earliest, as figures taken before the raise do not show the requests that caused it.
+    autoscale_raised_at: datetime | None = None
 
 
 class CommandRecord(msgspec.Struct, frozen=True, kw_only=True, gc=False):
@@ -212,7 +216,7 @@ class ClusterState(Projection):
     """Fold of NDIF_EVENTS into the cluster placement view."""
 
     __slots__ = ("_by_model", "_card_leaving", "_card_totals", "_cards", "_cpu", "_cpu_pending", "_gone",
-                 "_node_free", "commands", "declared", "models", "nodes", "replicas", "undeployed")
+                 "_live_nodes", "_node_free", "commands", "declared", "models", "nodes", "replicas", "undeployed")
 
     def __init__(self) -> None:
         super().__init__()
@@ -238,6 +242,7 @@ class ClusterState(Projection):
         # node -> free (total - committed) bytes of its cards, largest first; computed on demand and
         # dropped whenever a card of the node changes. Lets placement skip full nodes in O(1).
         self._node_free: dict[str, NodeFree] = {}
+        self._live_nodes: list[NodeView] | None = None  # live_nodes(), dropped on every node event
 
     # ---- the reducer -------------------------------------------------------------------------
 
@@ -280,6 +285,8 @@ class ClusterState(Projection):
         if isinstance(ev, ReplicaEvent):
             self._replica_event(seq, ev)
             return
+        if isinstance(ev, NodeJoined | NodeDeclared | NodeLost):
+            self._live_nodes = None
         match ev:
             case NodeJoined():
                 self._node_free.pop(ev.node_id, None)  # a node may re-join with other cards
@@ -327,6 +334,8 @@ class ClusterState(Projection):
                     headroom=m.headroom if ev.headroom is None else ev.headroom,
                     gpus=m.gpus if ev.gpus is None else ev.gpus,
                     requires=ev.requires if isinstance(ev.requires, Requirements) else m.requires,
+                    autoscale_raised_at=(ev.ts if m.autoscale is not None and ev.target_hot > m.target_hot
+                                         else m.autoscale_raised_at),
                     # an operator's deploy/scale/scale-down of an autoscaled model: its count stands
                     # (a dispatcher's provisioning deploy of a model at zero is not an operator's)
                     autoscale_manual=m.autoscale_manual or (m.autoscale is not None
@@ -343,7 +352,8 @@ class ClusterState(Projection):
                 self.models[ev.model_key] = _replace(
                     m, autoscale_condition=ev.condition, autoscale_since=ev.since if ev.condition else None,
                     autoscale_last_at=ev.ts if scaled else m.autoscale_last_at, autoscale_cid=ev.command_id or "",
-                    autoscale_seq=seq, autoscale_scaled_seq=seq if scaled else m.autoscale_scaled_seq)
+                    autoscale_seq=seq, autoscale_scaled_seq=seq if scaled else m.autoscale_scaled_seq,
+                    autoscale_raised_at=ev.ts if ev.target > ev.current else m.autoscale_raised_at)
             case PlacementRejected():
                 m = self._model(ev.model_key)
                 rej = RejectionView(seq=seq, needed_bytes=ev.needed_bytes, free_bytes=ev.free_bytes,
@@ -609,13 +619,21 @@ class ClusterState(Projection):
         held = sum(b for k, b in self._cpu.get(node_id, {}).items() if self.replicas[k].desired is not Level.COLD)
         return held + self.cpu_pending(node_id)
 
+    def live_nodes(self) -> list[NodeView]:
+        """Live nodes with GPUs, sorted by id (placement's scan order before its rotation); kept
+        until the next node event, so a decision does not sort a large fleet again."""
+        if self._live_nodes is None:
+            self._live_nodes = [n for _, n in sorted(self.nodes.items()) if n.alive and n.gpus]
+        return self._live_nodes
+
     def model_replicas(self, model_key: str) -> list[ReplicaView]:
         """Every replica of a model ever scheduled, by replica id."""
         return [self.replicas[(model_key, i)] for i in sorted(self._by_model.get(model_key, ()))]
 
     def replica_count(self, model_key: str) -> int:
         """The replica count of a model: replicas whose desired level is HOT."""
-        return sum(1 for r in self.model_replicas(model_key) if r.desired is Level.HOT)
+        replicas = self.replicas
+        return sum(1 for i in self._by_model.get(model_key, ()) if replicas[(model_key, i)].desired is Level.HOT)
 
     def model_status(self, model_key: str, min_ready: int = 1) -> ModelStatus:
         """The model's status, derived from its replicas (Available once min(`min_ready`, its target) serve)."""

@@ -65,7 +65,7 @@ from dataplane.serving.link import ReplicaLink
 from dataplane.serving.ports import ServingPorts
 from dataplane.serving.processor import Processor, ProcessorHooks
 from schemas import errors as errs
-from schemas.autoscale import FIGURES_CADENCE_S, QueueFigures
+from schemas.autoscale import FIGURES_CADENCE_S, MAX_IDLE_S, QueueFigures
 from schemas.subjects import DISPATCHER_STATE, figures_subject, kill_subject
 
 _figures_encoder = msgspec.json.Encoder()
@@ -165,6 +165,7 @@ class Dispatcher:
         self.intake: Intake | None = None
         self.follower: LogFollower | None = None
         self._last_figures: dict[str, tuple[int, int]] = {}  # model token -> (queued + running, finished)
+        self._busy_at: dict[str, float] = {}  # model token -> when figures last saw it busy (monotonic)
 
     @classmethod
     def from_url(cls, url: str, *, creds: Creds | None = None, name: str | None = None, **kw: Any) -> Dispatcher:
@@ -283,9 +284,14 @@ class Dispatcher:
 
     def figures(self, now_s: float, dt_s: float) -> list[QueueFigures]:
         """Every served model's queue figures now (`now_s`: monotonic; `dt_s`: since the last call,
-        for the arrival rate: requests finished plus the growth of queued + running, per second)."""
+        for the arrival rate: requests finished plus the growth of queued + running, per second;
+        `idle_s`: since a call last saw the model's requests queued, running or finished, or since
+        its first call)."""
         out = []
         stamp = utcnow()
+        for gone in set(self._busy_at) - set(self.processors):  # a processor that left: its figures go too
+            self._busy_at.pop(gone, None)
+            self._last_figures.pop(gone, None)
         for p in self.processors.values():
             if p.model_key is None:
                 continue
@@ -293,10 +299,13 @@ class Dispatcher:
             before = self._last_figures.get(p.token, (queued + running, finished))
             arrivals = max(0, finished - before[1] + queued + running - before[0])
             self._last_figures[p.token] = (queued + running, finished)
+            if queued + running or finished != before[1] or p.token not in self._busy_at:
+                self._busy_at[p.token] = now_s
             oldest = max(0.0, now_s - min(x.received for x in p.queue)) if p.queue else 0.0
             out.append(QueueFigures(model_key=p.model_key, queued=queued, running=running, oldest_wait_s=round(oldest, 3),
                                     arrival_rate=round(arrivals / dt_s, 3) if dt_s > 0 else 0.0, completions=finished,
-                                    dispatcher=self.name, ts=stamp))
+                                    dispatcher=self.name, ts=stamp,
+                                    idle_s=round(min(now_s - self._busy_at[p.token], MAX_IDLE_S), 3)))
         return out
 
     async def _publish_figures(self, nc: NatsClient) -> None:

@@ -1,4 +1,4 @@
-"""The service over a real multi-node Ray on loopback (tests/raynodes.py): a controller with the
+"""The service over a real multi-node Ray on loopback (raynodes.py), for tests and benchmarks: a controller with the
 operator's inventory of every node, one `ndif agent` process per Ray node (found by its label, so
 its replicas are pinned to that node), an `ndif dispatcher` process, an admin client, on fresh
 streams.
@@ -10,6 +10,7 @@ raylet, as a machine dying would.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import signal
@@ -24,11 +25,10 @@ from controlplane.ops.nats_server import stop_process
 from controlplane.service.controller import Controller
 from controlplane.store.admin import AdminClient
 from controlplane.store.eventstore import JetStreamEventLog
+from dataplane.ops.raynodes import RayNodes
+from dataplane.ops.waiting import dispatcher_answering, until_state
 from schemas.inventory import CardGroup, Inventory, NodeInventory
 from schemas.status import ReplicaState, RequestStatus
-from tests.conftest import bounded, fresh_event_log
-from tests.raynodes import RayNodes
-from tests.waiting import dispatcher_answering, until_state
 
 GiB = 2**30
 
@@ -87,10 +87,10 @@ def inventory(specs: dict[str, NodeSpec]) -> Inventory:
 
 
 @contextlib.asynccontextmanager
-async def running(url: str, rn: RayNodes, specs: dict[str, NodeSpec], *,
+async def running(url: str, lg: JetStreamEventLog, rn: RayNodes, specs: dict[str, NodeSpec], *,
                   heartbeat_grace_s: float = 20.0) -> AsyncIterator[Stack]:
-    """Controller (the inventory of `specs`), an agent per node of `specs`, the dispatcher; every node up."""
-    lg = await fresh_event_log(url)
+    """Controller (the inventory of `specs`), an agent per node of `specs`, the dispatcher; every node
+    up. Over the log `lg` on `url` (the caller's, on the streams it wants); closed on the way out."""
     ctl = await Controller.from_url(url, policy_interval_s=0.3, heartbeat_grace_s=heartbeat_grace_s,
                                     inventory=inventory(specs)).start()
     admin = await AdminClient.open(url, timeout=30)
@@ -105,9 +105,12 @@ async def running(url: str, rn: RayNodes, specs: dict[str, NodeSpec], *,
     finally:
         for proc in [*stack.agents.values(), *([stack.dispatcher] if stack.dispatcher else [])]:
             stop_process(proc, signal.SIGTERM, 20)
-        await bounded(admin.close(), "admin.close")
-        await bounded(ctl.stop(), "controller.stop")
-        await bounded(lg.close(), "log.close")
+        for what, step in (("admin.close", admin.close()), ("controller.stop", ctl.stop()),
+                           ("log.close", lg.close())):
+            try:
+                await asyncio.wait_for(step, 30)
+            except TimeoutError:
+                raise AssertionError(f"teardown step {what!r} did not finish within 30 s") from None
 
 
 async def until_available(st: Stack, model_key: str, n: int, timeout: float = 150.0) -> ClusterState:

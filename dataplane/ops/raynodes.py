@@ -1,14 +1,17 @@
-"""A real multi-node Ray cluster on loopback for tests: one `ray start --block` process per node (the
+"""A real multi-node Ray cluster on loopback for tests and benchmarks: one `ray start --block` process per node (the
 head and workers, each its own raylet), every node labelled with the ndif node id it is
 (`ndif.node_id`, what an agent finds its Ray node by), with token auth on (this process's token).
 
 Each node is stopped through its own `ray start` process (SIGTERM, which stops what it started);
-`kill(node)` SIGKILLs that node's raylet, as a machine dying would. Nothing here uses `ray stop`
+`kill(node)` SIGKILLs that node's raylet, `kill_group(node)` its whole process group (the `ray
+start`, raylet and the workers on it at once), as a machine dying would; `restart(node)` starts it
+again on its address with its label (a fresh raylet: a new Ray node id). Nothing here uses `ray stop`
 (it stops every Ray of the user on the machine, other test processes' included).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -42,6 +45,7 @@ def free_port() -> int:
 @dataclass
 class RayNode:
     node_id: str
+    ip: str
     proc: subprocess.Popen[bytes]
     log: Path
     started_s: float = 0.0
@@ -75,29 +79,28 @@ class RayNodes:
     def address(self) -> str:
         return f"{HEAD_IP}:{self.port}"
 
-    def _start(self, node_id: str, args: list[str]) -> RayNode:
+    def _start(self, node_id: str, ip: str, args: list[str]) -> RayNode:
         log = self.root / f"{node_id}.{len(self.dead)}.log"
         cmd = [RAY, "start", "--block", "--num-cpus", str(self.cpus),
                "--num-gpus", "0", "--labels", f"{ray_adapter.NODE_LABEL}={node_id}",
                "--object-store-memory", str(80 * 2**20), "--disable-usage-stats",
-               "--dashboard-agent-listen-port", str(free_port()), *args]
+               "--dashboard-agent-listen-port", str(free_port()), "--node-ip-address", ip, *args]
         proc = subprocess.Popen(cmd, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 start_new_session=True)
-        node = RayNode(node_id, proc, log, started_s=time.monotonic())
+        node = RayNode(node_id, ip, proc, log, started_s=time.monotonic())
         threading.Thread(target=_pump, args=(proc.stdout, log, node.lines), daemon=True).start()
         self.nodes[node_id] = node
         return node
 
     def head(self, node_id: str) -> RayNode:
         self.port = free_port()
-        return self._start(node_id, ["--head", "--port", str(self.port), "--include-dashboard", "false",
-                                     "--node-ip-address", HEAD_IP])
+        return self._start(node_id, HEAD_IP, ["--head", "--port", str(self.port), "--include-dashboard", "false"])
 
     def worker(self, node_id: str) -> RayNode:
         """A worker node on an address of its own on loopback (127.0.0.12, .13, ...)."""
         assert self.port, "start the head first"
         self.workers += 1
-        return self._start(node_id, ["--address", self.address, "--node-ip-address", f"127.0.0.{11 + self.workers}"])
+        return self._start(node_id, f"127.0.0.{11 + self.workers}", ["--address", self.address])
 
     def start(self, head: str, *workers: str, tries: int = 2) -> None:
         """The head, then each worker once the one before it is up (raylets registering at once on
@@ -140,6 +143,31 @@ class RayNodes:
         self.dead.append(node)
         return at
 
+    def kill_group(self, node_id: str) -> float:
+        """SIGKILL the node's whole process group at once (its `ray start`, raylet and every worker on
+        it: a machine dying, nothing of it left to clean up). The monotonic time of the kill."""
+        node = self.nodes.pop(node_id)
+        try:
+            kids = psutil.Process(node.proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            kids = []
+        os.killpg(node.proc.pid, signal.SIGKILL)  # its own session's group (start_new_session)
+        at = time.monotonic()
+        for kid in kids:  # any that left the group (a process of its own session) goes too
+            with contextlib.suppress(psutil.NoSuchProcess):
+                kid.kill()
+        node.proc.wait()
+        self.dead.append(node)
+        return at
+
+    def restart(self, node_id: str) -> RayNode:
+        """A killed worker node started again on its address with its label (a fresh raylet, a new
+        Ray node id), once it says it started."""
+        old = next(n for n in reversed(self.dead) if n.node_id == node_id)
+        node = self._start(node_id, old.ip, ["--address", self.address])
+        self.wait_started()
+        return node
+
     def stop(self) -> None:
         procs = [node.proc for node in [*self.nodes.values(), *self.dead]]
         for proc in procs:  # all at once: each stops its own node's processes
@@ -181,7 +209,7 @@ def probe(address: str, env: dict[str, str]) -> dict[str, Any]:
     """What the Ray cluster at `address` says, asked from a process of its own (the test process keeps
     out of Ray: its session's local Ray may be up): every node (id, alive, ndif label) and, for every
     replica actor, the Ray node it runs on (`info()` inside the actor)."""
-    out = subprocess.run([sys.executable, "-m", "tests.raynodes", "probe", address], env=env, capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "dataplane.ops.raynodes", "probe", address], env=env, capture_output=True,
                          timeout=120)
     if out.returncode != 0:
         raise RuntimeError(f"probe failed: {out.stderr.decode(errors='replace')[-2000:]}")

@@ -1,0 +1,293 @@
+"""Benchmark of fair serving: a light user's wait under a heavy user's flood, idle replicas while
+requests wait, and the throughput of fair dispatch against FIFO on the same load.
+
+One machine: nats-server, local Ray, the controller, a node agent (2 declared cards), 2 replicas of
+a tiny gpt2 (real ModelActors running `forward`), and two dispatchers sharing the model's durable
+consumer (each with its lanes on both replicas, as two dispatcher hosts would). The dispatchers run
+in this process, so a sampler can read their queues and calls; the load is published as the SDK
+publishes it, on each user's own subject.
+
+ (idle) the light user alone: `--light` requests, one published every `--gap-ms` (whatever became
+        of the earlier ones), each timed from its publish to its terminal status;
+ (flood) rounds, fair and FIFO dispatchers alternately (`NDIF_FAIRNESS` `order`, the same policy
+        otherwise): the heavy user stores `--heavy` requests (200 publishes at a time), then the
+        light user runs the idle phase's pattern while the flood is served; each round's throughput
+        is all its requests (the same work under either order) over the time from the first publish
+        to the last terminal status.
+ Meanwhile a sampler (every `--sample-ms`) adds up replica-seconds a ready replica had no call
+ outstanding from either dispatcher while the model had requests waiting: queued at a dispatcher,
+ or handed to another replica behind the one it runs.
+
+The last line printed is one JSON object:
+  light_user_wait_p99_s       the light user's wait p99 under the flood (every fair round's waits)
+  idle_light_user_wait_p99_s  the same figure on the idle cluster
+  light_wait_ratio            their ratio (target <= 2)
+  idle_replica_s_with_queue   replica-seconds idle while requests of the model waited (fair rounds, summed)
+  fair_throughput_ratio       median over paired rounds of fair req/s over FIFO req/s (target >= 0.95)
+and, for the record, the FIFO rounds' light wait and idle figures, the req/s medians and the flood's
+backlog when the light user finished.
+
+    python tools/bench/fairness.py [--heavy 1500] [--light 30] [--rounds 4] [--gap-ms 50] [--sample-ms 5]
+                                   [--new-tokens 0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from controlplane.service.logs import configure
+
+configure("ERROR")
+logging.getLogger("ray").setLevel(logging.ERROR)
+
+from benchkit import pct  # noqa: E402
+
+from controlplane.core.fairness import FairnessPolicy  # noqa: E402
+from controlplane.ops.nats_server import EmbeddedNats  # noqa: E402
+from controlplane.service.controller import Controller  # noqa: E402
+from controlplane.store.admin import AdminClient  # noqa: E402
+from controlplane.store.eventstore import JetStreamEventLog  # noqa: E402
+from dataplane.node.agent import NodeAgent, declared_gpus  # noqa: E402
+from dataplane.node.tiny_models import make_tiny_gpt2  # noqa: E402
+from dataplane.runtime import ray_adapter  # noqa: E402
+from dataplane.serving.dispatcher import Dispatcher  # noqa: E402
+from dataplane.serving.processor import Processor, idle_replicas_with_queue  # noqa: E402
+from schemas.keys import canonical_model_key  # noqa: E402
+from schemas.requests import Request, encoder, status_decoder  # noqa: E402
+from schemas.status import RequestStatus  # noqa: E402
+from schemas.subjects import model_token, request_subject, user_statuses  # noqa: E402
+
+REPLICAS = 2
+DISPATCHERS = ("bench-dispatcher-a", "bench-dispatcher-b")
+
+
+class Load:
+    """Publishes requests as the SDK does (its dedup id shape) and times each to its terminal status."""
+
+    def __init__(self, log: JetStreamEventLog, mk: str, new_tokens: int = 0) -> None:
+        self.log = log
+        self.mk = mk
+        self.new_tokens = new_tokens  # 0: every request a forward pass; N: a generation of N tokens
+        self.sent: dict[str, float] = {}  # request id -> monotonic publish time
+        self.ended: dict[str, float] = {}  # request id -> monotonic time its terminal status arrived
+        self.failed: dict[str, str] = {}  # request id -> its error, for a request that did not complete
+        self.waiters: dict[str, asyncio.Event] = {}
+
+    async def listen(self) -> list[Any]:
+        """One subscription per user: the light user's statuses never queue behind the flood's in
+        this client (nats-py hands each subscription its messages in order, from its own queue)."""
+
+        async def on_status(msg: Any) -> None:
+            s = status_decoder.decode(msg.data)
+            if s.terminal and s.request_id in self.sent and s.request_id not in self.ended:
+                self.ended[s.request_id] = time.monotonic()
+                if s.status is not RequestStatus.COMPLETED:
+                    self.failed[s.request_id] = f"{s.error}: {s.message}"
+                ev = self.waiters.pop(s.request_id, None)
+                if ev is not None:
+                    ev.set()
+
+        return [await self.log.nc.subscribe(user_statuses(user), cb=on_status) for user in ("light", "heavy", "warm")]
+
+    async def submit(self, user: str, i: int) -> str:
+        rid = f"{user}-{i}-{uuid.uuid4().hex[:10]}"
+        payload: dict[str, Any] = {"op": "forward", "input_ids": [[1 + i % 50, 2, 3]]}
+        if self.new_tokens:
+            payload.update(op="generate", max_new_tokens=self.new_tokens)
+        req = Request(request_id=rid, model_key=self.mk, submitted_at=datetime.now(UTC), user=user, payload=payload)
+        self.sent[rid] = time.monotonic()
+        await self.log.js.publish(request_subject(self.mk, user), encoder.encode(req),
+                                  headers={"Nats-Msg-Id": f"{user}.bench.{rid}"})
+        return rid
+
+    async def one(self, user: str, i: int, timeout: float = 120) -> float:
+        """Publish one request and wait for its end: its wait in seconds (publish -> terminal status)."""
+        rid = await self.submit(user, i)
+        if rid not in self.ended:  # (its status may have come before the publish's ack)
+            ev = self.waiters[rid] = asyncio.Event()
+            await asyncio.wait_for(ev.wait(), timeout)
+        return self.ended[rid] - self.sent[rid]
+
+    async def light_user(self, n: int, gap_s: float) -> list[float]:
+        """`n` requests, one published every `gap_s` whatever the earlier ones' fate (so the work of a
+        round is the same under fair and FIFO dispatch); each one's wait."""
+        tasks = []
+        for i in range(n):
+            tasks.append(asyncio.create_task(self.one("light", i)))
+            await asyncio.sleep(gap_s)
+        return list(await asyncio.gather(*tasks))
+
+    async def flood(self, n: int) -> list[str]:
+        rids: list[str] = []
+        for start in range(0, n, 200):
+            rids += await asyncio.gather(*(self.submit("heavy", i) for i in range(start, min(n, start + 200))))
+        return rids
+
+    async def until_ended(self, rids: list[str], timeout: float) -> None:
+        async with asyncio.timeout(timeout):
+            while any(r not in self.ended for r in rids):
+                await asyncio.sleep(0.05)
+
+
+class IdleSampler:
+    """Replica-seconds a ready replica had no call outstanding from any dispatcher while requests of
+    the model waited (queued at a dispatcher, or handed to another replica behind its running one)."""
+
+    def __init__(self, dispatchers: list[Dispatcher], token: str, every_s: float) -> None:
+        self.dispatchers = dispatchers
+        self.token = token
+        self.every_s = every_s
+        self.idle_s = 0.0
+        self.samples = 0
+
+    def procs(self) -> list[Processor]:
+        return [p for d in self.dispatchers if (p := d.processors.get(self.token)) is not None]
+
+    def idle_now(self) -> int:
+        return idle_replicas_with_queue(self.procs())
+
+    async def run(self) -> None:
+        last = time.monotonic()
+        idle = self.idle_now()
+        while True:
+            await asyncio.sleep(self.every_s)
+            now = time.monotonic()
+            self.idle_s += idle * (now - last)
+            self.samples += 1
+            last, idle = now, self.idle_now()
+
+
+async def start_dispatchers(url: str, policy: FairnessPolicy, load: Load, token: str) -> list[Dispatcher]:
+    """Two dispatchers with `policy`, each with lanes on both replicas (warmed with a few requests)."""
+    ds = [await Dispatcher.from_url(url, name=name, fairness=policy).start() for name in DISPATCHERS]
+    async with asyncio.timeout(60):
+        i = 0
+        while True:
+            await asyncio.gather(*(load.one("warm", i + k) for k in range(8)))
+            i += 8
+            procs = [d.processors.get(token) for d in ds]
+            if all(p is not None and len(p.ready) == REPLICAS for p in procs):
+                return ds
+
+
+async def stop_dispatchers(ds: list[Dispatcher]) -> None:
+    for d in ds:
+        await d.stop()
+
+
+async def flood_round(url: str, policy: FairnessPolicy, load: Load, token: str, a: argparse.Namespace
+                      ) -> tuple[dict[str, float], list[float]]:
+    ds = await start_dispatchers(url, policy, load, token)
+    sampler = IdleSampler(ds, token, a.sample_ms / 1000)
+    sampling = asyncio.create_task(sampler.run())
+    try:
+        t0 = time.monotonic()
+        heavy = await load.flood(a.heavy)
+        light = await load.light_user(a.light, a.gap_ms / 1000)
+        light_done = time.monotonic()
+        left = sum(r not in load.ended for r in heavy)
+        await load.until_ended(heavy, timeout=600)
+        t1 = max(light_done, *(load.ended[r] for r in heavy))  # the round's every request ended
+    finally:
+        sampling.cancel()
+        await stop_dispatchers(ds)
+    return {"rps": (a.heavy + a.light) / (t1 - t0), "light_p99_s": pct(light, 99), "light_p50_s": pct(light, 50),
+            "light_first_s": light[0], "light_rest_max_s": max(light[1:], default=0.0), "idle_replica_s": sampler.idle_s, "heavy_left_when_light_done": left, "flood_s": t1 - t0}, light
+
+
+async def main(a: argparse.Namespace) -> dict[str, float]:
+    tmp = Path(tempfile.mkdtemp(prefix="ndif-bench-fair-"))
+    srv = EmbeddedNats(tmp / "nats")
+    await srv.astart()
+    url = srv.url
+    ray_adapter.start_local(2, num_cpus=4)
+    ckpt = str(make_tiny_gpt2(tmp / "tiny"))
+    mk = canonical_model_key(ckpt)
+    token = model_token(mk)
+    log = await JetStreamEventLog.open(url)
+    out: dict[str, float] = {}
+    fair, fifo = FairnessPolicy(), FairnessPolicy(order="fifo")
+    try:
+        async with Controller.from_url(url, policy_interval_s=0.5), \
+                await NodeAgent.open(url, "bench-node", gpus=declared_gpus(2, 80 * 10**9), cpu_cache_bytes=10**10,
+                                     drain_timeout_s=0.05, heartbeat_s=1.0), \
+                await AdminClient.open(url) as admin:
+            await admin.wait(await admin.deploy(ckpt, REPLICAS), timeout=120)
+            load = Load(log, mk, a.new_tokens)
+            subs = await load.listen()
+            try:
+                ds = await start_dispatchers(url, fair, load, token)
+                try:
+                    idle = await load.light_user(a.light, a.gap_ms / 1000)
+                finally:
+                    await stop_dispatchers(ds)
+                print(f"(idle) light user alone: wait p50 {pct(idle, 50) * 1000:.1f} ms, p99 "
+                      f"{pct(idle, 99) * 1000:.1f} ms ({a.light} requests)", flush=True)
+                rounds: list[tuple[dict[str, float], dict[str, float]]] = []
+                waits: dict[str, list[float]] = {"fair": [], "fifo": []}  # the light user's, every round
+                for r in range(a.rounds):
+                    got = {}
+                    # Alternate which goes first: the VM's speed drifts, a pair's ratio less so.
+                    for name in (("fair", "fifo") if r % 2 == 0 else ("fifo", "fair")):
+                        got[name], w = await flood_round(url, fair if name == "fair" else fifo, load, token, a)
+                        waits[name] += w
+                        g = got[name]
+                        print(f"(flood) round {r + 1} {name}: {g['rps']:.0f} req/s, light wait p50 "
+                              f"{g['light_p50_s'] * 1000:.1f} ms / p99 {g['light_p99_s'] * 1000:.1f} ms (the first "
+                              f"{g['light_first_s'] * 1000:.1f} ms, the others at most "
+                              f"{g['light_rest_max_s'] * 1000:.1f} ms), flood "
+                              f"left when the light user finished {g['heavy_left_when_light_done']:.0f}, idle "
+                              f"replica-s with a queue {g['idle_replica_s']:.3f}", flush=True)
+                    rounds.append((got["fair"], got["fifo"]))
+            finally:
+                for sub in subs:
+                    await sub.unsubscribe()
+            if load.failed:
+                raise RuntimeError(f"{len(load.failed)} requests did not complete, e.g. {next(iter(load.failed.values()))}")
+    finally:
+        await log.close()
+        ray_adapter.shutdown()
+        srv.close()
+    out["light_user_wait_p99_s"] = pct(waits["fair"], 99)
+    out["idle_light_user_wait_p99_s"] = pct(idle, 99)
+    out["light_wait_ratio"] = out["light_user_wait_p99_s"] / out["idle_light_user_wait_p99_s"]
+    out["idle_replica_s_with_queue"] = sum(f["idle_replica_s"] for f, _ in rounds)
+    out["fair_throughput_ratio"] = statistics.median(f["rps"] / g["rps"] for f, g in rounds)
+    out["fair_rps"] = statistics.median(f["rps"] for f, _ in rounds)
+    out["fifo_rps"] = statistics.median(g["rps"] for _, g in rounds)
+    out["fifo_light_user_wait_p99_s"] = pct(waits["fifo"], 99)
+    out["fifo_idle_replica_s_with_queue"] = sum(g["idle_replica_s"] for _, g in rounds)
+    out["heavy_left_when_light_done_min"] = min(f["heavy_left_when_light_done"] for f, _ in rounds)
+    out["flood_requests"] = a.heavy
+    out["light_requests"] = a.light
+    out["rounds"] = a.rounds
+    out["new_tokens"] = a.new_tokens
+    return out
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--heavy", type=int, default=1500, help="the heavy user's flood, per round")
+    p.add_argument("--light", type=int, default=30, help="the light user's requests, one after another")
+    p.add_argument("--gap-ms", type=float, default=50.0, help="the light user's pause between its requests")
+    p.add_argument("--rounds", type=int, default=4, help="paired rounds (fair and FIFO each once a round)")
+    p.add_argument("--sample-ms", type=float, default=5.0, help="the idle sampler's period")
+    p.add_argument("--new-tokens", type=int, default=0,
+                   help="0: every request (both users') a forward pass; N: a generation of N tokens (slower requests)")
+    res = asyncio.run(main(p.parse_args()))
+    keys = ["light_user_wait_p99_s", "idle_light_user_wait_p99_s", "light_wait_ratio", "idle_replica_s_with_queue",
+            "fair_throughput_ratio"]
+    print(json.dumps({k: round(res[k], 4) for k in [*keys, *sorted(set(res) - set(keys))]}))
