@@ -99,6 +99,7 @@ class Heartbeat(msgspec.Struct, frozen=True, kw_only=True):
     at: datetime  # the store's time of the beat
     seq: int  # its position in the store: a later beat has a higher one
     stopped: bool = False  # the agent's goodbye: it stopped cleanly
+    pool: tuple[int, int] | None = None  # its replica process pool, (ready, size), when it keeps one
 
     def age_s(self, now: datetime) -> float:
         return max(0.0, (now - self.at).total_seconds())
@@ -108,8 +109,8 @@ class Heartbeats(Protocol):
     """Where node agents say they are alive (JetStream: the KV bucket `ndif_heartbeats`, which
     forgets a node's key some time after its last beat)."""
 
-    async def beat(self, node_id: str) -> None:
-        """This node is alive, now."""
+    async def beat(self, node_id: str, pool: tuple[int, int] | None = None) -> None:
+        """This node is alive, now (with its process pool's (ready, size), when it keeps one)."""
         ...
 
     async def goodbye(self, node_id: str) -> None:

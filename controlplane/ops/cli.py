@@ -1,6 +1,6 @@
 """The admin commands of `ndif` (NDIF's CLI habits, plus what an event log makes possible).
 
-deploy, scale, scale-down, evict, restart, undeploy, autoscale, status, events, history, replay, controller.
+deploy, scale, scale-down, evict, restart, undeploy, autoscale, status, events, history, replay, init, controller.
 Every command takes --nats URL (env NDIF_NATS_URL). Errors print one line to stderr and exit
 non-zero: 2 invalid input, 3 unknown model/replica, 4 conflict, 5 infrastructure (no controller,
 timeout), 6 replay found anomalies (--strict), 7 deploy/scale placed nothing, 8 placed fewer than asked.
@@ -32,7 +32,7 @@ from controlplane.service.logs import configure
 from controlplane.service.snapshots import SNAPSHOT_EVERY, SNAPSHOT_EVERY_S
 from controlplane.store import history as H
 from controlplane.store.admin import AdminClient, resolve_name
-from controlplane.store.heartbeats import JetStreamHeartbeats, heartbeat_ages
+from controlplane.store.heartbeats import JetStreamHeartbeats, ages, last_beats
 from schemas import errors as errs
 from schemas import logs as L
 from schemas.autoscale import AutoscalePolicy
@@ -272,7 +272,9 @@ class _Status:
     async def show(self, state: ClusterState, reread: bool = True) -> None:
         if self.model is None:
             beats = JetStreamHeartbeats(self.admin.log.js)
-            _show(state, self.a.json, await heartbeat_ages(beats, sorted(state.nodes)), self.a.all)
+            seen = await last_beats(beats, sorted(state.nodes))
+            pools = {n: hb.pool for n, hb in seen.items() if hb is not None and hb.pool is not None}
+            _show(state, self.a.json, ages(seen), self.a.all, pools)
             return
         if self.model not in state.models:
             raise errs.UnknownModel(f"{display_name(self.model)} is no longer deployed (`ndif history` has its past)")
@@ -292,11 +294,11 @@ class _Status:
 
 
 def _show(state: ClusterState, as_json: bool, heartbeats: dict[str, float | None] | None = None,
-          show_all: bool = False) -> None:
+          show_all: bool = False, pools: dict[str, tuple[int, int]] | None = None) -> None:
     if as_json:
-        _out(status_json(state, heartbeats))
+        _out(status_json(state, heartbeats, pools))
     else:
-        print(render_status(state, heartbeats, show_all=show_all))
+        print(render_status(state, heartbeats, show_all=show_all, pools=pools))
     sys.stdout.flush()
 
 
@@ -572,6 +574,14 @@ def add_admin_commands(sub: Any) -> None:
     common(p)
     p.add_argument("--until", required=True, help="sequence number or ISO time (with timezone)")
     p.add_argument("--strict", action="store_true", help="fail on any anomaly in the history")
+    p = sub.add_parser("init", help="create (or check) the streams and buckets of a deployment (admin)")
+    common(p, json_flag=False)
+    p.add_argument("--stream-replicas", type=int, default=None,
+                   help="replicas of the streams and buckets (3 on a NATS cluster; default env NDIF_STREAM_REPLICAS, "
+                        "else 1)")
+    p.add_argument("--new-history", action="store_true",
+                   help="start an empty event stream even where the rest of a deployment exists (the history "
+                        "was deleted on purpose); without it that is an error")
     p = sub.add_parser("controller", help="run a controller (several may run: queue group)")
     common(p, json_flag=False)
     p.add_argument("--heartbeat-grace", type=float, default=20.0,
@@ -641,9 +651,25 @@ ADMIN: dict[str, Callable[[argparse.Namespace, AdminClient], Coroutine[Any, Any,
 }
 
 
+async def _init(a: argparse.Namespace) -> int:
+    """Create (or check) the streams and buckets of a deployment, as its admin (deploy/head.sh runs it
+    before the services, which may only check that they exist)."""
+    from controlplane.store.eventstore import JetStreamEventLog
+
+    log = await JetStreamEventLog.open(a.nats, timeout=a.timeout, ensure=False, replicas=a.stream_replicas)
+    try:
+        await log.ensure(start_new_history=a.new_history)
+    finally:
+        await log.close()
+    print(f"streams and buckets ready on {a.nats}")
+    return 0
+
+
 async def run_admin(a: argparse.Namespace) -> int:
     if a.cmd == "controller":
         return await _controller(a)
+    if a.cmd == "init":
+        return await _init(a)
     if a.cmd == "dashboard":
         return await _dashboard(a)
     async with await AdminClient.open(a.nats, timeout=a.timeout) as admin:

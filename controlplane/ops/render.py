@@ -53,11 +53,12 @@ def gone(r: ReplicaView) -> bool:
 
 
 def render_status(state: ClusterState, heartbeats: dict[str, float | None] | None = None, *,
-                  show_all: bool = False) -> str:
+                  show_all: bool = False, pools: dict[str, tuple[int, int]] | None = None) -> str:
     """Nodes and cards (GiB reserved / total), models, replicas (desired vs observed), anomalies.
 
     With `heartbeats` (node id -> seconds since its last heartbeat; `ndif status`, not `replay`),
-    the nodes table has a heartbeat column. Replicas that no longer exist (`gone`) are counted, not
+    the nodes table has a heartbeat column; with `pools` (node id -> its agent's replica process pool,
+    ready and size, from its heartbeat; nodes without one absent) a pool column when any has one. Replicas that no longer exist (`gone`) are counted, not
     listed, unless `show_all`."""
     out = [f"cluster at seq {state.seq}"]
     if state.nodes:
@@ -73,8 +74,11 @@ def render_status(state: ClusterState, heartbeats: dict[str, float | None] | Non
                          " ".join(x for x in (kinds, labels) if x) or "-", node.ray_node_id[:12] or "-"])
             if heartbeats is not None:
                 rows[-1].append(heartbeat_text(heartbeats.get(node_id), node.alive))
+            if pools:  # a pool column only where some agent keeps a pool
+                pool = pools.get(node_id)
+                rows[-1].append(f"{pool[0]}/{pool[1]}" if pool is not None else "-")
         header = (["node", "state", "gpus", "cpu cache committed", "kind labels", "ray node"]
-                  + (["heartbeat"] if heartbeats is not None else []))
+                  + (["heartbeat"] if heartbeats is not None else []) + (["pool"] if pools else []))
         out += ["", "NODES (GiB reserved/total)"] + _table(rows, header)
     if state.models:
         rows = []
@@ -130,7 +134,8 @@ def _charge(state: ClusterState, model_key: str) -> int | None:
     return padded(m.registration.size_bytes, m.headroom)
 
 
-def status_json(state: ClusterState, heartbeats: dict[str, float | None] | None = None) -> dict[str, object]:
+def status_json(state: ClusterState, heartbeats: dict[str, float | None] | None = None,
+                pools: dict[str, tuple[int, int]] | None = None) -> dict[str, object]:
     """`ndif status --json` / `ndif replay --json`: the stable shape documented in docs/cli.md.
 
     With `heartbeats` (`ndif status` only) each node also has `heartbeat_age_s` (None: no heartbeat
@@ -153,6 +158,9 @@ def status_json(state: ClusterState, heartbeats: dict[str, float | None] | None 
             age = heartbeats.get(node_id)
             nodes[-1]["heartbeat_age_s"] = age
             nodes[-1]["stale"] = node.alive and (age is None or age > STALE_S)
+        pool = (pools or {}).get(node_id)
+        if pool is not None:  # the agent's replica process pool, from its heartbeat (absent: it keeps none)
+            nodes[-1]["pool"] = {"ready": pool[0], "size": pool[1]}
     models = []
     for mk in sorted(state.models):
         m = state.models[mk]

@@ -1,7 +1,8 @@
 """Node heartbeats (the `Heartbeats` port, controlplane/core/ports.py): the KV bucket `ndif_heartbeats`,
 and an in-memory store for tests.
 
-Agents put their key every `--heartbeat` seconds (2 by default; the value is the node id) and,
+Agents put their key every `--heartbeat` seconds (2 by default; the value is the node id, then
+`\npool R/S` for an agent keeping a replica process pool: R ready of S) and,
 stopping cleanly, once more with an empty value (`stopped`); the bucket forgets a key
 `HEARTBEAT_TTL_S` after its last put. `ndif status` shows each node's heartbeat age and marks it
 stale past `STALE_S`; an agent refuses to start under a node id whose heartbeat is still live.
@@ -21,23 +22,38 @@ from controlplane.core.ports import Heartbeat, Heartbeats
 from schemas.errors import InfrastructureError
 from schemas.subjects import HEARTBEATS_BUCKET, node_token
 
-__all__ = ["STALE_S", "Heartbeat", "JetStreamHeartbeats", "MemoryHeartbeats", "heartbeat_ages"]
+__all__ = ["STALE_S", "Heartbeat", "JetStreamHeartbeats", "MemoryHeartbeats", "ages", "beat_value", "heartbeat_ages",
+           "last_beats"]
 
 STALE_S = 6.0  # three missed beats at the agents' default 2 s interval
 MAX_BEAT_BYTES = 256  # a node id; a larger value is not a heartbeat
 
 
+def beat_value(node_id: str, pool: tuple[int, int] | None = None) -> bytes:
+    """What a beat puts: the node id, and `\npool R/S` when the agent keeps a process pool."""
+    return (node_id if pool is None else f"{node_id}\npool {pool[0]}/{pool[1]}").encode()
+
+
+def _parse_pool(rest: str) -> tuple[int, int] | None:
+    """(ready, size) of a beat's `pool R/S` line; None for anything else."""
+    ready, sep, size = rest.removeprefix("pool ").partition("/")
+    if not rest.startswith("pool ") or not sep or not (ready.isdigit() and size.isdigit()) or len(rest) > 32:
+        return None
+    return int(ready), int(size)
+
+
 def beat_counts(key: str, value: bytes | None) -> bool:
     """Whether a put of `value` on heartbeat key `key` (a node token) is a beat of that node: the
-    node's id, small, whose token is the key; or empty (the agent's goodbye)."""
+    node's id (then at most its pool line), small, whose token is the key; or empty (the agent's goodbye)."""
     if not value:
         return True
     if len(value) > MAX_BEAT_BYTES:
         return False
     try:
-        return node_token(value.decode("utf-8")) == key
+        node_id, sep, rest = value.decode("utf-8").partition("\n")
     except UnicodeDecodeError:
         return False
+    return node_token(node_id) == key and (not sep or _parse_pool(rest) is not None)
 
 
 def heartbeat_subject(node_id: str) -> str:
@@ -57,8 +73,8 @@ class JetStreamHeartbeats:
         self.js = js
         self.direct = direct
 
-    async def beat(self, node_id: str) -> None:
-        await self.js.publish(heartbeat_subject(node_id), node_id.encode())
+    async def beat(self, node_id: str, pool: tuple[int, int] | None = None) -> None:
+        await self.js.publish(heartbeat_subject(node_id), beat_value(node_id, pool))
 
     async def goodbye(self, node_id: str) -> None:
         await self.js.publish(heartbeat_subject(node_id), b"")
@@ -75,7 +91,8 @@ class JetStreamHeartbeats:
         if not beat_counts(node_token(node_id), raw.data):
             return None  # not a beat of this node (forged, or junk): as if none were kept
         at = raw.time if raw.time.tzinfo is not None else raw.time.replace(tzinfo=UTC)
-        return Heartbeat(at=at, seq=int(raw.seq or 0), stopped=not raw.data)
+        _, _, rest = (raw.data or b"").decode(errors="replace").partition("\n")
+        return Heartbeat(at=at, seq=int(raw.seq or 0), stopped=not raw.data, pool=_parse_pool(rest))
 
 
 class MemoryHeartbeats:
@@ -85,8 +102,8 @@ class MemoryHeartbeats:
         self.kept: dict[str, Heartbeat] = {}
         self._seq = 0
 
-    async def beat(self, node_id: str) -> None:
-        self._put(node_id, stopped=False)
+    async def beat(self, node_id: str, pool: tuple[int, int] | None = None) -> None:
+        self._put(node_id, stopped=False, pool=pool)
 
     async def goodbye(self, node_id: str) -> None:
         self._put(node_id, stopped=True)
@@ -97,18 +114,26 @@ class MemoryHeartbeats:
     def forget(self, node_id: str) -> None:
         self.kept.pop(node_id, None)
 
-    def _put(self, node_id: str, *, stopped: bool) -> None:
+    def _put(self, node_id: str, *, stopped: bool, pool: tuple[int, int] | None = None) -> None:
         self._seq += 1
-        self.kept[node_id] = Heartbeat(at=datetime.now(UTC), seq=self._seq, stopped=stopped)
+        self.kept[node_id] = Heartbeat(at=datetime.now(UTC), seq=self._seq, stopped=stopped, pool=pool)
+
+
+async def last_beats(beats: Heartbeats, node_ids: list[str]) -> dict[str, Heartbeat | None]:
+    """Each node's last heartbeat kept (None: none kept, i.e. none for a while, or unreadable)."""
+    out: dict[str, Heartbeat | None] = {}
+    for node_id in node_ids:
+        out[node_id] = None
+        with contextlib.suppress(nats.js.errors.APIError, InfrastructureError):
+            out[node_id] = await beats.last(node_id)
+    return out
+
+
+def ages(seen: dict[str, Heartbeat | None]) -> dict[str, float | None]:
+    now = datetime.now(UTC)
+    return {n: round(hb.age_s(now), 1) if hb is not None else None for n, hb in seen.items()}
 
 
 async def heartbeat_ages(beats: Heartbeats, node_ids: list[str]) -> dict[str, float | None]:
     """Seconds since each node's last heartbeat (None: no heartbeat kept, i.e. none for a while)."""
-    now = datetime.now(UTC)
-    out: dict[str, float | None] = {}
-    for node_id in node_ids:
-        hb = None
-        with contextlib.suppress(nats.js.errors.APIError, InfrastructureError):
-            hb = await beats.last(node_id)
-        out[node_id] = round(hb.age_s(now), 1) if hb is not None else None
-    return out
+    return ages(await last_beats(beats, node_ids))

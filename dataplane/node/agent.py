@@ -151,12 +151,14 @@ class NodeAgent:
 
     @classmethod
     async def open(cls, url: str, node_id: str | None = None, *, creds: Creds | None = None,
-                   runtime: ReplicaRuntime | None = None, ray_node_id: str | None = None, **kw: Any) -> NodeAgent:
+                   runtime: ReplicaRuntime | None = None, ray_node_id: str | None = None, pool_size: int = 0,
+                   **kw: Any) -> NodeAgent:
         """An agent over NATS at `url` (not started): its event log and, by default, a Ray runtime
         whose replicas serve their NATS endpoints with this agent's credentials. Ray must be
         initialised in this process (`ndif up` and `ndif agent` do it). The replicas are pinned to
-        `ray_node_id`, else to the Ray node labelled `ndif.node_id=<node_id>` (deploy/ray/), else to
-        the Ray node this process joined through."""
+        `ray_node_id`, else to the Ray node labelled `ndif.node_id=<node_id>` (deploy/head.sh, deploy/worker.sh), else to
+        the Ray node this process joined through. `pool_size`: idle replica processes the Ray
+        runtime keeps ready on that node (dataplane/runtime/pool.py)."""
         node_id = node_id or socket.gethostname()
         if runtime is None:
             from dataplane.runtime import ray_adapter
@@ -170,7 +172,7 @@ class NodeAgent:
             from dataplane.runtime.ray_adapter import RayRuntime, ray_node_for
 
             location = ray_node_id or await asyncio.to_thread(ray_node_for, node_id)
-            runtime = RayRuntime(nats_url=url, nats_creds=creds, location=location)
+            runtime = RayRuntime(nats_url=url, nats_creds=creds, location=location, pool_size=pool_size)
         log = await JetStreamEventLog.open(url, ensure=False, name=f"agent:{node_id}", creds=creds, role="agent",
                                            node_id=node_id)
         return cls(log, JetStreamHeartbeats(log.js, direct=True), runtime, node_id, owns_log=True, nc=log.nc, **kw)
@@ -187,6 +189,9 @@ class NodeAgent:
             await self._close_log()
             raise
         await self._adopt()
+        start_pool = getattr(self.runtime, "start_pool", None)  # Ray's runtime keeps a process pool
+        if start_pool is not None:
+            await start_pool()
         await self.heartbeat_once()
         await self._append(self._joined())
         if self.nc is not None:
@@ -217,6 +222,9 @@ class NodeAgent:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
         await cancel_and_wait([*self._tasks, *self._busy.values(), *self._drain_timers.values()], owner=self.actor)
+        stop_pool = getattr(self.runtime, "stop_pool", None)  # its members stay: a restarted agent takes them back
+        if stop_pool is not None:
+            await stop_pool()
         self._tasks.clear()
         self._busy.clear()
         self._drain_timers.clear()
@@ -288,7 +296,9 @@ class NodeAgent:
     # ---- the loops ---------------------------------------------------------------------------
 
     async def heartbeat_once(self) -> None:
-        await self.heartbeats.beat(self.node_id)
+        report = getattr(self.runtime, "pool_report", None)  # a runtime with a process pool (Ray's)
+        pool = report() if report is not None else None
+        await self.heartbeats.beat(self.node_id, pool if pool is not None and pool[1] else None)
 
     def _joined(self) -> NodeJoined:
         assert self.gpus is not None

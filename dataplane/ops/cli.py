@@ -4,8 +4,8 @@
         embedded NATS + local Ray + controller + one node agent + dispatcher + dashboard, until Ctrl-C
     ndif up --demo [--requests 200] [--stay] [--dashboard-port 8470]
         the same, driven end to end: deploy, request bursts through the SDK, scale, evict mid-burst
-    ndif agent --nats URL [--ray-address ADDR] [--node-id ID] [--gpus N --gpu-memory-gib G]
-        one node agent (run one per Ray node)
+    ndif agent --nats URL [--ray-address ADDR] [--node-id ID] [--gpus N --gpu-memory-gib G] [--pool-size K]
+        one node agent (run one per Ray node), keeping K pre-started replica processes ready
     ndif dispatcher --nats URL [--ray-address ADDR]      the request dispatcher
     ndif submit MODEL (--prompt TEXT | --input-ids 1,2,3) [--max-new-tokens N] [--forward] [--json]
     ndif queue [--json]                                  each processor's state
@@ -40,6 +40,9 @@ def _node_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds to wait for the dispatcher's drain report before unloading anyway")
     p.add_argument("--heartbeat", type=float, default=2.0, help="heartbeat interval in seconds")
+    p.add_argument("--pool-size", type=int, default=1,
+                   help="idle replica processes kept ready on this node, torch and transformers imported, so a "
+                        "cold start costs the weight load only (0: none; default %(default)s)")
 
 
 def _nats(p: argparse.ArgumentParser) -> None:
@@ -99,8 +102,14 @@ def add_dataplane_commands(sub: Any) -> None:
 
 def _agent_kwargs(a: argparse.Namespace) -> dict[str, Any]:
     from dataplane.node.agent import declared_gpus
+    from dataplane.runtime.pool import check_size
 
-    kw: dict[str, Any] = {"node_id": a.node_id, "drain_timeout_s": a.drain_timeout, "heartbeat_s": a.heartbeat}
+    try:
+        pool_size = check_size(a.pool_size)
+    except ValueError as exc:
+        raise errs.InvalidCommand(f"--pool-size: {exc}") from None
+    kw: dict[str, Any] = {"node_id": a.node_id, "drain_timeout_s": a.drain_timeout, "heartbeat_s": a.heartbeat,
+                          "pool_size": pool_size}
     if a.gpus is not None:
         kw["gpus"] = declared_gpus(a.gpus, a.gpu_memory_bytes)
     if a.cpu_cache_bytes is not None:
@@ -117,7 +126,7 @@ def _join_ray(address: str) -> None:
     except ConnectionError as exc:
         raise errs.InfrastructureError(
             f"cannot join a Ray cluster at {address!r} ({str(exc).splitlines()[0]}): start one with "
-            "deploy/ray/start-head.sh (or `ray start --head`), pass --ray-address / set RAY_ADDRESS, "
+            "deploy/head.sh (docs/deploy.md; or `ray start --head`), pass --ray-address / set RAY_ADDRESS, "
             "or run everything on one machine with `ndif up`") from None
 
 

@@ -63,6 +63,24 @@ class BadRequest(NdifError, ValueError):
     """The request is malformed (unknown op, bad input_ids, too large)."""
 
 
+def warm_up() -> None:
+    """Make a process started ahead of need (dataplane/runtime/pool.py) spend a later cold start on
+    the weights only: import torch, transformers and accelerate, and take a one-layer GPT-2 of a few
+    KB through `ModelReplica.load` and a forward pass, then drop it. Importing alone leaves ~2 s of
+    first use in the first real load (transformers' loading code, safetensors, torch's first ops)."""
+    import tempfile
+
+    import accelerate  # noqa: F401
+    from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel  # noqa: F401
+
+    with tempfile.TemporaryDirectory(prefix="ndif-warm-up-") as d:
+        GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=64, n_positions=16)).save_pretrained(d)
+        r = ModelReplica("warm-up", 0, d)
+        r.load(())
+        r({"op": "forward", "input_ids": [[1, 2]]})
+        r.unload()
+
+
 class ModelReplica:
     """Holds one replica's weights and runs requests on them."""
 

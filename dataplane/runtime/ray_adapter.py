@@ -22,11 +22,14 @@ from typing import Any
 
 import ray
 from ray._private import ray_constants
+from ray.experimental import internal_kv
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from dataplane.replica.actor import NAMESPACE, ModelActor, actor_name, parse_actor_name, replica_resources
+from dataplane.replica.actor import NAMESPACE, PREFIX, ModelActor, actor_name, parse_actor_name, replica_resources
 from dataplane.replica.journal import Line
+from dataplane.replica.model import warm_up
 from dataplane.replica.wire import Answer
+from dataplane.runtime.pool import Pool, member_number, member_prefix
 from dataplane.runtime.ports import Found, Liveness, ReplicaHandle, ReplicaSpec
 from schemas.errors import InfrastructureError
 
@@ -138,7 +141,7 @@ def _auth_refused(exc: BaseException) -> bool:
     return False
 
 
-NODE_LABEL = "ndif.node_id"  # the Ray node label that names the ndif node a Ray node is (deploy/ray/)
+NODE_LABEL = "ndif.node_id"  # the Ray node label that names the ndif node a Ray node is (deploy/head.sh, deploy/worker.sh)
 
 
 def ray_node_for(node_id: str) -> str | None:
@@ -197,7 +200,11 @@ class _RayModelActor(ModelActor):
 
     def info(self) -> dict[str, Any]:
         here = current_location()
-        return {**super().info(), "ray_node_id": here, "location": here}
+        return {**super().info(), "ray_node_id": here, "location": here, "pid": os.getpid()}
+
+    def pid(self) -> int:
+        """This process's pid (a pooled one answers before it is a replica; tests compare them)."""
+        return os.getpid()
 
     @ray.method(enable_task_events=False)
     def calls_active(self, replies: list[str]) -> list[bool]:  # type: ignore[override]
@@ -208,46 +215,137 @@ class _RayModelActor(ModelActor):
         return super().run_batch(requests)
 
 
+class _PooledModelActor(_RayModelActor):
+    """A replica process started before any replica needs it (dataplane/runtime/pool.py): it imports
+    torch and transformers and warms their loading path now (`warm_up`), and becomes a replica when
+    `adopt` hands it one's identity (the arguments `ModelActor` takes); every other method is the
+    replica's, called after that."""
+
+    def __init__(self) -> None:  # ModelActor.__init__ runs in `adopt`, once there is a replica
+        warm_up()
+
+    def adopt(self, model_key: str, replica_id: int, checkpoint: str, **kw: Any) -> int:
+        """Become replica (model_key, replica_id); this process's pid."""
+        ModelActor.__init__(self, model_key, replica_id, checkpoint, **kw)
+        return os.getpid()
+
+
 RemoteModelActor = ray.remote(_RayModelActor)
+RemotePooledActor = ray.remote(_PooledModelActor)
+
+
+def _actor_options(name: str, ray_node_id: str, max_concurrency: int) -> dict[str, Any]:
+    """What every replica process gets from Ray, pooled or not: detached, named, pinned to its node
+    (not soft), CPU and memory from `replica_resources`, no Ray GPUs (placement's are declared)."""
+    env = {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}
+    for var in ("HF_HOME", "HF_HUB_CACHE", "HF_HUB_OFFLINE", "NDIF_LOG_LEVEL"):
+        if var in os.environ:
+            env[var] = os.environ[var]
+    cpus, memory = replica_resources()
+    return {"name": name, "namespace": NAMESPACE, "lifetime": "detached", "num_cpus": cpus, "memory": memory,
+            "num_gpus": 0, "max_concurrency": max_concurrency, "max_restarts": 0,
+            "scheduling_strategy": NodeAffinitySchedulingStrategy(ray_node_id, soft=False),
+            "runtime_env": {"env_vars": env}}
 
 
 def create_actor(model_key: str, replica_id: int, checkpoint: str, *, ray_node_id: str, node_id: str,
                  revision: str | None = None, dtype: str = "float32", execution_timeout_s: float = 60.0,
                  max_concurrency: int = 4, nats_url: str | None = None, nats_creds: Any = None) -> Any:
     """Start the detached actor for a replica on `ray_node_id` (it loads nothing until `load`)."""
-    env = {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}
-    for var in ("HF_HOME", "HF_HUB_CACHE", "HF_HUB_OFFLINE", "NDIF_LOG_LEVEL"):
-        if var in os.environ:
-            env[var] = os.environ[var]
-    cpus, memory = replica_resources()
-    return RemoteModelActor.options(
-        name=actor_name(model_key, replica_id), namespace=NAMESPACE, lifetime="detached",
-        num_cpus=cpus, memory=memory, num_gpus=0, max_concurrency=max_concurrency, max_restarts=0,
-        scheduling_strategy=NodeAffinitySchedulingStrategy(ray_node_id, soft=False),
-        runtime_env={"env_vars": env},
+    return RemoteModelActor.options(**_actor_options(actor_name(model_key, replica_id), ray_node_id, max_concurrency),
     ).remote(model_key, replica_id, checkpoint, revision=revision, dtype=dtype, node_id=node_id,
              execution_timeout_s=execution_timeout_s, nats_url=nats_url, nats_creds=nats_creds, capture_logs=True)
 
 
+def create_pooled_actor(name: str, ray_node_id: str, max_concurrency: int = 4) -> Any:
+    """Start a pool member `name` on `ray_node_id`: a replica process, imports done, no replica yet."""
+    return RemotePooledActor.options(**_actor_options(name, ray_node_id, max_concurrency)).remote()
+
+
+# A pooled process taken by a replica keeps the name it was started with (Ray names an actor once):
+# the contract name is then an alias, `ModelActor:<model_key>:<replica_id>` -> the member's name, in
+# Ray's own key-value store (the GCS's, namespace `ndif`), which every lookup below reads after the
+# named actor itself. A stale alias (its process died) resolves to nothing, as a dead actor does.
+_ALIAS_NS = NAMESPACE
+
+
+def put_alias(model_key: str, replica_id: int, member: str) -> None:
+    internal_kv._internal_kv_put(actor_name(model_key, replica_id), member, True, namespace=_ALIAS_NS)
+
+
+def drop_stale_aliases(prefix: str) -> int:
+    """Forget the aliases to members named with `prefix` (one node's) whose process is gone; how many."""
+    live = set(_named_actors())
+    stale = [name for name, target in _aliases().items() if target.startswith(prefix) and target not in live]
+    for name in stale:
+        internal_kv._internal_kv_del(name, namespace=_ALIAS_NS)
+    return len(stale)
+
+
+def _aliases() -> dict[str, str]:
+    """contract name -> pool member name, for every alias kept."""
+    out = {}
+    for key in internal_kv._internal_kv_list(PREFIX, namespace=_ALIAS_NS):
+        target = internal_kv._internal_kv_get(key, namespace=_ALIAS_NS)
+        if target is not None:
+            out[key.decode()] = target.decode()
+    return out
+
+
 def get_actor(model_key: str, replica_id: int) -> Any | None:
-    """The live actor of a replica, or None (a blocking GCS call)."""
+    """The live actor of a replica, or None (blocking GCS calls): the contract-named actor, else
+    the pooled process its alias names."""
+    name = actor_name(model_key, replica_id)
     try:
-        return ray.get_actor(actor_name(model_key, replica_id), namespace=NAMESPACE)
+        return ray.get_actor(name, namespace=NAMESPACE)
+    except ValueError:
+        pass
+    target = internal_kv._internal_kv_get(name, namespace=_ALIAS_NS)
+    if target is None:
+        return None
+    try:
+        return ray.get_actor(target.decode(), namespace=NAMESPACE)
     except ValueError:
         return None
 
 
-def list_replica_actors() -> list[tuple[str, int, str]]:
-    """(model_key, replica_id, name) of every live contract-named actor in the namespace."""
+def _named_actors() -> list[str]:
     out = []
     for entry in ray.util.list_named_actors(all_namespaces=True):
         name, ns = (entry["name"], entry["namespace"]) if isinstance(entry, dict) else (entry, NAMESPACE)
-        if ns != NAMESPACE:
-            continue
+        if ns == NAMESPACE:
+            out.append(name)
+    return out
+
+
+def list_replica_actors() -> list[tuple[str, int, str]]:
+    """(model_key, replica_id, name) of every live replica actor in the namespace: contract-named
+    ones and pooled processes taken under an alias (named by their contract name)."""
+    named = _named_actors()
+    live = set(named)
+    out = []
+    for name in named:
         parsed = parse_actor_name(name)
         if parsed is not None:
             out.append((*parsed, name))
+    for name, target in _aliases().items():
+        parsed = parse_actor_name(name)
+        if parsed is not None and name not in live and target in live:
+            out.append((*parsed, name))
     return out
+
+
+def pool_members(prefix: str) -> tuple[list[str], set[str]]:
+    """Live actors named with `prefix` (a node's pool members) and the members aliases point to
+    (taken: replicas now)."""
+    return [n for n in _named_actors() if n.startswith(prefix)], set(_aliases().values())
+
+
+def _get_named(name: str) -> Any | None:
+    try:
+        return ray.get_actor(name, namespace=NAMESPACE)
+    except ValueError:
+        return None
 
 
 def kill_actor(handle: Any) -> None:
@@ -274,20 +372,112 @@ class RayRuntime:
     Given the NATS URL (and the agent's credentials), each actor also serves its NATS endpoint
     (dataplane/serving/link.py)."""
 
-    def __init__(self, *, nats_url: str | None = None, nats_creds: Any = None, location: str | None = None) -> None:
+    def __init__(self, *, nats_url: str | None = None, nats_creds: Any = None, location: str | None = None,
+                 pool_size: int = 0) -> None:
         self.nats_url = nats_url
         self.nats_creds = nats_creds
         self._location = location or current_location()
+        # Pre-started replica processes on this Ray node (dataplane/runtime/pool.py), named by the Ray
+        # node: two agents never share one.
+        self.pool = Pool(self._location, pool_size)
+        self._refill_wanted = asyncio.Event()
+        self._refills: set[asyncio.Task[None]] = set()
 
     @property
     def location(self) -> str:
         return self._location
 
     async def create(self, spec: ReplicaSpec) -> ReplicaHandle:
-        return await asyncio.to_thread(
-            create_actor, spec.model_key, spec.replica_id, spec.checkpoint, revision=spec.revision, dtype=spec.dtype,
-            ray_node_id=self._location, node_id=spec.node_id, execution_timeout_s=spec.execution_timeout_s,
-            nats_url=self.nats_url, nats_creds=self.nats_creds)
+        """A ready pooled process handed the replica's identity (its contract name an alias of the
+        member's), else a new actor under the contract name."""
+        kw: dict[str, Any] = {"revision": spec.revision, "dtype": spec.dtype, "node_id": spec.node_id,
+                              "execution_timeout_s": spec.execution_timeout_s, "nats_url": self.nats_url,
+                              "nats_creds": self.nats_creds}
+        while (taken := self.pool.take()) is not None:
+            name, handle = taken
+            try:
+                await handle.adopt.remote(spec.model_key, spec.replica_id, spec.checkpoint, capture_logs=True, **kw)
+            except Exception:  # noqa: BLE001 - a member that died idle: the next one, or a new actor
+                with contextlib.suppress(Exception):
+                    await asyncio.to_thread(kill_actor, handle)
+                continue
+            await asyncio.to_thread(put_alias, spec.model_key, spec.replica_id, name)
+            return handle
+        return await asyncio.to_thread(create_actor, spec.model_key, spec.replica_id, spec.checkpoint,
+                                       ray_node_id=self._location, **kw)
+
+    # ---- the pool --------------------------------------------------------------------------
+
+    async def start_pool(self) -> None:
+        """Take back this node's idle members a previous agent left (ready once they answer; those
+        past the size are ended), then keep the pool full in the background until `stop_pool`."""
+        prefix = member_prefix(self._location)
+        members, taken = await asyncio.to_thread(pool_members, prefix)
+        idle = sorted((n for n in members if n not in taken), key=lambda n: member_number(self._location, n) or 0)
+        # New names go past every member alive or named by an alias (a dead member's stale alias must
+        # never come to name a new idle process).
+        self.pool.seen([n for n in (member_number(self._location, m) for m in (*members, *taken)) if n is not None])
+        for i, name in enumerate(idle):
+            handle = await asyncio.to_thread(_get_named, name)
+            if handle is None:
+                continue
+            if i < self.pool.size:
+                self._watch(name, handle)
+            else:
+                with contextlib.suppress(Exception):
+                    await asyncio.to_thread(kill_actor, handle)
+        task = asyncio.create_task(self._refill_loop(), name="pool-refill")
+        self._refills.add(task)
+        self._refill_wanted.set()
+
+    async def stop_pool(self, kill: bool = False) -> None:
+        """Stop refilling; with `kill`, end the idle members too (otherwise a restarted agent takes them back)."""
+        tasks = list(self._refills)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if kill:
+            for name, handle in [*self.pool.starting.items(), *self.pool.ready.items()]:
+                self.pool.failed(name)
+                with contextlib.suppress(Exception):
+                    await asyncio.to_thread(kill_actor, handle)
+
+    def pool_report(self) -> tuple[int, int]:
+        return self.pool.report()
+
+    async def _refill_loop(self) -> None:
+        while True:
+            await self._refill_wanted.wait()
+            self._refill_wanted.clear()
+            # The aliases of this node's replicas that ended (a kill, a crash) name nothing: forgotten.
+            with contextlib.suppress(Exception):
+                await asyncio.to_thread(drop_stale_aliases, member_prefix(self._location))
+            for name in self.pool.refill():
+                try:
+                    handle = await asyncio.to_thread(create_pooled_actor, name, self._location)
+                except Exception as exc:  # noqa: BLE001 - Ray refused (resources): tried again on the next take
+                    logging.getLogger(__name__).warning("pool member %s not started: %s", name, exc)
+                    continue
+                self._watch(name, handle)
+
+    def _watch(self, name: str, handle: Any, timeout_s: float = 300.0) -> None:
+        """Count `name` as starting, and as ready once its process answers (its imports are done)."""
+        self.pool.started(name, handle)
+
+        async def until_up() -> None:
+            try:
+                await asyncio.wait_for(handle.ping.remote(), timeout_s)
+            except Exception:  # noqa: BLE001 - never came up: out of the pool, a new one started
+                self.pool.failed(name)
+                with contextlib.suppress(Exception):
+                    await asyncio.to_thread(kill_actor, handle)
+                self._refill_wanted.set()
+                return
+            self.pool.up(name)
+
+        task = asyncio.create_task(until_up(), name=f"pool-{name}")
+        self._refills.add(task)
+        task.add_done_callback(self._refills.discard)
 
     async def started(self, handle: ReplicaHandle, timeout_s: float) -> bool:
         try:
@@ -306,7 +496,12 @@ class RayRuntime:
         return info
 
     async def load(self, handle: ReplicaHandle, devices: list[int], bytes_per_gpu: int) -> None:
-        await handle.load.remote(devices, bytes_per_gpu)
+        try:
+            await handle.load.remote(devices, bytes_per_gpu)
+        finally:
+            # A member taken for this replica is replaced now, after its load: a new process's imports
+            # would compete with the load for the node's CPUs (measured here: about 2x slower on 2 cores).
+            self._refill_wanted.set()
 
     async def to_cache(self, handle: ReplicaHandle) -> int:
         return int(await handle.to_cache.remote())

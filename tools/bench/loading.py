@@ -5,7 +5,11 @@ then, on this machine's device (CUDA when present, else CPU):
  (a) the plain `ModelReplica`: `load()` from disk (COLD -> HOT) vs `from_cache()` (WARM -> HOT),
      after `to_cache()`; each `--reps` times, medians reported;
  (b) through Ray, as the agent does it: create the detached `ModelActor` + `load` vs `from_cache`
-     on the live actor (skipped with --no-ray, e.g. on the GPU machine, which has no Ray).
+     on the live actor (skipped with --no-ray, e.g. on the GPU machine, which has no Ray);
+ (c) through Ray with a pooled process ready (the agent's `--pool-size`, dataplane/runtime/pool.py):
+     `RayRuntime.create` takes it (no process start, imports done) + `load`: ray_cold_to_hot_pooled_s,
+     beside (a)'s cold_to_hot_s of the same run (pooled_over_plain). The pool refills in the
+     background while the next load runs, as it does in the agent.
 COLD -> HOT is the baseline the WARM path is measured against (warm_over_cold). On a CPU machine
 WARM -> HOT moves nothing (the weights already are in CPU memory), so it only measures bookkeeping.
 The last line printed is one JSON object with the figures.
@@ -16,6 +20,7 @@ The last line printed is one JSON object with the figures.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import statistics
 import sys
@@ -73,6 +78,39 @@ def bench_ray(ckpt: str, reps: int, devices: tuple[int, ...]) -> dict[str, float
     return {"ray_cold_to_hot_s": statistics.median(cold), "ray_warm_to_hot_s": statistics.median(warm)}
 
 
+async def _pooled(ckpt: str, reps: int, devices: tuple[int, ...]) -> list[float]:
+    from dataplane.runtime.ports import ReplicaSpec
+    from dataplane.runtime.ray_adapter import RayRuntime
+
+    rt = RayRuntime(pool_size=1)
+    await rt.start_pool()
+    cold = []
+    try:
+        for i in range(reps):
+            while rt.pool_report()[0] < 1:  # a pooled process ready, as between two cold starts in the agent
+                await asyncio.sleep(0.1)
+            t0 = time.perf_counter()
+            h = await rt.create(ReplicaSpec(model_key="bench-pooled", replica_id=i, checkpoint=ckpt, node_id="bench"))
+            await rt.load(h, list(devices), 0)
+            cold.append(time.perf_counter() - t0)
+            await rt.kill(h)
+            print(f"  (c) rep {i + 1}: pooled process taken + COLD->HOT {cold[-1]:.3f}s", flush=True)
+    finally:
+        await rt.stop_pool(kill=True)
+    return cold
+
+
+def bench_ray_pooled(ckpt: str, reps: int, devices: tuple[int, ...]) -> dict[str, float]:
+    from dataplane.runtime import ray_adapter as rt
+
+    rt.start_local(max(1, len(devices)))
+    try:
+        cold = asyncio.run(_pooled(ckpt, reps, devices))
+    finally:
+        rt.shutdown()
+    return {"ray_cold_to_hot_pooled_s": statistics.median(cold)}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mb", type=int, default=300)
@@ -95,6 +133,8 @@ def main() -> None:
     out |= bench_plain(str(ckpt), a.reps, devices)
     if not a.no_ray:
         out |= bench_ray(str(ckpt), a.reps, devices)
+        out |= bench_ray_pooled(str(ckpt), a.reps, devices)
+        out["pooled_over_plain"] = float(out["ray_cold_to_hot_pooled_s"]) / float(out["cold_to_hot_s"])
     cold, warm = float(out["cold_to_hot_s"]), float(out["warm_to_hot_s"])
     out["warm_over_cold"] = warm / cold if cold else 0.0
     print(f"COLD->HOT {cold:.3f}s, WARM->HOT {warm:.3f}s on {device}: WARM is {out['warm_over_cold']:.3f}x COLD",

@@ -1,0 +1,68 @@
+# Shared by deploy/head.sh and deploy/worker.sh (sourced, not run): starting each process in a session
+# of its own with its pid file under the run directory, waiting for it, and the one documented stop.
+# shellcheck shell=bash
+
+PYTHON=${PYTHON:-python3}
+NDIF=("$PYTHON" -m dataplane.ops.cli)
+# `ray` next to the Python that runs ndif (a virtualenv's), else the one on PATH.
+if [[ -z ${RAY:-} ]]; then
+  RAY=$(dirname "$(command -v "$PYTHON")")/ray
+  [[ -x $RAY ]] || RAY=ray
+fi
+
+die() { echo "$SCRIPT: $*" >&2; exit 2; }
+
+# fail MESSAGE: a start that went wrong half way: stop what this run started, then die.
+fail() { stop_all >/dev/null 2>&1 || true; die "$@"; }
+
+need() {  # need NAME VALUE: a required option
+  [[ -n $2 ]] || die "missing $1 (see $SCRIPT --help)"
+}
+
+# start NAME CMD...: run CMD in a new session (its own process group, so a stop ends it and all it
+# started), output to RUN/NAME.log, its pid (= its process group) in RUN/NAME.pid.
+start() {
+  local name=$1; shift
+  [[ -e $RUN/$name.pid ]] && kill -0 "$(cat "$RUN/$name.pid")" 2>/dev/null \
+    && die "$name already runs (pid $(cat "$RUN/$name.pid"), $RUN/$name.pid): stop it first"
+  setsid "$@" >"$RUN/$name.log" 2>&1 </dev/null &
+  echo $! >"$RUN/$name.pid"
+}
+
+# wait_line NAME TEXT SECONDS: until RUN/NAME.log holds TEXT; non-zero (the log's tail shown) if the
+# process ended or the time ran out.
+wait_line() {
+  local name=$1 text=$2 deadline=$((SECONDS + $3)) pid
+  pid=$(cat "$RUN/$name.pid")
+  until grep -q -- "$text" "$RUN/$name.log" 2>/dev/null; do
+    if ! kill -0 "$pid" 2>/dev/null || ((SECONDS > deadline)); then
+      return 1
+    fi
+    sleep 0.3
+  done
+}
+
+# ray_refused NAME: did Ray refuse the auth token (its own words: InvalidAuthToken)?
+ray_refused() {
+  grep -qE "InvalidAuthToken|AuthenticationError|Unauthenticated|auth(entication)? token" "$RUN/$1.log" 2>/dev/null
+}
+
+# stop_all: SIGTERM the leader of every process group of RUN/*.pid (newest first), wait up to NDIF_STOP_WAIT_S
+# (default 30) for each, then SIGKILL what is left of its group; the pid files go.
+stop_all() {
+  local f pid waited
+  [[ -d $RUN ]] || die "no run directory $RUN"
+  for f in $(ls -t "$RUN"/*.pid 2>/dev/null); do
+    pid=$(cat "$f")
+    if kill -0 "$pid" 2>/dev/null; then
+      kill -TERM "$pid" 2>/dev/null || true  # the leader stops what it started (`ray start --block` its node)
+      waited=0
+      while kill -0 "$pid" 2>/dev/null && ((waited < ${NDIF_STOP_WAIT_S:-30} * 10)); do
+        sleep 0.1; waited=$((waited + 1))
+      done
+    fi
+    kill -KILL -- "-$pid" 2>/dev/null || true  # what is left of that group (its own group only)
+    echo "$SCRIPT: stopped $(basename "$f" .pid) (process group $pid)"
+    rm -f "$f"
+  done
+}
