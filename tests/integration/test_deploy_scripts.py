@@ -1,6 +1,6 @@
 """What an operator runs, run for real: deploy/head.sh for the head (NATS, Ray head, controller,
 dispatcher and its own agent) and deploy/worker.sh for two workers, each on an address of its own on
-loopback (as tests/raynodes.py), with the Ray token and the NATS users the head made. A tiny model
+loopback (as dataplane/ops/raynodes.py), with the Ray token and the NATS users the head made. A tiny model
 with 3 replicas gets one on each node (asked inside each actor), each node's replica process pool
 shows full again in `ndif status`, a request is served, and the scripts' own stop ends every
 process they started. A worker without the token, or with a wrong one,
@@ -23,8 +23,8 @@ import psutil
 import pytest
 
 from dataplane.node.tiny_models import make_tiny_gpt2
+from dataplane.ops.raynodes import free_port, probe
 from schemas.keys import canonical_model_key
-from tests.raynodes import free_port, probe
 
 pytestmark = [pytest.mark.timeout(420), pytest.mark.long]
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
