@@ -123,6 +123,7 @@ class Processor:
         self.latency = LatencyHistogram()  # taken -> terminal answer, of requests answered here
         self._idle: collections.deque[tuple[int, asyncio.Future[_Call | None]]] = collections.deque()  # idle lanes
         self._prefer: dict[int, int] = {}  # replica id -> its place in this dispatcher's tie-break order
+        self._turn = 0  # picks made: ties rotate over the replicas (light load reaches every one)
         self._actors: dict[int, Any] = {}
         self.exec_s: float | None = None  # recent run time of one request on a replica (moving average)
         self.logger = logger.bind(model_key=None, token=token)
@@ -262,8 +263,10 @@ class Processor:
     def _idle_lane(self) -> tuple[int, asyncio.Future[_Call | None]] | None:
         """Take the idle lane a request should go to: of the ready replica with the fewest requests
         outstanding from this dispatcher (least outstanding), ties broken by this dispatcher's own
-        order of the replicas (`_prefer`), so that dispatchers at low load start on different
-        replicas. Lanes of replicas that left are let go on the way. None: no idle lane."""
+        order of the replicas (`_prefer`) rotated by one at each pick, so that dispatchers at low load
+        start on different replicas and light load still reaches every replica (a replica placed
+        again after a loss serves as soon as it is ready). Lanes of replicas that left are let go on
+        the way. None: no idle lane."""
         best: tuple[tuple[int, int], tuple[int, asyncio.Future[_Call | None]]] | None = None
         keep: collections.deque[tuple[int, asyncio.Future[_Call | None]]] = collections.deque()
         for lane in self._idle:
@@ -274,11 +277,13 @@ class Processor:
                 fut.set_result(None)  # that lane's replica left: let it retire
                 continue
             keep.append(lane)
-            key = (len(self.in_flight.get(rid, ())), self._prefer.get(rid, 0))
+            n = len(self._prefer) or 1
+            key = (len(self.in_flight.get(rid, ())), (self._prefer.get(rid, 0) - self._turn) % n)
             if best is None or key < best[0]:
                 best = (key, lane)
         if best is not None:
             keep.remove(best[1])
+            self._turn += 1  # the next tie goes to the next replica in this dispatcher's order
         self._idle = keep
         return best[1] if best is not None else None
 

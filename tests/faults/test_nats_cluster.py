@@ -338,7 +338,7 @@ async def test_accounts_on_a_three_server_cluster(tmp_path: Path, monkeypatch: p
                     rid = f"r3-{i}"
                     for _ in range(60):
                         try:
-                            job = await alice.submit("openai-community/gpt2", {"op": "forward"}, request_id=rid)
+                            job = await alice.submit("openai-community/gpt2", {"op": "forward", "input_ids": [[1]]}, request_id=rid)
                             break
                         except errs.InfrastructureError:
                             await asyncio.sleep(0.5)
@@ -381,7 +381,7 @@ async def test_accounts_on_a_three_server_cluster(tmp_path: Path, monkeypatch: p
             async with Client(c.url, creds=carol_creds, timeout=10) as carol:
                 for _ in range(60):
                     try:
-                        job = await carol.submit("openai-community/gpt2", {"op": "forward"}, request_id="carols")
+                        job = await carol.submit("openai-community/gpt2", {"op": "forward", "input_ids": [[1]]}, request_id="carols")
                         break
                     except errs.InfrastructureError:
                         await asyncio.sleep(0.5)
