@@ -14,6 +14,7 @@ others go); queued limits refuse a new request at once, with the limit and the c
 from __future__ import annotations
 
 import heapq
+from abc import ABC, abstractmethod
 from bisect import bisect_right
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -133,7 +134,7 @@ def request_queue(policy: FairnessPolicy, user_of: Callable[[T], str]) -> Reques
     return FifoQueue(policy, user_of) if policy.order == "fifo" else FairQueue(policy, user_of)
 
 
-class _Accounts(Generic[T]):
+class _Accounts(ABC, Generic[T]):
     """What both queues keep beside their order: each user's settings and running requests (taken
     by `pop`, given back by `release` or `push_back`)."""
 
@@ -153,11 +154,13 @@ class _Accounts(Generic[T]):
     def running(self, user: str) -> int:
         return self._running.get(user, 0)
 
+    @abstractmethod
     def queued(self, user: str) -> int:
-        raise NotImplementedError
+        """How many of `user`'s requests wait (each queue keeps its own order)."""
 
+    @abstractmethod
     def _queued_users(self) -> set[str]:
-        raise NotImplementedError
+        """The users with a request waiting."""
 
     def users(self) -> dict[str, tuple[int, int]]:
         """user -> (queued, running), for every user holding either."""
