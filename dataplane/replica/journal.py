@@ -100,6 +100,12 @@ class _Handler(logging.Handler):
         self.journal = journal
 
     def emit(self, record: logging.LogRecord) -> None:
+        # The handler sits on the root logger and on transformers' library logger; whether a
+        # transformers record reaches both depends on the library's version and on who configured
+        # its logger first, so a record is kept once, however many of our handlers it passes.
+        if getattr(record, "_ndif_journaled", False):
+            return
+        setattr(record, "_ndif_journaled", True)  # noqa: B010 - LogRecord takes attributes
         try:
             text = f"{record.levelname.lower()} {record.name}: {_short(record.getMessage())}"
             if record.exc_info and record.exc_info[1] is not None:
@@ -116,8 +122,8 @@ _capture_lock = threading.Lock()
 
 def capture_process_logs(journal: Journal) -> None:
     """Keep this process's own log lines in `journal` (the first journal given keeps them: once per
-    process). transformers' loggers do not propagate to the root logger, so its library logger gets
-    the handler too."""
+    process). transformers' loggers may not propagate to the root logger, so its library logger gets
+    the handler too (a record that reaches both is kept once)."""
     global _captured
     with _capture_lock:
         if _captured is not None:

@@ -219,7 +219,11 @@ async def test_a_failed_load_is_red_with_its_error(scene: Scene) -> None:
     await row.wait_for(timeout=10_000)
     text = await row.inner_text()
     assert "LoadFailed" in text and BROKEN_ERROR in text, text
-    red = await row.locator("td.bad").evaluate("el => getComputedStyle(el).color")
+    # One in-page read (the table is redrawn as events arrive: a cell resolved in one call and
+    # read in the next can be detached by then, and a detached cell has no computed colour).
+    cell = f"document.querySelector('#failures tbody tr.failed{m} td.bad')"
+    colour = f"(() => {{ const c = {cell}; return c && c.isConnected ? getComputedStyle(c).color : ''; }})()"
+    red = await until(page, f"{colour} || null", timeout=5)
     assert red == "rgb(201, 42, 42)", red
     assert int(await page.text_content("#failure-count")) >= 1
     assert "bad" in (await page.get_attribute("#failures-btn", "class") or "")

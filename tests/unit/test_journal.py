@@ -47,7 +47,9 @@ structlog.get_logger("ndif.model").bind(replica_id=3).info("replica_loaded", sec
 structlog.get_logger("ndif.model").debug("too_fine")
 logging.getLogger("ndif.x").warning("disk %s", "slow")
 logging.getLogger("ndif.x").info("not printed, not kept")
-transformers.logging.get_logger("transformers.modeling_utils").warning("weights not initialised")
+tlog = transformers.logging.get_logger("transformers.modeling_utils")
+logging.getLogger("transformers").propagate = True  # as some versions and configurations leave it
+tlog.warning("weights not initialised")
 warnings.warn("old api")
 print(json.dumps([x.text for x in j.recent(100)]))
 """
