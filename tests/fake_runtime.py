@@ -153,7 +153,7 @@ class FakeCaller:
                 return p
         return None
 
-    async def run_batch(self, handle: FakeProcess, payloads: list[dict[str, Any]]) -> list[Answer]:
+    async def run_batch(self, handle: FakeProcess, payloads: list[dict[str, Any]], users: list[str]) -> list[Answer]:
         self.calls += 1
         await asyncio.sleep(self.run_s)
         if handle.dead is not None or handle.level != "HOT":

@@ -50,6 +50,11 @@ def _nats(p: argparse.ArgumentParser) -> None:
                    help="NATS URL (env NDIF_NATS_URL)")
 
 
+def _ray_address(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--ray-address", default=os.environ.get("RAY_ADDRESS", "auto"),
+                   help="Ray cluster to join (env RAY_ADDRESS; default: auto, the cluster of this machine)")
+
+
 def add_dataplane_commands(sub: Any) -> None:
     p = sub.add_parser("up", help="embedded NATS + local Ray + controller + agent on this machine")
     p.add_argument("--port", type=int, help="NATS port (default 4222; a free one with --demo)")
@@ -73,15 +78,13 @@ def add_dataplane_commands(sub: Any) -> None:
     _node_args(p)
     p = sub.add_parser("agent", help="run the node agent of this Ray node")
     _nats(p)
-    p.add_argument("--ray-address", default=os.environ.get("RAY_ADDRESS", "auto"),
-                   help="Ray cluster to join (default: auto, the cluster of this machine)")
+    _ray_address(p)
     p.add_argument("--ray-node-id", help="the Ray node this agent's replicas run on (default: the Ray node "
                                          "labelled ndif.node_id=<node id>, else the one this process joined)")
     _node_args(p)
     p = sub.add_parser("dispatcher", help="run the request dispatcher (processors per model)")
     _nats(p)
-    p.add_argument("--ray-address", default=os.environ.get("RAY_ADDRESS", "auto"),
-                   help="Ray cluster to join (env RAY_ADDRESS; default: auto, the cluster of this machine)")
+    _ray_address(p)
     p = sub.add_parser("submit", help="send a request to a model and show its statuses")
     p.add_argument("model", help="repo id (org/name[@revision]), checkpoint directory or NDIF model key")
     _nats(p)

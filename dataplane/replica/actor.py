@@ -122,8 +122,10 @@ class ModelActor:
     def __call__(self, request: dict[str, Any]) -> dict[str, Any]:
         return self.replica(request)
 
-    def run_batch(self, requests: list[dict[str, Any]]) -> list[Answer]:
+    def run_batch(self, requests: list[dict[str, Any]], users: list[str] | None = None) -> list[Answer]:
         """Requests in one call, run one after the other, each answered on its own (the dispatcher's path).
+        `users[i]` is whose `requests[i]` is: when calls wait for the replica, the next request is
+        chosen by it (dataplane/replica/turns.py).
 
         Each answer is `Completed`, `Failed` (the request's own error, which never touches the
         others), or `NotRun` for the ones after the replica stopped being HOT (the dispatcher hands
@@ -133,7 +135,8 @@ class ModelActor:
         for i, request in enumerate(requests):
             t = time.perf_counter()
             try:
-                out.append(Completed(result=self.replica(request), seconds=time.perf_counter() - t))
+                user = users[i] if users and i < len(users) else ""
+                out.append(Completed(result=self.replica(request, user), seconds=time.perf_counter() - t))
             except ReplicaNotHot as exc:
                 out += [NotRun(reason=str(exc))] * (len(requests) - i)
                 break

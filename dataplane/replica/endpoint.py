@@ -46,7 +46,7 @@ class ReplicaEndpoint:
     connected the dispatchers get "no responders" and use Ray.
     """
 
-    def __init__(self, url: str, subject: str, run_batch: Callable[[list[dict[str, Any]]], list[Answer]], *,
+    def __init__(self, url: str, subject: str, run_batch: Callable[[list[dict[str, Any]], list[str]], list[Answer]], *,
                  name: str = "ndif-replica", threads: int = 4, max_answer_bytes: int | None = None,
                  creds: Creds | None = None, **log_fields: Any) -> None:
         self.url = url
@@ -113,7 +113,7 @@ class ReplicaEndpoint:
             if isinstance(batch, Refused):  # unanswered: the dispatcher's check finds it lost
                 self.logger.warning("replica_endpoint_call_refused", reason=batch.reason[:300])
                 return
-            answers = await self._loop.run_in_executor(self._pool, self._run_batch, batch.payloads)
+            answers = await self._loop.run_in_executor(self._pool, self._run_batch, batch.payloads, batch.users)
             try:
                 body = encode_reply(Answers(answers=answers))
             except (TypeError, msgspec.EncodeError):

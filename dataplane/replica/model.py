@@ -30,6 +30,7 @@ from typing import Any
 
 import structlog
 
+from dataplane.replica.turns import Turns
 from schemas.errors import NdifError
 from schemas.requests import MAX_BATCH_TOKENS, MAX_NEW_TOKENS, payload_problem
 from schemas.status import Level
@@ -103,6 +104,7 @@ class ModelReplica:
         self.level = Level.COLD
         self._lock = threading.Lock()  # one move (load/cache/unload) at a time; requests check the level
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="replica-exec")
+        self._turns = Turns()  # whose request runs next on the one runner above
         self.logger = logger.bind(model_key=model_key, replica_id=replica_id)
 
     # ---- where the weights are -----------------------------------------------------------------
@@ -259,7 +261,8 @@ class ModelReplica:
 
     # ---- requests ------------------------------------------------------------------------------
 
-    def __call__(self, request: dict[str, Any]) -> dict[str, Any]:
+    def __call__(self, request: dict[str, Any], user: str = "") -> dict[str, Any]:
+        """Run one request (`user` is whose it is: it decides the turn when several wait)."""
         if self.level != Level.HOT or self.model is None:
             raise ReplicaNotHot(f"replica {self.replica_id} of {self.model_key} is {self.level}, not HOT")
         op = request.get("op", "forward")
@@ -268,13 +271,16 @@ class ModelReplica:
         problem = payload_problem(request)  # the rules `ndif submit` checks before sending
         if problem is not None:
             raise BadRequest(problem)
-        # One run at a time on the replica; the timeout counts from the start of this run (a request
-        # handed over while another runs waits its turn first, at most one more timeout).
-        started = threading.Event()
+        # One run at a time on the replica, the next chosen fairly among the waiting (turns.py: the
+        # user served least recently here goes first). A request waits for its turn at most one
+        # timeout ("busy with an earlier request"), and its run's timeout counts from its start;
+        # the turn ends when the run does, also one that outlived its caller's wait.
+        if not self._turns.acquire(user, timeout=self.execution_timeout_s):
+            raise ExecutionTimeout(f"replica {self.replica_id} was busy for {self.execution_timeout_s:.0f}s "
+                                   "with earlier requests")
         model = self.model
 
         def run() -> dict[str, Any]:
-            started.set()
             try:
                 return self._run(op, request)
             except Exception:
@@ -286,12 +292,13 @@ class ModelReplica:
                                         "the request") from None
                 raise
 
-        fut = self._pool.submit(run)
         try:
-            if not started.wait(self.execution_timeout_s):
-                fut.cancel()
-                raise ExecutionTimeout(f"replica {self.replica_id} was busy for {self.execution_timeout_s:.0f}s "
-                                       "with an earlier request")
+            fut = self._pool.submit(run)
+        except BaseException:
+            self._turns.release()
+            raise
+        fut.add_done_callback(lambda _: self._turns.release())
+        try:
             return fut.result(timeout=self.execution_timeout_s)
         except concurrent.futures.TimeoutError:
             raise ExecutionTimeout(

@@ -30,9 +30,12 @@ HEADROOM_BYTES = 4096
 
 
 class Call(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
-    """The requests of one replica call, run one after the other."""
+    """The requests of one replica call, run one after the other, and whose each is (`users`, in
+    the same order: the replica's turns go by it, dataplane/replica/turns.py; a call without it,
+    from an older dispatcher, runs as one anonymous user's)."""
 
     payloads: list[dict[str, Any]]
+    users: list[str] = msgspec.field(default_factory=list)
 
 
 class Completed(msgspec.Struct, frozen=True, array_like=True, tag="completed"):
@@ -77,8 +80,8 @@ _call_decoder = msgspec.msgpack.Decoder(Call)  # the endpoint's
 _reply_decoder: msgspec.msgpack.Decoder[Reply] = msgspec.msgpack.Decoder(Reply)  # the link's
 
 
-def encode_call(payloads: list[dict[str, Any]]) -> bytes:
-    return _encoder.encode(Call(payloads=payloads))
+def encode_call(payloads: list[dict[str, Any]], users: list[str] | None = None) -> bytes:
+    return _encoder.encode(Call(payloads=payloads, users=users or []))
 
 
 def decode_call(data: bytes) -> Call | Refused:

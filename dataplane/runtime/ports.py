@@ -115,8 +115,10 @@ class ReplicaCaller(Protocol):
         """The replica's live process, or None."""
         ...
 
-    def run_batch(self, handle: ReplicaHandle, payloads: list[dict[str, Any]]) -> Awaitable[list[Answer]]:
-        """Start `run_batch` through the runtime itself (not the NATS endpoint)."""
+    def run_batch(self, handle: ReplicaHandle, payloads: list[dict[str, Any]],
+                  users: list[str]) -> Awaitable[list[Answer]]:
+        """Start `run_batch` through the runtime itself (not the NATS endpoint); `users[i]` is whose
+        `payloads[i]` is (the replica's turns go by it)."""
         ...
 
     def take_answer(self, handle: ReplicaHandle, reply: str) -> Awaitable[list[Answer] | None]:

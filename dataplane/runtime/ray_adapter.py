@@ -211,8 +211,9 @@ class _RayModelActor(ModelActor):
         return super().calls_active(replies)
 
     @ray.method(enable_task_events=False)
-    def run_batch(self, requests: list[dict[str, Any]]) -> list[Answer]:  # type: ignore[override]
-        return super().run_batch(requests)
+    def run_batch(self, requests: list[dict[str, Any]],  # type: ignore[override]
+                  users: list[str] | None = None) -> list[Answer]:
+        return super().run_batch(requests, users)
 
 
 class _PooledModelActor(_RayModelActor):
@@ -551,8 +552,8 @@ class RayCaller:
     def lookup(self, model_key: str, replica_id: int) -> ReplicaHandle | None:
         return get_actor(model_key, replica_id)
 
-    def run_batch(self, handle: ReplicaHandle, payloads: list[dict[str, Any]]) -> Any:
-        return handle.run_batch.remote(payloads)
+    def run_batch(self, handle: ReplicaHandle, payloads: list[dict[str, Any]], users: list[str]) -> Any:
+        return handle.run_batch.remote(payloads, users)
 
     def take_answer(self, handle: ReplicaHandle, reply: str) -> Any:
         return handle.take_answer.remote(reply)

@@ -352,7 +352,7 @@ class Processor:
             return None
         self._actors[rid] = actor
         try:
-            ref = self._call(rid, actor, [p.req.payload for p in batch])
+            ref = self._call(rid, actor, [p.req.payload for p in batch], [p.req.user for p in batch])
         except Exception as exc:  # noqa: BLE001 - e.g. a payload Ray cannot serialize: answered below
             ref = exc
         self.calls += 1
@@ -363,19 +363,19 @@ class Processor:
         self._refresh_status()
         return rid, batch, actor, ref
 
-    def _call(self, rid: int, actor: Any, payloads: list[dict[str, Any]]) -> Any:
+    def _call(self, rid: int, actor: Any, payloads: list[dict[str, Any]], users: list[str]) -> Any:
         """Start a replica call: over its NATS endpoint when it has one (dataplane/serving/link.py),
         else a Ray call. Either is awaited for the same answers."""
         link = self.hooks.link
         if link is not None:
             assert self.model_key is not None
             key = (self.model_key, rid)
-            body = encode_call(payloads)
+            body = encode_call(payloads, users)
             if link.usable(key, len(body)):
                 self.link_calls += 1
                 subject = replica_call_subject(self.model_key, rid, self.nodes.get(rid, ""))
                 return link.call(key, subject, actor, body)
-        return self.caller.run_batch(actor, payloads)
+        return self.caller.run_batch(actor, payloads, users)
 
     def _release(self, rid: int, batch: list[Pending]) -> None:
         running = self.in_flight.get(rid, {})
@@ -419,7 +419,7 @@ class Processor:
                     # call through Ray (`_call` skips the endpoint while it is marked absent).
                     assert self.hooks.link is not None and self.model_key is not None
                     self.hooks.link.endpoint_absent((self.model_key, rid))
-                    answers = await self._call(rid, actor, [p.req.payload for p in batch])
+                    answers = await self._call(rid, actor, [p.req.payload for p in batch], [p.req.user for p in batch])
             except Exception as exc:  # noqa: BLE001 - sorted below: the replica's fault or the call's
                 if isinstance(exc, ReplyLost):
                     self._requeue(rid, batch, "ReplyLost", replica_left=False)

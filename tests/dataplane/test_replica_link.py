@@ -37,7 +37,7 @@ class Host:
         self.endpoint = ReplicaEndpoint(url, subject, self.run_batch, max_answer_bytes=max_answer_bytes,
                                         creds=creds).start()
 
-    def run_batch(self, requests: list[dict[str, Any]]) -> list[Answer]:
+    def run_batch(self, requests: list[dict[str, Any]], users: list[str]) -> list[Answer]:
         out: list[Answer] = []
         for r in requests:
             time.sleep(r.get("sleep", 0))
@@ -138,7 +138,7 @@ class _EndpointCaller:
     def lookup(self, model_key: str, replica_id: int) -> Any:
         return None
 
-    async def run_batch(self, handle: ReplicaEndpoint, payloads: list[dict[str, Any]]) -> list[Answer]:
+    async def run_batch(self, handle: ReplicaEndpoint, payloads: list[dict[str, Any]], users: list[str]) -> list[Answer]:
         self.asked.append("run_batch")
         return _echo(payloads)
 

@@ -43,7 +43,7 @@ class EchoCaller:
     def lookup(self, model_key: str, replica_id: int) -> FakeProcess | None:
         return self.runtime.processes.get((model_key, replica_id))
 
-    async def run_batch(self, handle: FakeProcess, payloads: list[dict[str, Any]]) -> list[Answer]:
+    async def run_batch(self, handle: FakeProcess, payloads: list[dict[str, Any]], users: list[str]) -> list[Answer]:
         self.calls += 1
         if handle.level != "HOT":
             return [NotRun(reason=f"replica is {handle.level}")] * len(payloads)

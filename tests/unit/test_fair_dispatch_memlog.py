@@ -36,7 +36,7 @@ class SlowCaller(EchoCaller):
         self.order: list[str] = []  # users, in the order their requests ran
         self._busy: dict[int, asyncio.Lock] = {}
 
-    async def run_batch(self, handle: FakeProcess, payloads: list[dict[str, Any]]) -> list[Answer]:
+    async def run_batch(self, handle: FakeProcess, payloads: list[dict[str, Any]], users: list[str]) -> list[Answer]:
         if handle.level != "HOT":
             return [NotRun(reason=f"replica is {handle.level}")] * len(payloads)
         out: list[Answer] = []

@@ -88,7 +88,7 @@ class RecordingCaller:
     def lookup(self, model_key: str, replica_id: int) -> Any:
         return f"handle:{model_key}:{replica_id}"
 
-    async def run_batch(self, handle: Any, payloads: list[dict[str, Any]]) -> list[Answer]:
+    async def run_batch(self, handle: Any, payloads: list[dict[str, Any]], users: list[str]) -> list[Answer]:
         self.asked.append(("run_batch", handle, payloads))
         return [Completed(result=p, seconds=0.0) for p in payloads]
 

@@ -70,6 +70,13 @@ def test_answers_round_trip_through_msgpack_and_pickle(sent: list[Any]) -> None:
 @given(payloads)
 def test_a_call_round_trips(sent: list[dict[str, Any]]) -> None:
     assert decode_call(encode_call(sent)) == Call(payloads=sent)
+    users = [f"user{i}" for i in range(len(sent))]
+    assert decode_call(encode_call(sent, users)) == Call(payloads=sent, users=users)
+
+
+def test_a_call_from_an_older_dispatcher_without_users_still_decodes() -> None:
+    old = msgspec.msgpack.encode([[{"op": "echo", "data": 1}]])  # the Call of before `users`
+    assert decode_call(old) == Call(payloads=[{"op": "echo", "data": 1}], users=[])
 
 
 def test_a_reply_with_a_result_msgpack_cannot_carry_does_not_encode() -> None:

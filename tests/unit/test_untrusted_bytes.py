@@ -21,18 +21,7 @@ from controlplane.core.projections.cluster import SNAPSHOT_SCHEMA
 from controlplane.core.projections.snapshot import KIND, SnapshotHeader, decode_stored, encode_stored
 from controlplane.dashboard.server import dispatcher_rows
 from controlplane.store.heartbeats import beat_counts
-from dataplane.replica.wire import (
-    Answers,
-    Call,
-    Completed,
-    Failed,
-    NotRun,
-    Parked,
-    decode_call,
-    decode_reply,
-    encode_call,
-    encode_reply,
-)
+from dataplane.replica import wire as W
 from dataplane.serving.dispatcher.intake import _checked, _id_of
 from schemas import events as E
 from schemas import logs as L
@@ -204,11 +193,11 @@ def hostile_msgpack(draw: st.DrawFn) -> bytes:
     """msgpack a replica call or answer must survive: nesting past the recursion limit, invalid UTF-8
     in a string, real calls and answers cut and flipped, and any bytes (hostile JSON included)."""
     kind = draw(st.sampled_from(["deep", "utf8", "mutated", "any"]))
-    real = draw(st.sampled_from([encode_call([{"op": "echo", "data": "x" * 20}]),
-                                 encode_reply(Answers(answers=[Completed(result={"a": [1]}, seconds=0.5),
-                                                               Failed(error="E", message="m", seconds=1.0),
-                                                               NotRun(reason="r")])),
-                                 encode_reply(Parked())]))
+    real = draw(st.sampled_from([W.encode_call([{"op": "echo", "data": "x" * 20}], ["alice"]),
+                                 W.encode_reply(W.Answers(answers=[W.Completed(result={"a": [1]}, seconds=0.5),
+                                                                   W.Failed(error="E", message="m", seconds=1.0),
+                                                                   W.NotRun(reason="r")])),
+                                 W.encode_reply(W.Parked())]))
     if kind == "deep":
         head = draw(st.sampled_from([b"", b"\x91\x91\x81\xa1a", b"\x92\xa7answers\x91\x93\xa9completed"]))
         return head + draw(st.sampled_from([b"\x91", b"\x81\xa1a"])) * draw(st.integers(100, 50_000)) + b"\x01"
@@ -231,10 +220,10 @@ def hostile_msgpack(draw: st.DrawFn) -> bytes:
 @given(hostile_msgpack())
 def test_replica_calls_and_answers_are_read_or_refused(data: bytes) -> None:
     """The replica's endpoint and the dispatcher's link (dataplane/replica/wire.py) never raise."""
-    call = decode_call(data)
-    assert isinstance(call, Call) or (isinstance(call, Refused) and call.reason), call
-    reply = decode_reply(data)
-    assert isinstance(reply, (Answers, Parked)) or (isinstance(reply, Refused) and reply.reason), reply
+    call = W.decode_call(data)
+    assert isinstance(call, W.Call) or (isinstance(call, Refused) and call.reason), call
+    reply = W.decode_reply(data)
+    assert isinstance(reply, (W.Answers, W.Parked)) or (isinstance(reply, Refused) and reply.reason), reply
 
 
 @st.composite

@@ -43,6 +43,7 @@ configure("ERROR")
 
 import msgspec  # noqa: E402
 import nats  # noqa: E402
+from benchkit import tiny_model_stack  # noqa: E402
 from nats.aio.client import Client as NatsClient  # noqa: E402
 from nats.aio.msg import Msg  # noqa: E402
 
@@ -53,7 +54,6 @@ from controlplane.store.eventstore import JetStreamEventLog  # noqa: E402
 from dataplane.client import Client  # noqa: E402
 from dataplane.client.sdk import RequestFailed  # noqa: E402
 from dataplane.node.agent import NodeAgent, declared_gpus  # noqa: E402
-from dataplane.node.tiny_models import make_tiny_gpt2  # noqa: E402
 from dataplane.runtime import ray_adapter  # noqa: E402
 from dataplane.serving.dispatcher import Dispatcher  # noqa: E402
 from schemas import events as E  # noqa: E402
@@ -200,12 +200,7 @@ async def brought_back(admin: AdminClient, mk: str, after: int) -> str:
 
 async def from_zero(tmp: Path, a: argparse.Namespace) -> dict[str, object]:
     """The real stack's from-zero figures (see the module's docstring)."""
-    srv = EmbeddedNats(tmp / "nats-zero")
-    await srv.astart()
-    url = srv.url
-    ray_adapter.start_local(1, num_cpus=2)
-    ckpt = str(make_tiny_gpt2(tmp / "tiny"))
-    mk = canonical_model_key(ckpt)
+    srv, url, ckpt, mk = await tiny_model_stack(tmp, "nats-zero", 1, 2)
     firsts: list[float] = []
     asked = ok = errors = 0
     try:

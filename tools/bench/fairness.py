@@ -53,19 +53,16 @@ from controlplane.service.logs import configure
 configure("ERROR")
 logging.getLogger("ray").setLevel(logging.ERROR)
 
-from benchkit import pct  # noqa: E402
+from benchkit import pct, tiny_model_stack  # noqa: E402
 
 from controlplane.core.fairness import FairnessPolicy  # noqa: E402
-from controlplane.ops.nats_server import EmbeddedNats  # noqa: E402
 from controlplane.service.controller import Controller  # noqa: E402
 from controlplane.store.admin import AdminClient  # noqa: E402
 from controlplane.store.eventstore import JetStreamEventLog  # noqa: E402
 from dataplane.node.agent import NodeAgent, declared_gpus  # noqa: E402
-from dataplane.node.tiny_models import make_tiny_gpt2  # noqa: E402
 from dataplane.runtime import ray_adapter  # noqa: E402
 from dataplane.serving.dispatcher import Dispatcher  # noqa: E402
 from dataplane.serving.processor import Processor, idle_replicas_with_queue  # noqa: E402
-from schemas.keys import canonical_model_key  # noqa: E402
 from schemas.requests import Request, encoder, status_decoder  # noqa: E402
 from schemas.status import RequestStatus  # noqa: E402
 from schemas.subjects import model_token, request_subject, user_statuses  # noqa: E402
@@ -210,12 +207,7 @@ async def flood_round(url: str, policy: FairnessPolicy, load: Load, token: str, 
 
 async def main(a: argparse.Namespace) -> dict[str, float]:
     tmp = Path(tempfile.mkdtemp(prefix="ndif-bench-fair-"))
-    srv = EmbeddedNats(tmp / "nats")
-    await srv.astart()
-    url = srv.url
-    ray_adapter.start_local(2, num_cpus=4)
-    ckpt = str(make_tiny_gpt2(tmp / "tiny"))
-    mk = canonical_model_key(ckpt)
+    srv, url, ckpt, mk = await tiny_model_stack(tmp, "nats", 2, 4)
     token = model_token(mk)
     log = await JetStreamEventLog.open(url)
     out: dict[str, float] = {}
