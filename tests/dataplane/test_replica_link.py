@@ -41,7 +41,8 @@ class Host:
         out: list[Answer] = []
         for r in requests:
             time.sleep(r.get("sleep", 0))
-            out.append(Completed(result={"echo": r["data"], "pad": "x" * r.get("pad", 0)}, seconds=0.001))
+            out.append(Completed(result={"echo": r["data"], "pad": "x" * r.get("pad", 0), "users": users},
+                                 seconds=0.001))
         return out
 
     def ready(self) -> bool:
@@ -79,8 +80,9 @@ async def test_answers_over_nats_large_ones_through_ray_and_no_endpoint_at_once(
     host = Host.remote(nats_server.url, "ndif.run.t1.0", 300)  # type: ignore[attr-defined]
     assert await host.ready.remote()
     key = ("t1", 0)
-    small = await link.call(key, "ndif.run.t1.0", host, encode_call([{"data": 1}, {"data": 2}]))
+    small = await link.call(key, "ndif.run.t1.0", host, encode_call([{"data": 1}, {"data": 2}], ["ann", "bo"]))
     assert all(isinstance(a, Completed) for a in small) and [a.result["echo"] for a in small] == [1, 2]  # type: ignore[union-attr]
+    assert small[0].result["users"] == ["ann", "bo"]  # type: ignore[union-attr]  # whose each is, for the turns
     (big,) = await link.call(key, "ndif.run.t1.0", host, encode_call([{"data": 3, "pad": 5000}]))
     assert isinstance(big, Completed)
     assert big.result["echo"] == 3 and len(big.result["pad"]) == 5000  # parked in the actor, taken via Ray

@@ -47,8 +47,8 @@ class EchoCaller:
         self.calls += 1
         if handle.level != "HOT":
             return [NotRun(reason=f"replica is {handle.level}")] * len(payloads)
-        return [Completed(result={"echo": p.get("data"), "replica_id": handle.spec.replica_id}, seconds=0.001)
-                for p in payloads]
+        return [Completed(result={"echo": p.get("data"), "replica_id": handle.spec.replica_id, "user": u},
+                          seconds=0.001) for p, u in zip(payloads, users, strict=True)]
 
     async def take_answer(self, handle: FakeProcess, reply: str) -> list[Answer] | None:
         raise AssertionError("no replica link without NATS")
@@ -91,7 +91,7 @@ async def test_the_first_request_deploys_the_model_and_is_served_once_a_replica_
     first = request(mk, 1)
     await stack.serving.submit(first)
     done = await final(stack, first)
-    assert done.status is R.COMPLETED and done.result == {"echo": 1, "replica_id": 0}
+    assert done.status is R.COMPLETED and done.result == {"echo": 1, "replica_id": 0, "user": ""}
     # Deployed by the dispatcher's own deploy, loaded by the agent, served through the caller.
     (scheduled,) = stack.events(E.ReplicaScheduled)
     assert scheduled.model_key == mk and scheduled.command_id.startswith("cmd-")
@@ -106,6 +106,7 @@ async def test_the_first_request_deploys_the_model_and_is_served_once_a_replica_
     for r in more:
         await stack.serving.submit(r)
     assert [(await final(stack, r)).result["echo"] for r in more] == [2, 3]
+    assert (await final(stack, more[1])).result["user"] == "alice"  # the call names whose each is (turns)
     assert len(stack.events(E.ReplicaScheduled)) == 1  # deployed once
 
 
