@@ -136,7 +136,8 @@ class ModelActor:
             t = time.perf_counter()
             try:
                 user = users[i] if users and i < len(users) else ""
-                out.append(Completed(result=self.replica(request, user), seconds=time.perf_counter() - t))
+                result, seconds = self.replica.timed(request, user)
+                out.append(Completed(result=result, seconds=seconds))
             except ReplicaNotHot as exc:
                 out += [NotRun(reason=str(exc))] * (len(requests) - i)
                 break

@@ -35,6 +35,10 @@ CALL_HEADER = "Ndif-Call"
 RETRY_S = 5.0  # an endpoint that could not connect tries again this much later (Ray serves meanwhile)
 PARKED_MAX = 16  # answers an actor keeps for the dispatchers to take through Ray (oldest dropped) ...
 PARKED_TTL_S = 60.0  # ... and for how long (a dispatcher takes one at once; one that died never will)
+# Calls served at once: each waits in the replica's turns (dataplane/replica/turns.py), where the
+# next request is chosen fairly, so the pool holds every call the dispatchers keep at a replica
+# (dispatchers x NDIF_REPLICA_LANES, 2 by default); a call beyond it waits in arrival order.
+CALL_THREADS = 16
 _PARKED = encode_reply(Parked())
 
 
@@ -47,7 +51,7 @@ class ReplicaEndpoint:
     """
 
     def __init__(self, url: str, subject: str, run_batch: Callable[[list[dict[str, Any]], list[str]], list[Answer]], *,
-                 name: str = "ndif-replica", threads: int = 4, max_answer_bytes: int | None = None,
+                 name: str = "ndif-replica", threads: int | None = None, max_answer_bytes: int | None = None,
                  creds: Creds | None = None, **log_fields: Any) -> None:
         self.url = url
         self.creds = creds  # the node agent's user: it may serve its own node's `ndif.run.<ntok>.>`
@@ -56,7 +60,7 @@ class ReplicaEndpoint:
         self.name = name
         self.max_answer_bytes = max_answer_bytes
         self._run_batch = run_batch
-        self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="ndif-endpoint-run")
+        self._pool = concurrent.futures.ThreadPoolExecutor(threads or CALL_THREADS, thread_name_prefix="ndif-endpoint-run")
         self._loop = asyncio.new_event_loop()
         self._active: set[str] = set()  # ids of the calls being answered (CALL_HEADER)
         self._parked: collections.OrderedDict[str, tuple[float, list[Answer]]] = collections.OrderedDict()

@@ -263,26 +263,33 @@ class ModelReplica:
 
     def __call__(self, request: dict[str, Any], user: str = "") -> dict[str, Any]:
         """Run one request (`user` is whose it is: it decides the turn when several wait)."""
+        return self.timed(request, user)[0]
+
+    def timed(self, request: dict[str, Any], user: str = "") -> tuple[dict[str, Any], float]:
+        """`__call__`, and the seconds the request itself ran (its wait for the turn not counted:
+        the dispatcher's batch budget goes by it)."""
+        t = time.perf_counter()
         if self.level != Level.HOT or self.model is None:
             raise ReplicaNotHot(f"replica {self.replica_id} of {self.model_key} is {self.level}, not HOT")
         op = request.get("op", "forward")
         if op == "echo":  # no model work: health checks and the dispatch benchmark's no-op replicas
-            return {"echo": request.get("data"), "replica_id": self.replica_id}
+            return {"echo": request.get("data"), "replica_id": self.replica_id}, time.perf_counter() - t
         problem = payload_problem(request)  # the rules `ndif submit` checks before sending
         if problem is not None:
             raise BadRequest(problem)
         # One run at a time on the replica, the next chosen fairly among the waiting (turns.py: the
         # user served least recently here goes first). A request waits for its turn at most one
-        # timeout ("busy with an earlier request"), and its run's timeout counts from its start;
+        # timeout ("busy with other requests"), and its run's timeout counts from its start;
         # the turn ends when the run does, also one that outlived its caller's wait.
         if not self._turns.acquire(user, timeout=self.execution_timeout_s):
-            raise ExecutionTimeout(f"replica {self.replica_id} was busy for {self.execution_timeout_s:.0f}s "
-                                   "with earlier requests")
+            raise ExecutionTimeout(f"replica {self.replica_id} was busy for {self.execution_timeout_s:g}s "
+                                   "with other requests")
         model = self.model
 
-        def run() -> dict[str, Any]:
+        def run() -> tuple[dict[str, Any], float]:
+            t = time.perf_counter()
             try:
-                return self._run(op, request)
+                return self._run(op, request), time.perf_counter() - t
             except Exception:
                 # The weights were moved or dropped under the request (an unload before a kill, a
                 # restart): the request never ran to the end here, so it is not its failure. Not

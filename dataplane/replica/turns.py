@@ -7,8 +7,11 @@ calls of that user stand in front of the replica. The dispatcher orders its own 
 request first in the dispatcher's line would still wait behind every flood call already at the
 replica. `Turns` closes that gap at the replica itself: when a run ends, the next turn goes to the
 waiting request whose user was served least recently here (never served first), and within one user
-to the one that came first. A light user's request then waits for at most the run in progress, and
-one user's requests keep their order.
+to the one that came first. A light user's request then waits for the run in progress and at most one
+run of each other user waiting (not for every flood call ahead of it), and one user's requests keep
+the order in which they reach the gate (a batch's next request reaches it when the one before ran).
+Only calls that hold a thread of the replica are waiting here: the endpoint gives every call one
+(dataplane/replica/endpoint.py, `CALL_THREADS`), so calls beyond that wait unordered before it.
 
 Pure apart from its lock: no I/O, no clock but the waits' timeouts.
 """
@@ -20,8 +23,9 @@ import itertools
 import threading
 
 # Users remembered for "served least recently" (the oldest forgotten first: a forgotten user counts
-# as never served, which only moves it forward once).
+# as never served, which only moves it forward once), each by at most this many characters.
 REMEMBERED_USERS = 1024
+USER_CHARS = 128
 
 
 class Turns:
@@ -38,14 +42,20 @@ class Turns:
 
     def acquire(self, user: str, timeout: float | None = None) -> bool:
         """Wait until this request's turn (True), or `timeout` seconds (False: it gave up its place)."""
+        user = user[:USER_CHARS]
         me = (user, next(self._arrivals))
         with self._cv:
             self._waiting.append(me)
-            if not self._cv.wait_for(lambda: not self._busy and self._next() == me, timeout):
+            try:
+                mine = self._cv.wait_for(lambda: not self._busy and self._next() == me, timeout)
+            except BaseException:  # interrupted: out of the line, or everyone behind it waits for good
                 self._waiting.remove(me)
+                self._cv.notify_all()
+                raise
+            self._waiting.remove(me)
+            if not mine:
                 self._cv.notify_all()  # it may have been the one the others waited behind
                 return False
-            self._waiting.remove(me)
             self._busy = True
             self._turn += 1
             self._served[user] = self._turn

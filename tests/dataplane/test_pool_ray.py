@@ -42,7 +42,7 @@ async def test_a_cold_load_takes_the_pooled_process_and_the_pool_refills(local_r
         found = await rt.get("pool-test", 0)  # the contract name resolves to the member (an alias)
         assert found is not None and await found.pid.remote() == pooled_pid
         assert ("pool-test", 0) in {(f.model_key, f.replica_id) for f in await rt.list()}
-        answers = await ray_adapter.RayCaller().run_batch(found, [{"op": "forward", "input_ids": [[1, 2, 3]]}])
+        answers = await ray_adapter.RayCaller().run_batch(found, [{"op": "forward", "input_ids": [[1, 2, 3]]}], ["ann"])
         assert type(answers[0]).__name__ == "Completed"
 
         await until_ready(rt, 1)  # refilled in the background: a new process, a new name

@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Any
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dataplane.replica.model import ExecutionTimeout, ModelReplica
 from dataplane.replica.turns import Turns
+from schemas.status import Level
 
 
 def _queue_behind_holder(turns: Turns, users: list[str]) -> tuple[list[str], list[threading.Thread]]:
@@ -86,3 +90,70 @@ def test_service_goes_round_the_waiting_users_and_keeps_each_users_order(users: 
         assert done[u] == min(done[v] for v in waiting), (order, u)
         done[u] += 1
         left[u] -= 1
+
+
+# ---- the turns inside ModelReplica (its run stubbed: no weights, the gate and the timeouts are real)
+
+FORWARD = {"op": "forward", "input_ids": [[1, 2]]}
+
+
+def _replica(run_s: dict[str, float], ran: list[str], timeout_s: float = 5.0) -> ModelReplica:
+    r = ModelReplica("k", 0, "/nowhere", execution_timeout_s=timeout_s)
+    r.level, r.model = Level.HOT, object()
+
+    def fake_run(op: str, request: dict[str, Any]) -> dict[str, Any]:
+        ran.append(request["who"])
+        time.sleep(run_s.get(request["who"], 0.0))
+        return {"who": request["who"]}
+
+    r._run = fake_run  # type: ignore[method-assign]
+    return r
+
+
+def _in_thread(r: ModelReplica, who: str, user: str, out: dict[str, Any]) -> threading.Thread:
+    def call() -> None:
+        try:
+            out[who] = r.timed({**FORWARD, "who": who}, user)
+        except Exception as exc:  # noqa: BLE001 - the test reads it
+            out[who] = exc
+    t = threading.Thread(target=call, daemon=True)
+    t.start()
+    return t
+
+
+def test_a_replica_runs_a_light_users_request_before_the_floods_waiting_ones() -> None:
+    ran: list[str] = []
+    r = _replica({"h0": 0.3}, ran)
+    out: dict[str, Any] = {}
+    threads = [_in_thread(r, "h0", "heavy", out)]
+    while ran != ["h0"]:
+        time.sleep(0.001)
+    for i, (who, user) in enumerate([("h1", "heavy"), ("h2", "heavy"), ("l1", "light")]):
+        threads.append(_in_thread(r, who, user, out))
+        while r._turns.waiting() < i + 1:
+            time.sleep(0.001)
+    for t in threads:
+        t.join(10)
+    assert ran == ["h0", "l1", "h1", "h2"], ran
+    # the seconds a request ran, not its wait for the turn (the dispatcher's batch budget uses them)
+    assert out["h0"][1] >= 0.3 and out["l1"][1] < 0.2, out
+
+
+def test_a_request_waits_for_its_turn_at_most_one_timeout_and_a_run_past_its_timeout_keeps_the_turn() -> None:
+    ran: list[str] = []
+    r = _replica({"slow": 0.6}, ran, timeout_s=0.25)
+    out: dict[str, Any] = {}
+    started = time.monotonic()
+    slow = _in_thread(r, "slow", "a", out)
+    while ran != ["slow"]:
+        time.sleep(0.001)
+    t0 = time.monotonic()
+    with pytest.raises(ExecutionTimeout, match="busy"):
+        r({**FORWARD, "who": "never"}, "b")  # the slow run holds the turn past this wait
+    assert 0.2 < time.monotonic() - t0 < 0.5 and "never" not in ran
+    slow.join(5)
+    assert isinstance(out["slow"], ExecutionTimeout) and "ran longer" in str(out["slow"])
+    time.sleep(max(0.0, started + 0.7 - time.monotonic()))  # the run itself ends at 0.6 s
+    t1 = time.monotonic()
+    assert r({**FORWARD, "who": "next"}, "b") == {"who": "next"}  # the turn came back when the run ended
+    assert time.monotonic() - t1 < 0.2 and ran == ["slow", "next"]
