@@ -327,7 +327,13 @@ async def test_accounts_on_a_three_server_cluster(tmp_path: Path, monkeypatch: p
                     except (nats.errors.Error, errs.NdifError):
                         await asyncio.sleep(0.5)
                         continue
-                    kept, _ = await w.kept(status_key(req.request_id, req.user))
+                    # Read back by direct get, which any current copy may answer: one that has not
+                    # stored the write yet answers "none" for a moment after servers restarted.
+                    for _ in range(40):
+                        kept, _ = await w.kept(status_key(req.request_id, req.user))
+                        if kept is not None:
+                            break
+                        await asyncio.sleep(0.25)
                     assert kept is not None and kept.terminal and kept.result == result
                     return
                 raise AssertionError(f"{req.request_id}: no terminal status kept")

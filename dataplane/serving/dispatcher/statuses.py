@@ -219,13 +219,17 @@ class StatusWriter:
         """
         key = status_key(u.request_id, u.user)
         rev = self._rev.pop(key, None)
-        for _ in range(20):
+        for attempt in range(20):
             try:
                 new_rev = await (self.kv.create(key, data) if rev is None else self.kv.update(key, data, rev))
             except RevisionMoved:
                 cur, rev = await self.kept(key)
                 if cur is not None and cur.terminal:
                     return False
+                if rev is None:
+                    # The key exists but the read did not see it: a direct get answered by a copy of
+                    # a replicated bucket that has not stored the write yet. Give it time to.
+                    await asyncio.sleep(0.05 * (attempt + 1))
                 continue
             if not terminal:
                 self._rev[key] = new_rev
