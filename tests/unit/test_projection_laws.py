@@ -96,6 +96,14 @@ def test_any_interleaving_never_crashes_and_memory_stays_exact(events, rnd):
                 cached[r.node_id] = cached.get(r.node_id, 0) + r.cpu_bytes
         for node_id in state.nodes:
             assert state.cpu_cached(node_id) == cached.get(node_id, 0)
+            # The CPU commitment's running totals equal the sum over the views they index.
+            kept = sum(r.cpu_bytes for r in state.replicas.values()
+                       if r.node_id == node_id and r.cpu_bytes and r.desired != "COLD")
+            promised = sum(r.bytes_per_gpu * len(r.gpu_indices) for r in state.replicas.values()
+                           if r.node_id == node_id and r.on_gpu and r.desired == "WARM" and not r.cpu_bytes)
+            assert state.cpu_pending(node_id) == promised
+            assert state.cpu_committed(node_id) == kept + promised
+            assert state.copy().cpu_committed(node_id) == kept + promised
 
 
 @SETTINGS

@@ -215,7 +215,7 @@ class ClusterSnapshot(msgspec.Struct, frozen=True, kw_only=True):
 class ClusterState(Projection):
     """Fold of NDIF_EVENTS into the cluster placement view."""
 
-    __slots__ = ("_by_model", "_card_leaving", "_card_totals", "_cards", "_cpu", "_cpu_pending", "_gone",
+    __slots__ = ("_by_model", "_card_leaving", "_card_totals", "_cards", "_cpu", "_cpu_kept", "_cpu_pending", "_cpu_pending_total", "_gone",
                  "_live_nodes", "_node_free", "commands", "declared", "models", "nodes", "replicas", "undeployed")
 
     def __init__(self) -> None:
@@ -234,9 +234,11 @@ class ClusterState(Projection):
         # Part of that held by replicas asked to leave (desired WARM/COLD, still on the card).
         self._card_leaving: dict[CardKey, int] = {}
         self._cpu: dict[str, dict[RKey, int]] = {}
+        self._cpu_kept: dict[str, int] = {}  # node -> sum of its _cpu bytes not ordered down to COLD
         # Replicas ordered to WARM, still on their cards (not yet `Cached`): node -> replica -> the
         # bytes they will take in its CPU cache (their GPU footprint). Committed like GPU bytes.
         self._cpu_pending: dict[str, dict[RKey, int]] = {}
+        self._cpu_pending_total: dict[str, int] = {}  # node -> sum of _cpu_pending (O(1) reads)
         self._by_model: dict[str, dict[int, None]] = {}  # model -> replica ids (insertion-ordered set)
         self._gone: dict[str, set[int]] = {}  # model -> ids of its gone replicas (see MAX_GONE_KEPT)
         # node -> free (total - committed) bytes of its cards, largest first; computed on demand and
@@ -501,7 +503,9 @@ class ClusterState(Projection):
             return  # same footprint (most transitions): the indexes already hold it
         else:
             if _pending_warm(old):
-                self._cpu_pending.get(old.node_id, {}).pop(key, None)
+                b = self._cpu_pending.get(old.node_id, {}).pop(key, None)
+                if b is not None:
+                    self._cpu_pending_total[old.node_id] -= b
             if old.on_gpu:
                 self._node_free.pop(old.node_id, None)
                 leaving = old.desired is not Level.HOT
@@ -514,7 +518,9 @@ class ClusterState(Projection):
                         if leaving:
                             self._card_leaving[ck] -= b
             if old.cpu_bytes:
-                self._cpu.get(old.node_id, {}).pop(key, None)
+                b = self._cpu.get(old.node_id, {}).pop(key, None)
+                if b is not None and old.desired is not Level.COLD:
+                    self._cpu_kept[old.node_id] -= b
         if new.on_gpu:
             self._node_free.pop(new.node_id, None)
             leaving = new.desired is not Level.HOT
@@ -528,9 +534,14 @@ class ClusterState(Projection):
                 if leaving:
                     self._card_leaving[ck] = self._card_leaving.get(ck, 0) + new.bytes_per_gpu
         if new.cpu_bytes:
+            # (the old view's bytes left both maps above; a new replica had none)
             self._cpu.setdefault(new.node_id, {})[key] = new.cpu_bytes
+            if new.desired is not Level.COLD:
+                self._cpu_kept[new.node_id] = self._cpu_kept.get(new.node_id, 0) + new.cpu_bytes
         if _pending_warm(new):
-            self._cpu_pending.setdefault(new.node_id, {})[key] = new.bytes_per_gpu * len(new.gpu_indices)
+            b = new.bytes_per_gpu * len(new.gpu_indices)
+            self._cpu_pending.setdefault(new.node_id, {})[key] = b
+            self._cpu_pending_total[new.node_id] = self._cpu_pending_total.get(new.node_id, 0) + b
 
     def _forget_gone(self, key: RKey) -> None:
         """The replica at `key` just became gone: past MAX_GONE_KEPT of its model, forget the oldest gone one.
@@ -610,14 +621,13 @@ class ClusterState(Projection):
 
     def cpu_pending(self, node_id: str) -> int:
         """CPU cache bytes of replicas ordered to WARM on the node but not yet `Cached`."""
-        return sum(self._cpu_pending.get(node_id, {}).values())
+        return self._cpu_pending_total.get(node_id, 0)
 
     def cpu_committed(self, node_id: str) -> int:
         """What the node's CPU cache holds and keeps, plus what it was promised: what placement plans
         against. Copies ordered down to COLD are leaving (as on a card, the agent unloads them
         before it caches anything new)."""
-        held = sum(b for k, b in self._cpu.get(node_id, {}).items() if self.replicas[k].desired is not Level.COLD)
-        return held + self.cpu_pending(node_id)
+        return self._cpu_kept.get(node_id, 0) + self._cpu_pending_total.get(node_id, 0)
 
     def live_nodes(self) -> list[NodeView]:
         """Live nodes with GPUs, sorted by id (placement's scan order before its rotation); kept
@@ -706,6 +716,8 @@ class ClusterState(Projection):
         c._card_leaving = dict(self._card_leaving)
         c._cpu = {k: dict(v) for k, v in self._cpu.items()}
         c._cpu_pending = {k: dict(v) for k, v in self._cpu_pending.items()}
+        c._cpu_kept = dict(self._cpu_kept)
+        c._cpu_pending_total = dict(self._cpu_pending_total)
         c._by_model = {k: dict(v) for k, v in self._by_model.items()}
         c._gone = {k: set(v) for k, v in self._gone.items()}
         c._node_free = dict(self._node_free)
