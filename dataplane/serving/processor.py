@@ -34,13 +34,14 @@ from controlplane.core.fairness import (
     request_queue,
     wait_estimate_s,
 )
-from controlplane.core.projections.queue import ModelQueueView, processor_status
+from controlplane.core.projections.queue import ModelQueueView, load_failed_for_good, processor_status
 from dataplane.replica.model import ReplicaNotHot, error_text
 from dataplane.replica.wire import Completed, NotRun, encode_call
 from dataplane.runtime.ports import ReplicaCaller
 from dataplane.serving.latency import LatencyHistogram
 from dataplane.serving.link import NoEndpoint, ReplicaLink, ReplyLost
 from dataplane.serving.ports import Delivery
+from schemas.keys import display_name
 from schemas.requests import Request
 from schemas.status import ProcessorStatus, RequestStatus
 from schemas.subjects import replica_call_subject, status_key
@@ -168,6 +169,13 @@ class Processor:
         else:
             new = processor_status(self.view, in_flight=self.running(), queued=len(self.queue),
                                    provisioning=self.provisioning)
+        if self.queue and self.view is not None and load_failed_for_good(self.view):
+            # Waiting would be for ever: end them now, saying what an operator must do.
+            name = display_name(self.view.model_key)
+            ids = ", ".join(map(str, self.view.load_failed))
+            self.fail_all("ModelLoadFailed", f"every replica of {name} failed to load (replica {ids}); "
+                          f"`ndif status {name}` shows why; after fixing the checkpoint, `ndif restart {name}` "
+                          "or deploy it again")
         if new is not self.status:
             self.status = new
             if new in (ProcessorStatus.PROVISIONING, ProcessorStatus.DEPLOYING):

@@ -20,7 +20,7 @@ import pytest_asyncio
 
 from dataplane.replica.wire import Answer, Completed, NotRun
 from schemas import events as E
-from schemas.commands import Deploy, Evict
+from schemas.commands import Deploy, Evict, Restart
 from schemas.keys import canonical_model_key
 from schemas.requests import Request, StatusUpdate
 from schemas.status import DrainReason, ReplicaState, RequestStatus
@@ -176,3 +176,29 @@ async def test_a_replica_a_dispatcher_serves_waits_for_it_and_its_claim_comes_be
     await until(lambda: stack.agent.state.replicas[(mk, 0)].state is ReplicaState.CACHED, timeout=10)
     (drained,) = stack.events(E.ReplicaDrained)
     assert drained.actor == "dispatcher:unit" and drained.reason is DrainReason.IDLE
+
+
+async def test_requests_for_a_model_whose_every_load_failed_end_with_what_to_do(stack: Stack, tmp_path) -> None:
+    """A request must not wait for ever: once every replica the model should have failed to load
+    (nothing restarts those but an operator), the queued requests and the ones after end ERROR."""
+    mk = checkpoint(tmp_path, "broken")
+    stack.runtime.fail_loads = lambda key: key == mk
+    first = request(mk, 1)
+    await stack.serving.submit(first)
+    done = await final(stack, first)
+    assert done.status is R.ERROR and done.error == "ModelLoadFailed", done
+    assert "ndif restart" in (done.message or "") and "ndif status" in (done.message or ""), done.message
+    assert stack.events(E.ReplicaLoadFailed)
+    later = request(mk, 2)
+    await stack.serving.submit(later)
+    assert (await final(stack, later)).error == "ModelLoadFailed"
+    await until(lambda: not stack.serving.requests.stored)  # every one acked: nothing redelivered
+    # Loads that work again after a restart: the next request is served.
+    stack.runtime.fail_loads = lambda key: False
+    (failed,) = {e.replica_id for e in stack.events(E.ReplicaLoadFailed)}
+    res = await stack.controller.handle(msgspec.json.encode(Restart(command_id="cmd-restart", actor="cli:test", model_key=mk,
+                                                             replica_id=failed)), verb="restart")
+    assert res.ok, res
+    again = request(mk, 3)
+    await stack.serving.submit(again)
+    assert (await final(stack, again)).status is R.COMPLETED

@@ -24,6 +24,9 @@ class ModelQueueView(msgspec.Struct, frozen=True, kw_only=True):
     draining: tuple[int, ...]  # finish in-flight work, take nothing new
     starting: tuple[int, ...]  # scheduled, loading or restarting
     failed: tuple[int, ...]  # desired HOT but failed to load or died
+    # Of those, the ones whose load failed: nothing restarts them but an operator (a replica that
+    # died at run time is restarted or replaced by the controller).
+    load_failed: tuple[int, ...] = ()
     rejected: bool = False  # the last placement for it could not be satisfied
     nodes: tuple[tuple[int, str], ...] = ()  # (replica id, node id) of each placed replica: its endpoint's node
     served_by: tuple[tuple[int, tuple[str, ...]], ...] = ()  # (replica id, dispatchers that call it) of ready ones
@@ -40,10 +43,19 @@ def queue_view(state: ClusterState, model_key: str) -> ModelQueueView:
         draining=tuple(r.replica_id for r in rs if r.state is S.DRAINING),
         starting=tuple(r.replica_id for r in hot if r.state in (S.LOAD_REQUESTED, S.LOADING, S.RESTARTING)),
         failed=tuple(r.replica_id for r in hot if r.state in (S.FAILED, S.LOAD_FAILED)),
+        load_failed=tuple(r.replica_id for r in hot if r.state is S.LOAD_FAILED),
         rejected=m is not None and m.last_rejection is not None and m.last_rejection.seq >= m.since_seq,
         nodes=tuple((r.replica_id, r.node_id) for r in rs if r.node_id),
         served_by=tuple((r.replica_id, r.served_by) for r in rs if r.state is S.AVAILABLE),
     )
+
+
+def load_failed_for_good(view: ModelQueueView) -> bool:
+    """Every replica the model should have failed to load, and nothing is starting or ready: no
+    request for it can run until an operator restarts or deploys it again (the controller retries
+    run-time failures itself, and a placement refused for room is retried by provisioning)."""
+    return (view.replica_count > 0 and not view.ready and not view.starting and not view.rejected
+            and len(view.load_failed) == view.replica_count)
 
 
 def processor_status(view: ModelQueueView, *, in_flight: int, queued: int, provisioning: bool = False) -> ProcessorStatus:
