@@ -159,6 +159,9 @@ def validate(cmd: AnyCommand, limits: Limits | None = None) -> AnyCommand:
     if not _ACTOR.fullmatch(cmd.actor):
         raise InvalidCommand(f"actor {cmd.actor[:60]!r}: 1-200 printable ASCII characters")
     replicas = getattr(cmd, "replicas", None)
+    if isinstance(cmd, (Deploy, Scale)) and cmd.replicas < 1:  # negative ones too: one message for both
+        raise InvalidCommand(f"{cmd.__struct_config__.tag}: --replicas must be at least 1, got {cmd.replicas} "
+                             "(fewer replicas: `ndif scale-down MODEL --replicas N`, 0 for none)")
     if replicas is not None and replicas < 0:
         raise InvalidCommand(f"--replicas must be 0 or more, got {replicas}")
     if replicas is not None:
@@ -172,8 +175,6 @@ def validate(cmd: AnyCommand, limits: Limits | None = None) -> AnyCommand:
                                  "ask for fewer (limits: `ndif controller --max-replicas-per-model/-per-command`)")
         if isinstance(cmd, ScaleDown) and replicas > ABSOLUTE_MAX_REPLICAS:
             raise InvalidCommand(f"--replicas {replicas} is above the absolute limit ({ABSOLUTE_MAX_REPLICAS})")
-    if isinstance(cmd, (Deploy, Scale)) and cmd.replicas < 1:
-        raise InvalidCommand(f"{cmd.__struct_config__.tag}: --replicas must be at least 1, got {cmd.replicas}")
     if isinstance(cmd, Deploy) and cmd.size_bytes is not None and cmd.size_bytes <= 0:
         raise InvalidCommand(f"the model size (--size-gib) must be positive, got {cmd.size_bytes} bytes")
     if isinstance(cmd, Deploy) and cmd.headroom is not None and not 0.0 <= cmd.headroom <= MAX_HEADROOM:

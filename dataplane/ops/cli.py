@@ -196,7 +196,9 @@ async def _up(a: argparse.Namespace) -> int:
                   f"  export NDIF_NATS_URL={url}"
                   + (f" NDIF_HOME={home}  # its commands find their credentials there\n" if auth else "\n") +
                   f"  python -m dataplane.node.tiny_models {home / 'models'}   # once; `ndif up --demo` makes them too\n"
-                  f"  ndif deploy {home / 'models' / 'tiny-gpt2'} --replicas 2 --wait\n"
+                  + (f"  ndif deploy {home / 'models' / 'tiny-gpt2'} --replicas 2 --wait\n" if gpus else
+                     "  # no GPU on this node, so a deploy would be refused for room: stop (Ctrl-C) and start\n"
+                     "  # again with declared GPUs, e.g. `ndif up --gpus 2`, to deploy here\n") +
                   "  ndif status\n"
                   f"  ndif submit {home / 'models' / 'tiny-gpt2'} --prompt 'Hello'\n"
                   "Ctrl-C stops everything.", flush=True)
