@@ -127,7 +127,7 @@ async def test_a_replica_killed_under_a_call_and_a_lost_answer_are_found(
         ray.kill(alive)
 
 
-def _echo(requests: list[dict[str, Any]]) -> list[Answer]:
+def _echo(requests: list[dict[str, Any]], users: list[str] | None = None) -> list[Answer]:
     return [Completed(result={"echo": r["data"], "pad": "x" * r.get("pad", 0)}, seconds=0.001) for r in requests]
 
 
