@@ -54,7 +54,7 @@ def test_commands_validate():
     assert decode_command(msgspec.json.encode(Deploy(command_id="c", model_key="m", replicas=2))).replicas == 2
     with pytest.raises(InvalidCommand, match="at least 1"):
         decode_command(msgspec.json.encode(Scale(command_id="c", model_key="m", replicas=0)))
-    with pytest.raises(InvalidCommand, match="at least 1, got -1 .*scale-down"):  # the same words below 0
+    with pytest.raises(InvalidCommand, match=r"at least 1, got -1 .*scale-down"):  # the same words below 0
         decode_command(msgspec.json.encode(Scale(command_id="c", model_key="m", replicas=-1)))
     with pytest.raises(InvalidCommand, match="0 or more"):
         decode_command(b'{"verb": "scale-down", "command_id": "c", "model_key": "m", "replicas": -1}')
