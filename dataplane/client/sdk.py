@@ -10,7 +10,12 @@ A request is durable once `submit` returns (stored in the `NDIF_REQUESTS` stream
 id re-submitted within the dedup window is stored once). Statuses arrive live on
 `ndif.status.<user>.<id>` (`ndif.status.<id>` on an open server); a client that connects later (or reconnects) first reads the latest one kept in
 KV, and a job that has been quiet for a while re-reads it, so a live status lost on the way (core
-NATS is at-most-once) never leaves a user waiting for a terminal status that is already kept. `result()` raises `RequestFailed` for an ERROR
+NATS is at-most-once) never leaves a user waiting for a terminal status that is already kept. A client with a user listens
+to all of its user's statuses through one subscription (`ndif.status.<user>.>`, made as it connects)
+and hands each to the jobs of its request id: no subscription is made and dropped per request, which
+across the accounts of a secured server also adds and drops the server's copy of it in the system's
+account. On an open server each job subscribes to its own subject (a wildcard there would bring
+every user's statuses). `result()` raises `RequestFailed` for an ERROR
 (`QueueLimitExceeded`, its subclass, when the user already had its limit of requests queued).
 
 The SDK never writes to the user's stdout or stderr on its own: its logs go to the standard
@@ -59,6 +64,7 @@ from schemas.subjects import (
     results_bucket,
     status_key,
     status_subject,
+    user_statuses,
 )
 
 DEFAULT_URL = "nats://127.0.0.1:4222"
@@ -137,7 +143,8 @@ class Job:
         self.last: StatusUpdate | None = None
         self._arrived: collections.deque[StatusUpdate] = collections.deque()
         self._waiter: asyncio.Future[None] | None = None
-        self._sub: Any = None
+        self._sub: Any = None  # its own subscription (an open server), else None
+        self._shared = False  # listening through the client's subscription to its user's statuses
         self._live_from_start = False  # submitted by us, listened to before it was sent: nothing to catch up
 
     def _accept(self, data: bytes, where: str) -> StatusUpdate | None:
@@ -155,16 +162,27 @@ class Job:
             return None
         return u
 
-    async def _listen(self, *, flush: bool = True) -> None:
-        async def cb(msg: Any) -> None:
-            u = self._accept(msg.data, "live")
-            if u is not None:
-                self._arrived.append(u)
-                if self._waiter is not None and not self._waiter.done():
-                    self._waiter.set_result(None)
+    def _deliver(self, data: bytes) -> None:
+        u = self._accept(data, "live")
+        if u is not None:
+            self._arrived.append(u)
+            if self._waiter is not None and not self._waiter.done():
+                self._waiter.set_result(None)
 
+    @property
+    def _listening(self) -> bool:
+        return self._shared or self._sub is not None
+
+    async def _listen(self, *, flush: bool = True) -> None:
         # Live statuses, and the kept ones as the server republishes them when KV stores them (the
         # terminal status only that way: it reaches us the moment it is kept, and only if it was).
+        if self.client._watch(self):
+            self._shared = True  # its subscription went out when the client connected: ahead of anything sent now
+            return
+
+        async def cb(msg: Any) -> None:
+            self._deliver(msg.data)
+
         self._sub = await self.client.log.nc.subscribe(status_subject(self.request_id, self.client.user), cb=cb)
         if not flush:
             return  # the request is published next on this connection: the server sees the SUB first
@@ -187,7 +205,7 @@ class Job:
         if self.last is not None and self.last.terminal:
             yield self.last  # nothing more will come: the job is over
             return
-        if self._sub is None:
+        if not self._listening:
             await self._listen()
         kept = None if self._live_from_start else await self.latest()
         if kept is not None and (self.last is None or kept.ts > self.last.ts):
@@ -265,6 +283,9 @@ class Job:
         return final.result
 
     async def close(self) -> None:
+        if self._shared:
+            self._shared = False
+            self.client._unwatch(self)
         if self._sub is not None:
             with contextlib.suppress(Exception):
                 await self._sub.unsubscribe()
@@ -286,6 +307,8 @@ class Client:
         self.creds = creds if creds is not None else resolve("client", url=self.url)
         self.user = self.creds.name if self.creds is not None and self.creds.role == "client" else ""
         self._log: JetStreamEventLog | None = None
+        self._status_sub: Any = None  # with a user: its subscription to all of the user's statuses
+        self._watching: dict[str, list[Job]] = {}  # request id -> the jobs listening to its statuses
 
     @property
     def log(self) -> JetStreamEventLog:
@@ -297,13 +320,45 @@ class Client:
     async def __aenter__(self) -> Client:
         self._log = await JetStreamEventLog.open(self.url, ensure=False, name=self.name, timeout=self.timeout,
                                                  creds=self.creds, role="client")
+        if self.user:
+            try:
+                self._status_sub = await self._log.nc.subscribe(user_statuses(self.user), cb=self._on_status)
+                await self._log.nc.flush()
+            except BaseException:
+                log, self._log = self._log, None
+                await log.close()
+                raise
         return self
 
     async def __aexit__(self, t: type[BaseException] | None, e: BaseException | None,
                         tb: TracebackType | None) -> None:
         log, self._log = self._log, None
+        self._status_sub = None  # goes with the connection
+        for jobs in self._watching.values():
+            for job in jobs:
+                job._shared = False
+        self._watching.clear()
         if log is not None:
             await log.close()
+
+    def _watch(self, job: Job) -> bool:
+        """Hand `job` its request's statuses from the user's subscription; False without one (an open server)."""
+        if self._status_sub is None:
+            return False
+        self._watching.setdefault(job.request_id, []).append(job)
+        return True
+
+    def _unwatch(self, job: Job) -> None:
+        jobs = self._watching.get(job.request_id, [])
+        if job in jobs:
+            jobs.remove(job)
+        if not jobs:
+            self._watching.pop(job.request_id, None)
+
+    async def _on_status(self, msg: Any) -> None:
+        # `ndif.status.<user>.<request id>`: the id is the last token (ids are one token each)
+        for job in self._watching.get(msg.subject.rpartition(".")[2], ()):
+            job._deliver(msg.data)
 
     async def submit(self, model: str, payload: dict[str, Any], *, request_id: str | None = None) -> Job:
         """Store the request durably and return its job (statuses are listened to before it is sent).

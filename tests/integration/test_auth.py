@@ -45,6 +45,7 @@ from schemas.subjects import (
     results_bucket,
     status_key,
     status_subject,
+    user_statuses,
 )
 from tests.integration.conftest import NODE_A, NODE_B
 from tests.integration.probe import Probe, Spy
@@ -181,6 +182,31 @@ async def test_no_forged_status_reaches_a_victim(streams: str, auth: LocalAuth) 
         await mallory.close()
         await victim.close()
         await admin_nc.close()
+
+
+async def test_a_clients_jobs_share_one_subscription_to_its_users_statuses(streams: str, auth: LocalAuth) -> None:
+    """A client with a user listens through one subscription, `ndif.status.<user>.>` (what its account
+    imports), whatever the number of its jobs: each job still gets its own request's status only."""
+    from dataplane.client import Client
+
+    disp = await connect(streams, creds=auth.role("dispatcher"))
+    try:
+        async with Client(streams, creds=auth.role("client:alice")) as alice:
+            jobs = [await alice.job(f"shared-{i}", MODEL) for i in range(3)]
+            waits = [asyncio.ensure_future(j.result(timeout=10)) for j in jobs]
+            async with asyncio.timeout(5):
+                while len(alice._watching) < 3:  # each has read its kept status (none) and listens
+                    await asyncio.sleep(0.01)
+            status_subs = [x.subject for x in alice.log.nc._subs.values() if x.subject.startswith("ndif.status.")]
+            assert status_subs == [user_statuses("alice")]
+            for i in (2, 0, 1):
+                u = StatusUpdate(request_id=f"shared-{i}", status=RequestStatus.COMPLETED, ts=datetime.now(UTC),
+                                 result={"i": i}, user="alice")
+                await disp.publish(status_subject(f"shared-{i}", "alice"), encoder.encode(u))
+            assert await asyncio.gather(*waits) == [{"i": 0}, {"i": 1}, {"i": 2}]
+            assert alice._watching == {}  # an ended job listens no more
+    finally:
+        await disp.close()
 
 
 async def test_no_client_kills_anothers_request(streams: str, auth: LocalAuth) -> None:
