@@ -209,7 +209,17 @@ async def _rejoin(st: Stack, mk: str, model: str, run: NodeLossRun, replicas: in
     before = {r.replica_id for r in (await st.admin.state()).model_replicas(mk)}
     scaled = time.monotonic()
     await st.admin.scale(model, replicas + 1)
-    state = await until_available(st, mk, replicas + 1, timeout=180)
+    try:
+        state = await until_available(st, mk, replicas + 1, timeout=180)
+    except TimeoutError:
+        # Say where it stopped: each replica's state and node, and the rejoined agent's last lines.
+        now = await st.admin.state()
+        reps = ", ".join(f"{r.replica_id}@{r.node_id or '-'}:{r.state}" for r in now.model_replicas(mk))
+        log = st.rn.root / f"agent-{run.victim}.log"
+        tail = log.read_text(errors="replace")[-2000:] if log.exists() else "(no agent log)"
+        raise TimeoutError(f"after the rejoin, {replicas + 1} replicas not Available within 180 s: {reps}; "
+                           f"anomalies {[a.message for a in now.anomalies][-5:]}; agent {run.victim}'s log "
+                           f"ends:\n{tail}") from None
     run.rejoin_replica_s = time.monotonic() - scaled
     new = [r.node_id for r in state.model_replicas(mk) if r.state is ReplicaState.AVAILABLE
            and r.replica_id not in before]
