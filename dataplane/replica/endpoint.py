@@ -51,7 +51,7 @@ class ReplicaEndpoint:
     """
 
     def __init__(self, url: str, subject: str, run_batch: Callable[[list[dict[str, Any]], list[str]], list[Answer]], *,
-                 name: str = "ndif-replica", threads: int | None = None, max_answer_bytes: int | None = None,
+                 name: str = "ndif-replica", max_answer_bytes: int | None = None,
                  creds: Creds | None = None, **log_fields: Any) -> None:
         self.url = url
         self.creds = creds  # the node agent's user: it may serve its own node's `ndif.run.<ntok>.>`
@@ -60,7 +60,7 @@ class ReplicaEndpoint:
         self.name = name
         self.max_answer_bytes = max_answer_bytes
         self._run_batch = run_batch
-        self._pool = concurrent.futures.ThreadPoolExecutor(threads or CALL_THREADS, thread_name_prefix="ndif-endpoint-run")
+        self._pool = concurrent.futures.ThreadPoolExecutor(CALL_THREADS, thread_name_prefix="ndif-endpoint-run")
         self._loop = asyncio.new_event_loop()
         self._active: set[str] = set()  # ids of the calls being answered (CALL_HEADER)
         self._parked: collections.OrderedDict[str, tuple[float, list[Answer]]] = collections.OrderedDict()

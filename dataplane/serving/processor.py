@@ -164,11 +164,6 @@ class Processor:
         self._notify(everyone=True)  # lanes of replicas that left must see it and retire
 
     def _refresh_status(self) -> None:
-        if self.view is None:
-            new = ProcessorStatus.PROVISIONING if (self.queue or self.provisioning) else ProcessorStatus.UNINITIALIZED
-        else:
-            new = processor_status(self.view, in_flight=self.running(), queued=len(self.queue),
-                                   provisioning=self.provisioning)
         if self.queue and self.view is not None and load_failed_for_good(self.view):
             # Waiting would be for ever: end them now, saying what an operator must do.
             name = display_name(self.view.model_key)
@@ -176,6 +171,11 @@ class Processor:
             self.fail_all("ModelLoadFailed", f"every replica of {name} failed to load (replica {ids}); "
                           f"`ndif status {name}` shows why; after fixing the checkpoint, `ndif restart {name}` "
                           "or deploy it again")
+        if self.view is None:
+            new = ProcessorStatus.PROVISIONING if (self.queue or self.provisioning) else ProcessorStatus.UNINITIALIZED
+        else:
+            new = processor_status(self.view, in_flight=self.running(), queued=len(self.queue),
+                                   provisioning=self.provisioning)
         if new is not self.status:
             self.status = new
             if new in (ProcessorStatus.PROVISIONING, ProcessorStatus.DEPLOYING):

@@ -215,7 +215,7 @@ class ClusterSnapshot(msgspec.Struct, frozen=True, kw_only=True):
 class ClusterState(Projection):
     """Fold of NDIF_EVENTS into the cluster placement view."""
 
-    __slots__ = ("_by_model", "_card_leaving", "_card_totals", "_cards", "_cpu", "_cpu_kept", "_cpu_pending", "_cpu_pending_total", "_gone",
+    __slots__ = ("_by_model", "_card_leaving", "_card_totals", "_cards", "_cpu", "_cpu_kept", "_cpu_pending_total", "_gone",
                  "_live_nodes", "_node_free", "commands", "declared", "models", "nodes", "replicas", "undeployed")
 
     def __init__(self) -> None:
@@ -235,10 +235,10 @@ class ClusterState(Projection):
         self._card_leaving: dict[CardKey, int] = {}
         self._cpu: dict[str, dict[RKey, int]] = {}
         self._cpu_kept: dict[str, int] = {}  # node -> sum of its _cpu bytes not ordered down to COLD
-        # Replicas ordered to WARM, still on their cards (not yet `Cached`): node -> replica -> the
-        # bytes they will take in its CPU cache (their GPU footprint). Committed like GPU bytes.
-        self._cpu_pending: dict[str, dict[RKey, int]] = {}
-        self._cpu_pending_total: dict[str, int] = {}  # node -> sum of _cpu_pending (O(1) reads)
+        # Replicas ordered to WARM, still on their cards (not yet `Cached`): node -> the bytes they
+        # will take in its CPU cache (their GPU footprint), committed like GPU bytes. A replica's
+        # share is derived from its view (`_promised`), so only the total is kept.
+        self._cpu_pending_total: dict[str, int] = {}
         self._by_model: dict[str, dict[int, None]] = {}  # model -> replica ids (insertion-ordered set)
         self._gone: dict[str, set[int]] = {}  # model -> ids of its gone replicas (see MAX_GONE_KEPT)
         # node -> free (total - committed) bytes of its cards, largest first; computed on demand and
@@ -503,9 +503,7 @@ class ClusterState(Projection):
             return  # same footprint (most transitions): the indexes already hold it
         else:
             if _pending_warm(old):
-                b = self._cpu_pending.get(old.node_id, {}).pop(key, None)
-                if b is not None:
-                    self._cpu_pending_total[old.node_id] -= b
+                self._cpu_pending_total[old.node_id] -= _promised(old)
             if old.on_gpu:
                 self._node_free.pop(old.node_id, None)
                 leaving = old.desired is not Level.HOT
@@ -518,9 +516,9 @@ class ClusterState(Projection):
                         if leaving:
                             self._card_leaving[ck] -= b
             if old.cpu_bytes:
-                b = self._cpu.get(old.node_id, {}).pop(key, None)
-                if b is not None and old.desired is not Level.COLD:
-                    self._cpu_kept[old.node_id] -= b
+                held = self._cpu.get(old.node_id, {}).pop(key, None)
+                if held is not None and old.desired is not Level.COLD:
+                    self._cpu_kept[old.node_id] -= held
         if new.on_gpu:
             self._node_free.pop(new.node_id, None)
             leaving = new.desired is not Level.HOT
@@ -539,9 +537,7 @@ class ClusterState(Projection):
             if new.desired is not Level.COLD:
                 self._cpu_kept[new.node_id] = self._cpu_kept.get(new.node_id, 0) + new.cpu_bytes
         if _pending_warm(new):
-            b = new.bytes_per_gpu * len(new.gpu_indices)
-            self._cpu_pending.setdefault(new.node_id, {})[key] = b
-            self._cpu_pending_total[new.node_id] = self._cpu_pending_total.get(new.node_id, 0) + b
+            self._cpu_pending_total[new.node_id] = self._cpu_pending_total.get(new.node_id, 0) + _promised(new)
 
     def _forget_gone(self, key: RKey) -> None:
         """The replica at `key` just became gone: past MAX_GONE_KEPT of its model, forget the oldest gone one.
@@ -715,7 +711,6 @@ class ClusterState(Projection):
         c._card_totals = dict(self._card_totals)
         c._card_leaving = dict(self._card_leaving)
         c._cpu = {k: dict(v) for k, v in self._cpu.items()}
-        c._cpu_pending = {k: dict(v) for k, v in self._cpu_pending.items()}
         c._cpu_kept = dict(self._cpu_kept)
         c._cpu_pending_total = dict(self._cpu_pending_total)
         c._by_model = {k: dict(v) for k, v in self._by_model.items()}
@@ -737,6 +732,11 @@ _CPU_EVENTS = frozenset({ReplicaCached, ReplicaEvictionRequested})  # events tha
 def _gone(r: ReplicaView) -> bool:
     """Unloaded, holding nothing and not wanted HOT: kept only for the record (MAX_GONE_KEPT)."""
     return r.state is ReplicaState.UNLOADED and not r.on_gpu and not r.cpu_bytes and r.desired is not Level.HOT
+
+
+def _promised(r: ReplicaView) -> int:
+    """The CPU cache bytes a replica ordered to WARM will take: its GPU footprint."""
+    return r.bytes_per_gpu * len(r.gpu_indices)
 
 
 def _pending_warm(r: ReplicaView) -> bool:
