@@ -37,6 +37,7 @@ from datetime import UTC, datetime
 from types import TracebackType
 from typing import Any
 
+import msgspec
 import nats.errors
 import nats.js.errors
 import structlog
@@ -368,13 +369,17 @@ class Client:
         problem = payload_problem(payload)
         if problem is not None:
             raise errs.InvalidCommand(f"invalid request: {problem}")
-        self.log  # noqa: B018  # ClientNotConnected before anything is built or listened to
         mk = canonical_model_key(model)
         rid = check_request_id(request_id or uuid.uuid4().hex)
-        body = encode_request(Request(request_id=rid, model_key=mk, payload=payload, submitted_at=datetime.now(UTC),
-                                     client=self.name))
+        try:
+            body = encode_request(Request(request_id=rid, model_key=mk, payload=payload,
+                                         submitted_at=datetime.now(UTC), client=self.name))
+        except (RecursionError, TypeError, msgspec.EncodeError) as exc:  # too deep, or not JSON at all
+            raise errs.InvalidCommand(f"invalid request: the payload cannot be sent as JSON "
+                                      f"({type(exc).__name__}: {str(exc)[:200]})") from None
         if len(body) > MAX_REQUEST_BYTES:
             raise errs.InvalidCommand(f"request of {len(body)} bytes is over the {MAX_REQUEST_BYTES} byte limit")
+        self.log  # noqa: B018  # ClientNotConnected (after the request's own checks) before anything is listened to
         job = Job(self, rid, mk)
         await job._listen(flush=False)
         job._live_from_start = True

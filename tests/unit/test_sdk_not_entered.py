@@ -7,6 +7,7 @@ import pytest
 
 from controlplane.store.credentials import Creds
 from dataplane.client import Client, ClientNotConnected
+from schemas.errors import InvalidCommand
 
 
 def _client() -> Client:
@@ -30,3 +31,11 @@ async def test_a_job_of_a_client_not_entered_says_so_too() -> None:
 
 def test_the_error_is_a_runtime_error() -> None:
     assert issubclass(ClientNotConnected, RuntimeError)
+
+
+async def test_a_payload_too_deep_to_send_is_refused_in_words_not_a_recursion_error() -> None:
+    deep: object = 1
+    for _ in range(10_000):
+        deep = [deep]
+    with pytest.raises(InvalidCommand, match="cannot be sent as JSON"):
+        await _client().submit("openai-community/gpt2", {"op": "echo", "data": deep})
