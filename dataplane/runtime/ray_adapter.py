@@ -17,6 +17,7 @@ import os
 import secrets
 import shutil
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -141,6 +142,7 @@ def _auth_refused(exc: BaseException) -> bool:
     return False
 
 
+SAME_LABEL_WAIT_S = 60.0  # how long `ray_node_for` waits for Ray to mark a dead raylet of the same label dead
 NODE_LABEL = "ndif.node_id"  # the Ray node label that names the ndif node a Ray node is (deploy/head.sh, deploy/worker.sh)
 
 
@@ -149,10 +151,16 @@ def ray_node_for(node_id: str) -> str | None:
 
     Several raylets may share one address (a loopback cluster) or a machine may run several: the
     label, not the address this process joined through, says which Ray node an agent is for."""
-    for n in ray.nodes():  # type: ignore[no-untyped-call]
-        if n.get("Alive") and (n.get("Labels") or {}).get(NODE_LABEL) == node_id:
-            return str(n["NodeID"])
-    return None
+    # A node started again soon after it died (same label) can be listed next to its old raylet
+    # until Ray marks that one dead (missed heartbeats): a replica pinned to the old one never runs.
+    # Wait, boundedly, until the label names one live Ray node; then the newest listed is taken.
+    deadline = time.monotonic() + SAME_LABEL_WAIT_S
+    while True:
+        found = [str(n["NodeID"]) for n in ray.nodes()  # type: ignore[no-untyped-call]
+                 if n.get("Alive") and (n.get("Labels") or {}).get(NODE_LABEL) == node_id]
+        if len(found) <= 1 or time.monotonic() > deadline:
+            return found[-1] if found else None
+        time.sleep(1.0)
 
 
 def ray_nodes() -> list[dict[str, Any]]:
