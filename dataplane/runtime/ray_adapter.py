@@ -153,7 +153,7 @@ def ray_node_for(node_id: str) -> str | None:
     label, not the address this process joined through, says which Ray node an agent is for."""
     # A node started again soon after it died (same label) can be listed next to its old raylet
     # until Ray marks that one dead (missed heartbeats): a replica pinned to the old one never runs.
-    # Wait, boundedly, until the label names one live Ray node; then the newest listed is taken.
+    # Wait, boundedly, until the label names one live Ray node (past the wait, the last one listed).
     deadline = time.monotonic() + SAME_LABEL_WAIT_S
     while True:
         found = [str(n["NodeID"]) for n in ray.nodes()  # type: ignore[no-untyped-call]
