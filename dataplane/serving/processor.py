@@ -126,6 +126,8 @@ class Processor:
         self._prefer: dict[int, int] = {}  # replica id -> its place in this dispatcher's tie-break order
         self._turn = 0  # picks made: ties rotate over the replicas (light load reaches every one)
         self._actors: dict[int, Any] = {}
+        self.express: set[asyncio.Task[None]] = set()  # calls made beyond the lanes (`_express`)
+        self.express_calls = 0
         self.exec_s: float | None = None  # recent run time of one request on a replica (moving average)
         self.logger = logger.bind(model_key=None, token=token)
         self.born = time.monotonic()
@@ -204,10 +206,42 @@ class Processor:
             assert nxt is not None
             fut.set_result(self._submit(rid, [nxt]))
         pos = self.queue.position(p)
+        if pos == 0:
+            self._express(p)
+            pos = self.queue.position(p)
         if pos is not None:
             self._tell_position(p, pos, time.monotonic())
         self._refresh_status()
         self._notify()
+
+    def _express(self, p: Pending) -> None:
+        """The head of the queue, of a user with nothing running here, does not wait for a lane to
+        end its call when every lane is busy: it gets a call of its own to the least loaded replica,
+        whose turns run it next (the user served least recently there: dataplane/replica/turns.py).
+        So a light user's request waits for the run in progress, not for the calls the lanes hold.
+        At most one such call per ready replica at once; a user with a request running never gets
+        one (a flood keeps to its lanes)."""
+        ready = sorted(self.ready - self.draining)
+        if not ready or len(self.express) >= len(ready) or self.queue.running(p.req.user):
+            return
+        nxt = self.queue.pop()
+        if nxt is not p:  # the head by position is not what the queue gives next (a running limit)
+            if nxt is not None:
+                self.queue.push_back(nxt)
+            return
+        n = len(self._prefer) or 1
+        rid = min(ready, key=lambda r: (len(self.in_flight.get(r, ())), (self._prefer.get(r, 0) - self._turn) % n))
+        call = self._submit(rid, [p])
+        if call is None:
+            return  # its actor is gone: back in the queue, for the lanes
+        self.express_calls += 1
+        task = asyncio.create_task(self._answers(call), name=f"express-{self.token}-{rid}")
+        self.express.add(task)
+        task.add_done_callback(self.express.discard)
+
+    def tasks(self) -> list[asyncio.Task[None]]:
+        """Every task calling replicas for this processor (its lanes, its calls beyond them)."""
+        return [*(t for ts in self.lanes.values() for t in ts), *self.express]
 
     def _tell_position(self, p: Pending, pos: int, now: float) -> None:
         p.sent_position, p.sent_at = pos, now
@@ -471,7 +505,7 @@ class Processor:
             "draining_replicas": sorted(self.draining), "starting_replicas": list(v.starting) if v else [],
             "replica_count": v.replica_count if v else 0, "serving_replicas": sorted(self.lanes),
             "completed": self.completed, "errors": self.errors, "replica_calls": self.calls,
-            "endpoint_calls": self.link_calls,
+            "endpoint_calls": self.link_calls, "express_calls": self.express_calls,
             "run_ms": round(self.exec_s * 1000, 3) if self.exec_s is not None else None, "provisioning": self.provisioning,
             # Seconds the longest-held queued request has waited here (since this dispatcher took it).
             # Per user: requests queued and running here (the 50 holding most).

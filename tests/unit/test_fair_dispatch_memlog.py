@@ -142,3 +142,53 @@ async def test_a_user_past_its_queued_limit_is_refused_at_once_with_the_limit_an
     await stack.serving.submit(other)
     assert (await final(stack, other)).status is R.COMPLETED
     await until(lambda: not stack.serving.requests.stored)  # all acked
+
+
+class GatedCaller(EchoCaller):
+    """Every call waits until `gate` opens; `started` holds each call's users as it starts."""
+
+    def __init__(self, runtime: FakeRuntime) -> None:
+        super().__init__(runtime)
+        self.gate = asyncio.Event()
+        self.started: list[list[str]] = []
+
+    async def run_batch(self, handle: FakeProcess, payloads: list[dict[str, Any]], users: list[str]) -> list[Answer]:
+        self.started.append(list(users))
+        await self.gate.wait()
+        return await super().run_batch(handle, payloads, users)
+
+
+async def test_a_light_users_request_does_not_wait_for_a_lane_held_by_the_flood(tmp_path: Any) -> None:
+    """Every lane holds a heavy call: the light user's request (head of the fair queue, nothing of its
+    user running) is called at once beyond the lanes, the replica's turns then run it next; the heavy
+    user never gets such a call, and there is at most one per ready replica."""
+    callers: list[GatedCaller] = []
+
+    def make(runtime: FakeRuntime) -> GatedCaller:
+        callers.append(GatedCaller(runtime))
+        callers[0].gate.set()  # the warm-up runs at once
+        return callers[0]
+
+    async with memory_stack(make, fairness=FairnessPolicy()) as stack:
+        caller = callers[0]
+        mk = await warmed(stack, tmp_path, "heavy")
+        proc = next(iter(stack.dispatcher.processors.values()))
+        lanes = proc.lanes_per_replica * len(proc.ready)
+        caller.gate.clear()
+        caller.started.clear()
+        heavy = await submit_all(stack, mk, "heavy", 20)
+        await until(lambda: len(caller.started) == lanes and proc.queue.queued("heavy") > 0, timeout=10)
+        light = request(mk, "light:0", user="light")  # type: ignore[arg-type]
+        await stack.serving.submit(light)
+        await until(lambda: ["light"] in caller.started, timeout=10)  # while every lane still waits
+        assert len(caller.started) == lanes + 1 and len(proc.express) == 1
+        # A second light user finds the one such call per replica taken: it waits in the queue.
+        other = request(mk, "other:0", user="other")  # type: ignore[arg-type]
+        await stack.serving.submit(other)
+        await until(lambda: proc.queue.queued("other") == 1, timeout=10)
+        assert len(caller.started) == lanes + 1
+        assert all(users != ["heavy"] for users in caller.started[lanes:])
+        caller.gate.set()
+        for r in [light, other, *heavy]:
+            assert (await final(stack, r)).status is R.COMPLETED
+        assert not proc.express and stack.dispatcher.get_state()[0]["express_calls"] == 1

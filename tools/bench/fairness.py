@@ -4,8 +4,9 @@ requests wait, and the throughput of fair dispatch against FIFO on the same load
 One machine: nats-server, local Ray, the controller, a node agent (2 declared cards), 2 replicas of
 a tiny gpt2 (real ModelActors running `forward`), and two dispatchers sharing the model's durable
 consumer (each with its lanes on both replicas, as two dispatcher hosts would). The dispatchers run
-in this process, so a sampler can read their queues and calls; the load is published as the SDK
-publishes it, on each user's own subject.
+in this process, so a sampler can read their queues and calls; each user's client runs in a process
+of its own (as a researcher's does: the light user's timing never waits on this process's event
+loop, nor on the flood's statuses), publishing as the SDK publishes, on the user's own subject.
 
  (idle) the light user alone: `--light` requests, one published every `--gap-ms` (whatever became
         of the earlier ones), each timed from its publish to its terminal status;
@@ -74,8 +75,10 @@ DISPATCHERS = ("bench-dispatcher-a", "bench-dispatcher-b")
 class Load:
     """Publishes requests as the SDK does (its dedup id shape) and times each to its terminal status."""
 
-    def __init__(self, log: JetStreamEventLog, mk: str, new_tokens: int = 0) -> None:
+    def __init__(self, log: JetStreamEventLog, mk: str, new_tokens: int = 0,
+                 users: tuple[str, ...] = ("light", "heavy", "warm")) -> None:
         self.log = log
+        self.users = users
         self.mk = mk
         self.new_tokens = new_tokens  # 0: every request a forward pass; N: a generation of N tokens
         self.sent: dict[str, float] = {}  # request id -> monotonic publish time
@@ -97,7 +100,7 @@ class Load:
                 if ev is not None:
                     ev.set()
 
-        return [await self.log.nc.subscribe(user_statuses(user), cb=on_status) for user in ("light", "heavy", "warm")]
+        return [await self.log.nc.subscribe(user_statuses(user), cb=on_status) for user in self.users]
 
     async def submit(self, user: str, i: int) -> str:
         rid = f"{user}-{i}-{uuid.uuid4().hex[:10]}"
@@ -118,25 +121,94 @@ class Load:
             await asyncio.wait_for(ev.wait(), timeout)
         return self.ended[rid] - self.sent[rid]
 
-    async def light_user(self, n: int, gap_s: float) -> list[float]:
+    async def light_user(self, n: int, gap_s: float, start: int = 0) -> list[float]:
         """`n` requests, one published every `gap_s` whatever the earlier ones' fate (so the work of a
         round is the same under fair and FIFO dispatch); each one's wait."""
         tasks = []
         for i in range(n):
-            tasks.append(asyncio.create_task(self.one("light", i)))
+            tasks.append(asyncio.create_task(self.one(self.users[0], start + i)))
             await asyncio.sleep(gap_s)
         return list(await asyncio.gather(*tasks))
 
-    async def flood(self, n: int) -> list[str]:
+    async def flood(self, n: int, start: int = 0) -> list[str]:
         rids: list[str] = []
-        for start in range(0, n, 200):
-            rids += await asyncio.gather(*(self.submit("heavy", i) for i in range(start, min(n, start + 200))))
+        for at in range(start, start + n, 200):
+            rids += await asyncio.gather(*(self.submit(self.users[0], i) for i in range(at, min(start + n, at + 200))))
         return rids
 
     async def until_ended(self, rids: list[str], timeout: float) -> None:
         async with asyncio.timeout(timeout):
             while any(r not in self.ended for r in rids):
                 await asyncio.sleep(0.05)
+
+
+class ClientProcess:
+    """One user's client in a process of its own (`--client`): commands and answers are JSON lines.
+    Times are `time.monotonic()`, one clock for every process of the machine."""
+
+    def __init__(self, url: str, mk: str, user: str, new_tokens: int) -> None:
+        self.user = user
+        self.args = [sys.executable, __file__, "--client", url, mk, user, str(new_tokens)]
+        self.proc: asyncio.subprocess.Process | None = None
+
+    async def start(self) -> ClientProcess:
+        self.proc = await asyncio.create_subprocess_exec(*self.args, stdin=asyncio.subprocess.PIPE,
+                                                         stdout=asyncio.subprocess.PIPE, limit=2**24)
+        await self.ask({"op": "ready"})
+        return self
+
+    async def ask(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        assert self.proc is not None and self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(json.dumps(cmd).encode() + b"\n")
+        await self.proc.stdin.drain()
+        line = await self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the {self.user} client process ended (exit {await self.proc.wait()})")
+        out: dict[str, Any] = json.loads(line)
+        if out.get("failed"):
+            raise RuntimeError(f"{len(out['failed'])} {self.user} requests did not complete, e.g. {out['failed'][0]}")
+        return out
+
+    async def close(self) -> None:
+        if self.proc is not None and self.proc.returncode is None:
+            assert self.proc.stdin is not None
+            self.proc.stdin.close()
+            await self.proc.wait()
+
+
+async def client_main(url: str, mk: str, user: str, new_tokens: int) -> None:
+    """The `--client` process: one user's Load, driven by JSON lines on stdin."""
+    log = await JetStreamEventLog.open(url)
+    load = Load(log, mk, new_tokens, users=(user,))
+    subs = await load.listen()
+    reader = asyncio.StreamReader()
+    loop = asyncio.get_running_loop()
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+    flood: list[str] = []
+    sent = 0
+    try:
+        while line := await reader.readline():
+            cmd = json.loads(line)
+            out: dict[str, Any] = {}
+            if cmd["op"] == "light":
+                out["waits"] = await load.light_user(cmd["n"], cmd["gap_s"], start=sent)
+                sent += cmd["n"]
+            elif cmd["op"] == "flood":
+                out["t0"] = time.monotonic()
+                flood = await load.flood(cmd["n"], start=sent)
+                sent += cmd["n"]
+            elif cmd["op"] == "left_at":
+                out["left"] = sum(load.ended.get(r, float("inf")) > cmd["t"] for r in flood)
+            elif cmd["op"] == "until_ended":
+                await load.until_ended(flood, timeout=cmd["timeout_s"])
+                out["t_last"] = max((load.ended[r] for r in flood), default=time.monotonic())
+            out["failed"] = list(load.failed.values())[:3]
+            sys.stdout.write(json.dumps(out) + "\n")
+            sys.stdout.flush()
+    finally:
+        for sub in subs:
+            await sub.unsubscribe()
+        await log.close()
 
 
 class IdleSampler:
@@ -185,24 +257,39 @@ async def stop_dispatchers(ds: list[Dispatcher]) -> None:
         await d.stop()
 
 
-async def flood_round(url: str, policy: FairnessPolicy, load: Load, token: str, a: argparse.Namespace
-                      ) -> tuple[dict[str, float], list[float]]:
+async def intake(sampler: IdleSampler, n: int) -> float:
+    """When the dispatchers had taken `n` requests of the round from the stream (queued, running or
+    answered): what a request stored right behind the flood waits for before any dispatcher sees it."""
+    def held() -> int:
+        return sum(len(p.queue) + p.running() + p.completed + p.errors for p in sampler.procs())
+
+    base = held()  # the dispatchers' warm-up requests
+    while held() < base + n:
+        await asyncio.sleep(0.002)
+    return time.monotonic()
+
+
+async def flood_round(url: str, policy: FairnessPolicy, load: Load, clients: dict[str, ClientProcess], token: str,
+                      a: argparse.Namespace) -> tuple[dict[str, float], list[float]]:
     ds = await start_dispatchers(url, policy, load, token)
     sampler = IdleSampler(ds, token, a.sample_ms / 1000)
     sampling = asyncio.create_task(sampler.run())
     try:
-        t0 = time.monotonic()
-        heavy = await load.flood(a.heavy)
-        light = await load.light_user(a.light, a.gap_ms / 1000)
+        taken = asyncio.create_task(intake(sampler, a.heavy))
+        t0 = (await clients["heavy"].ask({"op": "flood", "n": a.heavy}))["t0"]
+        published = time.monotonic() - t0
+        light: list[float] = (await clients["light"].ask({"op": "light", "n": a.light, "gap_s": a.gap_ms / 1000}))["waits"]
         light_done = time.monotonic()
-        left = sum(r not in load.ended for r in heavy)
-        await load.until_ended(heavy, timeout=600)
-        t1 = max(light_done, *(load.ended[r] for r in heavy))  # the round's every request ended
+        intake_s = await taken - t0
+        left = (await clients["heavy"].ask({"op": "left_at", "t": light_done}))["left"]
+        t_last = (await clients["heavy"].ask({"op": "until_ended", "timeout_s": 600}))["t_last"]
+        t1 = max(light_done, t_last)  # the round's every request ended
     finally:
         sampling.cancel()
         await stop_dispatchers(ds)
     return {"rps": (a.heavy + a.light) / (t1 - t0), "light_p99_s": pct(light, 99), "light_p50_s": pct(light, 50),
-            "light_first_s": light[0], "light_rest_max_s": max(light[1:], default=0.0), "idle_replica_s": sampler.idle_s, "heavy_left_when_light_done": left, "flood_s": t1 - t0}, light
+            "light_first_s": light[0], "light_rest_max_s": max(light[1:], default=0.0), "idle_replica_s": sampler.idle_s,
+            "heavy_left_when_light_done": left, "flood_s": t1 - t0, "published_s": published, "intake_s": intake_s}, light
 
 
 async def main(a: argparse.Namespace) -> dict[str, float]:
@@ -218,12 +305,14 @@ async def main(a: argparse.Namespace) -> dict[str, float]:
                                      drain_timeout_s=0.05, heartbeat_s=1.0), \
                 await AdminClient.open(url) as admin:
             await admin.wait(await admin.deploy(ckpt, REPLICAS), timeout=120)
-            load = Load(log, mk, a.new_tokens)
+            load = Load(log, mk, a.new_tokens, users=("warm",))  # the dispatchers' warm-up, from this process
             subs = await load.listen()
+            clients = {u: await ClientProcess(url, mk, u, a.new_tokens).start() for u in ("light", "heavy")}
             try:
                 ds = await start_dispatchers(url, fair, load, token)
                 try:
-                    idle = await load.light_user(a.light, a.gap_ms / 1000)
+                    idle: list[float] = (await clients["light"].ask(
+                        {"op": "light", "n": a.light, "gap_s": a.gap_ms / 1000}))["waits"]
                 finally:
                     await stop_dispatchers(ds)
                 print(f"(idle) light user alone: wait p50 {pct(idle, 50) * 1000:.1f} ms, p99 "
@@ -234,17 +323,20 @@ async def main(a: argparse.Namespace) -> dict[str, float]:
                     got = {}
                     # Alternate which goes first: the VM's speed drifts, a pair's ratio less so.
                     for name in (("fair", "fifo") if r % 2 == 0 else ("fifo", "fair")):
-                        got[name], w = await flood_round(url, fair if name == "fair" else fifo, load, token, a)
+                        got[name], w = await flood_round(url, fair if name == "fair" else fifo, load, clients, token, a)
                         waits[name] += w
                         g = got[name]
                         print(f"(flood) round {r + 1} {name}: {g['rps']:.0f} req/s, light wait p50 "
                               f"{g['light_p50_s'] * 1000:.1f} ms / p99 {g['light_p99_s'] * 1000:.1f} ms (the first "
                               f"{g['light_first_s'] * 1000:.1f} ms, the others at most "
-                              f"{g['light_rest_max_s'] * 1000:.1f} ms), flood "
+                              f"{g['light_rest_max_s'] * 1000:.1f} ms); the flood stored in {g['published_s'] * 1000:.0f} ms, all "
+                              f"taken by the dispatchers {g['intake_s'] * 1000:.0f} ms after its first publish; flood "
                               f"left when the light user finished {g['heavy_left_when_light_done']:.0f}, idle "
                               f"replica-s with a queue {g['idle_replica_s']:.3f}", flush=True)
                     rounds.append((got["fair"], got["fifo"]))
             finally:
+                for c in clients.values():
+                    await c.close()
                 for sub in subs:
                     await sub.unsubscribe()
             if load.failed:
@@ -262,6 +354,7 @@ async def main(a: argparse.Namespace) -> dict[str, float]:
     out["fifo_rps"] = statistics.median(g["rps"] for _, g in rounds)
     out["fifo_light_user_wait_p99_s"] = pct(waits["fifo"], 99)
     out["fifo_idle_replica_s_with_queue"] = sum(g["idle_replica_s"] for _, g in rounds)
+    out["flood_intake_s_median"] = statistics.median(f["intake_s"] for f, _ in rounds)
     out["heavy_left_when_light_done_min"] = min(f["heavy_left_when_light_done"] for f, _ in rounds)
     out["flood_requests"] = a.heavy
     out["light_requests"] = a.light
@@ -271,6 +364,10 @@ async def main(a: argparse.Namespace) -> dict[str, float]:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--client"]:
+        url, mk, user, new_tokens = sys.argv[2:6]
+        asyncio.run(client_main(url, mk, user, int(new_tokens)))
+        sys.exit(0)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--heavy", type=int, default=1500, help="the heavy user's flood, per round")
     p.add_argument("--light", type=int, default=30, help="the light user's requests, one after another")

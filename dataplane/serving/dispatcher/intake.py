@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -186,7 +187,7 @@ class Intake:
             task.cancel()
         if p is not None:
             p.fail_all("ModelRemoved", reason)
-            tasks = [t for ts in p.lanes.values() for t in ts]
+            tasks = p.tasks()
             for t in tasks:
                 t.cancel()
             for running in p.in_flight.values():
@@ -355,10 +356,18 @@ def _checked(data: bytes, user: str, token: str) -> tuple[Request, str]:
     req = decode_request(data)
     if req.user != user:
         req = msgspec.structs.replace(req, user=user)  # the owner is the subject's, never the body's
-    mk = canonical_model_key(req.model_key, relative=False)  # the SDK sends it absolute
-    if model_token(mk) != token:
+    mk, mtok = _model_of(req.model_key)
+    if mtok != token:
         raise errs.InvalidCommand(f"request for {req.model_key[:200]!r} arrived on another model's subject")
     return req, mk
+
+
+@functools.lru_cache(maxsize=256)
+def _model_of(text: str) -> tuple[str, str]:
+    """A request's model key made canonical (the SDK sends it absolute) and its subject token: the
+    same few keys come with every request (a key that does not parse raises, and is not kept)."""
+    mk = canonical_model_key(text, relative=False)
+    return mk, model_token(mk)
 
 
 def _valid_user(user: str) -> bool:

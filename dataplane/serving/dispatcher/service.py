@@ -257,7 +257,7 @@ class Dispatcher:
         self.bg.stopped = True
         tasks = [*self._tasks, *self.bg.tasks, *(self.intake.consumers.values() if self.intake else ())]
         for p in self.processors.values():
-            tasks += [t for ts in p.lanes.values() for t in ts]
+            tasks += p.tasks()
         await cancel_and_wait(tasks, owner=self.name)
         if self.link is not None:
             await self.link.stop()

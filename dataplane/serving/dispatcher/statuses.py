@@ -1,7 +1,10 @@
 """Statuses out: request statuses published and kept in KV, terminal ones exactly once, results stored.
 
 A non-terminal status is published at once and reaches KV within STATUS_KV_DELAY_S (a newer one
-supersedes it); the terminal status is kept by compare-and-set on the key's revision, so a
+supersedes it), except a QUEUED one: it is kept only once its request has waited QUEUED_KV_AFTER_S,
+and then at most QUEUED_KV_PER_S a second (a flood's queued statuses would otherwise cost one
+stored write each as the flood is taken in, and every request behind it in the stream, another
+user's too, would wait for them). The terminal status is kept by compare-and-set on the key's revision, so a
 redelivered request can never overwrite it, then the request is acked. Large results go to the
 results store. Publishes go out in order from one outbox task per loop turn. It works through the
 serving ports (dataplane/serving/ports.py); of the dispatcher's other parts it uses only
@@ -28,7 +31,12 @@ from schemas.subjects import status_key, status_subject
 logger = structlog.get_logger("ndif.dispatcher")
 R = RequestStatus
 KV_STATUSES = {R.RECEIVED, R.QUEUED, R.RUNNING, R.PROVISIONING, R.DEPLOYING}
-STATUS_KV_DELAY_S = 0.02  # a non-terminal status reaches KV this late at most (it is published at once)
+STATUS_KV_DELAY_S = 0.25  # a non-terminal status reaches KV this late at most (it is published at once)
+# A QUEUED status is kept once its request waited this long (a request served sooner never writes
+# one: its RUNNING and terminal statuses supersede it), at most this many a second, oldest first.
+QUEUED_KV_AFTER_S = 1.0
+QUEUED_KV_PER_S = 250
+_PACE_S = 0.05
 
 
 class StatusWriter:
@@ -43,12 +51,15 @@ class StatusWriter:
         self._writes: dict[str, _Writes] = {}  # request id -> its status writes
         self._outbox: list[tuple[str, bytes, str, dict[str, str] | None]] = []
         self._outbox_task: asyncio.Task[None] | None = None
+        self._lazy: dict[str, float] = {}  # key -> when its QUEUED status may be kept (oldest first)
+        self._pacer: asyncio.Task[None] | None = None
 
     def cancel_timers(self) -> None:
         """Stopping: delayed KV writes of non-terminal statuses are not started."""
         for w in self._writes.values():
             if w.timer is not None:
                 w.timer.cancel()
+        self._lazy.clear()
 
     async def kept(self, key: str) -> tuple[StatusUpdate | None, int | None]:
         """The status kept in KV under `key` (`<user>.<request id>`) and its revision (None, None when
@@ -182,12 +193,39 @@ class StatusWriter:
             if terminal:
                 if w.timer is not None:
                     w.timer.cancel()
+                self._lazy.pop(key, None)
                 self._start_writes(key, w)
+            elif u.status is R.QUEUED:
+                if w.timer is None and key not in self._lazy:
+                    self._lazy[key] = asyncio.get_running_loop().time() + QUEUED_KV_AFTER_S
+                    if self._pacer is None:
+                        self._pacer = asyncio.create_task(self._pace())
+                        self.bg.track(self._pacer)
             elif w.timer is None:
+                self._lazy.pop(key, None)
                 # A status superseded within the delay is never written: a request that runs at
                 # once costs one KV write (its terminal status), not three.
                 w.timer = asyncio.get_running_loop().call_later(STATUS_KV_DELAY_S, self._start_writes, key, w)
         return fut
+
+    async def _pace(self) -> None:
+        """Start the KV writes of QUEUED statuses that waited long enough, at most QUEUED_KV_PER_S a second."""
+        loop = asyncio.get_running_loop()
+        try:
+            while self._lazy:
+                await asyncio.sleep(_PACE_S)
+                now, budget = loop.time(), max(1, int(QUEUED_KV_PER_S * _PACE_S))
+                while budget and self._lazy:
+                    key, due = next(iter(self._lazy.items()))
+                    if due > now:
+                        break
+                    del self._lazy[key]
+                    w = self._writes.get(key)
+                    if w is not None and w.waiting is not None:
+                        self._start_writes(key, w)
+                        budget -= 1
+        finally:
+            self._pacer = None
 
     def _start_writes(self, key: str, w: _Writes) -> None:
         w.timer = None

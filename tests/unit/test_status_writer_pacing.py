@@ -1,0 +1,76 @@
+"""The status writer keeps a QUEUED status in KV only once its request has waited, and paces those
+writes: a flood's queued statuses must not cost one stored write each as the flood is taken in (every
+request behind it in the stream, another user's too, would wait for them), yet a request that waits
+is found QUEUED by a client that reconnects."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import UTC, datetime
+from typing import Any
+
+import msgspec
+import pytest
+
+from dataplane.serving.dispatcher import statuses as S
+from dataplane.serving.dispatcher.background import Background
+from dataplane.serving.memory import MemoryResults, MemoryStatusKV
+from dataplane.serving.processor import Pending
+from schemas.requests import Request
+from schemas.status import RequestStatus
+from schemas.subjects import status_key
+
+pytestmark = pytest.mark.timeout(30)
+R = RequestStatus
+
+
+def pending(i: int) -> Pending:
+    req = Request(request_id=f"r{i}", model_key="m", payload={}, submitted_at=datetime.now(UTC), user="u")
+    return Pending(req, None)
+
+
+def writer() -> tuple[S.StatusWriter, MemoryStatusKV, list[str]]:
+    published: list[str] = []
+
+    async def publish(subject: str, data: bytes, reply: str = "", headers: Any = None) -> None:
+        published.append(subject)
+
+    kv = MemoryStatusKV()
+    return S.StatusWriter(publish, kv, MemoryResults(), Background()), kv, published  # type: ignore[arg-type]
+
+
+def kept(kv: MemoryStatusKV, p: Pending) -> str | None:
+    got = kv.entries.get(status_key(p.req.request_id, p.req.user))
+    return None if got is None else str(msgspec.json.decode(got[0])["status"])
+
+
+async def test_queued_statuses_are_published_at_once_kept_after_the_wait_and_paced(monkeypatch: Any) -> None:
+    monkeypatch.setattr(S, "QUEUED_KV_AFTER_S", 0.3)
+    monkeypatch.setattr(S, "QUEUED_KV_PER_S", 200)  # 10 per 50 ms slice
+    w, kv, published = writer()
+    ps = [pending(i) for i in range(60)]
+    for i, p in enumerate(ps):
+        w.status(p, R.QUEUED, queue_position=i)
+    await asyncio.sleep(0.05)
+    assert len(published) == 60  # every client hears of its position at once
+    assert not kv.entries  # nothing stored as the flood comes in
+    # One of them runs (and ends) within the wait: its QUEUED is never written.
+    w.status(ps[0], R.RUNNING)
+    assert await w.finish(ps[0], R.COMPLETED, result=1)
+    assert kept(kv, ps[0]) == "COMPLETED"
+    await asyncio.sleep(0.3)  # the others waited long enough: kept, at most 10 per 50 ms
+    first = len(kv.entries) - 1
+    assert 1 <= first <= 20
+    await asyncio.sleep(0.5)
+    assert all(kept(kv, p) == "QUEUED" for p in ps[1:])
+    assert kept(kv, ps[0]) == "COMPLETED"
+
+
+async def test_a_terminal_status_is_kept_at_once_over_a_waiting_queued_one() -> None:
+    w, kv, _ = writer()
+    p = pending(1)
+    w.status(p, R.QUEUED, queue_position=3)
+    assert await w.finish(p, R.ERROR, error="X", message="y")
+    assert kept(kv, p) == "ERROR"
+    await asyncio.sleep(S._PACE_S * 3)
+    assert kept(kv, p) == "ERROR"  # the superseded QUEUED never lands after it
