@@ -74,3 +74,47 @@ async def test_a_terminal_status_is_kept_at_once_over_a_waiting_queued_one() -> 
     assert kept(kv, p) == "ERROR"
     await asyncio.sleep(S._PACE_S * 3)
     assert kept(kv, p) == "ERROR"  # the superseded QUEUED never lands after it
+
+
+class BehindKV(MemoryStatusKV):
+    """A replicated bucket whose reads are answered, for a while, by a copy that is behind: the
+    revision a read gives is an older one than the key holds."""
+
+    def __init__(self, behind_s: float) -> None:
+        super().__init__()
+        self.until = asyncio.get_running_loop().time() + behind_s
+        self.stale: dict[str, tuple[bytes, int]] = {}
+
+    async def get(self, key: str) -> tuple[bytes, int] | None:
+        if asyncio.get_running_loop().time() < self.until and key in self.stale:
+            return self.stale[key]
+        return await super().get(key)
+
+
+async def test_a_read_behind_the_write_is_waited_out_and_an_unkept_terminal_status_is_never_acked(
+        monkeypatch: Any) -> None:
+    w, _, _ = writer()
+    kv = w.kv = BehindKV(behind_s=0.4)
+    p = pending(7)
+    key = status_key(p.req.request_id, p.req.user)
+    # Another dispatcher kept RUNNING twice; the copy that answers reads still has the first.
+    first = S.encode_status(w._update(p, R.RUNNING))
+    kv.stale[key] = (first, kv._put(key, first))
+    kv._put(key, S.encode_status(w._update(p, R.RUNNING)))
+    assert await w.finish(p, R.COMPLETED, result=1)  # waited for the copy to catch up
+    assert kept(kv, p) == "COMPLETED"
+    # A key that never stops moving: the terminal status is not kept, and finish says so (the
+    # request is then not acked, so it is delivered again) rather than answering as if kept.
+    q = pending(8)
+    qkey = status_key(q.req.request_id, q.req.user)
+    kv.until = asyncio.get_running_loop().time() + 60
+    kv.stale[qkey] = (first, kv._put(qkey, first))
+    kv._put(qkey, first)
+    sleep = asyncio.sleep
+
+    async def fast(_: float) -> None:
+        await sleep(0)
+
+    monkeypatch.setattr(asyncio, "sleep", fast)  # the waits between tries, not their number, are cut
+    with pytest.raises(S.InfrastructureError, match="delivered again"):
+        await w.finish(q, R.COMPLETED, result=1)

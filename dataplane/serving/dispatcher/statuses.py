@@ -24,6 +24,7 @@ import structlog
 from dataplane.serving.dispatcher.background import Background
 from dataplane.serving.ports import Delivery, Publish, ResultStores, ResultsUnavailable, RevisionMoved, StatusKV
 from dataplane.serving.processor import Pending
+from schemas.errors import InfrastructureError
 from schemas.requests import INLINE_RESULT_BYTES, StatusUpdate, encode_status, status_or_none
 from schemas.status import RequestStatus
 from schemas.subjects import status_key, status_subject
@@ -264,16 +265,20 @@ class StatusWriter:
                 cur, rev = await self.kept(key)
                 if cur is not None and cur.terminal:
                     return False
-                if rev is None:
-                    # The key exists but the read did not see it: a direct get answered by a copy of
-                    # a replicated bucket that has not stored the write yet. Give it time to.
-                    await asyncio.sleep(0.05 * (attempt + 1))
+                if rev is None or attempt:
+                    # The read did not see the write that moved the key (no key, or the same old
+                    # revision again): a direct get answered by a copy of a replicated bucket that
+                    # has not stored it yet. Give it time to, rather than spend every try at once.
+                    await asyncio.sleep(min(0.05 * (attempt + 1), 0.5))
                 continue
             if not terminal:
                 self._rev[key] = new_rev
             return True
         if terminal:
+            # Not kept: the request must not be acked as if it were (it is delivered again).
             logger.error("terminal_status_not_written", request_id=key)
+            raise InfrastructureError(f"the terminal status of {key} could not be kept after 20 tries "
+                                      "(its key kept moving); the request is delivered again")
         return False
 
 
