@@ -124,10 +124,21 @@ def decide(state: ClusterState, cmd: AnyCommand, ctx: DecisionContext, *,
                              m.requires if m is not None else None)
         case ScaleDown():
             body = _scale_down(state, cmd, ctx)
+            if not body:
+                name = display_name(cmd.model_key)
+                hot = sum(r.desired is Level.HOT for r in state.model_replicas(cmd.model_key))
+                note = (f"nothing to do: {name} has {hot} replica(s) wanted HOT, not more than "
+                        f"{cmd.replicas}; scale-down never scales up: use `ndif scale {name} --replicas "
+                        f"{cmd.replicas}`" if hot < cmd.replicas else
+                        f"nothing to do: {name} has {hot} replica(s) wanted HOT, not more than {cmd.replicas}")
         case Evict():
             body = _evict(state, cmd, ctx)
         case Restart():
             body = _restart(state, cmd, ctx)
+            if not body:
+                states = ", ".join(f"{r.replica_id} {r.state}" for r in state.model_replicas(cmd.model_key)[:20])
+                note = (f"nothing to do: no replica of {display_name(cmd.model_key)} is Available, Failed or "
+                        f"LoadFailed (a restart takes those; {states or 'none'})")
         case Undeploy():
             body = _undeploy(state, cmd, ctx)
         case Autoscale():

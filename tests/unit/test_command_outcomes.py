@@ -11,7 +11,7 @@ import pytest
 from controlplane.core.decide import decide, summarize
 from controlplane.core.projections import ClusterState, decode_snapshot, encode_snapshot
 from schemas import events as E
-from schemas.commands import Deploy, Evict, Limits, Restart, Scale, Undeploy, decode_command
+from schemas.commands import Deploy, Evict, Limits, Restart, Scale, ScaleDown, Undeploy, decode_command
 from schemas.errors import CommandIdConflict, InvalidCommand
 from schemas.status import EvictionReason, Level, ModelStatus, ReplicaState
 from tests.cluster_builder import GB, Builder, ctx
@@ -147,3 +147,18 @@ def test_a_size_for_an_already_registered_model_is_refused_not_ignored() -> None
         decide(b.state, Deploy(command_id="s", model_key=M, replicas=1, size_bytes=10**15), ctx("s"))
     same = decide(b.state, Deploy(command_id="t", model_key=M, replicas=1, size_bytes=10 * 10**9), ctx("t"))
     assert any(type(e).__name__ == "ReplicaScheduled" for e in same)  # the registered size itself: no refusal
+
+
+def test_a_scale_down_or_restart_with_nothing_to_do_says_why() -> None:
+    b = Builder().node("n0").hot(M, 0, "n0", (0,), 10).hot(M, 1, "n0", (1,), 10).target(M, 2)
+    up = summarize("d", decide(b.state, ScaleDown(command_id="d", model_key=M, replicas=3), ctx("d")), 10)
+    assert up.ok and "has 2 replica(s) wanted HOT, not more than 3" in up.message
+    assert "scale-down never scales up: use `ndif scale m --replicas 3`" in up.message
+    same = summarize("e", decide(b.state, ScaleDown(command_id="e", model_key=M, replicas=2), ctx("e")), 10)
+    assert same.ok and "nothing to do: m has 2 replica(s) wanted HOT, not more than 2" == same.message
+    loading = Builder().node("n0").model(M, 10)
+    loading.add(E.ReplicaScheduled(**loading._env("controller"), model_key=M, replica_id=0, node_id="n0",
+                                   gpu_indices=(0,), bytes_per_gpu=10 * GB))
+    res = summarize("r", decide(loading.state, Restart(command_id="r", model_key=M), ctx("r")), 10)
+    assert res.ok and "no replica of m is Available, Failed or LoadFailed" in res.message
+    assert f"0 {loading.state.replicas[(M, 0)].state}" in res.message

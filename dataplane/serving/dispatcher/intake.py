@@ -145,9 +145,10 @@ class Intake:
             if refused is not None:
                 await self._refuse_stored(seq, data, raw.headers, *refused, user)
                 continue
-            # Tell the user while the model is resolved and placed (its processor takes over after).
+            # Tell the user while the controller decides (it may still refuse: then ERROR follows).
             self.statuses.status(Pending(msgspec.structs.replace(req, model_key=mk), None), R.PROVISIONING,
-                                 message=f"model {display_name(mk)} is being deployed")
+                                 message=f"model {display_name(mk)} is not deployed: asking the controller "
+                                         "to deploy it")
             try:
                 refused = await self.provisioner.deploy_first(mk)
             except errs.NdifError as exc:  # no controller: the request stays; try again shortly
