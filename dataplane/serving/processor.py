@@ -479,8 +479,11 @@ class Processor:
                 if isinstance(a, NotRun):
                     not_run.append(p)
                     continue
-                seconds = a.seconds
-                self.exec_s = seconds if self.exec_s is None else 0.8 * self.exec_s + 0.2 * seconds
+                if isinstance(a, Completed):
+                    # The run time of completed requests only: a failure's time may hold its wait for
+                    # a turn, or be a refusal before anything ran.
+                    seconds = a.seconds
+                    self.exec_s = seconds if self.exec_s is None else 0.8 * self.exec_s + 0.2 * seconds
                 if p.cancelled:
                     continue  # its terminal status (cancelled) is already written
                 if isinstance(a, Completed):

@@ -15,7 +15,7 @@ import pytest
 import pytest_asyncio
 
 from controlplane.core.fairness import FairnessPolicy, Share
-from dataplane.replica.wire import Answer, Completed, NotRun
+from dataplane.replica.wire import Answer, Completed, Failed, NotRun
 from schemas.status import RequestStatus
 from schemas.subjects import subject_matches
 from tests.fake_runtime import FakeProcess, FakeRuntime
@@ -192,3 +192,25 @@ async def test_a_light_users_request_does_not_wait_for_a_lane_held_by_the_flood(
         for r in [light, other, *heavy]:
             assert (await final(stack, r)).status is R.COMPLETED
         assert not proc.express and stack.dispatcher.get_state()[0]["express_calls"] == 1
+
+
+class FailingCaller(EchoCaller):
+    """A request whose data starts with "fail" fails after what the replica counts as 5 s (its wait
+    for a turn included); the others complete in 1 ms."""
+
+    async def run_batch(self, handle: FakeProcess, payloads: list[dict[str, Any]], users: list[str]) -> list[Answer]:
+        if str(payloads[0].get("data", "")).startswith("fail"):
+            return [Failed(error="ExecutionTimeout", message="busy", seconds=5.0)] * len(payloads)
+        return await super().run_batch(handle, payloads, users)
+
+
+async def test_the_run_time_that_sizes_batches_is_taken_from_completed_requests_only(tmp_path: Any) -> None:
+    async with memory_stack(FailingCaller) as stack:
+        mk = await warmed(stack, tmp_path, "u")
+        proc = next(iter(stack.dispatcher.processors.values()))
+        before = proc.exec_s
+        assert before is not None and before < 0.1
+        bad = request(mk, "fail:1", user="u")  # type: ignore[arg-type]
+        await stack.serving.submit(bad)
+        assert (await final(stack, bad)).status is R.ERROR
+        assert proc.exec_s == before  # a failure's 5 s (a wait, not a run) does not shrink the batches
