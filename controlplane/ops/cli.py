@@ -428,6 +428,13 @@ async def _replay(a: argparse.Namespace, admin: AdminClient) -> int:
                   f"{last}", file=sys.stderr)
             until_seq = last
     state = await admin.state(until_seq=until_seq, until_time=until_time, strict=a.strict)
+    if until_time is not None:  # a time outside the log: say what is shown, never let it pass as a match
+        if state.seq == 0:
+            print(f"note: no event is at or before {a.until}: the log starts later; the state is empty",
+                  file=sys.stderr)
+        elif state.seq == await admin.log.last_seq():
+            print(f"note: the log's last event is at or before {a.until}: showing the state at its end, seq {state.seq}",
+                  file=sys.stderr)
     _show(state, a.json, show_all=True)  # the past in full: every replica, gone ones too
     return 0
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 import pytest
 import pytest_asyncio
@@ -95,6 +95,8 @@ async def test_read_from_seq_time_and_to_stop(log):
     assert [s for s, _ in await collect(log.read(2, stop_seq=3))] == [2, 3]
     assert [s for s, _ in await collect(log.read(start_time=between))] == [4, 5, 6]
     assert await collect(log.read(7)) == []
+    # A time after the last event: nothing.
+    assert await collect(log.read(start_time=datetime.now(UTC) + timedelta(days=1))) == []
 
 
 async def test_follow_sees_live_appends_in_order(log):

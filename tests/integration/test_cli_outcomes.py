@@ -184,6 +184,12 @@ async def test_replay_past_the_end_and_events_by_name(nats_server: EmbeddedNats,
         ran = await ndif(url, "replay", "--until", str(last + 1000), "--json", timeout=30)
         assert ran.rc == 0 and time.monotonic() - t0 < 30, ran.err
         assert ran.json()["seq"] == last and f"the log ends at seq {last}" in ran.err
+        # A time past the last event, or before the first, says what is shown.
+        later = await ndif(url, "replay", "--until", "2999-01-01T00:00:00Z", "--json", timeout=30)
+        assert later.rc == 0 and later.json()["seq"] == last, later.err
+        assert f"the log's last event is at or before 2999-01-01T00:00:00Z: showing the state at its end, seq {last}" in later.err
+        earlier = await ndif(url, "replay", "--until", "2000-01-01T00:00:00Z", "--json", timeout=30)
+        assert earlier.rc == 0 and earlier.json()["seq"] == 0 and "the log starts later" in earlier.err, earlier.err
         live = (await ndif(url, "status", "--json")).json()
         for node in live["nodes"]:  # what `status` adds from the heartbeat bucket (not in the log)
             node.pop("heartbeat_age_s", None)
