@@ -1,6 +1,10 @@
 """Streams and buckets of docs/architecture.md §2: create or update them (`ensure`), check they exist,
 read the event stream's last sequence (`last_seq`).
 
+The log is one stream, NDIF_EVENTS: the controller's decisions are appended to it, and it sources
+every observed fact from NDIF_FACTS, where agents and the dispatcher append them (no atomic
+batches there: an agent's open batches never count against the log's).
+
 Functions of a JetStream context; the log (log.py) passes its own.
 """
 
@@ -18,9 +22,11 @@ from nats.js import JetStreamContext, api
 from controlplane.store.eventstore.connection import EVENT_MAX_MSG_BYTES, REQUEST_MAX_MSG_BYTES, STATUS_MAX_VALUE_BYTES
 from schemas.errors import InfrastructureError, InfrastructureTimeout
 from schemas.subjects import (
-    EVENTS_ALL,
     EVENTS_STREAM,
+    FACTS_STREAM,
+    FACTS_SUBJECTS,
     HEARTBEATS_BUCKET,
+    LOG_SUBJECTS,
     REQUEST_STATUS_BUCKET,
     REQUESTS_ALL,
     REQUESTS_STREAM,
@@ -34,6 +40,10 @@ logger = structlog.get_logger("ndif.eventstore")
 HEARTBEAT_TTL_S = 15.0
 REQUEST_STATUS_TTL_S = 24 * 3600.0
 DUPLICATE_WINDOW_S = 120.0
+# A fact lives on in the log once sourced (within milliseconds); the facts stream keeps it a day
+# (and at most this many bytes), so a log without a leader for hours still gets every fact.
+FACTS_MAX_AGE_S = 24 * 3600.0
+FACTS_MAX_BYTES = 1 << 30
 
 
 async def ensure(js: JetStreamContext, *, replicas: int, may_create: bool, start_new_history: bool = False) -> None:
@@ -50,12 +60,22 @@ async def ensure(js: JetStreamContext, *, replicas: int, may_create: bool, start
         return
     if not start_new_history:
         await _refuse_lost_history(js)
+    # The log first: a log made before the facts stream captured every event subject, and the
+    # facts stream's subjects may not overlap it. Between the two calls an agent's fact finds no
+    # stream (no responders): the agent retries it (dataplane/node/agent.py `_append`).
     await _ensure_stream(js, api.StreamConfig(
-        name=EVENTS_STREAM, subjects=[EVENTS_ALL], retention=api.RetentionPolicy.LIMITS,
+        name=EVENTS_STREAM, subjects=list(LOG_SUBJECTS), retention=api.RetentionPolicy.LIMITS,
         storage=api.StorageType.FILE, num_replicas=replicas, deny_delete=True, deny_purge=True,
         allow_atomic=True, allow_direct=True, duplicate_window=DUPLICATE_WINDOW_S,
-        max_msg_size=EVENT_MAX_MSG_BYTES,
+        max_msg_size=EVENT_MAX_MSG_BYTES, sources=[api.StreamSource(name=FACTS_STREAM)],
         description="ndif control-plane events: the only source of truth (docs/architecture.md §2-3)",
+    ))
+    await _ensure_stream(js, api.StreamConfig(
+        name=FACTS_STREAM, subjects=list(FACTS_SUBJECTS), retention=api.RetentionPolicy.LIMITS,
+        storage=api.StorageType.FILE, num_replicas=replicas, deny_delete=True, deny_purge=True,
+        allow_atomic=False, allow_direct=True, duplicate_window=DUPLICATE_WINDOW_S,
+        max_msg_size=EVENT_MAX_MSG_BYTES, max_age=FACTS_MAX_AGE_S, max_bytes=FACTS_MAX_BYTES,
+        description=f"ndif observed facts of agents and dispatchers, on their way into {EVENTS_STREAM}",
     ))
     await _ensure_stream(js, api.StreamConfig(
         name=REQUESTS_STREAM, subjects=[REQUESTS_ALL], retention=api.RetentionPolicy.WORK_QUEUE,
@@ -121,7 +141,7 @@ async def _refuse_lost_history(js: JetStreamContext) -> None:
         pass
     except (nats.errors.TimeoutError, nats.errors.NoRespondersError):
         return  # reported by _ensure_stream
-    others = [REQUESTS_STREAM, f"KV_{HEARTBEATS_BUCKET}", f"KV_{REQUEST_STATUS_BUCKET}",
+    others = [FACTS_STREAM, REQUESTS_STREAM, f"KV_{HEARTBEATS_BUCKET}", f"KV_{REQUEST_STATUS_BUCKET}",
               f"OBJ_{RESULTS_BUCKET}", f"OBJ_{SNAPSHOTS_BUCKET}"]
     found = []
     for name in others:
@@ -151,10 +171,16 @@ async def _ensure_stream(js: JetStreamContext, cfg: api.StreamConfig) -> None:
     flags = ("deny_delete", "deny_purge", "allow_atomic", "allow_direct")
     if (sorted(have.subjects or []) != sorted(cfg.subjects or []) or have.retention != cfg.retention
             or any(bool(getattr(have, f)) != bool(getattr(cfg, f)) for f in flags)
+            or _sources(have) != _sources(cfg)  # a log made before the facts stream
+            or (cfg.max_age or 0) != (have.max_age or 0) or (cfg.max_bytes or -1) != (have.max_bytes or -1)
             or (cfg.max_msg_size or -1) != (have.max_msg_size or -1)):  # a stream made without the limit
         cfg = dataclasses.replace(cfg, num_replicas=have.num_replicas)  # an update never changes the copies
         await js.update_stream(cfg)
         logger.info("stream_updated", stream=cfg.name)
+
+
+def _sources(cfg: api.StreamConfig) -> list[str]:
+    return sorted(src.name for src in cfg.sources or [])
 
 
 async def _ensure_bucket(js: JetStreamContext, create: Any, bind: Any, bucket: str, cfg: Any) -> None:
