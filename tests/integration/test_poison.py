@@ -280,6 +280,65 @@ async def test_an_agent_that_claims_the_controllers_next_ids_does_not_keep_a_dea
         await bounded(ctl.stop(), "controller.stop")
 
 
+async def test_an_agents_open_atomic_batches_block_none_of_the_controllers_decisions(
+        url: str, auth: LocalAuth, tmp_path: Path) -> None:
+    """Node A's agent opens 60 atomic batches on its own fact subjects (`Nats-Batch-Id`, sequence 1,
+    never committed). The server's limit on batches in flight is per stream (50): were they opened
+    in the log's stream, the controller's batched appends would be refused (10176) until they
+    expired. Agents' facts are stored in NDIF_FACTS, which allows no batches: each is refused there
+    (10174), nothing is stored in either stream, and the controller's multi-event appends land."""
+    ctl = await Controller.from_url(url, creds=auth.role("controller"), policy_interval_s=0.2).start()
+    legit = await agent(url, auth, NODE_B)
+    mallory = await as_user(url, auth.role(f"agent:{NODE_A}"))
+    admin = await AdminClient.open(url, timeout=10, creds=auth.role("admin"))
+    log = await JetStreamEventLog.open(url, creds=auth.role("controller"), ensure=False)
+    try:
+        await until(lambda: NODE_B in ctl.state.nodes, timeout=15)
+        js = admin.log.js
+        since = await log.last_seq()
+        joined = E.NodeJoined(event_id="a-joined", ts=datetime.now(UTC), actor=f"agent:{NODE_A}", node_id=NODE_A,
+                              gpus=declared_gpus(1, GB), cpu_cache_bytes=0)
+        loaded = E.ReplicaLoaded(event_id="a-loaded", ts=datetime.now(UTC), actor=f"agent:{NODE_A}", node_id=NODE_A,
+                                 model_key=canonical_model_key("openai-community/gpt2"), replica_id=0,
+                                 load_seconds=1.0)
+        answers: list[bytes] = []
+        inbox = mallory.new_inbox()
+
+        async def answered(m: Any) -> None:
+            answers.append(m.data)
+
+        sub = await mallory.subscribe(inbox, cb=answered)
+        for i in range(60):
+            ev = joined if i % 2 else loaded  # its node's subject and a replica fact's, both its own
+            await mallory.publish(E.event_subject(ev), E.encode_event(ev), reply=inbox,
+                                  headers={"Nats-Batch-Id": f"never-committed-{i}", "Nats-Batch-Sequence": "1"})
+        await mallory.flush()
+        # The controller's multi-event decisions: a deploy of 2 replicas, and 2 events appended at once.
+        res = await asyncio.wait_for(admin.deploy(checkpoint(tmp_path, "m"), 2, size_bytes=GB), 15)
+        assert res.ok and len(res.replicas) == 2 and res.last_seq - res.first_seq >= 1, res
+        two = [E.NodeDeclared(event_id=f"declared-{i}", ts=datetime.now(UTC), actor="controller:t", command_id="t",
+                              node_id=n, node=TWO_80) for i, n in enumerate((NODE_A, NODE_B))]
+        for _ in range(50):  # the honest agent's facts move the log meanwhile
+            with contextlib.suppress(errs.ConflictError):
+                got = await asyncio.wait_for(log.append(two, await log.last_seq()), 5)
+                break
+        assert got.last_seq == got.first_seq + 1 and not got.already_appended
+        await until(lambda: len(answers) == 60, timeout=5)
+        await sub.unsubscribe()
+        codes = {msgspec.json.decode(a)["error"]["err_code"] for a in answers}
+        assert codes == {10174}, answers[:3]  # "atomic publish is disabled"
+        for mine in (E.event_subject(joined), E.event_subject(loaded)):  # none of them stored
+            assert not (await js.stream_info(FACTS_STREAM, subjects_filter=mine)).state.subjects, mine
+        async for _, e in log.read(since + 1):
+            assert not (isinstance(e, E.Skipped) or e.event_id in ("a-joined", "a-loaded")), e
+    finally:
+        await log.close()
+        await mallory.close()
+        await admin.close()
+        await bounded(legit.stop(), "agent.stop")
+        await bounded(ctl.stop(), "controller.stop")
+
+
 # ---- inventory ---------------------------------------------------------------------------------
 
 
