@@ -62,22 +62,11 @@ async def ensure(js: JetStreamContext, *, replicas: int, may_create: bool, start
         await _refuse_lost_history(js)
     # The log first: a log made before the facts stream captured every event subject, and the
     # facts stream's subjects may not overlap it. Between the two calls an agent's fact finds no
-    # stream (no responders): the agent retries it (dataplane/node/agent.py `_append`).
-    await _ensure_stream(js, api.StreamConfig(
-        name=EVENTS_STREAM, subjects=list(LOG_SUBJECTS), retention=api.RetentionPolicy.LIMITS,
-        storage=api.StorageType.FILE, num_replicas=replicas, deny_delete=True, deny_purge=True,
-        allow_atomic=True, allow_direct=True, duplicate_window=DUPLICATE_WINDOW_S,
-        max_msg_size=EVENT_MAX_MSG_BYTES, sources=[api.StreamSource(name=FACTS_STREAM)],
-        description="ndif control-plane events: the only source of truth (docs/architecture.md §2-3)",
-    ))
-    await _ensure_stream(js, api.StreamConfig(
-        name=FACTS_STREAM, subjects=list(FACTS_SUBJECTS), retention=api.RetentionPolicy.LIMITS,
-        storage=api.StorageType.FILE, num_replicas=replicas, deny_delete=True, deny_purge=True,
-        allow_atomic=False, allow_direct=True, duplicate_window=DUPLICATE_WINDOW_S,
-        max_msg_size=EVENT_MAX_MSG_BYTES, max_age=FACTS_MAX_AGE_S, max_bytes=FACTS_MAX_BYTES,
-        description=f"ndif observed facts of agents and dispatchers, on their way into {EVENTS_STREAM}",
-    ))
-    await _ensure_stream(js, api.StreamConfig(
+    # stream (no responders, an InfrastructureError): the agent retries it
+    # (dataplane/node/agent.py `_append`), the dispatcher too (its follower's `_append`).
+    await ensure_stream(js, events_config(replicas, await _new_log_start(js)))
+    await ensure_stream(js, facts_config(replicas))
+    await ensure_stream(js, api.StreamConfig(
         name=REQUESTS_STREAM, subjects=[REQUESTS_ALL], retention=api.RetentionPolicy.WORK_QUEUE,
         storage=api.StorageType.FILE, num_replicas=replicas, duplicate_window=DUPLICATE_WINDOW_S,
         max_msg_size=REQUEST_MAX_MSG_BYTES,
@@ -121,6 +110,46 @@ async def ensure(js: JetStreamContext, *, replicas: int, may_create: bool, start
                                                    storage=api.StorageType.FILE))
 
 
+async def _new_log_start(js: JetStreamContext) -> int | None:
+    """Where a log made anew (`--new-history`) starts sourcing facts: after the facts already in the
+    facts stream, which belong to the history that was dropped (None: the log exists, or no facts)."""
+    unknown = (nats.js.errors.NotFoundError, nats.errors.TimeoutError, nats.errors.NoRespondersError)
+    try:
+        await js.stream_info(EVENTS_STREAM)
+        return None
+    except nats.js.errors.NotFoundError:
+        pass
+    except unknown:
+        return None  # reported by ensure_stream
+    try:
+        return int((await js.stream_info(FACTS_STREAM)).state.last_seq) + 1
+    except unknown:
+        return None
+
+
+def events_config(replicas: int, facts_from: int | None = None) -> api.StreamConfig:
+    """The log: the controller's subjects, and every fact sourced from the facts stream (from
+    its sequence `facts_from` on, when given)."""
+    return api.StreamConfig(
+        name=EVENTS_STREAM, subjects=list(LOG_SUBJECTS), retention=api.RetentionPolicy.LIMITS,
+        storage=api.StorageType.FILE, num_replicas=replicas, deny_delete=True, deny_purge=True,
+        allow_atomic=True, allow_direct=True, duplicate_window=DUPLICATE_WINDOW_S,
+        max_msg_size=EVENT_MAX_MSG_BYTES, sources=[api.StreamSource(name=FACTS_STREAM, opt_start_seq=facts_from)],
+        description="ndif control-plane events: the only source of truth (docs/architecture.md §2-3)",
+    )
+
+
+def facts_config(replicas: int) -> api.StreamConfig:
+    """Agents' and dispatchers' observed facts on their way into the log: no atomic batches."""
+    return api.StreamConfig(
+        name=FACTS_STREAM, subjects=list(FACTS_SUBJECTS), retention=api.RetentionPolicy.LIMITS,
+        storage=api.StorageType.FILE, num_replicas=replicas, deny_delete=True, deny_purge=True,
+        allow_atomic=False, allow_direct=True, duplicate_window=DUPLICATE_WINDOW_S,
+        max_msg_size=EVENT_MAX_MSG_BYTES, max_age=FACTS_MAX_AGE_S, max_bytes=FACTS_MAX_BYTES,
+        description=f"ndif observed facts of agents and dispatchers, on their way into {EVENTS_STREAM}",
+    )
+
+
 async def _stream_info_or_fail(js: JetStreamContext, name: str) -> None:
     try:
         await js.stream_info(name)
@@ -140,7 +169,7 @@ async def _refuse_lost_history(js: JetStreamContext) -> None:
     except nats.js.errors.NotFoundError:
         pass
     except (nats.errors.TimeoutError, nats.errors.NoRespondersError):
-        return  # reported by _ensure_stream
+        return  # reported by ensure_stream
     others = [FACTS_STREAM, REQUESTS_STREAM, f"KV_{HEARTBEATS_BUCKET}", f"KV_{REQUEST_STATUS_BUCKET}",
               f"OBJ_{RESULTS_BUCKET}", f"OBJ_{SNAPSHOTS_BUCKET}"]
     found = []
@@ -156,7 +185,7 @@ async def _refuse_lost_history(js: JetStreamContext) -> None:
             "a new one on purpose, run `ndif up --new-history`", retryable=False)
 
 
-async def _ensure_stream(js: JetStreamContext, cfg: api.StreamConfig) -> None:
+async def ensure_stream(js: JetStreamContext, cfg: api.StreamConfig) -> None:
     assert cfg.name is not None
     try:
         info = await js.stream_info(cfg.name)
