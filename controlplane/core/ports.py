@@ -41,8 +41,9 @@ class EventLog(Protocol):
         An observed fact whose subject carries its source (an agent's or a dispatcher's,
         schemas/subjects.py `is_fact_subject`) is appended alone and unguarded (else InvalidCommand).
         The JetStream log stores it in the facts stream, which the log sources from: its ack names
-        no log sequence, so the result is 0..0 (`already_appended` on a resend). Whoever must see
-        such a fact in the log waits for its event id there, never for a sequence.
+        no log sequence, so the result is 0..0 (`already_appended` on a resend); the append returns
+        once the log holds the fact. Whoever needs its position finds it by its event id, never by
+        comparing a sequence of the facts stream with the log's.
         """
         ...
 

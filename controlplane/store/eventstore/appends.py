@@ -7,11 +7,13 @@
   is resolved by reading the log at expected+1 before anything is called a conflict;
 - an observed fact (its subject carries its source: `is_fact_subject`) alone and unguarded: it is
   stored in the facts stream, which the log sources, so its ack names a sequence of that stream,
-  not of the log, and the result names no log sequence (0..0).
+  not of the log; the append returns once the log has it, naming no log sequence (0..0).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import re
 import uuid
 from collections.abc import Sequence
@@ -31,6 +33,7 @@ from schemas.subjects import EVENTS_STREAM, FACTS_STREAM, HDR_MSG_ID
 
 logger = structlog.get_logger("ndif.eventstore")
 
+HDR_SOURCE = "Nats-Stream-Source"  # on a sourced message: `<stream> <seq there> ...`
 ERR_WRONG_LAST_SEQ = 10071
 ERR_BATCH_TOO_LARGE = 10199
 ERR_BATCH_DUPLICATE = 10201
@@ -115,9 +118,8 @@ async def append(nc: NatsClient, js: JetStreamContext, events: Sequence[Event], 
 
 
 async def _append_fact(nc: NatsClient, js: JetStreamContext, ev: Event, *, timeout: float) -> AppendResult:
-    """One observed fact into the facts stream. Its log sequence is not known at the ack (the log
-    sources it a moment later): the result is 0..0, and a caller that must see it in the log
-    waits for its event id there."""
+    """One observed fact into the facts stream; returns once the log has sourced it (an agent that
+    announced itself is known to whoever reads the log next), with no log sequence: 0..0."""
     for attempt in (1, 2):
         try:
             ack = await _publish_one(nc, ev, None, timeout)
@@ -139,7 +141,28 @@ async def _append_fact(nc: NatsClient, js: JetStreamContext, ev: Event, *, timeo
         raise InfrastructureError(
             f"append of {event_tag(ev)} refused: its event id {ev.event_id!r} is taken in {FACTS_STREAM} by another "
             f"message (seq {ack.seq}) and JetStream drops ours as its duplicate; nothing was appended")
+    await _sourced(js, ev, ack.seq, timeout)
     return AppendResult(first_seq=0, last_seq=0, already_appended=ack.duplicate)
+
+
+async def _sourced(js: JetStreamContext, ev: Event, facts_seq: int, timeout: float) -> None:
+    """Wait until the log holds the fact at `facts_seq` of the facts stream: the log's last message
+    on its subject came from there at that sequence or later (the source keeps their order)."""
+    subject = event_subject(ev)
+    loop = asyncio.get_running_loop()
+    deadline, pause = loop.time() + timeout, 0.0005
+    while True:
+        with contextlib.suppress(nats.js.errors.NotFoundError, nats.errors.TimeoutError):
+            raw = await js.get_msg(EVENTS_STREAM, subject=subject, direct=True)  # the last on it
+            src = (raw.headers or {}).get(HDR_SOURCE, "").split()
+            if len(src) > 1 and src[0] == FACTS_STREAM and src[1].isdigit() and int(src[1]) >= facts_seq:
+                return
+        if loop.time() > deadline:
+            raise InfrastructureTimeout(
+                f"{event_tag(ev)} is stored in {FACTS_STREAM} (seq {facts_seq}) but {EVENTS_STREAM} has not "
+                f"sourced it within {timeout}s: is the log's stream led? A resend is deduplicated")
+        await asyncio.sleep(pause)
+        pause = min(pause * 2, 0.05)
 
 
 async def _publish_one(nc: NatsClient, ev: Event, expected: int | None, timeout: float) -> _PubAck:
