@@ -23,12 +23,14 @@ from schemas.keys import model_parts
 from schemas.status import DeploymentOp, DrainReason, EvictionReason, Level
 from schemas.subjects import (
     COMMAND_EVENTS_PREFIX,
+    FACTS_STREAM,
     HDR_EVENT,
     HDR_MSG_ID,
     HDR_SCHEMA,
     NODE_EVENTS_PREFIX,
     REPLICA_EVENTS_PREFIX,
     command_event_subject,
+    is_fact_subject,
     model_subject,
     node_subject,
     node_token,
@@ -502,6 +504,18 @@ def event_tag(event: Event) -> str:
     return event.__struct_config__.tag  # type: ignore[return-value]
 
 
+def is_sourced_fact(events: Sequence[Event], expected_last_seq: int | None) -> bool:
+    """Whether this append is one observed fact whose subject carries its source (stored in the facts
+    stream, which the log sources). Raises InvalidCommand for a fact in a batch or under an expected
+    sequence: the facts stream takes no batches, and its sequence is not the log's."""
+    facts = sum(is_fact_subject(event_subject(ev)) for ev in events)
+    if facts and (len(events) > 1 or expected_last_seq is not None):
+        raise InvalidCommand(
+            f"append of {len(events)} events ({facts} observed facts) refused: an observed fact is appended "
+            f"alone and without an expected sequence (it reaches the log through {FACTS_STREAM})")
+    return facts > 0
+
+
 # Facts only the agent of the node they are about observes (and may append).
 AGENT_FACTS: Final = frozenset({NodeJoined, ReplicaLoading, ReplicaLoaded, ReplicaLoadFailed, ReplicaCached,
                                 ReplicaUnloaded, ReplicaRestarted, ReplicaFailed})
@@ -534,8 +548,8 @@ def author_problem(event: Event) -> str | None:
     return f"{event_tag(event)} about node {node_id!r} appended by {actor!r}: only that node's agent may state it"
 
 
-def _source_token(event: ReplicaEvent) -> str | None:
-    """The last subject token of an observed replica fact: its node's token, or `dispatcher`."""
+def _source_token(event: ReplicaEvent | NodeJoined) -> str | None:
+    """The last subject token of an observed fact: its node's token, or `dispatcher`."""
     kind, sep, _ = event.actor.partition(":")
     if event.__class__ in AGENT_FACTS or event.__class__ in DISPATCHER_FACTS:
         if kind == "agent" and sep and event.node_id:
@@ -548,15 +562,18 @@ def _source_token(event: ReplicaEvent) -> str | None:
 def event_subject(event: Event) -> str:
     """The subject an event is stored on (docs/architecture.md §2).
 
-    Observed replica facts carry their source as a last token
-    (`ndif.evt.replica.<mtok>.<rid>.<ntok>` or `.dispatcher`), so the server's permissions let an
-    agent append facts of its own node only; decisions stay on `ndif.evt.replica.<mtok>.<rid>`.
+    Observed facts carry their source as a last token (`ndif.evt.replica.<mtok>.<rid>.<ntok>` or
+    `.dispatcher`, `ndif.evt.node.<ntok>.<ntok>`), so the server's permissions let an agent append
+    facts of its own node only, and they are stored in the facts stream (FACTS_STREAM), never
+    directly in the log; decisions stay on `ndif.evt.replica.<mtok>.<rid>` and
+    `ndif.evt.node.<ntok>` (NodeLost).
     """
-    if isinstance(event, ReplicaEvent):
+    if isinstance(event, ReplicaEvent | NodeJoined):
         src = _source_token(event)
-        base = replica_subject(event.model_key, event.replica_id)
+        base = (replica_subject(event.model_key, event.replica_id) if isinstance(event, ReplicaEvent)
+                else node_subject(event.node_id))
         return base if src is None else f"{base}.{src}"
-    if isinstance(event, (NodeJoined, NodeLost)):
+    if isinstance(event, NodeLost):
         return node_subject(event.node_id)
     if isinstance(event, NodeDeclared) or (isinstance(event, CommandDecided) and event.model_key is None):
         return command_event_subject(event.command_id or event.event_id)
@@ -574,14 +591,19 @@ def subject_problem(subject: str, item: AnyEvent | Skipped) -> str | None:
 
     A fact on a node's subject, or on a source-tagged replica subject, must be the fact its body
     says: the server's permissions vouch for the subject (who appended it), the body for the rest.
-    Replica facts stored before subjects carried their source (five tokens) are not checked.
+    Replica facts stored before subjects carried their source (five tokens) are not checked; on a
+    node's own subject (four tokens: NodeLost, which only the controller may publish there now, and
+    NodeJoined stored before node facts carried their source) a node event must be about that node.
     """
     if item.__class__ is Skipped:
         return None
     if item.__class__ is NodeDeclared and not subject.startswith(COMMAND_EVENTS_PREFIX):
         return f"NodeDeclared stored on {subject}: the operator's declarations are stored on {COMMAND_EVENTS_PREFIX}*"
     if subject.startswith(NODE_EVENTS_PREFIX) or (subject.startswith(REPLICA_EVENTS_PREFIX) and subject.count(".") >= 5):
-        want = event_subject(item)  # type: ignore[arg-type]
+        if subject.count(".") == 3 and isinstance(item, NodeJoined | NodeLost):
+            want = node_subject(item.node_id)
+        else:
+            want = event_subject(item)  # type: ignore[arg-type]
         if want != subject:
             return f"{event_tag(item)} stored on {subject} belongs on {want}"  # type: ignore[arg-type]
     return None

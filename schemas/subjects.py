@@ -14,6 +14,10 @@ import re
 from schemas.keys import model_parts
 
 EVENTS_STREAM = "NDIF_EVENTS"
+# Observed facts of agents and the dispatcher: stored here first, then sourced into EVENTS_STREAM,
+# which alone is the log. No atomic batches here, so nothing an agent sends counts against the
+# event stream's batches in flight (docs/architecture.md §2, decision 21).
+FACTS_STREAM = "NDIF_FACTS"
 REQUESTS_STREAM = "NDIF_REQUESTS"
 HEARTBEATS_BUCKET = "ndif_heartbeats"
 REQUEST_STATUS_BUCKET = "ndif_request_status"
@@ -39,14 +43,20 @@ DISPATCHER_KILL = "ndif.dispatcher.kill"  # an admin's kill of a request; `.<use
 FIGURES_PREFIX = "ndif.figures"
 
 # Wildcard filters (subscriptions and the server's permissions, controlplane/ops/auth.py).
-NODE_EVENTS_ANY = f"{NODE_EVENTS_PREFIX}*"
+NODE_EVENTS_ANY = f"{NODE_EVENTS_PREFIX}*"  # the controller's NodeLost (and node facts stored before they carried a source)
+NODE_FACTS_ANY = f"{NODE_EVENTS_PREFIX}*.*"  # an agent's NodeJoined: `ndif.evt.node.<ntok>.<ntok>` (its source last)
 MODEL_EVENTS_ANY = f"{MODEL_EVENTS_PREFIX}*"
 REPLICA_DECISIONS_ANY = f"{REPLICA_EVENTS_PREFIX}*.*"  # decisions about a replica (no source token)
+REPLICA_FACTS_ANY = f"{REPLICA_EVENTS_PREFIX}*.*.*"  # observed replica facts (their source last)
 COMMAND_EVENTS_ANY = f"{COMMAND_EVENTS_PREFIX}*"
 COMMANDS_ANY = f"{COMMANDS_PREFIX}.*"
 STATUS_ALL = f"{STATUS_PREFIX}.>"
 REPLICA_CALLS_ALL = f"{REPLICA_CALLS_PREFIX}.>"
 FIGURES_ANY = f"{FIGURES_PREFIX}.*"
+# What each stream captures. The two lists do not overlap (the server refuses streams that do),
+# and together they are every event subject.
+FACTS_SUBJECTS = (NODE_FACTS_ANY, REPLICA_FACTS_ANY)
+LOG_SUBJECTS = (MODEL_EVENTS_ANY, REPLICA_DECISIONS_ANY, NODE_EVENTS_ANY, COMMAND_EVENTS_ANY)
 
 # Headers on every event message.
 HDR_MSG_ID = "Nats-Msg-Id"
@@ -80,6 +90,16 @@ def node_token(node_id: str) -> str:
 
 def node_subject(node_id: str) -> str:
     return f"{NODE_EVENTS_PREFIX}{node_token(node_id)}"
+
+
+def node_facts_from(source_token: str) -> str:
+    """`ndif.evt.node.<ntok>.<ntok>`: a node's observed facts, as its own agent appends them."""
+    return f"{NODE_EVENTS_PREFIX}{source_token}.{source_token}"
+
+
+def is_fact_subject(subject: str) -> bool:
+    """Whether `subject` is stored in FACTS_STREAM (an observed fact with its source token)."""
+    return any(subject_matches(subject, p) for p in FACTS_SUBJECTS)
 
 
 def replica_facts_from(source_token: str) -> str:
@@ -243,6 +263,7 @@ def operator_filters(model_key: str | None = None, replica_id: int | None = None
         out["requests"] = request_subject(model_key)  # an open server's (no users)
         out["user requests"] = f"{request_subject(model_key)}.*"  # with users: `ndif.req.<mtok>.<user>`
     if node_id is not None:
-        out["node events"] = node_subject(node_id)
+        out["node events"] = node_subject(node_id)  # NodeLost (and NodeJoined stored before facts carried a source)
+        out["node facts"] = node_facts_from(node_token(node_id))
         out["heartbeat key"] = f"{node_token(node_id)} (bucket {HEARTBEATS_BUCKET})"
     return out

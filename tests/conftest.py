@@ -19,7 +19,7 @@ import pytest_asyncio
 from controlplane.ops.nats_server import EmbeddedNats
 from controlplane.service.tasks import awaiting
 from controlplane.store.eventstore import JetStreamEventLog
-from schemas.subjects import EVENTS_STREAM, REQUESTS_STREAM, SNAPSHOTS_BUCKET
+from schemas.subjects import EVENTS_STREAM, FACTS_STREAM, REQUESTS_STREAM, SNAPSHOTS_BUCKET
 
 # Credentials `ndif up` may have left in a developer's $NDIF_HOME must not reach the tests' servers
 # (their commands find credentials there): each session gets an empty home of its own.
@@ -135,7 +135,8 @@ def local_ray() -> Iterator[str]:
 async def fresh_event_log(url: str) -> JetStreamEventLog:
     """A connected log on empty streams and no snapshots (the streams are dropped and re-made)."""
     log = await JetStreamEventLog.open(url, ensure=False)
-    for stream in (EVENTS_STREAM, REQUESTS_STREAM, f"OBJ_{SNAPSHOTS_BUCKET}"):
+    # the facts stream too: a new log would source every fact still in it
+    for stream in (EVENTS_STREAM, FACTS_STREAM, REQUESTS_STREAM, f"OBJ_{SNAPSHOTS_BUCKET}"):
         try:
             await log.js.delete_stream(stream)
         except Exception:  # noqa: BLE001 - absent on the first test

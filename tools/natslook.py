@@ -3,13 +3,14 @@
 The `nats` CLI (natscli) was not installable on the machine the docs were written on; this does the
 same reads through nats-py and prints what each read returned, in a layout of its own:
 
-    python tools/natslook.py --nats URL view [--subject F] [--count N] [--start-seq S]
-    python tools/natslook.py --nats URL subjects [--filter F]
+    python tools/natslook.py --nats URL view [--stream S] [--subject F] [--count N] [--start-seq S]
+    python tools/natslook.py --nats URL subjects [--stream S] [--filter F]
     python tools/natslook.py --nats URL sub SUBJECT [--count N] [--seconds S]
     python tools/natslook.py --nats URL kv-watch BUCKET [--key K] [--count N] [--seconds S]
 
-`view` = `nats stream view NDIF_EVENTS [--subject F]` (stored messages by sequence), `subjects` =
-`nats stream subjects NDIF_EVENTS [F]`, `sub` = `nats sub SUBJECT` (live messages only),
+`view` = `nats stream view NDIF_EVENTS [--subject F]` (stored messages by sequence; `--stream
+NDIF_FACTS`: the agents' facts on their way into the log), `subjects` = `nats stream subjects
+NDIF_EVENTS [F]`, `sub` = `nats sub SUBJECT` (live messages only),
 `kv-watch` = `nats kv watch BUCKET [KEY]` (the latest value of each key, then updates).
 
 Credentials: `--creds FILE` (a `$NDIF_HOME/auth/<user>.creds` file that `ndif up` wrote; default
@@ -33,7 +34,7 @@ from nats.js import api
 from nats.js.kv import KeyValue
 
 from controlplane.store.credentials import load_creds, resolve
-from schemas.subjects import EVENTS_ALL, EVENTS_STREAM
+from schemas.subjects import EVENTS_ALL, EVENTS_STREAM, FACTS_STREAM
 
 
 def show(seq: int | None, subject: str, headers: dict[str, str] | None, data: bytes) -> None:
@@ -43,8 +44,8 @@ def show(seq: int | None, subject: str, headers: dict[str, str] | None, data: by
     print(f"  {data.decode(errors='replace')}\n", flush=True)
 
 
-async def view(js: nats.js.JetStreamContext, subject: str, count: int, start: int) -> None:
-    sub = await js.subscribe(subject, stream=EVENTS_STREAM, ordered_consumer=True,
+async def view(js: nats.js.JetStreamContext, stream: str, subject: str, count: int, start: int) -> None:
+    sub = await js.subscribe(subject, stream=stream, ordered_consumer=True,
                              config=api.ConsumerConfig(deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE,
                                                        opt_start_seq=start))
     try:
@@ -58,8 +59,8 @@ async def view(js: nats.js.JetStreamContext, subject: str, count: int, start: in
         await sub.unsubscribe()
 
 
-async def subjects(js: nats.js.JetStreamContext, flt: str) -> None:
-    info = await js.stream_info(EVENTS_STREAM, subjects_filter=flt)
+async def subjects(js: nats.js.JetStreamContext, stream: str, flt: str) -> None:
+    info = await js.stream_info(stream, subjects_filter=flt)
     for subject, n in sorted((info.state.subjects or {}).items()):
         print(f"{n:>6}  {subject}")
 
@@ -109,10 +110,12 @@ async def main() -> None:
     ap.add_argument("--password", default=None, help="NATS password")
     sub = ap.add_subparsers(dest="what", required=True)
     p = sub.add_parser("view", help="stored events by sequence")
+    p.add_argument("--stream", default=EVENTS_STREAM, help=f"stream (default {EVENTS_STREAM}; or {FACTS_STREAM})")
     p.add_argument("--subject", default=EVENTS_ALL, help="subject filter")
     p.add_argument("--count", type=int, default=10, help="messages to print")
     p.add_argument("--start-seq", type=int, default=1, help="first sequence")
     p = sub.add_parser("subjects", help="stored subjects and their message counts")
+    p.add_argument("--stream", default=EVENTS_STREAM, help=f"stream (default {EVENTS_STREAM}; or {FACTS_STREAM})")
     p.add_argument("--filter", default=EVENTS_ALL, help="subject filter")
     for name in ("sub", "kv-watch"):
         p = sub.add_parser(name, help="live messages" if name == "sub" else "a bucket's values and updates")
@@ -131,9 +134,9 @@ async def main() -> None:
     js = nc.jetstream()
     try:
         if a.what == "view":
-            await view(js, a.subject, a.count, a.start_seq)
+            await view(js, a.stream, a.subject, a.count, a.start_seq)
         elif a.what == "subjects":
-            await subjects(js, a.filter)
+            await subjects(js, a.stream, a.filter)
         elif a.what == "sub":
             await live(nc, a.target, a.count, a.seconds)
         else:

@@ -37,6 +37,13 @@ class EventLog(Protocol):
         Raises ConflictError (with the actual last sequence) when the log moved, InvalidCommand for
         an empty or over-long batch, InfrastructureError when the outcome cannot be established.
         A resend of already stored event ids returns their positions with `already_appended`.
+
+        An observed fact whose subject carries its source (an agent's or a dispatcher's,
+        schemas/subjects.py `is_fact_subject`) is appended alone and unguarded (else InvalidCommand).
+        The JetStream log stores it in the facts stream, which the log sources from: its ack names
+        no log sequence, so the result is 0..0 (`already_appended` on a resend); the append returns
+        once the log holds the fact. Whoever needs its position finds it by its event id, never by
+        comparing a sequence of the facts stream with the log's.
         """
         ...
 

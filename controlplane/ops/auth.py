@@ -13,8 +13,9 @@ in the system's account and every untrusted role has an account of its own:
   `ndif.req.*.<user>`, kills through `ndif.dispatcher.kill.<user>`, receives `ndif.status.<user>.>`,
   reads its own keys of the status bucket and its own results bucket by direct gets;
 - one account per node agent, named by the node's token: appends its own node's observed facts
-  (`ndif.evt.node.<ntok>`, `ndif.evt.replica.*.*.<ntok>`) and heartbeat key, reads the log by direct
-  gets (its wake-up is the `ndif.evt.>` stream import), and exports its replica endpoints
+  (`ndif.evt.node.<ntok>.<ntok>`, `ndif.evt.replica.*.*.<ntok>`, stored in `NDIF_FACTS`, which the log
+  sources; it may read a fact back there by sequence, by a direct get) and heartbeat key, reads the
+  log by direct gets (its wake-up is the `ndif.evt.>` stream import), and exports its replica endpoints
   `ndif.run.<ntok>.>` to the system, which imports each node's;
 - `NDIF_DASHBOARD`: reads the log by direct gets, the dispatcher's state and the request
   consumers' list; writes nothing.
@@ -76,11 +77,11 @@ from schemas.subjects import (
     DISPATCHER_STATE,
     EVENTS_ALL,
     EVENTS_STREAM,
+    FACTS_STREAM,
     FIGURES_ANY,
     HEARTBEATS_BUCKET,
     MODEL_EVENTS_ANY,
     NODE_EVENTS_ANY,
-    NODE_EVENTS_PREFIX,
     REPLICA_CALLS_ALL,
     REPLICA_DECISIONS_ANY,
     REQUEST_STATUS_BUCKET,
@@ -92,6 +93,7 @@ from schemas.subjects import (
     STATUS_PREFIX,
     command_subject,
     kill_subject,
+    node_facts_from,
     node_logs_subjects,
     node_run_subjects,
     node_token,
@@ -196,7 +198,9 @@ def imports(role: str, *, name: str = "", node_id: str = "") -> list[Import]:
                 _api_import(f"{JS_API}.DIRECT.GET.{res}"), _api_import(f"{JS_API}.DIRECT.GET.{res}.>")]
     if role == "agent":
         ntok = node_token(node_id)
-        return [Import("service", f"{NODE_EVENTS_PREFIX}{ntok}"), Import("service", replica_facts_from(ntok)),
+        return [Import("service", node_facts_from(ntok)), Import("service", replica_facts_from(ntok)),
+                # a fact's duplicate ack is checked by reading that message back (by sequence)
+                _api_import(f"{JS_API}.DIRECT.GET.{FACTS_STREAM}"),
                 Import("service", f"$KV.{hb}.{ntok}"),
                 # its own node's last heartbeat (a node id held by a live agent is not taken twice)
                 _api_import(f"{JS_API}.DIRECT.GET.{_kv(hb)}.$KV.{hb}.{ntok}"), *_log_reader_imports()]
@@ -207,7 +211,7 @@ def imports(role: str, *, name: str = "", node_id: str = "") -> list[Import]:
     return []
 
 
-def _exports(clients: list[str], readers: list[str]) -> list[dict[str, Any]]:
+def _exports(clients: list[str], readers: list[str], agents: list[str]) -> list[dict[str, Any]]:
     """The system account's exports. Those that carry the importer's token in a subject require it
     there (`account_token_position`, 1-based): the server refuses an import of another account's."""
     st, hb, ev = REQUEST_STATUS_BUCKET, HEARTBEATS_BUCKET, EVENTS_STREAM
@@ -216,12 +220,14 @@ def _exports(clients: list[str], readers: list[str]) -> list[dict[str, Any]]:
         {"service": kill_subject("*"), "account_token_position": 4},  # ndif.dispatcher.kill.<user>
         {"stream": f"{STATUS_PREFIX}.*.>", "account_token_position": 3},  # ndif.status.<user>.<id>
         {"service": f"{JS_API}.DIRECT.GET.{_kv(st)}.$KV.{st}.*.>", "account_token_position": 8},
-        {"service": f"{NODE_EVENTS_PREFIX}*", "account_token_position": 4},  # ndif.evt.node.<ntok>
+        {"service": node_facts_from("*"), "account_token_position": 4},  # ndif.evt.node.<ntok>.<ntok>
         {"service": replica_facts_from("*"), "account_token_position": 6},  # ndif.evt.replica.<m>.<r>.<ntok>
         {"service": f"$KV.{hb}.*", "account_token_position": 3},
         {"service": f"{JS_API}.DIRECT.GET.{_kv(hb)}.$KV.{hb}.*", "account_token_position": 8},
     ]
     # An export with an empty account list would be public: each is written only with its accounts.
+    if agents:
+        out += [{"service": f"{JS_API}.DIRECT.GET.{FACTS_STREAM}", "response_type": "stream", "accounts": agents}]
     if readers:
         out += [{"stream": EVENTS_ALL, "accounts": readers},
                 {"service": f"{JS_API}.DIRECT.GET.{ev}", "response_type": "stream", "accounts": readers},
@@ -263,7 +269,8 @@ def permissions(role: str, *, name: str = "", node_id: str = "", clients: tuple[
                f"{_API}.STREAM.INFO.{_obj(RESULTS_BUCKET)}", f"{_API}.STREAM.INFO.{_obj(SNAPSHOTS_BUCKET)}"]
         sub = [COMMANDS_ANY, FIGURES_ANY, inbox]
     elif role == "dispatcher":
-        pub = [replica_facts_from(DISPATCHER_SOURCE), command_subject("deploy"), FIGURES_ANY, STATUS_ALL, REPLICA_CALLS_ALL,
+        pub = [replica_facts_from(DISPATCHER_SOURCE), f"{_API}.DIRECT.GET.{FACTS_STREAM}",  # its facts, read back
+               command_subject("deploy"), FIGURES_ANY, STATUS_ALL, REPLICA_CALLS_ALL,
                f"$KV.{REQUEST_STATUS_BUCKET}.>", f"$O.{RESULTS_BUCKET}.>", *events,
                *_read_stream(_kv(REQUEST_STATUS_BUCKET)), *_read_stream(_obj(RESULTS_BUCKET)),
                *_read_stream(REQUESTS_STREAM), *_direct_read(_obj(SNAPSHOTS_BUCKET)),
@@ -313,7 +320,7 @@ def accounts(users: list[Creds]) -> dict[str, Any]:
     system: dict[str, Any] = {
         "jetstream": "enabled",
         "users": [user_entry(c) for c in by_account.get(SYSTEM_ACCOUNT, [])],
-        "exports": _exports(clients, readers),
+        "exports": _exports(clients, readers, sorted({a.account for a in agents})),
         "imports": [{"service": {"account": c.account, "subject": subject(c.node_id)}}
                     for c in {a.account: a for a in agents}.values()
                     for subject in (node_run_subjects, node_logs_subjects)],

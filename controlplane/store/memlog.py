@@ -1,7 +1,11 @@
 """An in-memory `EventLog` and `SnapshotStore` with JetStream's append semantics.
 
 For fast unit tests and simulations. Bodies go through the same JSON encoding as on the wire, so
-what folds here folds the same from NATS; the contract suite holds both to the same cases.
+what folds here folds the same from NATS; the contract suite holds both to the same cases. One
+difference, on purpose: an observed fact whose subject carries its source is stored here like any
+event (a fixture may write it in a batch, with an expectation, and is told its sequence), where
+the JetStream log takes it alone and unguarded through its facts stream and names no log sequence
+(`EventLog.append`).
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ from dataplane.serving.dispatcher import Dispatcher
 from schemas import errors as errs
 from schemas.commands import CommandResult, Scale, ScaleDown
 from schemas.events import Event
-from schemas.subjects import EVENTS_STREAM, REQUEST_STATUS_BUCKET, REQUESTS_STREAM
+from schemas.subjects import EVENTS_STREAM, FACTS_STREAM, REQUEST_STATUS_BUCKET, REQUESTS_STREAM
 from tests.agent_sim import GB, ScriptedAgent
 from tests.conftest import bounded, dump_tasks
 from tests.integration.probe import raw_connect
@@ -111,7 +111,7 @@ async def test_r3_cluster_loses_nothing_when_two_servers_are_killed(cluster: Nat
     monkeypatch.setenv("NDIF_STREAM_REPLICAS", "3")  # every component that makes a stream or bucket: R3
     url = cluster.url
     lg = await _open(url)
-    for name in (EVENTS_STREAM, REQUESTS_STREAM, f"KV_{REQUEST_STATUS_BUCKET}", "KV_ndif_heartbeats"):
+    for name in (EVENTS_STREAM, FACTS_STREAM, REQUESTS_STREAM, f"KV_{REQUEST_STATUS_BUCKET}", "KV_ndif_heartbeats"):
         assert (await lg.js.stream_info(name)).config.num_replicas == 3, name
     ctls = [await Controller.from_url(url, name=f"controller:{i}", stream_replicas=3, policy_interval_s=0.5,
                              heartbeat_grace_s=30).start() for i in range(2)]
@@ -295,18 +295,22 @@ async def test_accounts_on_a_three_server_cluster(tmp_path: Path, monkeypatch: p
         disp = await JetStreamEventLog.open(c.url, ensure=False, creds=auth.role("dispatcher"), role="dispatcher")
         spy = await raw_connect(c.url.split(",")[1], max_reconnect_attempts=60, **auth.role("admin").connect_options())
         try:
-            for name in (EVENTS_STREAM, REQUESTS_STREAM, f"KV_{REQUEST_STATUS_BUCKET}", "KV_ndif_heartbeats"):
+            for name in (EVENTS_STREAM, FACTS_STREAM, REQUESTS_STREAM, f"KV_{REQUEST_STATUS_BUCKET}", "KV_ndif_heartbeats"):
                 assert (await admin.js.stream_info(name)).config.num_replicas == 3, name
             # The agent: its own node's fact appended, its heartbeat put and read back, the log read.
             joined = observed(NodeJoined, actor=f"agent:{node}", node_id=node,
                               gpus=(GpuInfo(index=0, memory_bytes=10**9),), cpu_cache_bytes=1)
             res = await agent.append([joined], None)
+            assert (res.first_seq, res.last_seq) == (0, 0)  # stored in NDIF_FACTS: no log sequence
             beats = JetStreamHeartbeats(agent.js, direct=True)
             await beats.beat(node)
             assert await beats.last(node) is not None
-            assert [seq async for seq, _ in agent.read()][-1] == res.last_seq
+            async with asyncio.timeout(10):  # the log sources it
+                while not (seqs := [seq async for seq, e in agent.read() if getattr(e, "event_id", "") == joined.event_id]):
+                    await asyncio.sleep(0.05)
+            assert [seq async for seq, _ in agent.read()][-1:] == seqs, seqs
             dash = await JetStreamEventLog.open(c.url, ensure=False, creds=auth.role("dashboard"), role="dashboard")
-            assert await dash.last_seq() == res.last_seq
+            assert await dash.last_seq() == seqs[0]
             await dash.close()
 
             w = StatusWriter(disp.nc.publish, JetStreamStatusKV(await disp.js.key_value(REQUEST_STATUS_BUCKET)),
@@ -365,7 +369,7 @@ async def test_accounts_on_a_three_server_cluster(tmp_path: Path, monkeypatch: p
             # reload does not wire a new account's imports in nats-server 2.15: observed here, see
             # controlplane/ops/auth.py).
             ensure_local([node], clients=["alice", "bob", "carol"], home=tmp_path / "home")
-            names = (EVENTS_STREAM, REQUESTS_STREAM, f"KV_{REQUEST_STATUS_BUCKET}", "KV_ndif_heartbeats")
+            names = (EVENTS_STREAM, FACTS_STREAM, REQUESTS_STREAM, f"KV_{REQUEST_STATUS_BUCKET}", "KV_ndif_heartbeats")
 
             async def all_current() -> None:  # each stream led, each of its copies caught up
                 async with asyncio.timeout(60):

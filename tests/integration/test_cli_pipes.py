@@ -23,7 +23,7 @@ def joined(node: str) -> NodeJoined:
 
 async def test_status_watch_into_a_pipe_writes_no_screen_codes(nats_server: EmbeddedNats,
                                                                event_log: JetStreamEventLog) -> None:
-    await event_log.append([joined("node-a")], 0)
+    await event_log.append([joined("node-a")], None)  # an agent's fact: unguarded (NDIF_FACTS)
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "dataplane.ops.cli", "status", "--watch", "--nats", nats_server.url,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
@@ -41,7 +41,7 @@ async def test_status_watch_into_a_pipe_writes_no_screen_codes(nats_server: Embe
 
         async with asyncio.timeout(60):
             await read_until(b"cluster at seq 1")
-            await event_log.append([joined("node-b")], 1)
+            await event_log.append([joined("node-b")], None)
             await read_until(b"cluster at seq 2")
     finally:
         proc.terminate()
@@ -54,7 +54,7 @@ async def test_status_watch_into_a_pipe_writes_no_screen_codes(nats_server: Embe
 async def test_a_reader_that_goes_away_is_not_a_crash(nats_server: EmbeddedNats, event_log: JetStreamEventLog) -> None:
     """`ndif status | head`: the pipe closes before ndif writes; no traceback, the SIGPIPE status 141."""
     if await event_log.last_seq() == 0:
-        await event_log.append([joined("node-b")], 0)
+        await event_log.append([joined("node-b")], None)
     read_fd, write_fd = os.pipe()
     os.close(read_fd)  # the reader is gone before ndif writes a byte
     proc = await asyncio.create_subprocess_exec(

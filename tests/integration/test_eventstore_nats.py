@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
+from datetime import UTC, datetime
 
 import pytest
 from structlog.testing import capture_logs
 
 from controlplane.core.projections import ClusterState, fold
 from controlplane.ops.nats_server import EmbeddedNats
-from controlplane.store.eventstore import JetStreamEventLog
-from schemas.errors import ConflictError
-from schemas.subjects import EVENTS_STREAM
+from controlplane.store.eventstore import JetStreamEventLog, topology
+from schemas.errors import ConflictError, InfrastructureError, InvalidCommand
+from schemas.events import GpuInfo, NodeJoined, encode_event, event_headers, event_subject
+from schemas.subjects import EVENTS_ALL, EVENTS_STREAM, FACTS_STREAM, LOG_SUBJECTS, is_fact_subject, node_subject
 from tests.contract.test_eventlog_contract import collect, loads
 from tests.strategies import node_joined, scripted_history
 
@@ -124,3 +127,99 @@ async def test_sigkill_loses_no_acknowledged_event(tmp_path):
         await log.close()
     finally:
         srv.close()
+
+
+# ---- observed facts through NDIF_FACTS -----------------------------------------------------------
+
+
+def _fact(node: str, event_id: str) -> NodeJoined:
+    return NodeJoined(event_id=event_id, ts=datetime.now(UTC), actor=f"agent:{node}", node_id=node,
+                      gpus=(GpuInfo(index=0, memory_bytes=10**9),), cpu_cache_bytes=0)
+
+
+async def _in_log(log: JetStreamEventLog, event_id: str, timeout: float = 5.0) -> int:
+    """The log sequence of `event_id` once the log has it (a fact: once sourced from NDIF_FACTS)."""
+    async with asyncio.timeout(timeout):
+        while True:
+            found = [seq async for seq, e in log.read() if getattr(e, "event_id", None) == event_id]
+            if found:
+                assert len(found) == 1, found
+                return found[0]
+            await asyncio.sleep(0.02)
+
+
+async def test_a_fact_is_stored_in_the_facts_stream_and_reaches_the_log_once(event_log):
+    await event_log.append(loads(1), 0)
+    fact = _fact("gpu-a", "fact-1")
+    assert is_fact_subject(event_subject(fact))
+    got = await event_log.append([fact], None)
+    assert (got.first_seq, got.last_seq, got.already_appended) == (0, 0, False)  # no log sequence
+    seq = await _in_log(event_log, "fact-1")
+    raw = await event_log.js.get_msg(EVENTS_STREAM, seq, direct=True)
+    assert raw.headers["Nats-Stream-Source"].startswith(f"{FACTS_STREAM} ")  # sourced, and read as ever
+    assert raw.headers["Nats-Msg-Id"] == "fact-1" and raw.headers["Ndif-Event"] == "NodeJoined"
+    again = await event_log.append([fact], None)  # a resend: the facts stream's window drops it
+    assert again.already_appended and (again.first_seq, again.last_seq) == (0, 0)
+    await asyncio.sleep(0.2)
+    assert await _in_log(event_log, "fact-1") == seq
+    # Guarded, or in a batch: refused before anything is sent (the facts stream takes no batches,
+    # and its sequences are not the log's).
+    for events, expected in (([_fact("gpu-a", "fact-2")], await event_log.last_seq()),
+                             ([_fact("gpu-a", "fact-3"), *loads(1, 7)], None)):
+        with pytest.raises(InvalidCommand, match="observed fact is appended alone"):
+            await event_log.append(events, expected)
+    info = await event_log.js.stream_info(FACTS_STREAM)
+    assert info.state.last_seq == 1 and not info.config.allow_atomic
+
+
+async def test_a_facts_id_taken_by_another_message_is_refused(event_log):
+    """Anyone who may publish facts may send any Nats-Msg-Id: a fact the facts stream drops as the
+    duplicate of another message is refused, never reported as stored."""
+    fact = _fact("gpu-a", "fact-taken")
+    await event_log.js.publish(event_subject(fact), b'{"junk": 1}', headers={"Nats-Msg-Id": "fact-taken"})
+    with pytest.raises(InfrastructureError, match="is taken in NDIF_FACTS"):
+        await event_log.append([fact], None)
+
+
+async def test_a_log_made_before_the_facts_stream_is_migrated_by_ensure(tmp_path):
+    """The log as an earlier version made it (every event subject, agents' facts appended straight
+    in): `ensure` narrows its subjects, makes the facts stream and sources it; what was stored is
+    read as before. Between the two steps a fact finds no stream: refused loudly (retryable), and
+    the agent's retry lands it."""
+    with EmbeddedNats(tmp_path / "nats") as srv:
+        log = await JetStreamEventLog.open(srv.url, ensure=False)
+        try:
+            old = dataclasses.replace(topology.events_config(1), subjects=[EVENTS_ALL], sources=None)
+            await log.js.add_stream(old)
+            before = _fact("gpu-a", "joined-before")  # on the node's own subject, as agents appended it
+            await log.js.publish(node_subject("gpu-a"), encode_event(before), headers=event_headers(before))
+            await topology.ensure_stream(log.js, topology.events_config(1))  # the first step alone
+            late = _fact("gpu-b", "joined-between")
+            with pytest.raises(InfrastructureError, match=f"create {FACTS_STREAM}") as refused:
+                await log.append([late], None)
+            assert refused.value.retryable
+            with capture_logs() as logs:
+                await log.ensure()
+            assert FACTS_STREAM in [e.get("stream") for e in logs if e["event"] == "stream_created"]
+            cfg = (await log.js.stream_info(EVENTS_STREAM)).config
+            assert sorted(cfg.subjects or []) == sorted(LOG_SUBJECTS) and cfg.allow_atomic
+            assert [s.name for s in cfg.sources or []] == [FACTS_STREAM]
+            await log.append([late], None)  # the agent's retry
+            assert await _in_log(log, "joined-between") == 2
+            stored = await collect(log.read())
+            assert [e.event_id for _, e in stored] == ["joined-before", "joined-between"]
+            with capture_logs() as logs:
+                await log.ensure()
+            assert not [e for e in logs if e["event"] in ("stream_updated", "stream_created")]
+        finally:
+            await log.close()
+
+
+async def test_a_new_history_sources_none_of_the_facts_of_the_dropped_one(event_log):
+    await event_log.append([_fact("gpu-a", "fact-of-the-old-history")], None)
+    await _in_log(event_log, "fact-of-the-old-history")
+    await event_log.js.delete_stream(EVENTS_STREAM)
+    await event_log.ensure(start_new_history=True)
+    await event_log.append([_fact("gpu-a", "fact-of-the-new-history")], None)
+    assert await _in_log(event_log, "fact-of-the-new-history") == 1
+    assert await event_log.last_seq() == 1

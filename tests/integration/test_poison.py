@@ -15,6 +15,7 @@ tests/dataplane/test_poison_requests.py serves through real replicas.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 from collections.abc import AsyncIterator
@@ -34,7 +35,7 @@ from controlplane.ops.nats_server import EmbeddedNats
 from controlplane.service.controller import Controller
 from controlplane.service.registry import ModelRoots
 from controlplane.store.admin import AdminClient
-from controlplane.store.credentials import Creds, request_msg_id
+from controlplane.store.credentials import IMPORTED_JS_API, Creds, request_msg_id
 from controlplane.store.eventstore import JetStreamEventLog
 from dataplane.client import Client, RequestFailed
 from dataplane.node.agent import NodeAgent, declared_gpus
@@ -47,12 +48,14 @@ from schemas.keys import canonical_model_key, display_name
 from schemas.requests import Request, encoder, status_decoder
 from schemas.status import ReplicaState
 from schemas.subjects import (
+    EVENTS_STREAM,
+    FACTS_STREAM,
     HEARTBEATS_BUCKET,
     REQUEST_STATUS_BUCKET,
     REQUESTS_STREAM,
     command_event_subject,
     model_token,
-    node_subject,
+    node_facts_from,
     node_token,
     request_consumer,
     request_subject,
@@ -104,9 +107,30 @@ async def as_user(url: str, creds: Creds) -> Any:
 
 
 async def append_raw(nc: Any, subject: str, body: bytes, msg_id: str) -> int:
-    """What any holder of a subject can store there: a body of its choosing."""
+    """What any holder of a subject can store there: a body of its choosing. Its sequence in the log:
+    on an agent's subject it is stored in NDIF_FACTS, and the log has it once it sourced it."""
     ack = await nc.jetstream().publish(subject, body, headers={"Nats-Msg-Id": msg_id})
-    return int(ack.seq)
+    if ack.stream != FACTS_STREAM:
+        return int(ack.seq)
+    return await sourced_seq(nc, subject, msg_id)
+
+
+async def sourced_seq(nc: Any, subject: str, msg_id: str, timeout: float = 5.0) -> int:
+    """The log sequence of the last message on `subject` once it is the one with `msg_id` (read as
+    an agent reads the log: a direct get through its account's import)."""
+    js = nc.jetstream(prefix=IMPORTED_JS_API)
+    async with asyncio.timeout(timeout):
+        while True:
+            with contextlib.suppress(nats.js.errors.NotFoundError):
+                m = await js.get_msg(EVENTS_STREAM, subject=subject, direct=True)
+                if m.headers and m.headers.get("Nats-Msg-Id") == msg_id:
+                    return int(m.seq or 0)
+            await asyncio.sleep(0.01)
+
+
+def own(node: str) -> str:
+    """A node agent's own subject for its node's facts."""
+    return node_facts_from(node_token(node))
 
 
 async def agent(url: str, auth: LocalAuth, node: str, **kw: Any) -> NodeAgent:
@@ -134,7 +158,7 @@ async def test_poison_events_on_an_agents_own_subject_stop_no_reader(url: str, a
     admin = await AdminClient.open(url, timeout=10, creds=auth.role("admin"))
     try:
         for i, body in enumerate((POISON_NESTED, POISON_UTF8, b'{"x":' + POISON_NESTED + b"}")):
-            last = await append_raw(mallory, node_subject(NODE_A), body, f"poison-{i}")
+            last = await append_raw(mallory, own(NODE_A), body, f"poison-{i}")
         # The controller still answers commands and decides past the poison; the agent loads what it asks.
         model = checkpoint(tmp_path, "m")
         res = await asyncio.wait_for(admin.deploy(model, 1, size_bytes=GB), 15)
@@ -166,7 +190,7 @@ async def test_junk_on_a_heartbeat_key_keeps_no_node_alive(url: str, auth: Local
     try:
         joined = E.NodeJoined(event_id="a-joined", ts=datetime.now(UTC), actor=f"agent:{NODE_A}", node_id=NODE_A,
                               gpus=declared_gpus(1, GB), cpu_cache_bytes=0)
-        await append_raw(mallory, node_subject(NODE_A), E.encode_event(joined), "a-joined")
+        await append_raw(mallory, own(NODE_A), E.encode_event(joined), "a-joined")
         key = f"$KV.{HEARTBEATS_BUCKET}.{node_token(NODE_A)}"
         junk = [b"x" * 600_000, NODE_B.encode(), b"\xff\xfe", NODE_A.encode() + b" " * 300]
 
@@ -215,7 +239,7 @@ async def test_an_event_id_taken_first_is_no_proof_that_the_event_was_stored(url
     mallory = await as_user(url, auth.role(f"agent:{NODE_A}"))
     log = await JetStreamEventLog.open(url, creds=auth.role("controller"), ensure=False)
     try:
-        taken = await append_raw(mallory, node_subject(NODE_A), b'{"junk": 1}', "cmd-taken-first.0")
+        taken = await append_raw(mallory, own(NODE_A), b'{"junk": 1}', "cmd-taken-first.0")
         ev = E.NodeLost(event_id="cmd-taken-first.0", ts=datetime.now(UTC), actor="controller:t", node_id=NODE_B)
         with pytest.raises(errs.InfrastructureError, match="is taken in the log by another message"):
             await log.append([ev], taken)
@@ -236,10 +260,10 @@ async def test_an_agent_that_claims_the_controllers_next_ids_does_not_keep_a_dea
     try:
         joined = E.NodeJoined(event_id="b-joined", ts=datetime.now(UTC), actor=f"agent:{NODE_B}", node_id=NODE_B,
                               gpus=declared_gpus(1, GB), cpu_cache_bytes=0)
-        since = await append_raw(victim, node_subject(NODE_B), E.encode_event(joined), "b-joined")
+        since = await append_raw(victim, own(NODE_B), E.encode_event(joined), "b-joined")
         await victim.jetstream().publish(f"$KV.{HEARTBEATS_BUCKET}.{node_token(NODE_B)}", NODE_B.encode())
         for i in range(4):  # what the position-only id would have been, for a decision of up to 4 events
-            await append_raw(mallory, node_subject(NODE_A), b"{}", f"policy-node-lost-{node_token(NODE_B)}-{since}.{i}")
+            await append_raw(mallory, own(NODE_A), b"{}", f"policy-node-lost-{node_token(NODE_B)}-{since}.{i}")
         stored: list[Any] = []
 
         async def lost_in_the_log() -> bool:  # the log, not the controller's own view of what it appended
@@ -253,6 +277,65 @@ async def test_an_agent_that_claims_the_controllers_next_ids_does_not_keep_a_dea
     finally:
         await mallory.close()
         await victim.close()
+        await bounded(ctl.stop(), "controller.stop")
+
+
+async def test_an_agents_open_atomic_batches_block_none_of_the_controllers_decisions(
+        url: str, auth: LocalAuth, tmp_path: Path) -> None:
+    """Node A's agent opens 60 atomic batches on its own fact subjects (`Nats-Batch-Id`, sequence 1,
+    never committed). The server's limit on batches in flight is per stream (50): were they opened
+    in the log's stream, the controller's batched appends would be refused (10176) until they
+    expired. Agents' facts are stored in NDIF_FACTS, which allows no batches: each is refused there
+    (10174), nothing is stored in either stream, and the controller's multi-event appends land."""
+    ctl = await Controller.from_url(url, creds=auth.role("controller"), policy_interval_s=0.2).start()
+    legit = await agent(url, auth, NODE_B)
+    mallory = await as_user(url, auth.role(f"agent:{NODE_A}"))
+    admin = await AdminClient.open(url, timeout=10, creds=auth.role("admin"))
+    log = await JetStreamEventLog.open(url, creds=auth.role("controller"), ensure=False)
+    try:
+        await until(lambda: NODE_B in ctl.state.nodes, timeout=15)
+        js = admin.log.js
+        since = await log.last_seq()
+        joined = E.NodeJoined(event_id="a-joined", ts=datetime.now(UTC), actor=f"agent:{NODE_A}", node_id=NODE_A,
+                              gpus=declared_gpus(1, GB), cpu_cache_bytes=0)
+        loaded = E.ReplicaLoaded(event_id="a-loaded", ts=datetime.now(UTC), actor=f"agent:{NODE_A}", node_id=NODE_A,
+                                 model_key=canonical_model_key("openai-community/gpt2"), replica_id=0,
+                                 load_seconds=1.0)
+        answers: list[bytes] = []
+        inbox = mallory.new_inbox()
+
+        async def answered(m: Any) -> None:
+            answers.append(m.data)
+
+        sub = await mallory.subscribe(inbox, cb=answered)
+        for i in range(60):
+            ev = joined if i % 2 else loaded  # its node's subject and a replica fact's, both its own
+            await mallory.publish(E.event_subject(ev), E.encode_event(ev), reply=inbox,
+                                  headers={"Nats-Batch-Id": f"never-committed-{i}", "Nats-Batch-Sequence": "1"})
+        await mallory.flush()
+        # The controller's multi-event decisions: a deploy of 2 replicas, and 2 events appended at once.
+        res = await asyncio.wait_for(admin.deploy(checkpoint(tmp_path, "m"), 2, size_bytes=GB), 15)
+        assert res.ok and len(res.replicas) == 2 and res.last_seq - res.first_seq >= 1, res
+        two = [E.NodeDeclared(event_id=f"declared-{i}", ts=datetime.now(UTC), actor="controller:t", command_id="t",
+                              node_id=n, node=TWO_80) for i, n in enumerate((NODE_A, NODE_B))]
+        for _ in range(50):  # the honest agent's facts move the log meanwhile
+            with contextlib.suppress(errs.ConflictError):
+                got = await asyncio.wait_for(log.append(two, await log.last_seq()), 5)
+                break
+        assert got.last_seq == got.first_seq + 1 and not got.already_appended
+        await until(lambda: len(answers) == 60, timeout=5)
+        await sub.unsubscribe()
+        codes = {msgspec.json.decode(a)["error"]["err_code"] for a in answers}
+        assert codes == {10174}, answers[:3]  # "atomic publish is disabled"
+        for mine in (E.event_subject(joined), E.event_subject(loaded)):  # none of them stored
+            assert not (await js.stream_info(FACTS_STREAM, subjects_filter=mine)).state.subjects, mine
+        async for _, e in log.read(since + 1):
+            assert not (isinstance(e, E.Skipped) or e.event_id in ("a-joined", "a-loaded")), e
+    finally:
+        await log.close()
+        await mallory.close()
+        await admin.close()
+        await bounded(legit.stop(), "agent.stop")
         await bounded(ctl.stop(), "controller.stop")
 
 
@@ -270,11 +353,11 @@ async def test_an_agent_cannot_announce_capacity_it_was_not_given(url: str, auth
         for i, mem in enumerate((10**12, 400 * GB)):  # the issue's 8 x 1 TB, then 8 x 400 GB
             ev = E.NodeJoined(event_id=f"a-joined-{i}", ts=datetime.now(UTC), actor=f"agent:{NODE_A}",
                               node_id=NODE_A, gpus=declared_gpus(8, mem), cpu_cache_bytes=10 * GB)
-            await append_raw(mallory, node_subject(NODE_A), E.encode_event(ev), ev.event_id)
+            await append_raw(mallory, own(NODE_A), E.encode_event(ev), ev.event_id)
         # Nor can it declare itself: on its own subject it is skipped; the controller's is refused.
         forged = E.NodeDeclared(event_id="a-declared", ts=datetime.now(UTC), actor="controller:x", node_id=NODE_A,
                                 command_id="x", node=NodeInventory(cards=(CardGroup(count=8, memory_bytes=400 * GB),)))
-        await append_raw(mallory, node_subject(NODE_A), E.encode_event(forged), forged.event_id)
+        await append_raw(mallory, own(NODE_A), E.encode_event(forged), forged.event_id)
         with pytest.raises((nats.js.errors.APIError, nats.errors.TimeoutError, nats.errors.NoRespondersError)):
             await mallory.jetstream().publish(command_event_subject("x"), E.encode_event(forged), timeout=1)
         state = await until_state(admin, lambda s: NODE_A in s.nodes and s.skipped >= 1)

@@ -43,6 +43,7 @@ from schemas.requests import Request, StatusUpdate, encoder
 from schemas.status import RequestStatus
 from schemas.subjects import (
     EVENTS_STREAM,
+    FACTS_STREAM,
     HEARTBEATS_BUCKET,
     REQUEST_STATUS_BUCKET,
     REQUESTS_STREAM,
@@ -120,7 +121,7 @@ TARGETS = {
     "a-request-as-bob": request_subject(MODEL, "bob"),
     "bobs-results-bucket": f"$O.{results_bucket('bob')}.C.forged",
     "the-event-log": f"ndif.evt.model.{model_token(MODEL)}",
-    "another-nodes-facts": f"ndif.evt.node.{B}",
+    "another-nodes-facts": f"ndif.evt.node.{B}.{B}",
     "a-dead-nodes-heartbeat": f"$KV.{HEARTBEATS_BUCKET}.{B}",
     "an-operators-command": "ndif.cmd.deploy",
 }
@@ -128,7 +129,7 @@ TARGETS = {
 KEPT_IN = {
     "bobs-kept-status": f"KV_{ST}", "a-request-as-bob": REQUESTS_STREAM,
     "bobs-results-bucket": f"OBJ_{results_bucket('bob')}", "the-event-log": EVENTS_STREAM,
-    "another-nodes-facts": EVENTS_STREAM, "a-dead-nodes-heartbeat": f"KV_{HEARTBEATS_BUCKET}",
+    "another-nodes-facts": FACTS_STREAM, "a-dead-nodes-heartbeat": f"KV_{HEARTBEATS_BUCKET}",
 }
 ATTACKERS = ["client:alice", f"agent:{NODE_A}", "dashboard"]
 
@@ -145,14 +146,15 @@ def _asks(c: Creds) -> list[tuple[str, bytes, bool]]:
                 (f"{api}.DIRECT.GET.OBJ_{res}.{meta}", b"", True),
                 ("ndif.dispatcher.kill.alice", ALICE_RID.encode(), False)]
     reads = [(f"{api}.DIRECT.GET.{EVENTS_STREAM}", b'{"seq": 1, "batch": 1000}', True),  # the whole log
-             (f"{api}.DIRECT.GET.{EVENTS_STREAM}.ndif.evt.node.{A}", b"", True),
+             (f"{api}.DIRECT.GET.{EVENTS_STREAM}.ndif.evt.node.{A}.{A}", b"", True),
              (f"{api}.STREAM.INFO.{EVENTS_STREAM}", b"", True),
              (f"{api}.STREAM.MSG.GET.{EVENTS_STREAM}", b'{"seq": 1}', True)]
     if c.role == "agent":
         ev = NodeJoined(event_id=f"joined-{datetime.now(UTC).timestamp()}", ts=datetime.now(UTC), actor=f"agent:{NODE_A}",
                         node_id=NODE_A, gpus=(GpuInfo(index=0, memory_bytes=10**9),), cpu_cache_bytes=1)
-        return [(f"ndif.evt.node.{A}", encode_event(ev), True),  # an append's publish ack
+        return [(f"ndif.evt.node.{A}.{A}", encode_event(ev), True),  # an append's publish ack (NDIF_FACTS)
                 (f"$KV.{HEARTBEATS_BUCKET}.{A}", NODE_A.encode(), True),  # its heartbeat's ack
+                (f"{api}.DIRECT.GET.{FACTS_STREAM}", b'{"seq": 1}', True),  # a fact read back
                 (f"{api}.DIRECT.GET.KV_{HEARTBEATS_BUCKET}.$KV.{HEARTBEATS_BUCKET}.{A}", b"", True), *reads]
     return [*reads, (f"{api}.CONSUMER.LIST.{REQUESTS_STREAM}", b"{}", True), ("ndif.dispatcher.state", b"", False)]
 

@@ -4,11 +4,16 @@
   swallows error acks);
 - several: one atomic batch (`Nats-Batch-Id/-Sequence/-Commit`), the expectation on message 1;
 - an ambiguous answer (timeout, 10071 "wrong last sequence", 10201 "batch holds a duplicate id")
-  is resolved by reading the log at expected+1 before anything is called a conflict.
+  is resolved by reading the log at expected+1 before anything is called a conflict;
+- an observed fact (its subject carries its source: `is_fact_subject`) alone and unguarded: it is
+  stored in the facts stream, which the log sources, so its ack names a sequence of that stream,
+  not of the log; the append returns once the log has it, naming no log sequence (0..0).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import re
 import uuid
 from collections.abc import Sequence
@@ -23,11 +28,12 @@ from nats.js import JetStreamContext
 from controlplane.core.ports import AppendResult
 from controlplane.store.eventstore.topology import last_seq
 from schemas.errors import ConflictError, InfrastructureError, InfrastructureTimeout, InvalidCommand
-from schemas.events import Event, check_batch, encode_event, event_headers, event_subject
-from schemas.subjects import EVENTS_STREAM, HDR_MSG_ID
+from schemas.events import Event, check_batch, encode_event, event_headers, event_subject, event_tag, is_sourced_fact
+from schemas.subjects import EVENTS_STREAM, FACTS_STREAM, HDR_MSG_ID
 
 logger = structlog.get_logger("ndif.eventstore")
 
+HDR_SOURCE = "Nats-Stream-Source"  # on a sourced message: `<stream> <seq there> ...`
 ERR_WRONG_LAST_SEQ = 10071
 ERR_BATCH_TOO_LARGE = 10199
 ERR_BATCH_DUPLICATE = 10201
@@ -56,6 +62,8 @@ async def append(nc: NatsClient, js: JetStreamContext, events: Sequence[Event], 
     """`EventLog.append` (controlplane/core/ports.py) on the event stream; requests wait up to `timeout`."""
     check_batch(events)
     n = len(events)
+    if is_sourced_fact(events, expected_last_seq):
+        return await _append_fact(nc, js, events[0], timeout=timeout)
     try:
         if n == 1:
             ack = await _publish_one(nc, events[0], expected_last_seq, timeout)
@@ -86,7 +94,7 @@ async def append(nc: NatsClient, js: JetStreamContext, events: Sequence[Event], 
             # Not where ours would be: the id is taken by a message at ack.seq. Ours only if it holds
             # our event; a user who can publish on any event subject can send any Nats-Msg-Id, so a
             # duplicate alone proves nothing.
-            if await _holds(js, ack.seq, events[-1]):
+            if await _holds(js, EVENTS_STREAM, ack.seq, events[-1]):
                 return AppendResult(first_seq=ack.seq - n + 1, last_seq=ack.seq, already_appended=True)
             raise InfrastructureError(
                 f"append of {n} events refused: the event id {events[-1].event_id!r} is taken in the log by "
@@ -107,6 +115,54 @@ async def append(nc: NatsClient, js: JetStreamContext, events: Sequence[Event], 
     if err.err_code == ERR_BATCH_TOO_LARGE:
         raise InvalidCommand(f"append: batch refused as too large ({err.description})")
     raise InfrastructureError(f"append refused by JetStream: {err.code}/{err.err_code} {err.description}")
+
+
+async def _append_fact(nc: NatsClient, js: JetStreamContext, ev: Event, *, timeout: float) -> AppendResult:
+    """One observed fact into the facts stream; returns once the log has sourced it (an agent that
+    announced itself is known to whoever reads the log next), with no log sequence: 0..0."""
+    for attempt in (1, 2):
+        try:
+            ack = await _publish_one(nc, ev, None, timeout)
+            break
+        except (TimeoutError, nats.errors.TimeoutError):
+            # A resend with the same id is deduplicated by the facts stream.
+            if attempt == 2:
+                raise InfrastructureTimeout(
+                    f"append of an observed fact to {FACTS_STREAM} timed out twice; is JetStream up? (`ndif up`)") from None
+        except nats.errors.NoRespondersError:
+            raise InfrastructureError(f"no stream answers on {event_subject(ev)}: create {FACTS_STREAM} "
+                                      "(`ndif up`)") from None
+    if ack.error is not None:
+        err = ack.error
+        raise InfrastructureError(f"append refused by JetStream: {err.code}/{err.err_code} {err.description}")
+    # A duplicate is a resend of ours only if the message holding the id is ours byte for byte;
+    # anyone who may publish facts can send any Nats-Msg-Id.
+    if ack.duplicate and not await _holds(js, FACTS_STREAM, ack.seq, ev):
+        raise InfrastructureError(
+            f"append of {event_tag(ev)} refused: its event id {ev.event_id!r} is taken in {FACTS_STREAM} by another "
+            f"message (seq {ack.seq}) and JetStream drops ours as its duplicate; nothing was appended")
+    await _sourced(js, ev, ack.seq, timeout)
+    return AppendResult(first_seq=0, last_seq=0, already_appended=ack.duplicate)
+
+
+async def _sourced(js: JetStreamContext, ev: Event, facts_seq: int, timeout: float) -> None:
+    """Wait until the log holds the fact at `facts_seq` of the facts stream: the log's last message
+    on its subject came from there at that sequence or later (the source keeps their order)."""
+    subject = event_subject(ev)
+    loop = asyncio.get_running_loop()
+    deadline, pause = loop.time() + timeout, 0.0005
+    while True:
+        with contextlib.suppress(nats.js.errors.NotFoundError, nats.errors.TimeoutError):
+            raw = await js.get_msg(EVENTS_STREAM, subject=subject, direct=True)  # the last on it
+            src = (raw.headers or {}).get(HDR_SOURCE, "").split()
+            if len(src) > 1 and src[0] == FACTS_STREAM and src[1].isdigit() and int(src[1]) >= facts_seq:
+                return
+        if loop.time() > deadline:
+            raise InfrastructureTimeout(
+                f"{event_tag(ev)} is stored in {FACTS_STREAM} (seq {facts_seq}) but {EVENTS_STREAM} has not "
+                f"sourced it within {timeout}s: is the log's stream led? A resend is deduplicated")
+        await asyncio.sleep(pause)
+        pause = min(pause * 2, 0.05)
 
 
 async def _publish_one(nc: NatsClient, ev: Event, expected: int | None, timeout: float) -> _PubAck:
@@ -134,10 +190,10 @@ async def _publish_batch(nc: NatsClient, events: Sequence[Event], expected: int 
     return _ack_decoder.decode(msg.data)
 
 
-async def _holds(js: JetStreamContext, seq: int, ev: Event) -> bool:
-    """Whether the message at `seq` is `ev`, byte for byte."""
+async def _holds(js: JetStreamContext, stream: str, seq: int, ev: Event) -> bool:
+    """Whether the message at `seq` of `stream` is `ev`, byte for byte."""
     try:
-        raw = await js.get_msg(EVENTS_STREAM, seq, direct=True)
+        raw = await js.get_msg(stream, seq, direct=True)
     except (nats.js.errors.NotFoundError, nats.errors.TimeoutError, nats.errors.NoRespondersError):
         return False
     return bool(raw.data == encode_event(ev) and raw.headers and raw.headers.get(HDR_MSG_ID) == ev.event_id)

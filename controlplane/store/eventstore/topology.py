@@ -1,6 +1,10 @@
 """Streams and buckets of docs/architecture.md §2: create or update them (`ensure`), check they exist,
 read the event stream's last sequence (`last_seq`).
 
+The log is one stream, NDIF_EVENTS: the controller's decisions are appended to it, and it sources
+every observed fact from NDIF_FACTS, where agents and the dispatcher append them (no atomic
+batches there: an agent's open batches never count against the log's).
+
 Functions of a JetStream context; the log (log.py) passes its own.
 """
 
@@ -18,9 +22,11 @@ from nats.js import JetStreamContext, api
 from controlplane.store.eventstore.connection import EVENT_MAX_MSG_BYTES, REQUEST_MAX_MSG_BYTES, STATUS_MAX_VALUE_BYTES
 from schemas.errors import InfrastructureError, InfrastructureTimeout
 from schemas.subjects import (
-    EVENTS_ALL,
     EVENTS_STREAM,
+    FACTS_STREAM,
+    FACTS_SUBJECTS,
     HEARTBEATS_BUCKET,
+    LOG_SUBJECTS,
     REQUEST_STATUS_BUCKET,
     REQUESTS_ALL,
     REQUESTS_STREAM,
@@ -34,6 +40,10 @@ logger = structlog.get_logger("ndif.eventstore")
 HEARTBEAT_TTL_S = 15.0
 REQUEST_STATUS_TTL_S = 24 * 3600.0
 DUPLICATE_WINDOW_S = 120.0
+# A fact lives on in the log once sourced (within milliseconds); the facts stream keeps it a day
+# (and at most this many bytes), so a log without a leader for hours still gets every fact.
+FACTS_MAX_AGE_S = 24 * 3600.0
+FACTS_MAX_BYTES = 1 << 30
 
 
 async def ensure(js: JetStreamContext, *, replicas: int, may_create: bool, start_new_history: bool = False) -> None:
@@ -50,14 +60,13 @@ async def ensure(js: JetStreamContext, *, replicas: int, may_create: bool, start
         return
     if not start_new_history:
         await _refuse_lost_history(js)
-    await _ensure_stream(js, api.StreamConfig(
-        name=EVENTS_STREAM, subjects=[EVENTS_ALL], retention=api.RetentionPolicy.LIMITS,
-        storage=api.StorageType.FILE, num_replicas=replicas, deny_delete=True, deny_purge=True,
-        allow_atomic=True, allow_direct=True, duplicate_window=DUPLICATE_WINDOW_S,
-        max_msg_size=EVENT_MAX_MSG_BYTES,
-        description="ndif control-plane events: the only source of truth (docs/architecture.md §2-3)",
-    ))
-    await _ensure_stream(js, api.StreamConfig(
+    # The log first: a log made before the facts stream captured every event subject, and the
+    # facts stream's subjects may not overlap it. Between the two calls an agent's fact finds no
+    # stream (no responders, an InfrastructureError): the agent retries it
+    # (dataplane/node/agent.py `_append`), the dispatcher too (its follower's `_append`).
+    await ensure_stream(js, events_config(replicas, await _new_log_start(js)))
+    await ensure_stream(js, facts_config(replicas))
+    await ensure_stream(js, api.StreamConfig(
         name=REQUESTS_STREAM, subjects=[REQUESTS_ALL], retention=api.RetentionPolicy.WORK_QUEUE,
         storage=api.StorageType.FILE, num_replicas=replicas, duplicate_window=DUPLICATE_WINDOW_S,
         max_msg_size=REQUEST_MAX_MSG_BYTES,
@@ -101,6 +110,46 @@ async def ensure(js: JetStreamContext, *, replicas: int, may_create: bool, start
                                                    storage=api.StorageType.FILE))
 
 
+async def _new_log_start(js: JetStreamContext) -> int | None:
+    """Where a log made anew (`--new-history`) starts sourcing facts: after the facts already in the
+    facts stream, which belong to the history that was dropped (None: the log exists, or no facts)."""
+    unknown = (nats.js.errors.NotFoundError, nats.errors.TimeoutError, nats.errors.NoRespondersError)
+    try:
+        await js.stream_info(EVENTS_STREAM)
+        return None
+    except nats.js.errors.NotFoundError:
+        pass
+    except unknown:
+        return None  # reported by ensure_stream
+    try:
+        return int((await js.stream_info(FACTS_STREAM)).state.last_seq) + 1
+    except unknown:
+        return None
+
+
+def events_config(replicas: int, facts_from: int | None = None) -> api.StreamConfig:
+    """The log: the controller's subjects, and every fact sourced from the facts stream (from
+    its sequence `facts_from` on, when given)."""
+    return api.StreamConfig(
+        name=EVENTS_STREAM, subjects=list(LOG_SUBJECTS), retention=api.RetentionPolicy.LIMITS,
+        storage=api.StorageType.FILE, num_replicas=replicas, deny_delete=True, deny_purge=True,
+        allow_atomic=True, allow_direct=True, duplicate_window=DUPLICATE_WINDOW_S,
+        max_msg_size=EVENT_MAX_MSG_BYTES, sources=[api.StreamSource(name=FACTS_STREAM, opt_start_seq=facts_from)],
+        description="ndif control-plane events: the only source of truth (docs/architecture.md §2-3)",
+    )
+
+
+def facts_config(replicas: int) -> api.StreamConfig:
+    """Agents' and dispatchers' observed facts on their way into the log: no atomic batches."""
+    return api.StreamConfig(
+        name=FACTS_STREAM, subjects=list(FACTS_SUBJECTS), retention=api.RetentionPolicy.LIMITS,
+        storage=api.StorageType.FILE, num_replicas=replicas, deny_delete=True, deny_purge=True,
+        allow_atomic=False, allow_direct=True, duplicate_window=DUPLICATE_WINDOW_S,
+        max_msg_size=EVENT_MAX_MSG_BYTES, max_age=FACTS_MAX_AGE_S, max_bytes=FACTS_MAX_BYTES,
+        description=f"ndif observed facts of agents and dispatchers, on their way into {EVENTS_STREAM}",
+    )
+
+
 async def _stream_info_or_fail(js: JetStreamContext, name: str) -> None:
     try:
         await js.stream_info(name)
@@ -120,8 +169,8 @@ async def _refuse_lost_history(js: JetStreamContext) -> None:
     except nats.js.errors.NotFoundError:
         pass
     except (nats.errors.TimeoutError, nats.errors.NoRespondersError):
-        return  # reported by _ensure_stream
-    others = [REQUESTS_STREAM, f"KV_{HEARTBEATS_BUCKET}", f"KV_{REQUEST_STATUS_BUCKET}",
+        return  # reported by ensure_stream
+    others = [FACTS_STREAM, REQUESTS_STREAM, f"KV_{HEARTBEATS_BUCKET}", f"KV_{REQUEST_STATUS_BUCKET}",
               f"OBJ_{RESULTS_BUCKET}", f"OBJ_{SNAPSHOTS_BUCKET}"]
     found = []
     for name in others:
@@ -136,7 +185,7 @@ async def _refuse_lost_history(js: JetStreamContext) -> None:
             "a new one on purpose, run `ndif up --new-history`", retryable=False)
 
 
-async def _ensure_stream(js: JetStreamContext, cfg: api.StreamConfig) -> None:
+async def ensure_stream(js: JetStreamContext, cfg: api.StreamConfig) -> None:
     assert cfg.name is not None
     try:
         info = await js.stream_info(cfg.name)
@@ -151,10 +200,16 @@ async def _ensure_stream(js: JetStreamContext, cfg: api.StreamConfig) -> None:
     flags = ("deny_delete", "deny_purge", "allow_atomic", "allow_direct")
     if (sorted(have.subjects or []) != sorted(cfg.subjects or []) or have.retention != cfg.retention
             or any(bool(getattr(have, f)) != bool(getattr(cfg, f)) for f in flags)
+            or _sources(have) != _sources(cfg)  # a log made before the facts stream
+            or (cfg.max_age or 0) != (have.max_age or 0) or (cfg.max_bytes or -1) != (have.max_bytes or -1)
             or (cfg.max_msg_size or -1) != (have.max_msg_size or -1)):  # a stream made without the limit
         cfg = dataclasses.replace(cfg, num_replicas=have.num_replicas)  # an update never changes the copies
         await js.update_stream(cfg)
         logger.info("stream_updated", stream=cfg.name)
+
+
+def _sources(cfg: api.StreamConfig) -> list[str]:
+    return sorted(src.name for src in cfg.sources or [])
 
 
 async def _ensure_bucket(js: JetStreamContext, create: Any, bind: Any, bucket: str, cfg: Any) -> None:
