@@ -339,6 +339,40 @@ async def test_an_agents_open_atomic_batches_block_none_of_the_controllers_decis
         await bounded(ctl.stop(), "controller.stop")
 
 
+async def test_an_agents_largest_fact_does_not_stop_the_log_from_taking_facts(url: str, auth: LocalAuth) -> None:
+    """Node A's agent stores in NDIF_FACTS the largest message it takes (padded with headers). The
+    source adds its own header to each fact it copies into the log: were the facts stream's limit
+    the log's, that one message could never be copied, and the source would stop at it for good with
+    every later fact of every node behind it. Node B's agent then joins: the log has it."""
+    from controlplane.store.eventstore.topology import FACTS_MAX_MSG_BYTES
+
+    mallory = await as_user(url, auth.role(f"agent:{NODE_A}"))
+    ctl = await Controller.from_url(url, creds=auth.role("controller"), policy_interval_s=0.2).start()
+    legit = None
+    try:
+        loaded = E.ReplicaLoaded(event_id="a-big", ts=datetime.now(UTC), actor=f"agent:{NODE_A}", node_id=NODE_A,
+                                 model_key=canonical_model_key("openai-community/gpt2"), replica_id=0,
+                                 load_seconds=1.0)
+        body = E.encode_event(loaded)
+        pad = {f"X-Pad-{i}": "p" * 1000 for i in range(60)}
+        head = len("NATS/1.0\r\n\r\n") + sum(len(f"{k}: {v}\r\n") for k, v in pad.items())
+        head += len("Nats-Msg-Id: a-big\r\n")
+        pad["X-Pad-0"] += "p" * (FACTS_MAX_MSG_BYTES - head - len(body))  # hdr + data: the limit exactly
+        ack = await mallory.request(E.event_subject(loaded), body, headers={"Nats-Msg-Id": "a-big", **pad},
+                                    timeout=5)
+        assert msgspec.json.decode(ack.data).get("stream") == FACTS_STREAM, ack.data  # stored
+        over = await mallory.request(E.event_subject(loaded), body + b" ", headers={"Nats-Msg-Id": "a-big-2", **pad},
+                                     timeout=5)
+        assert "error" in msgspec.json.decode(over.data), over.data  # one byte more: refused there
+        legit = await agent(url, auth, NODE_B)
+        await until(lambda: NODE_B in ctl.state.nodes, timeout=15)  # its NodeJoined went through the source
+    finally:
+        await mallory.close()
+        if legit is not None:
+            await bounded(legit.stop(), "agent.stop")
+        await bounded(ctl.stop(), "controller.stop")
+
+
 # ---- inventory ---------------------------------------------------------------------------------
 
 

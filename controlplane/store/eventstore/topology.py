@@ -44,6 +44,13 @@ DUPLICATE_WINDOW_S = 120.0
 # (and at most this many bytes), so a log without a leader for hours still gets every fact.
 FACTS_MAX_AGE_S = 24 * 3600.0
 FACTS_MAX_BYTES = 1 << 30
+# The source adds a `Nats-Stream-Source` header (the stream, the sequence, the subject: a subject is
+# under the server's 4 KiB control line) to every fact it copies into the log, and the log refuses a
+# message over its `max_msg_size`. A fact the facts stream took but the log cannot would stop the
+# source at it for good, and every later fact of every node with it: so the facts stream takes
+# nothing that the header would push over the log's limit.
+SOURCE_HEADER_ROOM = 8 * 1024
+FACTS_MAX_MSG_BYTES = EVENT_MAX_MSG_BYTES - SOURCE_HEADER_ROOM
 
 
 async def ensure(js: JetStreamContext, *, replicas: int, may_create: bool, start_new_history: bool = False) -> None:
@@ -145,7 +152,7 @@ def facts_config(replicas: int) -> api.StreamConfig:
         name=FACTS_STREAM, subjects=list(FACTS_SUBJECTS), retention=api.RetentionPolicy.LIMITS,
         storage=api.StorageType.FILE, num_replicas=replicas, deny_delete=True, deny_purge=True,
         allow_atomic=False, allow_direct=True, duplicate_window=DUPLICATE_WINDOW_S,
-        max_msg_size=EVENT_MAX_MSG_BYTES, max_age=FACTS_MAX_AGE_S, max_bytes=FACTS_MAX_BYTES,
+        max_msg_size=FACTS_MAX_MSG_BYTES, max_age=FACTS_MAX_AGE_S, max_bytes=FACTS_MAX_BYTES,
         description=f"ndif observed facts of agents and dispatchers, on their way into {EVENTS_STREAM}",
     )
 
