@@ -106,6 +106,21 @@ async def _leaderless(lg: JetStreamEventLog, stop: asyncio.Event, out: dict[str,
         await asyncio.sleep(0.05)
 
 
+
+async def _read_all(lg: Any, last: int) -> list[tuple[int, Any]]:
+    """The log 1..last. Right after servers were killed and started again, making the read's consumer
+    can time out while the stream's leader settles; a follower retries (`InfrastructureTimeout`,
+    "retrying"), and so does this read, for at most a minute."""
+    for attempt in range(12):
+        try:
+            return [p async for p in lg.read(1, stop_seq=last)]
+        except errs.InfrastructureTimeout:
+            if attempt == 11:
+                raise
+            await asyncio.sleep(5.0)
+    raise AssertionError("unreachable")
+
+
 async def test_r3_cluster_loses_nothing_when_two_servers_are_killed(cluster: NatsCluster, tmp_path: Path,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("NDIF_STREAM_REPLICAS", "3")  # every component that makes a stream or bucket: R3
@@ -212,7 +227,7 @@ async def test_r3_cluster_loses_nothing_when_two_servers_are_killed(cluster: Nat
         await watch
         last = await _last_seq(lg)
         # Every event once; every acknowledged command's events exactly where its reply said.
-        stored: list[tuple[int, Any]] = [p async for p in lg.read(1, stop_seq=last)]
+        stored: list[tuple[int, Any]] = await _read_all(lg, last)
         ids = Counter(e.event_id for _, e in stored if isinstance(e, Event))
         assert max(ids.values()) == 1, ids.most_common(3)
         by_cmd: dict[str, list[int]] = {}
@@ -236,7 +251,7 @@ async def test_r3_cluster_loses_nothing_when_two_servers_are_killed(cluster: Nat
                 while any(p.state.seq != last for p in parts):
                     await asyncio.sleep(0.2)
                     last = await _last_seq(lg)  # agents may still be answering the last decisions
-            stored = [p async for p in lg.read(1, stop_seq=last)]
+            stored = await _read_all(lg, last)
         except TimeoutError:
             raise AssertionError(f"folds behind the log ({last}): {[(getattr(p, 'name', None) or p.node_id, p.state.seq) for p in parts]}") from None
         fresh = ClusterState()

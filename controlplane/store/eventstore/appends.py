@@ -135,6 +135,10 @@ async def _append_fact(nc: NatsClient, js: JetStreamContext, ev: Event, *, timeo
     if ack.error is not None:
         err = ack.error
         raise InfrastructureError(f"append refused by JetStream: {err.code}/{err.err_code} {err.description}")
+    if ack.stream != FACTS_STREAM:  # a log made before the facts stream, not yet migrated
+        raise InfrastructureError(f"{event_tag(ev)} was stored in {ack.stream or 'an unnamed stream'}, not "
+                                  f"{FACTS_STREAM}: the log predates the facts stream; run `ndif up` (its "
+                                  "ensure migrates it)")
     # A duplicate is a resend of ours only if the message holding the id is ours byte for byte;
     # anyone who may publish facts can send any Nats-Msg-Id.
     if ack.duplicate and not await _holds(js, FACTS_STREAM, ack.seq, ev):
