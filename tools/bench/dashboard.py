@@ -36,7 +36,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import aiohttp
-from benchkit import Envelope, ReplicaRef, pct
+from benchkit import Envelope, ReplicaRef, append_in_order, bulk_append, pct
 
 from controlplane.core.projections import ClusterState
 from controlplane.dashboard import Dashboard
@@ -121,8 +121,7 @@ class History:
 
 
 async def append_all(log: JetStreamEventLog, events: list[E.Event]) -> None:
-    for i in range(0, len(events), 1000):
-        await log.append(events[i:i + 1000], None)
+    await bulk_append(log, events)
 
 
 async def store_snapshots(log: JetStreamEventLog, events: list[E.Event], every: int = SNAPSHOT_EVERY) -> int:
@@ -144,10 +143,15 @@ def appender(url: str, batches: list[list[bytes]], tick: float, conn: Any) -> No
         log = await JetStreamEventLog.open(url, timeout=30, ensure=False)
         sent: list[tuple[int, float]] = []
         start = time.perf_counter()
+        last = await log.last_seq()
         for i, batch in enumerate(batches):
             wall = time.time() * 1000
-            res = await log.append([E.decode_event(b) for b in batch], None)
-            sent += [(s, wall) for s in range(res.first_seq, res.last_seq + 1)]
+            # The controller's events in a batch, each agent's fact alone through NDIF_FACTS (returning
+            # once the log has it): when the tick's appends return, the log holds all of it, after `last`.
+            await append_in_order(log, [E.decode_event(b) for b in batch])
+            now = await log.last_seq()
+            sent += [(s, wall) for s in range(last + 1, now + 1)]
+            last = now
             delay = start + (i + 1) * tick - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)

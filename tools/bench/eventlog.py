@@ -27,7 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import nats
-from benchkit import Envelope, ReplicaRef, pct
+from benchkit import Envelope, ReplicaRef, bulk_append, pct
 from nats.aio.msg import Msg
 from nats.js import api
 
@@ -103,7 +103,7 @@ def lifecycle_events(n: int) -> list[E.Event]:
 async def bench_single_writer(log: JetStreamEventLog, decisions: int) -> dict[str, float]:
     rnd = random.Random(1)
     ids = Ids("sw")
-    last = (await log.append(joins(ids), await log.last_seq())).last_seq
+    last = await bulk_append(log, joins(ids))  # the agents' joins: the setup, not a decision
     lat, total, t0 = [], 0, time.perf_counter()
     for _ in range(decisions):
         evs = decision(ids, rnd.randint(1, 5), rnd)
@@ -197,11 +197,7 @@ async def bench_baseline(log: JetStreamEventLog, payloads: list[E.Event]) -> dic
 
 
 async def fill(log: JetStreamEventLog, events: list[E.Event]) -> None:
-    last = await log.last_seq()
-    for i in range(0, len(events), 1000):
-        last = (await log.append(events[i:i + 1000], last)).last_seq
-        if (i // 1000) % 50 == 0:
-            print(f"  filled {i + 1000:>7} / {len(events)} events", file=sys.stderr, flush=True)
+    await bulk_append(log, events, progress=lambda line: print(line, file=sys.stderr, flush=True))
 
 
 async def raw_drain(url: str, last: int) -> float:

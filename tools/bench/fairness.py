@@ -25,6 +25,12 @@ The last line printed is one JSON object:
   light_wait_ratio            their ratio (target <= 2)
   idle_replica_s_with_queue   replica-seconds idle while requests of the model waited (fair rounds, summed)
   fair_throughput_ratio       median over paired rounds of fair req/s over FIFO req/s (target >= 0.95)
+  nats_rtt_p99_ratio          a baseline with none of our queues, measured over the same time as the
+                              light user's requests: NATS round trips from a client process of their own,
+                              p99 under the flood (fair rounds) over idle
+  ray_call_p99_ratio          the same for raw calls of an idle no-op Ray actor, from that process (what
+                              the flood's load on the machine alone does to a call)
+  ray_call_dispatchers_process_p99_ratio   the same calls from the dispatchers' process
 and, for the record, the FIFO rounds' light wait and idle figures, the req/s medians and the flood's
 backlog when the light user finished.
 
@@ -54,6 +60,7 @@ from controlplane.service.logs import configure
 configure("ERROR")
 logging.getLogger("ray").setLevel(logging.ERROR)
 
+import ray  # noqa: E402
 from benchkit import pct, tiny_model_stack  # noqa: E402
 
 from controlplane.core.fairness import FairnessPolicy  # noqa: E402
@@ -176,6 +183,30 @@ class ClientProcess:
             await self.proc.wait()
 
 
+async def nats_probe(log: JetStreamEventLog, n: int, gap_s: float) -> list[float]:
+    """A baseline without any of our queues: `n` round trips to the NATS server itself (JetStream's
+    account info), one every `gap_s`; each one's time."""
+    out = []
+    for _ in range(n):
+        t = time.monotonic()
+        await log.nc.request("$JS.API.INFO", b"", timeout=10)
+        out.append(time.monotonic() - t)
+        await asyncio.sleep(gap_s)
+    return out
+
+
+async def ray_probe(actor: Any, n: int, gap_s: float) -> list[float]:
+    """The other baseline: `n` raw calls of a no-op Ray actor (one of its own, never busy) from this
+    process, where the dispatchers run, one every `gap_s`; each one's time."""
+    out = []
+    for _ in range(n):
+        t = time.monotonic()
+        await actor.ping.remote()
+        out.append(time.monotonic() - t)
+        await asyncio.sleep(gap_s)
+    return out
+
+
 async def client_main(url: str, mk: str, user: str, new_tokens: int) -> None:
     """The `--client` process: one user's Load, driven by JSON lines on stdin."""
     log = await JetStreamEventLog.open(url)
@@ -186,6 +217,7 @@ async def client_main(url: str, mk: str, user: str, new_tokens: int) -> None:
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
     flood: list[str] = []
     sent = 0
+    actor: Any = None
     try:
         while line := await reader.readline():
             cmd = json.loads(line)
@@ -197,6 +229,13 @@ async def client_main(url: str, mk: str, user: str, new_tokens: int) -> None:
                 out["t0"] = time.monotonic()
                 flood = await load.flood(cmd["n"], start=sent)
                 sent += cmd["n"]
+            elif cmd["op"] == "probe":
+                if actor is None:  # this process joins the benchmark's Ray, and calls its probe actor
+                    ray_adapter.join(cmd["ray"])
+                    actor = ray.get_actor("bench-probe")
+                    await actor.ping.remote()  # the first call sets up this process's connection: not timed
+                out["nats"] = await nats_probe(log, cmd["n"], cmd["gap_s"])
+                out["ray"] = await ray_probe(actor, cmd["n"], cmd["gap_s"])
             elif cmd["op"] == "left_at":
                 out["left"] = sum(load.ended.get(r, float("inf")) > cmd["t"] for r in flood)
             elif cmd["op"] == "until_ended":
@@ -209,6 +248,13 @@ async def client_main(url: str, mk: str, user: str, new_tokens: int) -> None:
         for sub in subs:
             await sub.unsubscribe()
         await log.close()
+
+
+class Probe:
+    """A no-op Ray actor of the benchmark's own: the raw-call baseline."""
+
+    def ping(self) -> int:
+        return 0
 
 
 class IdleSampler:
@@ -269,8 +315,21 @@ async def intake(sampler: IdleSampler, n: int) -> float:
     return time.monotonic()
 
 
+async def with_probes(clients: dict[str, ClientProcess], probe: Any, a: argparse.Namespace,
+                      ) -> tuple[list[float], dict[str, list[float]]]:
+    """The light user's requests and, over the same time, the baselines: from a client process of
+    their own NATS round trips then raw Ray calls (`--light` / 2 of each), and raw Ray calls from
+    this process, where the dispatchers run (`--light`), each at `--gap-ms`."""
+    light, other, here = await asyncio.gather(
+        clients["light"].ask({"op": "light", "n": a.light, "gap_s": a.gap_ms / 1000}),
+        clients["probe"].ask({"op": "probe", "n": a.light // 2, "gap_s": a.gap_ms / 1000,
+                              "ray": ray.get_runtime_context().gcs_address}),
+        ray_probe(probe, a.light, a.gap_ms / 1000))
+    return light["waits"], {"nats": other["nats"], "ray": other["ray"], "ray_here": here}
+
+
 async def flood_round(url: str, policy: FairnessPolicy, load: Load, clients: dict[str, ClientProcess], token: str,
-                      a: argparse.Namespace) -> tuple[dict[str, float], list[float]]:
+                      probe: Any, a: argparse.Namespace) -> tuple[dict[str, float], dict[str, list[float]]]:
     ds = await start_dispatchers(url, policy, load, token)
     sampler = IdleSampler(ds, token, a.sample_ms / 1000)
     sampling = asyncio.create_task(sampler.run())
@@ -278,7 +337,7 @@ async def flood_round(url: str, policy: FairnessPolicy, load: Load, clients: dic
         taken = asyncio.create_task(intake(sampler, a.heavy))
         t0 = (await clients["heavy"].ask({"op": "flood", "n": a.heavy}))["t0"]
         published = time.monotonic() - t0
-        light: list[float] = (await clients["light"].ask({"op": "light", "n": a.light, "gap_s": a.gap_ms / 1000}))["waits"]
+        light, probes = await with_probes(clients, probe, a)
         light_done = time.monotonic()
         intake_s = await taken - t0
         left = (await clients["heavy"].ask({"op": "left_at", "t": light_done}))["left"]
@@ -288,8 +347,11 @@ async def flood_round(url: str, policy: FairnessPolicy, load: Load, clients: dic
         sampling.cancel()
         await stop_dispatchers(ds)
     return {"rps": (a.heavy + a.light) / (t1 - t0), "light_p99_s": pct(light, 99), "light_p50_s": pct(light, 50),
+            "nats_p99_s": pct(probes["nats"], 99), "ray_p99_s": pct(probes["ray"], 99),
+            "ray_here_p99_s": pct(probes["ray_here"], 99),
             "light_first_s": light[0], "light_rest_max_s": max(light[1:], default=0.0), "idle_replica_s": sampler.idle_s,
-            "heavy_left_when_light_done": left, "flood_s": t1 - t0, "published_s": published, "intake_s": intake_s}, light
+            "heavy_left_when_light_done": left, "flood_s": t1 - t0, "published_s": published, "intake_s": intake_s}, \
+        {"light": light, **probes}
 
 
 async def main(a: argparse.Namespace) -> dict[str, float]:
@@ -307,24 +369,35 @@ async def main(a: argparse.Namespace) -> dict[str, float]:
             await admin.wait(await admin.deploy(ckpt, REPLICAS), timeout=120)
             load = Load(log, mk, a.new_tokens, users=("warm",))  # the dispatchers' warm-up, from this process
             subs = await load.listen()
-            clients = {u: await ClientProcess(url, mk, u, a.new_tokens).start() for u in ("light", "heavy")}
+            clients = {u: await ClientProcess(url, mk, u, a.new_tokens).start() for u in ("light", "heavy", "probe")}
+            probe: Any = ray.remote(num_cpus=0)(Probe).options(name="bench-probe").remote()
+            await probe.ping.remote()
             try:
                 ds = await start_dispatchers(url, fair, load, token)
                 try:
-                    idle: list[float] = (await clients["light"].ask(
-                        {"op": "light", "n": a.light, "gap_s": a.gap_ms / 1000}))["waits"]
+                    idle, idle_probes = await with_probes(clients, probe, a)
                 finally:
                     await stop_dispatchers(ds)
                 print(f"(idle) light user alone: wait p50 {pct(idle, 50) * 1000:.1f} ms, p99 "
-                      f"{pct(idle, 99) * 1000:.1f} ms ({a.light} requests)", flush=True)
+                      f"{pct(idle, 99) * 1000:.1f} ms ({a.light} requests); the baselines meanwhile: NATS round "
+                      f"trip p50 {pct(idle_probes['nats'], 50) * 1000:.2f} / p99 {pct(idle_probes['nats'], 99) * 1000:.2f} ms, "
+                      f"raw Ray call p50 {pct(idle_probes['ray'], 50) * 1000:.2f} / p99 "
+                      f"{pct(idle_probes['ray'], 99) * 1000:.2f} ms (from the dispatchers' process p50 "
+                      f"{pct(idle_probes['ray_here'], 50) * 1000:.2f} / p99 {pct(idle_probes['ray_here'], 99) * 1000:.2f} "
+                      "ms)", flush=True)
                 rounds: list[tuple[dict[str, float], dict[str, float]]] = []
                 waits: dict[str, list[float]] = {"fair": [], "fifo": []}  # the light user's, every round
+                base: dict[str, list[float]] = {k: [] for k in idle_probes}  # the baselines, the fair rounds
                 for r in range(a.rounds):
                     got = {}
                     # Alternate which goes first: the VM's speed drifts, a pair's ratio less so.
                     for name in (("fair", "fifo") if r % 2 == 0 else ("fifo", "fair")):
-                        got[name], w = await flood_round(url, fair if name == "fair" else fifo, load, clients, token, a)
-                        waits[name] += w
+                        got[name], w = await flood_round(url, fair if name == "fair" else fifo, load, clients, token,
+                                                         probe, a)
+                        waits[name] += w["light"]
+                        if name == "fair":
+                            for k in base:
+                                base[k] += w[k]
                         g = got[name]
                         print(f"(flood) round {r + 1} {name}: {g['rps']:.0f} req/s, light wait p50 "
                               f"{g['light_p50_s'] * 1000:.1f} ms / p99 {g['light_p99_s'] * 1000:.1f} ms (the first "
@@ -332,7 +405,9 @@ async def main(a: argparse.Namespace) -> dict[str, float]:
                               f"{g['light_rest_max_s'] * 1000:.1f} ms); the flood stored in {g['published_s'] * 1000:.0f} ms, all "
                               f"taken by the dispatchers {g['intake_s'] * 1000:.0f} ms after its first publish; flood "
                               f"left when the light user finished {g['heavy_left_when_light_done']:.0f}, idle "
-                              f"replica-s with a queue {g['idle_replica_s']:.3f}", flush=True)
+                              f"replica-s with a queue {g['idle_replica_s']:.3f}; meanwhile NATS round trip p99 "
+                              f"{g['nats_p99_s'] * 1000:.2f} ms, raw Ray call p99 {g['ray_p99_s'] * 1000:.2f} ms "
+                              f"(from the dispatchers' process {g['ray_here_p99_s'] * 1000:.2f} ms)", flush=True)
                     rounds.append((got["fair"], got["fifo"]))
             finally:
                 for c in clients.values():
@@ -348,6 +423,10 @@ async def main(a: argparse.Namespace) -> dict[str, float]:
     out["light_user_wait_p99_s"] = pct(waits["fair"], 99)
     out["idle_light_user_wait_p99_s"] = pct(idle, 99)
     out["light_wait_ratio"] = out["light_user_wait_p99_s"] / out["idle_light_user_wait_p99_s"]
+    # What the machine alone does to a round trip under the same flood (no queue of ours on the way).
+    out["nats_rtt_p99_ratio"] = pct(base["nats"], 99) / pct(idle_probes["nats"], 99)
+    out["ray_call_p99_ratio"] = pct(base["ray"], 99) / pct(idle_probes["ray"], 99)
+    out["ray_call_dispatchers_process_p99_ratio"] = pct(base["ray_here"], 99) / pct(idle_probes["ray_here"], 99)
     out["idle_replica_s_with_queue"] = sum(f["idle_replica_s"] for f, _ in rounds)
     out["fair_throughput_ratio"] = statistics.median(f["rps"] / g["rps"] for f, g in rounds)
     out["fair_rps"] = statistics.median(f["rps"] for f, _ in rounds)

@@ -43,7 +43,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchkit import Envelope, ReplicaRef, pct
+from benchkit import Envelope, ReplicaRef, bulk_append, pct
 
 from controlplane.core.projections import encode_snapshot
 from controlplane.core.projections.snapshot import parse_name
@@ -183,19 +183,15 @@ class History:
 
 
 async def fill(log: JetStreamEventLog, h: History, upto: int, pending: list[E.Event]) -> list[E.Event]:
-    """Append whole decisions until the log holds exactly `upto` events; returns the rest of the last one."""
+    """Append whole decisions until the log holds exactly `upto` events; returns the rest of the last one.
+    A setup, not what is measured: stored in atomic batches however many facts it holds (`bulk_append`)."""
     last = await log.last_seq()
-    t0, mark = time.perf_counter(), last
-    while last < upto:
-        batch = pending
-        while len(batch) < E.MAX_BATCH:
-            batch += h.step()
-        want = min(E.MAX_BATCH, upto - last)
-        batch, pending = batch[:want], batch[want:]
-        last = (await log.append(batch, None)).last_seq
-        if last - mark >= 50_000 or last >= upto:
-            log_progress(f"  appended {last:>9,} events ({(last - mark) / (time.perf_counter() - t0):,.0f}/s)")
-            t0, mark = time.perf_counter(), last
+    batch = pending
+    while len(batch) < upto - last:
+        batch += h.step()
+    batch, pending = batch[:upto - last], batch[upto - last:]
+    if batch:
+        await bulk_append(log, batch, progress=log_progress)
     return pending
 
 
@@ -402,7 +398,7 @@ async def main() -> None:
         log = await JetStreamEventLog.open(srv.url, timeout=30)
         h = History()
         t_fill = time.perf_counter()
-        await log.append(h.setup(), None)
+        await bulk_append(log, h.setup())
         pending: list[E.Event] = []
         points: dict[int, dict[str, Any]] = {}
         tail = a.snapshot_every // 2  # the average tail: held equal at both points, so they compare
