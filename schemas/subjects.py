@@ -36,7 +36,16 @@ STATUS_PREFIX = "ndif.status"
 REPLICA_CALLS_PREFIX = "ndif.run"
 REPLICA_LOGS_PREFIX = "ndif.logs"  # request/reply: a replica's recent log lines, from its node's agent (admin only)
 DISPATCHER_STATE = "ndif.dispatcher.state"  # request/reply: the dispatcher's queue view
-REQUEST_CONSUMER_PREFIX = "proc-"  # + <mtok>: a model's durable consumer on the request stream
+REQUEST_CONSUMER_PREFIX = "proc-"  # + <mtok>[-p<k>]: a model's durable consumers on the request stream
+# A user's request `ndif.req.<mtok>.<user>` is stored as `ndif.req.<mtok>.<user>.<k>`, k the user's
+# partition (the stream's subject transform: FNV-1a of the user token, mod REQUEST_PARTITIONS), and
+# each partition of a model has a durable consumer of its own (`proc-<mtok>-p<k>`): a request is
+# read without reading first the requests stored before it by users of other partitions
+# (docs/architecture.md decision 49). `proc-<mtok>` takes userless requests (an open server) and
+# those stored before the transform. Changing the count remaps users: it is fixed.
+REQUEST_PARTITIONS = 16
+REQUESTS_TRANSFORM_SRC = f"{REQUESTS_PREFIX}.*.*"
+REQUESTS_TRANSFORM_DEST = f"{REQUESTS_PREFIX}.{{{{wildcard(1)}}}}.{{{{wildcard(2)}}}}.{{{{partition({REQUEST_PARTITIONS},2)}}}}"
 DISPATCHER_KILL = "ndif.dispatcher.kill"  # an admin's kill of a request; `.<user>`: a user's own
 # Queue figures (schemas/autoscale.py QueueFigures), core NATS, not stored: each dispatcher publishes
 # every model's on `ndif.figures.<mtok>` once a second; controllers sum them per model.
@@ -174,19 +183,53 @@ def request_subject(model_key: str, user: str = "") -> str:
     return f"{REQUESTS_PREFIX}.{tok}.{user}" if user else f"{REQUESTS_PREFIX}.{tok}"
 
 
-def request_consumer(model_tok: str) -> str:
-    """The durable consumer that holds a model's requests (`proc-<mtok>`)."""
-    return f"{REQUEST_CONSUMER_PREFIX}{model_tok}"
+def request_consumer(model_tok: str, partition: int | None = None) -> str:
+    """A durable consumer of a model's requests: `proc-<mtok>-p<k>` for partition k, `proc-<mtok>`
+    for the userless ones and those stored unpartitioned."""
+    base = f"{REQUEST_CONSUMER_PREFIX}{model_tok}"
+    return base if partition is None else f"{base}-p{partition}"
+
+
+_PARTITION_SUFFIX = re.compile(r"-p[0-9]{1,3}$")
 
 
 def request_consumer_token(name: str) -> str | None:
-    """The model token of a request consumer's name; None for any other consumer."""
-    return name[len(REQUEST_CONSUMER_PREFIX):] if name.startswith(REQUEST_CONSUMER_PREFIX) else None
+    """The model token of a request consumer's name; None for any other consumer. (A token ends in
+    hex, so a `-p<k>` suffix is never part of one.)"""
+    if not name.startswith(REQUEST_CONSUMER_PREFIX):
+        return None
+    return _PARTITION_SUFFIX.sub("", name[len(REQUEST_CONSUMER_PREFIX):])
+
+
+def request_consumers(model_tok: str) -> dict[str, list[str]]:
+    """Every durable consumer of one model's requests, name -> its filter subjects: the userless and
+    unpartitioned ones first, then each partition's. Their filters do not overlap (a work queue's may not)."""
+    out = {request_consumer(model_tok): [f"{REQUESTS_PREFIX}.{model_tok}", f"{REQUESTS_PREFIX}.{model_tok}.*"]}
+    for k in range(REQUEST_PARTITIONS):
+        out[request_consumer(model_tok, k)] = [f"{REQUESTS_PREFIX}.{model_tok}.*.{k}"]
+    return out
 
 
 def request_filters(model_tok: str) -> list[str]:
-    """The subjects of one model's requests, by its token: userless (an open server), then every user's."""
-    return [f"{REQUESTS_PREFIX}.{model_tok}", f"{REQUESTS_PREFIX}.{model_tok}.*"]
+    """The subjects of one model's stored requests, by its token: userless (an open server), then
+    every user's, partitioned or not (reads by subject, no consumer)."""
+    return [f"{REQUESTS_PREFIX}.{model_tok}", f"{REQUESTS_PREFIX}.{model_tok}.>"]
+
+
+@functools.lru_cache(maxsize=4096)
+def request_partition(user: str) -> int:
+    """The partition the request stream's subject transform gives `user` (nats-server's
+    `partition()`: FNV-1a 32 of the token, mod REQUEST_PARTITIONS)."""
+    h = 0x811C9DC5
+    for b in user.encode():
+        h = ((h ^ b) * 0x01000193) & 0xFFFFFFFF
+    return h % REQUEST_PARTITIONS
+
+
+def stored_request_subject(subject: str) -> str:
+    """The subject the request stream stores a request published on `subject` under (the transform)."""
+    parts = subject.split(".")
+    return f"{subject}.{request_partition(parts[3])}" if len(parts) == 4 else subject
 
 
 def user_requests(user: str) -> str:
@@ -216,7 +259,8 @@ def subject_matches(subject: str, pattern: str) -> bool:
 
 
 def request_subject_parts(subject: str) -> tuple[str, str]:
-    """(model token, user) of a request subject (user "" for the userless form)."""
+    """(model token, user) of a request subject, as published or as stored (`.<partition>` last;
+    user "" for the userless form)."""
     parts = subject.split(".")
     return (parts[2] if len(parts) > 2 else ""), (parts[3] if len(parts) > 3 else "")
 

@@ -336,8 +336,9 @@ class Dashboard:
                 listed += len(page)
                 for info in page:
                     token = request_consumer_token(info.name or "")
-                    if token is not None:
-                        pending[token] = (info.num_pending or 0, info.num_ack_pending or 0)
+                    if token is not None:  # a model's consumers (its user partitions'), summed
+                        n, a = pending.get(token, (0, 0))
+                        pending[token] = (n + (info.num_pending or 0), a + (info.num_ack_pending or 0))
                 if len(page) < 256:
                     break
         for mk in self.model.live.models:

@@ -593,3 +593,13 @@ def serve_shutdown() -> None:
     from ray import serve
 
     serve.shutdown()  # type: ignore[no-untyped-call]
+
+
+def plain_actor(cls: type, *, name: str) -> Any:
+    """A plain named actor of `cls` (no CPU reserved): a benchmark's raw-call baseline
+    (tools/bench/fairness.py). `named_actor(name)` finds it from another process of the cluster."""
+    return ray.remote(num_cpus=0)(cls).options(name=name, namespace=NAMESPACE).remote()  # type: ignore[attr-defined]
+
+
+def named_actor(name: str) -> Any | None:
+    return _get_named(name)

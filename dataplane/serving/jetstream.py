@@ -5,6 +5,7 @@ Object Store buckets of large results, and commands to the controller over the s
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable
 
@@ -33,9 +34,8 @@ from schemas.subjects import (
     REQUESTS_ALL,
     REQUESTS_STREAM,
     RESULTS_BUCKET,
-    request_consumer,
     request_consumer_token,
-    request_filters,
+    request_consumers,
     results_bucket,
 )
 
@@ -84,16 +84,30 @@ class JetStreamRequests:
                 raise
 
     async def consume(self, token: str, on_delivery: OnDelivery, hold: Callable[[], bool]) -> None:
-        durable = request_consumer(token)
-        # A user's requests (`ndif.req.<mtok>.<user>`) and userless ones (an open server).
-        filters = request_filters(token)
+        """The model's durable consumers (`proc-<mtok>` and one per user partition), made or
+        corrected here, pulled at once: one partition's burst is not read ahead of another's
+        requests. Ends (raises) when any of them is lost; the caller makes them again."""
+
+        async def on_msg(m: Msg) -> None:
+            await on_delivery(m, int(m.metadata.num_delivered) if m.metadata else 1)
+
+        pulls = []
+        for durable, filters in request_consumers(token).items():
+            await self._ensure_consumer(durable, filters)
+            # `hold` is looked at again every heartbeat of the pull.
+            pulls.append(PullConsumer(self.nc, REQUESTS_STREAM, durable, on_msg, batch=self.fetch_batch, hold=hold))
+        async with asyncio.TaskGroup() as tg:
+            for pull in pulls:
+                tg.create_task(pull.run(), name=f"pull-{pull.api.rsplit('.', 1)[-1]}")
+
+    async def _ensure_consumer(self, durable: str, filters: list[str]) -> None:
         cfg = api.ConsumerConfig(durable_name=durable, filter_subjects=filters,
                                  ack_policy=api.AckPolicy.EXPLICIT, ack_wait=self.ack_wait_s,
                                  max_deliver=REQUEST_MAX_DELIVER, max_ack_pending=100_000,
                                  deliver_policy=api.DeliverPolicy.ALL)
         try:
             have = await self.js.consumer_info(REQUESTS_STREAM, durable)
-            if (sorted(have.config.filter_subjects or [have.config.filter_subject or ""]) != filters
+            if (sorted(have.config.filter_subjects or [have.config.filter_subject or ""]) != sorted(filters)
                     or (have.config.ack_wait is not None and abs(have.config.ack_wait - self.ack_wait_s) > 0.01)
                     or have.config.max_deliver != REQUEST_MAX_DELIVER):  # an older version's (unbounded)
                 await self.js.add_consumer(REQUESTS_STREAM, cfg)  # made by an older version or another ack wait
@@ -101,25 +115,23 @@ class JetStreamRequests:
             with contextlib.suppress(nats.js.errors.BadRequestError):  # made by a peer meanwhile
                 await self.js.add_consumer(REQUESTS_STREAM, cfg)
 
-        async def on_msg(m: Msg) -> None:
-            await on_delivery(m, int(m.metadata.num_delivered) if m.metadata else 1)
-
-        # `hold` is looked at again every heartbeat of the pull.
-        await PullConsumer(self.nc, REQUESTS_STREAM, durable, on_msg, batch=self.fetch_batch, hold=hold).run()
-
     async def consumer_tokens(self) -> list[str]:
-        tokens = []
+        tokens: dict[str, None] = {}
         for info in await self.js.consumers_info(REQUESTS_STREAM):
             token = request_consumer_token(info.name or "")
             if token is not None:
-                tokens.append(token)
-        return tokens
+                tokens[token] = None
+        return list(tokens)
 
     async def delete_consumer(self, token: str) -> bool:
-        try:
-            return bool(await self.js.delete_consumer(REQUESTS_STREAM, request_consumer(token)))
-        except nats.js.errors.NotFoundError:
-            return False
+        """Delete every durable consumer of the model; whether there was any."""
+        deleted = False
+        for durable in request_consumers(token):
+            try:
+                deleted = bool(await self.js.delete_consumer(REQUESTS_STREAM, durable)) or deleted
+            except nats.js.errors.NotFoundError:
+                pass
+        return deleted
 
 
 class JetStreamStatusKV:

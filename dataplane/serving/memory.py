@@ -9,11 +9,18 @@ expires. Acks published on a delivery's reply subject count, as on NATS.
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections.abc import Awaitable, Callable
 
 from dataplane.serving.ports import Deploy, OnDelivery, RevisionMoved, ServingPorts, StoredRequest
 from schemas.requests import Request, StatusUpdate, encode_request, status_decoder
-from schemas.subjects import request_filters, request_subject, status_key, subject_matches
+from schemas.subjects import (
+    request_consumers,
+    request_subject,
+    status_key,
+    stored_request_subject,
+    subject_matches,
+)
 
 _ACK_PREFIX = "$MEM.ACK."
 _POLL_S = 0.05  # a consumer that holds (`hold()` True) looks again this often
@@ -57,7 +64,8 @@ class MemoryRequests:
     async def put(self, subject: str, data: bytes, headers: dict[str, str] | None = None) -> int:
         """Store a request as a client's publish would; its sequence."""
         self._seq += 1
-        self.stored[self._seq] = StoredRequest(seq=self._seq, subject=subject, data=data, headers=headers)
+        self.stored[self._seq] = StoredRequest(seq=self._seq, subject=stored_request_subject(subject), data=data,
+                                               headers=headers)
         self._changed.set()
         for on_subject in list(self._watchers):
             await on_subject(subject)
@@ -90,14 +98,25 @@ class MemoryRequests:
 
     async def consume(self, token: str, on_delivery: OnDelivery, hold: Callable[[], bool]) -> None:
         delivered = self._consumers.setdefault(token, set())
-        filters = request_filters(token)
+        filters = request_consumers(token)
         while True:
             self._changed.clear()
+            # Each consumer (a user partition, or the userless one) in stream order; the
+            # consumers' requests interleaved, as their pulls run side by side on NATS.
+            lanes: dict[str, list[int]] = {}
             for seq in sorted(self.stored):
+                subject = self.stored[seq].subject
+                if seq in delivered:
+                    continue
+                name = next((n for n, fs in filters.items() if any(subject_matches(subject, f) for f in fs)), None)
+                if name is not None:
+                    lanes.setdefault(name, []).append(seq)
+            order = [seq for row in itertools.zip_longest(*lanes.values()) for seq in row if seq is not None]
+            for seq in order:
                 if hold():
                     break
                 stored = self.stored.get(seq)
-                if stored is None or seq in delivered or not any(subject_matches(stored.subject, f) for f in filters):
+                if stored is None or seq in delivered:
                     continue
                 delivered.add(seq)
                 await on_delivery(MemoryDelivery(self, stored), 1)

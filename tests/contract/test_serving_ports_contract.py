@@ -16,7 +16,14 @@ from dataplane.serving.jetstream import JetStreamRequests, JetStreamResults, Jet
 from dataplane.serving.memory import MemoryServing
 from dataplane.serving.ports import Delivery, RequestStream, ResultStores, RevisionMoved, StatusKV
 from schemas.commands import CommandResult
-from schemas.subjects import REQUEST_STATUS_BUCKET, RESULTS_BUCKET, model_token, request_consumer
+from schemas.subjects import (
+    REQUEST_STATUS_BUCKET,
+    RESULTS_BUCKET,
+    model_token,
+    request_consumer,
+    request_partition,
+    stored_request_subject,
+)
 from tests.conftest import fresh_event_log
 from tests.waiting import until
 
@@ -108,15 +115,18 @@ async def test_stored_requests_are_read_by_subject_and_deleted(impl: Impl) -> No
     finally:
         await stop()
     assert seen == [f"ndif.req.{tok}.alice", f"ndif.req.{tok}", f"ndif.req.{tok}.alice"]
-    assert set(await impl.requests.stored_subjects()) >= {f"ndif.req.{tok}.alice", f"ndif.req.{tok}"}
-    first = await impl.requests.next_stored(f"ndif.req.{tok}.*", 0)
-    assert first is not None and (first.subject, first.data) == (f"ndif.req.{tok}.alice", b"a1")
-    second = await impl.requests.next_stored(f"ndif.req.{tok}.*", first.seq)
+    # A user's request is stored under the user's partition (the stream's subject transform).
+    alice = f"ndif.req.{tok}.alice.{request_partition('alice')}"
+    assert alice == stored_request_subject(f"ndif.req.{tok}.alice")
+    assert set(await impl.requests.stored_subjects()) >= {alice, f"ndif.req.{tok}"}
+    first = await impl.requests.next_stored(f"ndif.req.{tok}.>", 0)
+    assert first is not None and (first.subject, first.data) == (alice, b"a1")
+    second = await impl.requests.next_stored(f"ndif.req.{tok}.>", first.seq)
     assert second is not None and second.data == b"a2" and second.seq > first.seq
-    assert await impl.requests.next_stored(f"ndif.req.{tok}.*", second.seq) is None
+    assert await impl.requests.next_stored(f"ndif.req.{tok}.>", second.seq) is None
     await impl.requests.delete(first.seq)
     await impl.requests.delete(first.seq)  # gone already: nothing
-    again = await impl.requests.next_stored(f"ndif.req.{tok}.*", 0)
+    again = await impl.requests.next_stored(f"ndif.req.{tok}.>", 0)
     assert again is not None and again.seq == second.seq
 
 
@@ -133,7 +143,7 @@ async def test_a_models_consumer_delivers_its_requests_and_an_ack_takes_one_out(
     task = asyncio.create_task(impl.requests.consume(tok, on_delivery, hold=lambda: False))
     try:
         await until(lambda: len(got) == 2, timeout=10)
-        assert [(m.data, a) for m, a in got] == [(b"1", 1), (b"2", 1)]  # its own only, in order, first delivery
+        assert sorted((m.data, a) for m, a in got) == [(b"1", 1), (b"2", 1)]  # its own only, first delivery
         assert tok in await impl.requests.consumer_tokens()
         for m, _ in got:
             await m.ack()
@@ -148,3 +158,42 @@ async def test_a_models_consumer_delivers_its_requests_and_an_ack_takes_one_out(
     assert await impl.requests.delete_consumer(tok) is True
     assert await impl.requests.delete_consumer(tok) is False
     assert request_consumer(tok) and tok not in await impl.requests.consumer_tokens()
+
+
+async def test_a_users_request_is_not_read_after_a_burst_stored_before_it_by_another_partition(impl: Impl) -> None:
+    """A request stored behind another user's burst reaches the dispatcher before the burst has been
+    read (each user partition has a consumer of its own); each user's own requests come in order."""
+    tok = model_token(f"m-{uuid.uuid4().hex[:6]}")
+    heavy, light = "heavy", next(u for u in (f"u{i}" for i in range(100))
+                                 if request_partition(u) != request_partition("heavy"))
+    burst = 400
+    for i in range(burst):
+        await impl.publish_request(f"ndif.req.{tok}.{heavy}", b"h%d" % i)
+    await impl.publish_request(f"ndif.req.{tok}.{light}", b"light")
+    got: list[bytes] = []
+
+    async def on_delivery(m: Delivery, attempt: int) -> None:
+        got.append(m.data)
+        await m.ack()
+
+    task = asyncio.create_task(impl.requests.consume(tok, on_delivery, hold=lambda: False))
+    try:
+        await until(lambda: len(got) == burst + 1, timeout=30)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await impl.requests.delete_consumer(tok)
+    # One pull of the burst's partition (8 here) may come first; never the whole burst.
+    assert got.index(b"light") <= burst // 4, got.index(b"light")
+    assert [g for g in got if g != b"light"] == [b"h%d" % i for i in range(burst)]
+
+
+async def test_the_stream_stores_each_user_under_the_partition_the_code_computes(impl: Impl) -> None:
+    """`request_partition` is what nats-server's `partition()` transform gives (FNV-1a, mod 16): the
+    docs and `nats` CLI users find a user's consumer by it."""
+    tok = model_token(f"m-{uuid.uuid4().hex[:6]}")
+    users = ["alice", "bob", "light", "heavy", "u_1", "team-7", "X" * 40]
+    for u in users:
+        await impl.publish_request(f"ndif.req.{tok}.{u}", b"x")
+    stored = set(await impl.requests.stored_subjects())
+    assert {f"ndif.req.{tok}.{u}.{request_partition(u)}" for u in users} <= stored

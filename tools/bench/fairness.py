@@ -60,7 +60,6 @@ from controlplane.service.logs import configure
 configure("ERROR")
 logging.getLogger("ray").setLevel(logging.ERROR)
 
-import ray  # noqa: E402
 from benchkit import pct, tiny_model_stack  # noqa: E402
 
 from controlplane.core.fairness import FairnessPolicy  # noqa: E402
@@ -232,7 +231,7 @@ async def client_main(url: str, mk: str, user: str, new_tokens: int) -> None:
             elif cmd["op"] == "probe":
                 if actor is None:  # this process joins the benchmark's Ray, and calls its probe actor
                     ray_adapter.join(cmd["ray"])
-                    actor = ray.get_actor("bench-probe")
+                    actor = ray_adapter.named_actor("bench-probe")
                     await actor.ping.remote()  # the first call sets up this process's connection: not timed
                 out["nats"] = await nats_probe(log, cmd["n"], cmd["gap_s"])
                 out["ray"] = await ray_probe(actor, cmd["n"], cmd["gap_s"])
@@ -323,7 +322,7 @@ async def with_probes(clients: dict[str, ClientProcess], probe: Any, a: argparse
     light, other, here = await asyncio.gather(
         clients["light"].ask({"op": "light", "n": a.light, "gap_s": a.gap_ms / 1000}),
         clients["probe"].ask({"op": "probe", "n": a.light // 2, "gap_s": a.gap_ms / 1000,
-                              "ray": ray.get_runtime_context().gcs_address}),
+                              "ray": ray_adapter.gcs_address()}),
         ray_probe(probe, a.light, a.gap_ms / 1000))
     return light["waits"], {"nats": other["nats"], "ray": other["ray"], "ray_here": here}
 
@@ -370,7 +369,7 @@ async def main(a: argparse.Namespace) -> dict[str, float]:
             load = Load(log, mk, a.new_tokens, users=("warm",))  # the dispatchers' warm-up, from this process
             subs = await load.listen()
             clients = {u: await ClientProcess(url, mk, u, a.new_tokens).start() for u in ("light", "heavy", "probe")}
-            probe: Any = ray.remote(num_cpus=0)(Probe).options(name="bench-probe").remote()
+            probe: Any = ray_adapter.plain_actor(Probe, name="bench-probe")
             await probe.ping.remote()
             try:
                 ds = await start_dispatchers(url, fair, load, token)

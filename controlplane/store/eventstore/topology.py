@@ -30,6 +30,8 @@ from schemas.subjects import (
     REQUEST_STATUS_BUCKET,
     REQUESTS_ALL,
     REQUESTS_STREAM,
+    REQUESTS_TRANSFORM_DEST,
+    REQUESTS_TRANSFORM_SRC,
     RESULTS_BUCKET,
     SNAPSHOTS_BUCKET,
     STATUS_PREFIX,
@@ -77,7 +79,10 @@ async def ensure(js: JetStreamContext, *, replicas: int, may_create: bool, start
         name=REQUESTS_STREAM, subjects=[REQUESTS_ALL], retention=api.RetentionPolicy.WORK_QUEUE,
         storage=api.StorageType.FILE, num_replicas=replicas, duplicate_window=DUPLICATE_WINDOW_S,
         max_msg_size=REQUEST_MAX_MSG_BYTES,
-        description="ndif user requests, one durable consumer per model subject",
+        # A user's request is stored under its partition (`ndif.req.<mtok>.<user>.<k>`), which has a
+        # consumer of its own: no user's request is read after a burst of another partition's.
+        subject_transform=api.SubjectTransform(src=REQUESTS_TRANSFORM_SRC, dest=REQUESTS_TRANSFORM_DEST),
+        description="ndif user requests, durable consumers per model and user partition (decision 49)",
     ))
     # Direct gets: a node's agent reads its own key's last heartbeat with one (the key is in the
     # API subject, so its permission is that key only).
@@ -208,6 +213,7 @@ async def ensure_stream(js: JetStreamContext, cfg: api.StreamConfig) -> None:
     if (sorted(have.subjects or []) != sorted(cfg.subjects or []) or have.retention != cfg.retention
             or any(bool(getattr(have, f)) != bool(getattr(cfg, f)) for f in flags)
             or _sources(have) != _sources(cfg)  # a log made before the facts stream
+            or _transform(have) != _transform(cfg)  # a request stream made before its partitions
             or (cfg.max_age or 0) != (have.max_age or 0) or (cfg.max_bytes or -1) != (have.max_bytes or -1)
             or (cfg.max_msg_size or -1) != (have.max_msg_size or -1)):  # a stream made without the limit
         cfg = dataclasses.replace(cfg, num_replicas=have.num_replicas)  # an update never changes the copies
@@ -217,6 +223,11 @@ async def ensure_stream(js: JetStreamContext, cfg: api.StreamConfig) -> None:
 
 def _sources(cfg: api.StreamConfig) -> list[str]:
     return sorted(src.name for src in cfg.sources or [])
+
+
+def _transform(cfg: api.StreamConfig) -> tuple[str | None, str | None] | None:
+    t = cfg.subject_transform
+    return None if t is None else (t.src, t.dest)
 
 
 async def _ensure_bucket(js: JetStreamContext, create: Any, bind: Any, bucket: str, cfg: Any) -> None:
