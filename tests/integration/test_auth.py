@@ -46,6 +46,7 @@ from schemas.subjects import (
     results_bucket,
     status_key,
     status_subject,
+    stored_request_subject,
     user_statuses,
 )
 from tests.integration.conftest import NODE_A, NODE_B
@@ -344,8 +345,9 @@ async def test_no_client_can_take_anothers_request_id_first(streams: str, auth: 
         assert not await mallory.can_publish(request_subject(model, "bob"), squat)  # nor under bob's name
 
         async def stored(user: str) -> int:
-            info = await admin.jetstream().stream_info(REQUESTS_STREAM, subjects_filter=request_subject(model, user))
-            return int((info.state.subjects or {}).get(request_subject(model, user), 0))
+            subject = stored_request_subject(request_subject(model, user))  # under the user's partition
+            info = await admin.jetstream().stream_info(REQUESTS_STREAM, subjects_filter=subject)
+            return int((info.state.subjects or {}).get(subject, 0))
 
         async with Client(streams, creds=auth.role("client:bob")) as bob:
             job = await bob.submit(model, {"op": "forward", "input_ids": [[1]]}, request_id=rid)
@@ -354,7 +356,7 @@ async def test_no_client_can_take_anothers_request_id_first(streams: str, auth: 
             job = await bob.submit(model, {"op": "forward", "input_ids": [[1]]}, request_id=rid)  # his own resend
             await job.close()
             assert await stored("bob") == 1  # ... is still stored once
-        raw = await admin.jetstream().get_last_msg(REQUESTS_STREAM, request_subject(model, "bob"))
+        raw = await admin.jetstream().get_last_msg(REQUESTS_STREAM, stored_request_subject(request_subject(model, "bob")))
         assert msgspec.json.decode(raw.data)["request_id"] == rid
     finally:
         await mallory.close()

@@ -37,7 +37,7 @@ from schemas.events import ModelRegistered
 from schemas.keys import canonical_model_key
 from schemas.requests import MAX_REQUEST_BYTES, status_decoder
 from schemas.status import RequestStatus
-from schemas.subjects import REQUEST_STATUS_BUCKET, REQUESTS_STREAM, model_token, request_subject
+from schemas.subjects import REQUEST_STATUS_BUCKET, REQUESTS_STREAM, model_token, request_consumers, request_subject
 from tests.conftest import bounded, fresh_event_log
 from tests.integration.cluster import ndif
 
@@ -151,7 +151,7 @@ async def test_consumers_of_models_the_log_does_not_know_are_removed(env: Env) -
         ack_policy=api.AckPolicy.EXPLICIT))
     assert await env.dispatcher.sweep_consumers() == []
     assert await env.dispatcher.sweep_consumers() == ["proc-junk-0123456789"]
-    assert set(await _consumers(env.log)) == before | {f"proc-{tok}"}
+    assert set(await _consumers(env.log)) == before | set(request_consumers(tok))  # and one per user partition
     # The undeploy path: the model's processor stops, its waiting request ends ERROR, the consumer goes.
     assert await env.dispatcher.remove_model(mk, reason="undeployed by test") is True
     u = await _status(env.log, rid)

@@ -58,6 +58,8 @@ from schemas.subjects import (
     node_facts_from,
     node_token,
     request_consumer,
+    request_consumers,
+    request_partition,
     request_subject,
     status_key,
 )
@@ -483,11 +485,12 @@ async def test_poison_requests_end_and_a_request_delivered_too_often_ends_dead_l
     ok = Request(request_id="tired", model_key=model, payload={"op": "forward", "input_ids": [[1]]},
                  submitted_at=datetime.now(UTC))
     await js.publish(request_subject(model, "alice"), encoder.encode(ok), headers={"Nats-Msg-Id": request_msg_id("tired", alice)})
-    cfg = api.ConsumerConfig(durable_name=request_consumer(tok), filter_subjects=sorted([f"ndif.req.{tok}", f"ndif.req.{tok}.*"]),
+    durable = request_consumer(tok, request_partition("alice"))  # alice's partition's, as the dispatcher makes it
+    cfg = api.ConsumerConfig(durable_name=durable, filter_subjects=request_consumers(tok)[durable],
                              ack_policy=api.AckPolicy.EXPLICIT, ack_wait=ack_wait, max_deliver=REQUEST_MAX_DELIVER,
                              max_ack_pending=100_000, deliver_policy=api.DeliverPolicy.ALL)
     await admin_log.js.add_consumer(REQUESTS_STREAM, cfg)
-    sub = await admin_log.js.pull_subscribe_bind(durable=request_consumer(tok), stream=REQUESTS_STREAM)
+    sub = await admin_log.js.pull_subscribe_bind(durable=durable, stream=REQUESTS_STREAM)
     for n in range(1, REQUEST_MAX_DELIVER):
         (m,) = await sub.fetch(1, timeout=5)
         assert m.metadata.num_delivered == n
@@ -499,7 +502,7 @@ async def test_poison_requests_end_and_a_request_delivered_too_often_ends_dead_l
     try:
         u = await kept("tired")
         assert u.error == "DeadLetter" and f"delivered {REQUEST_MAX_DELIVER} times" in u.message, u
-        info = await admin_log.js.consumer_info(REQUESTS_STREAM, request_consumer(tok))
+        info = await admin_log.js.consumer_info(REQUESTS_STREAM, durable)
         assert info.config.max_deliver == REQUEST_MAX_DELIVER
 
         # Poison bodies on alice's own request subject of the (now consumed) model: each ends.

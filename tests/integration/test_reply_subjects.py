@@ -54,6 +54,7 @@ from schemas.subjects import (
     results_bucket,
     status_key,
     status_subject,
+    stored_request_subject,
 )
 from tests.integration.probe import Probe, Spy, raw_connect
 
@@ -167,12 +168,13 @@ async def _kept(url: str, auth: LocalAuth) -> dict[str, tuple[int, int]]:
         js = nc.jetstream()
         out = {}
         for name, stream in KEPT_IN.items():
-            info = await js.stream_info(stream, subjects_filter=TARGETS[name])
+            subject = stored_request_subject(TARGETS[name]) if stream == REQUESTS_STREAM else TARGETS[name]
+            info = await js.stream_info(stream, subjects_filter=subject)
             try:
-                last = int((await js.get_msg(stream, subject=TARGETS[name])).seq or 0)
+                last = int((await js.get_msg(stream, subject=subject)).seq or 0)
             except nats.js.errors.NotFoundError:
                 last = 0
-            out[name] = (int((info.state.subjects or {}).get(TARGETS[name], 0)), last)
+            out[name] = (int((info.state.subjects or {}).get(subject, 0)), last)
         return out
     finally:
         await nc.close()
