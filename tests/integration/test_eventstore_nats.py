@@ -8,6 +8,7 @@ import json
 from datetime import UTC, datetime
 
 import pytest
+from nats.js import api
 from structlog.testing import capture_logs
 
 from controlplane.core.projections import ClusterState, fold
@@ -15,7 +16,15 @@ from controlplane.ops.nats_server import EmbeddedNats
 from controlplane.store.eventstore import JetStreamEventLog, topology
 from schemas.errors import ConflictError, InfrastructureError, InvalidCommand
 from schemas.events import GpuInfo, NodeJoined, encode_event, event_headers, event_subject
-from schemas.subjects import EVENTS_ALL, EVENTS_STREAM, FACTS_STREAM, LOG_SUBJECTS, is_fact_subject, node_subject
+from schemas.subjects import (
+    EVENTS_ALL,
+    EVENTS_STREAM,
+    FACTS_STREAM,
+    LOG_SUBJECTS,
+    REQUESTS_STREAM,
+    is_fact_subject,
+    node_subject,
+)
 from tests.contract.test_eventlog_contract import collect, loads
 from tests.strategies import node_joined, scripted_history
 
@@ -211,6 +220,24 @@ async def test_a_log_made_before_the_facts_stream_is_migrated_by_ensure(tmp_path
             with capture_logs() as logs:
                 await log.ensure()
             assert not [e for e in logs if e["event"] in ("stream_updated", "stream_created")]
+        finally:
+            await log.close()
+
+
+async def test_a_role_that_may_not_migrate_the_log_refuses_to_work_on_it_unmigrated(tmp_path):
+    """The controller, dispatcher and agents check the streams and create nothing: on a log made before
+    the facts stream they stop with what to do, rather than run where an agent's batches reach the
+    log (the attack decision 48 closed)."""
+    with EmbeddedNats(tmp_path / "nats") as srv:
+        log = await JetStreamEventLog.open(srv.url, ensure=False)
+        try:
+            await log.js.add_stream(dataclasses.replace(topology.events_config(1), subjects=[EVENTS_ALL], sources=None))
+            await topology.ensure_stream(log.js, api.StreamConfig(name=REQUESTS_STREAM, subjects=["ndif.req.>"],
+                                                                  retention=api.RetentionPolicy.WORK_QUEUE))
+            with pytest.raises(InfrastructureError, match="ndif up"):
+                await topology.ensure(log.js, replicas=1, may_create=False)
+            await log.ensure()  # an admin's `ndif up`
+            await topology.ensure(log.js, replicas=1, may_create=False)  # then every role starts
         finally:
             await log.close()
 

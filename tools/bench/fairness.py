@@ -3,10 +3,11 @@ requests wait, and the throughput of fair dispatch against FIFO on the same load
 
 One machine: nats-server, local Ray, the controller, a node agent (2 declared cards), 2 replicas of
 a tiny gpt2 (real ModelActors running `forward`), and two dispatchers sharing the model's durable
-consumer (each with its lanes on both replicas, as two dispatcher hosts would). The dispatchers run
-in this process, so a sampler can read their queues and calls; each user's client runs in a process
-of its own (as a researcher's does: the light user's timing never waits on this process's event
-loop, nor on the flood's statuses), publishing as the SDK publishes, on the user's own subject.
+consumers (each with its lanes on both replicas, as two dispatcher hosts would). Each dispatcher
+runs in a process of its own, as `ndif dispatcher` does, and samples its model's processor for this
+one (`--dispatcher`); each user's client runs in a process of its own (`--client`, as a
+researcher's does: the light user's timing never waits on another's event loop, nor on the flood's
+statuses), publishing as the SDK publishes, on the user's own subject.
 
  (idle) the light user alone: `--light` requests, one published every `--gap-ms` (whatever became
         of the earlier ones), each timed from its publish to its terminal status;
@@ -15,9 +16,10 @@ loop, nor on the flood's statuses), publishing as the SDK publishes, on the user
         light user runs the idle phase's pattern while the flood is served; each round's throughput
         is all its requests (the same work under either order) over the time from the first publish
         to the last terminal status.
- Meanwhile a sampler (every `--sample-ms`) adds up replica-seconds a ready replica had no call
- outstanding from either dispatcher while the model had requests waiting: queued at a dispatcher,
- or handed to another replica behind the one it runs.
+ Meanwhile each dispatcher samples its processor every `--sample-ms`; from the two timelines this
+ process adds up replica-seconds a ready replica had no call outstanding from either dispatcher
+ while the model had requests waiting: queued at a dispatcher, or handed to another replica behind
+ the one it runs.
 
 The last line printed is one JSON object:
   light_user_wait_p99_s       the light user's wait p99 under the flood (every fair round's waits)
@@ -30,7 +32,6 @@ The last line printed is one JSON object:
                               p99 under the flood (fair rounds) over idle
   ray_call_p99_ratio          the same for raw calls of an idle no-op Ray actor, from that process (what
                               the flood's load on the machine alone does to a call)
-  ray_call_dispatchers_process_p99_ratio   the same calls from the dispatchers' process
 and, for the record, the FIFO rounds' light wait and idle figures, the req/s medians and the flood's
 backlog when the light user finished.
 
@@ -49,6 +50,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -69,7 +71,6 @@ from controlplane.store.eventstore import JetStreamEventLog  # noqa: E402
 from dataplane.node.agent import NodeAgent, declared_gpus  # noqa: E402
 from dataplane.runtime import ray_adapter  # noqa: E402
 from dataplane.serving.dispatcher import Dispatcher  # noqa: E402
-from dataplane.serving.processor import Processor, idle_replicas_with_queue  # noqa: E402
 from schemas.requests import Request, encoder, status_decoder  # noqa: E402
 from schemas.status import RequestStatus  # noqa: E402
 from schemas.subjects import model_token, request_subject, user_statuses  # noqa: E402
@@ -148,18 +149,18 @@ class Load:
                 await asyncio.sleep(0.05)
 
 
-class ClientProcess:
-    """One user's client in a process of its own (`--client`): commands and answers are JSON lines.
-    Times are `time.monotonic()`, one clock for every process of the machine."""
+class Child:
+    """A process of the benchmark's own (`--client` or `--dispatcher`): commands and answers are JSON
+    lines. Times are `time.monotonic()`, one clock for every process of the machine."""
 
-    def __init__(self, url: str, mk: str, user: str, new_tokens: int) -> None:
-        self.user = user
-        self.args = [sys.executable, __file__, "--client", url, mk, user, str(new_tokens)]
+    def __init__(self, what: str, args: list[str]) -> None:
+        self.what = what
+        self.args = [sys.executable, __file__, *args]
         self.proc: asyncio.subprocess.Process | None = None
 
-    async def start(self) -> ClientProcess:
+    async def start(self) -> Child:
         self.proc = await asyncio.create_subprocess_exec(*self.args, stdin=asyncio.subprocess.PIPE,
-                                                         stdout=asyncio.subprocess.PIPE, limit=2**24)
+                                                         stdout=asyncio.subprocess.PIPE, limit=2**26)
         await self.ask({"op": "ready"})
         return self
 
@@ -169,10 +170,10 @@ class ClientProcess:
         await self.proc.stdin.drain()
         line = await self.proc.stdout.readline()
         if not line:
-            raise RuntimeError(f"the {self.user} client process ended (exit {await self.proc.wait()})")
+            raise RuntimeError(f"the {self.what} process ended (exit {await self.proc.wait()})")
         out: dict[str, Any] = json.loads(line)
         if out.get("failed"):
-            raise RuntimeError(f"{len(out['failed'])} {self.user} requests did not complete, e.g. {out['failed'][0]}")
+            raise RuntimeError(f"{len(out['failed'])} {self.what} requests did not complete, e.g. {out['failed'][0]}")
         return out
 
     async def close(self) -> None:
@@ -180,6 +181,25 @@ class ClientProcess:
             assert self.proc.stdin is not None
             self.proc.stdin.close()
             await self.proc.wait()
+
+
+def client_process(url: str, mk: str, user: str, new_tokens: int) -> Child:
+    """One user's client in a process of its own."""
+    return Child(f"{user} client", ["--client", url, mk, user, str(new_tokens)])
+
+
+async def commands() -> AsyncIterator[dict[str, Any]]:
+    """The JSON-line commands of a child process, from stdin."""
+    reader = asyncio.StreamReader(limit=2**26)
+    loop = asyncio.get_running_loop()
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+    while line := await reader.readline():
+        yield json.loads(line)
+
+
+def answer(out: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(out) + "\n")
+    sys.stdout.flush()
 
 
 async def nats_probe(log: JetStreamEventLog, n: int, gap_s: float) -> list[float]:
@@ -211,15 +231,11 @@ async def client_main(url: str, mk: str, user: str, new_tokens: int) -> None:
     log = await JetStreamEventLog.open(url)
     load = Load(log, mk, new_tokens, users=(user,))
     subs = await load.listen()
-    reader = asyncio.StreamReader()
-    loop = asyncio.get_running_loop()
-    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
     flood: list[str] = []
     sent = 0
     actor: Any = None
     try:
-        while line := await reader.readline():
-            cmd = json.loads(line)
+        async for cmd in commands():
             out: dict[str, Any] = {}
             if cmd["op"] == "light":
                 out["waits"] = await load.light_user(cmd["n"], cmd["gap_s"], start=sent)
@@ -241,8 +257,7 @@ async def client_main(url: str, mk: str, user: str, new_tokens: int) -> None:
                 await load.until_ended(flood, timeout=cmd["timeout_s"])
                 out["t_last"] = max((load.ended[r] for r in flood), default=time.monotonic())
             out["failed"] = list(load.failed.values())[:3]
-            sys.stdout.write(json.dumps(out) + "\n")
-            sys.stdout.flush()
+            answer(out)
     finally:
         for sub in subs:
             await sub.unsubscribe()
@@ -256,101 +271,121 @@ class Probe:
         return 0
 
 
-class IdleSampler:
-    """Replica-seconds a ready replica had no call outstanding from any dispatcher while requests of
-    the model waited (queued at a dispatcher, or handed to another replica behind its running one)."""
+async def dispatcher_main(url: str, name: str, order: str, token: str, gcs: str, sample_ms: float) -> None:
+    """The `--dispatcher` process: one dispatcher as `ndif dispatcher` runs it (its own process, joined
+    to the benchmark's Ray), which samples its model's processor every `sample_ms` for the parent:
+    (time, ready replicas, calls outstanding per replica, queued, requests taken from the stream)."""
+    ray_adapter.join(gcs)
+    d = await Dispatcher.from_url(url, name=name, fairness=FairnessPolicy(order="fifo" if order == "fifo" else "fair")).start()
+    samples: list[list[Any]] = []
 
-    def __init__(self, dispatchers: list[Dispatcher], token: str, every_s: float) -> None:
-        self.dispatchers = dispatchers
-        self.token = token
-        self.every_s = every_s
-        self.idle_s = 0.0
-        self.samples = 0
-
-    def procs(self) -> list[Processor]:
-        return [p for d in self.dispatchers if (p := d.processors.get(self.token)) is not None]
-
-    def idle_now(self) -> int:
-        return idle_replicas_with_queue(self.procs())
-
-    async def run(self) -> None:
-        last = time.monotonic()
-        idle = self.idle_now()
+    async def sample() -> None:
         while True:
-            await asyncio.sleep(self.every_s)
-            now = time.monotonic()
-            self.idle_s += idle * (now - last)
-            self.samples += 1
-            last, idle = now, self.idle_now()
+            p = d.processors.get(token)
+            if p is not None:
+                samples.append([time.monotonic(), sorted(p.ready), {str(r): len(c) for r, c in p.in_flight.items()},
+                                len(p.queue), len(p.queue) + p.running() + p.completed + p.errors])
+            await asyncio.sleep(sample_ms / 1000)
+
+    sampling = asyncio.create_task(sample())
+    try:
+        async for cmd in commands():
+            out: dict[str, Any] = {}
+            if cmd["op"] == "ready":
+                p = d.processors.get(token)
+                out["ready"] = p is not None and len(p.ready) == REPLICAS
+            elif cmd["op"] == "mark":
+                samples.clear()
+            elif cmd["op"] == "samples":
+                out["samples"] = samples[:]
+            answer(out)
+    finally:
+        sampling.cancel()
+        await d.stop()
+        ray_adapter.shutdown()
 
 
-async def start_dispatchers(url: str, policy: FairnessPolicy, load: Load, token: str) -> list[Dispatcher]:
-    """Two dispatchers with `policy`, each with lanes on both replicas (warmed with a few requests)."""
-    ds = [await Dispatcher.from_url(url, name=name, fairness=policy).start() for name in DISPATCHERS]
+def idle_and_intake(timelines: list[list[list[Any]]], n: int) -> tuple[float, float | None]:
+    """From each dispatcher's samples: replica-seconds a ready replica had no call outstanding from
+    any dispatcher while requests of the model waited (queued at a dispatcher, or handed to another
+    replica behind the one it runs: `idle_replicas_with_queue` over the dispatchers' latest samples
+    at each instant), and when the dispatchers together had taken `n` more requests from the stream
+    than at their first samples (what a request stored right behind the flood waits for)."""
+    merged = sorted((s[0], i, s) for i, line in enumerate(timelines) for s in line)
+    cur: list[list[Any] | None] = [None] * len(timelines)
+    idle_s, last_t, last_idle, base, intake_t = 0.0, None, 0, None, None
+    for t, i, s in merged:
+        if last_t is not None:
+            idle_s += last_idle * (t - last_t)
+        cur[i], last_t = s, t
+        if any(c is None for c in cur):
+            continue
+        now = [c for c in cur if c is not None]
+        ready = {r for c in now for r in c[1]}
+        out = {r: sum(c[2].get(str(r), 0) for c in now) for r in ready}
+        idle = sum(v == 0 for v in out.values())
+        waiting = any(c[3] for c in now) or any(v > 1 for v in out.values())
+        last_idle = idle if waiting else 0
+        held = sum(c[4] for c in now)
+        base = held if base is None else base
+        if intake_t is None and held >= base + n:
+            intake_t = t
+    return idle_s, intake_t
+
+
+def dispatcher_process(url: str, name: str, order: str, token: str, sample_ms: float) -> Child:
+    return Child(name, ["--dispatcher", url, name, order, token, ray_adapter.gcs_address(), str(sample_ms)])
+
+
+async def start_dispatchers(url: str, order: str, load: Load, token: str, sample_ms: float) -> list[Child]:
+    """Two dispatchers with dispatch `order`, each in its own process with lanes on both replicas
+    (warmed with a few requests)."""
+    ds = [await dispatcher_process(url, name, order, token, sample_ms).start() for name in DISPATCHERS]
     async with asyncio.timeout(60):
         i = 0
         while True:
             await asyncio.gather(*(load.one("warm", i + k) for k in range(8)))
             i += 8
-            procs = [d.processors.get(token) for d in ds]
-            if all(p is not None and len(p.ready) == REPLICAS for p in procs):
+            if all([(await d.ask({"op": "ready"}))["ready"] for d in ds]):
                 return ds
 
 
-async def stop_dispatchers(ds: list[Dispatcher]) -> None:
+async def stop_dispatchers(ds: list[Child]) -> None:
     for d in ds:
-        await d.stop()
+        await d.close()
 
 
-async def intake(sampler: IdleSampler, n: int) -> float:
-    """When the dispatchers had taken `n` requests of the round from the stream (queued, running or
-    answered): what a request stored right behind the flood waits for before any dispatcher sees it."""
-    def held() -> int:
-        return sum(len(p.queue) + p.running() + p.completed + p.errors for p in sampler.procs())
-
-    base = held()  # the dispatchers' warm-up requests
-    while held() < base + n:
-        await asyncio.sleep(0.002)
-    return time.monotonic()
-
-
-async def with_probes(clients: dict[str, ClientProcess], probe: Any, a: argparse.Namespace,
-                      ) -> tuple[list[float], dict[str, list[float]]]:
-    """The light user's requests and, over the same time, the baselines: from a client process of
-    their own NATS round trips then raw Ray calls (`--light` / 2 of each), and raw Ray calls from
-    this process, where the dispatchers run (`--light`), each at `--gap-ms`."""
-    light, other, here = await asyncio.gather(
+async def with_probes(clients: dict[str, Child], a: argparse.Namespace) -> tuple[list[float], dict[str, list[float]]]:
+    """The light user's requests and, over the same time, the baselines from a client process of
+    their own: NATS round trips, then raw Ray calls (`--light` / 2 of each, at `--gap-ms`)."""
+    light, other = await asyncio.gather(
         clients["light"].ask({"op": "light", "n": a.light, "gap_s": a.gap_ms / 1000}),
         clients["probe"].ask({"op": "probe", "n": a.light // 2, "gap_s": a.gap_ms / 1000,
-                              "ray": ray_adapter.gcs_address()}),
-        ray_probe(probe, a.light, a.gap_ms / 1000))
-    return light["waits"], {"nats": other["nats"], "ray": other["ray"], "ray_here": here}
+                              "ray": ray_adapter.gcs_address()}))
+    return light["waits"], {"nats": other["nats"], "ray": other["ray"]}
 
 
-async def flood_round(url: str, policy: FairnessPolicy, load: Load, clients: dict[str, ClientProcess], token: str,
-                      probe: Any, a: argparse.Namespace) -> tuple[dict[str, float], dict[str, list[float]]]:
-    ds = await start_dispatchers(url, policy, load, token)
-    sampler = IdleSampler(ds, token, a.sample_ms / 1000)
-    sampling = asyncio.create_task(sampler.run())
+async def flood_round(url: str, order: str, load: Load, clients: dict[str, Child], token: str,
+                      a: argparse.Namespace) -> tuple[dict[str, float], dict[str, list[float]]]:
+    ds = await start_dispatchers(url, order, load, token, a.sample_ms)
     try:
-        taken = asyncio.create_task(intake(sampler, a.heavy))
+        for d in ds:
+            await d.ask({"op": "mark"})
         t0 = (await clients["heavy"].ask({"op": "flood", "n": a.heavy}))["t0"]
         published = time.monotonic() - t0
-        light, probes = await with_probes(clients, probe, a)
+        light, probes = await with_probes(clients, a)
         light_done = time.monotonic()
-        intake_s = await taken - t0
         left = (await clients["heavy"].ask({"op": "left_at", "t": light_done}))["left"]
         t_last = (await clients["heavy"].ask({"op": "until_ended", "timeout_s": 600}))["t_last"]
         t1 = max(light_done, t_last)  # the round's every request ended
+        idle_s, intake_t = idle_and_intake([(await d.ask({"op": "samples"}))["samples"] for d in ds], a.heavy)
     finally:
-        sampling.cancel()
         await stop_dispatchers(ds)
     return {"rps": (a.heavy + a.light) / (t1 - t0), "light_p99_s": pct(light, 99), "light_p50_s": pct(light, 50),
             "nats_p99_s": pct(probes["nats"], 99), "ray_p99_s": pct(probes["ray"], 99),
-            "ray_here_p99_s": pct(probes["ray_here"], 99),
-            "light_first_s": light[0], "light_rest_max_s": max(light[1:], default=0.0), "idle_replica_s": sampler.idle_s,
-            "heavy_left_when_light_done": left, "flood_s": t1 - t0, "published_s": published, "intake_s": intake_s}, \
-        {"light": light, **probes}
+            "light_first_s": light[0], "light_rest_max_s": max(light[1:], default=0.0), "idle_replica_s": idle_s,
+            "heavy_left_when_light_done": left, "flood_s": t1 - t0, "published_s": published,
+            "intake_s": (intake_t if intake_t is not None else float("nan")) - t0}, {"light": light, **probes}
 
 
 async def main(a: argparse.Namespace) -> dict[str, float]:
@@ -359,7 +394,6 @@ async def main(a: argparse.Namespace) -> dict[str, float]:
     token = model_token(mk)
     log = await JetStreamEventLog.open(url)
     out: dict[str, float] = {}
-    fair, fifo = FairnessPolicy(), FairnessPolicy(order="fifo")
     try:
         async with Controller.from_url(url, policy_interval_s=0.5), \
                 await NodeAgent.open(url, "bench-node", gpus=declared_gpus(2, 80 * 10**9), cpu_cache_bytes=10**10,
@@ -368,22 +402,20 @@ async def main(a: argparse.Namespace) -> dict[str, float]:
             await admin.wait(await admin.deploy(ckpt, REPLICAS), timeout=120)
             load = Load(log, mk, a.new_tokens, users=("warm",))  # the dispatchers' warm-up, from this process
             subs = await load.listen()
-            clients = {u: await ClientProcess(url, mk, u, a.new_tokens).start() for u in ("light", "heavy", "probe")}
+            clients = {u: await client_process(url, mk, u, a.new_tokens).start() for u in ("light", "heavy", "probe")}
             probe: Any = ray_adapter.plain_actor(Probe, name="bench-probe")
             await probe.ping.remote()
             try:
-                ds = await start_dispatchers(url, fair, load, token)
+                ds = await start_dispatchers(url, "fair", load, token, a.sample_ms)
                 try:
-                    idle, idle_probes = await with_probes(clients, probe, a)
+                    idle, idle_probes = await with_probes(clients, a)
                 finally:
                     await stop_dispatchers(ds)
                 print(f"(idle) light user alone: wait p50 {pct(idle, 50) * 1000:.1f} ms, p99 "
                       f"{pct(idle, 99) * 1000:.1f} ms ({a.light} requests); the baselines meanwhile: NATS round "
                       f"trip p50 {pct(idle_probes['nats'], 50) * 1000:.2f} / p99 {pct(idle_probes['nats'], 99) * 1000:.2f} ms, "
                       f"raw Ray call p50 {pct(idle_probes['ray'], 50) * 1000:.2f} / p99 "
-                      f"{pct(idle_probes['ray'], 99) * 1000:.2f} ms (from the dispatchers' process p50 "
-                      f"{pct(idle_probes['ray_here'], 50) * 1000:.2f} / p99 {pct(idle_probes['ray_here'], 99) * 1000:.2f} "
-                      "ms)", flush=True)
+                      f"{pct(idle_probes['ray'], 99) * 1000:.2f} ms", flush=True)
                 rounds: list[tuple[dict[str, float], dict[str, float]]] = []
                 waits: dict[str, list[float]] = {"fair": [], "fifo": []}  # the light user's, every round
                 base: dict[str, list[float]] = {k: [] for k in idle_probes}  # the baselines, the fair rounds
@@ -391,8 +423,7 @@ async def main(a: argparse.Namespace) -> dict[str, float]:
                     got = {}
                     # Alternate which goes first: the VM's speed drifts, a pair's ratio less so.
                     for name in (("fair", "fifo") if r % 2 == 0 else ("fifo", "fair")):
-                        got[name], w = await flood_round(url, fair if name == "fair" else fifo, load, clients, token,
-                                                         probe, a)
+                        got[name], w = await flood_round(url, name, load, clients, token, a)
                         waits[name] += w["light"]
                         if name == "fair":
                             for k in base:
@@ -405,8 +436,7 @@ async def main(a: argparse.Namespace) -> dict[str, float]:
                               f"taken by the dispatchers {g['intake_s'] * 1000:.0f} ms after its first publish; flood "
                               f"left when the light user finished {g['heavy_left_when_light_done']:.0f}, idle "
                               f"replica-s with a queue {g['idle_replica_s']:.3f}; meanwhile NATS round trip p99 "
-                              f"{g['nats_p99_s'] * 1000:.2f} ms, raw Ray call p99 {g['ray_p99_s'] * 1000:.2f} ms "
-                              f"(from the dispatchers' process {g['ray_here_p99_s'] * 1000:.2f} ms)", flush=True)
+                              f"{g['nats_p99_s'] * 1000:.2f} ms, raw Ray call p99 {g['ray_p99_s'] * 1000:.2f} ms", flush=True)
                     rounds.append((got["fair"], got["fifo"]))
             finally:
                 for c in clients.values():
@@ -425,7 +455,6 @@ async def main(a: argparse.Namespace) -> dict[str, float]:
     # What the machine alone does to a round trip under the same flood (no queue of ours on the way).
     out["nats_rtt_p99_ratio"] = pct(base["nats"], 99) / pct(idle_probes["nats"], 99)
     out["ray_call_p99_ratio"] = pct(base["ray"], 99) / pct(idle_probes["ray"], 99)
-    out["ray_call_dispatchers_process_p99_ratio"] = pct(base["ray_here"], 99) / pct(idle_probes["ray_here"], 99)
     out["idle_replica_s_with_queue"] = sum(f["idle_replica_s"] for f, _ in rounds)
     out["fair_throughput_ratio"] = statistics.median(f["rps"] / g["rps"] for f, g in rounds)
     out["fair_rps"] = statistics.median(f["rps"] for f, _ in rounds)
@@ -445,6 +474,10 @@ if __name__ == "__main__":
     if sys.argv[1:2] == ["--client"]:
         url, mk, user, new_tokens = sys.argv[2:6]
         asyncio.run(client_main(url, mk, user, int(new_tokens)))
+        sys.exit(0)
+    if sys.argv[1:2] == ["--dispatcher"]:
+        url, name, order, token, gcs, sample_ms = sys.argv[2:8]
+        asyncio.run(dispatcher_main(url, name, order, token, gcs, float(sample_ms)))
         sys.exit(0)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--heavy", type=int, default=1500, help="the heavy user's flood, per round")

@@ -66,6 +66,12 @@ async def ensure(js: JetStreamContext, *, replicas: int, may_create: bool, start
     if not may_create:
         for name in (EVENTS_STREAM, REQUESTS_STREAM):
             await _stream_info_or_fail(js, name)
+        # A log made before the facts stream takes agents' facts straight in, atomic batches and
+        # all (60 open batches held the controller's appends back): no role but an admin may
+        # migrate it, and none works on it unmigrated (decision 48).
+        if FACTS_STREAM not in _sources((await js.stream_info(EVENTS_STREAM)).config):
+            raise InfrastructureError(f"the log {EVENTS_STREAM} predates {FACTS_STREAM} (it takes agents' facts "
+                                      "straight in): an admin migrates it with `ndif up`, then start this again")
         return
     if not start_new_history:
         await _refuse_lost_history(js)
