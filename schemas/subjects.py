@@ -36,10 +36,13 @@ STATUS_PREFIX = "ndif.status"
 REPLICA_CALLS_PREFIX = "ndif.run"
 REPLICA_LOGS_PREFIX = "ndif.logs"  # request/reply: a replica's recent log lines, from its node's agent (admin only)
 DISPATCHER_STATE = "ndif.dispatcher.state"  # request/reply: the dispatcher's queue view
-REQUEST_CONSUMER_PREFIX = "proc-"  # + <mtok>[-p<k>]: a model's durable consumers on the request stream
+REQUEST_CONSUMER_PREFIX = "proc-"  # + <mtok>: a model's durable consumer of userless and unpartitioned requests
+# `part<k>-<mtok>`: its consumer of user partition k. Not `proc-`: a dispatcher of the version before
+# partitions sweeps every `proc-` consumer whose token it does not know, and would delete these.
+REQUEST_PARTITION_CONSUMER_PREFIX = "part"
 # A user's request `ndif.req.<mtok>.<user>` is stored as `ndif.req.<mtok>.<user>.<k>`, k the user's
 # partition (the stream's subject transform: FNV-1a of the user token, mod REQUEST_PARTITIONS), and
-# each partition of a model has a durable consumer of its own (`proc-<mtok>-p<k>`): a request is
+# each partition of a model has a durable consumer of its own (`part<k>-<mtok>`): a request is
 # read without reading first the requests stored before it by users of other partitions
 # (docs/architecture.md decision 49). `proc-<mtok>` takes userless requests (an open server) and
 # those stored before the transform. Changing the count remaps users: it is fixed.
@@ -184,21 +187,22 @@ def request_subject(model_key: str, user: str = "") -> str:
 
 
 def request_consumer(model_tok: str, partition: int | None = None) -> str:
-    """A durable consumer of a model's requests: `proc-<mtok>-p<k>` for partition k, `proc-<mtok>`
+    """A durable consumer of a model's requests: `part<k>-<mtok>` for user partition k, `proc-<mtok>`
     for the userless ones and those stored unpartitioned."""
-    base = f"{REQUEST_CONSUMER_PREFIX}{model_tok}"
-    return base if partition is None else f"{base}-p{partition}"
+    if partition is None:
+        return f"{REQUEST_CONSUMER_PREFIX}{model_tok}"
+    return f"{REQUEST_PARTITION_CONSUMER_PREFIX}{partition}-{model_tok}"
 
 
-_PARTITION_SUFFIX = re.compile(r"-p[0-9]{1,3}$")
+_PARTITION_CONSUMER = re.compile(rf"^{REQUEST_PARTITION_CONSUMER_PREFIX}([0-9]{{1,2}})-(.+)$")
 
 
 def request_consumer_token(name: str) -> str | None:
-    """The model token of a request consumer's name; None for any other consumer. (A token ends in
-    hex, so a `-p<k>` suffix is never part of one.)"""
-    if not name.startswith(REQUEST_CONSUMER_PREFIX):
-        return None
-    return _PARTITION_SUFFIX.sub("", name[len(REQUEST_CONSUMER_PREFIX):])
+    """The model token of a request consumer's name (either kind); None for any other consumer."""
+    if name.startswith(REQUEST_CONSUMER_PREFIX):
+        return name[len(REQUEST_CONSUMER_PREFIX):]
+    m = _PARTITION_CONSUMER.match(name)
+    return m.group(2) if m and int(m.group(1)) < REQUEST_PARTITIONS else None
 
 
 def request_consumers(model_tok: str) -> dict[str, list[str]]:
@@ -212,8 +216,19 @@ def request_consumers(model_tok: str) -> dict[str, list[str]]:
 
 def request_filters(model_tok: str) -> list[str]:
     """The subjects of one model's stored requests, by its token: userless (an open server), then
-    every user's, partitioned or not (reads by subject, no consumer)."""
+    every user's, partitioned or not (reads by subject, no consumer). `consumed_request_subject`
+    says which of them a consumer takes."""
     return [f"{REQUESTS_PREFIX}.{model_tok}", f"{REQUESTS_PREFIX}.{model_tok}.>"]
+
+
+def consumed_request_subject(subject: str) -> bool:
+    """Whether one of its model's consumers takes a stored request subject: `ndif.req.<mtok>`,
+    `ndif.req.<mtok>.<user>` or `ndif.req.<mtok>.<user>.<k>` (k a partition). On an open server
+    anyone may publish, say, `ndif.req.<mtok>.a.b.c`, which nothing would ever take."""
+    parts = subject.split(".")
+    if len(parts) == 5:
+        return parts[4].isdigit() and len(parts[4]) <= 2 and int(parts[4]) < REQUEST_PARTITIONS
+    return len(parts) in (3, 4)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -305,7 +320,7 @@ def operator_filters(model_key: str | None = None, replica_id: int | None = None
             out["replica decisions"] = replica_subject(model_key, replica_id)
             out["replica facts"] = f"{replica_subject(model_key, replica_id)}.*"
         out["requests"] = request_subject(model_key)  # an open server's (no users)
-        out["user requests"] = f"{request_subject(model_key)}.*"  # with users: `ndif.req.<mtok>.<user>`
+        out["user requests"] = f"{request_subject(model_key)}.>"  # stored `ndif.req.<mtok>.<user>.<partition>`
     if node_id is not None:
         out["node events"] = node_subject(node_id)  # NodeLost (and NodeJoined stored before facts carried a source)
         out["node facts"] = node_facts_from(node_token(node_id))

@@ -326,25 +326,34 @@ class Dashboard:
         except (nats.errors.NoRespondersError, nats.errors.TimeoutError) as exc:
             out["error"] = f"no dispatcher answered ({type(exc).__name__})"
         # Every model's work-queue consumer in a few listing requests (256 a page), not one request each.
-        pending: dict[str, tuple[int, int]] = {}
-        listed = 0  # consumers listed so far, ours or not: the next page's offset
+        seen: dict[str, tuple[str, int, int]] = {}  # consumer name -> (model token, pending, ack pending)
+        listed, capped = 0, False  # consumers listed so far, ours or not: the next page's offset
         # The JetStream API as this user reaches it (the dashboard's account imports it under another prefix).
         js = self.nc.jetstream(prefix=getattr(self.log, "api", JS_API))
         with contextlib.suppress(nats.js.errors.NotFoundError):
-            while listed < MAX_QUEUE_CONSUMERS:
+            while True:
+                if listed >= MAX_QUEUE_CONSUMERS:
+                    capped = True
+                    break
                 page = await js.consumers_info(REQUESTS_STREAM, offset=listed or None)
                 listed += len(page)
-                for info in page:
+                for info in page:  # by name: a consumer made meanwhile shifts the pages, never counts twice
                     token = request_consumer_token(info.name or "")
-                    if token is not None:  # a model's consumers (its user partitions'), summed
-                        n, a = pending.get(token, (0, 0))
-                        pending[token] = (n + (info.num_pending or 0), a + (info.num_ack_pending or 0))
+                    if token is not None:
+                        seen[info.name or ""] = (token, info.num_pending or 0, info.num_ack_pending or 0)
                 if len(page) < 256:
                     break
+        pending: dict[str, tuple[int, int]] = {}
+        for token, n, a in seen.values():  # a model's consumers (its user partitions'), summed
+            was = pending.get(token, (0, 0))
+            pending[token] = (was[0] + n, was[1] + a)
+        if capped:
+            out["pending_note"] = (f"the request stream's consumers were listed up to {MAX_QUEUE_CONSUMERS:,}: a model "
+                                   "without a count was not listed, and a count may miss some of its partitions")
         for mk in self.model.live.models:
             got = pending.get(model_token(mk))
             row = models.setdefault(mk, {})
-            # None: no consumer yet, nothing was ever submitted for the model.
+            # None: no consumer yet (nothing was ever submitted for the model), or not listed (capped).
             row["pending"], row["ack_pending"] = got if got is not None else (None, None)
         return out
 

@@ -39,12 +39,15 @@ from schemas.subjects import (
     results_bucket,
 )
 
+CONSUMER_PAGE = 256  # consumers the server lists per request
+MAX_CONSUMERS_LISTED = 100_000  # a bound on one sweep's listing (about 5,800 models' consumers)
 NO_MESSAGE_FOUND = 10057  # the server's error code for a stream message that is not (any more) there
 
 
 class JetStreamRequests:
-    """`RequestStream` on the work-queue stream `NDIF_REQUESTS`: a model's durable consumer
-    (`proc-<mtok>`) acks explicitly, redelivers after `ack_wait_s` and is pulled `fetch_batch` at a time."""
+    """`RequestStream` on the work-queue stream `NDIF_REQUESTS`: each of a model's durable consumers
+    (`proc-<mtok>`, `part<k>-<mtok>`) acks explicitly, redelivers after `ack_wait_s` and is pulled
+    `fetch_batch` at a time."""
 
     def __init__(self, nc: NatsClient, js: JetStreamContext, *, ack_wait_s: float, fetch_batch: int) -> None:
         self.nc = nc
@@ -91,14 +94,19 @@ class JetStreamRequests:
         async def on_msg(m: Msg) -> None:
             await on_delivery(m, int(m.metadata.num_delivered) if m.metadata else 1)
 
-        pulls = []
-        for durable, filters in request_consumers(token).items():
+        consumers = request_consumers(token)
+        for durable, filters in consumers.items():
             await self._ensure_consumer(durable, filters)
-            # `hold` is looked at again every heartbeat of the pull.
-            pulls.append(PullConsumer(self.nc, REQUESTS_STREAM, durable, on_msg, batch=self.fetch_batch, hold=hold))
-        async with asyncio.TaskGroup() as tg:
-            for pull in pulls:
-                tg.create_task(pull.run(), name=f"pull-{pull.api.rsplit('.', 1)[-1]}")
+        try:
+            async with asyncio.TaskGroup() as tg:
+                for durable in consumers:
+                    # `hold` is looked at again every heartbeat of the pull.
+                    pull = PullConsumer(self.nc, REQUESTS_STREAM, durable, on_msg, batch=self.fetch_batch, hold=hold)
+                    tg.create_task(pull.run(), name=f"pull-{durable}")
+        except ExceptionGroup as eg:
+            # One consumer lost (deleted, the connection gone): the caller decides whether to make
+            # them again (never for a model the log no longer knows), and logs why.
+            raise eg.exceptions[0] from None
 
     async def _ensure_consumer(self, durable: str, filters: list[str]) -> None:
         cfg = api.ConsumerConfig(durable_name=durable, filter_subjects=filters,
@@ -116,11 +124,19 @@ class JetStreamRequests:
                 await self.js.add_consumer(REQUESTS_STREAM, cfg)
 
     async def consumer_tokens(self) -> list[str]:
+        """Every model token with a consumer, read a page (the server's 256) at a time: a model has
+        17, so one page names about 15 models."""
         tokens: dict[str, None] = {}
-        for info in await self.js.consumers_info(REQUESTS_STREAM):
-            token = request_consumer_token(info.name or "")
-            if token is not None:
-                tokens[token] = None
+        listed = 0
+        while listed < MAX_CONSUMERS_LISTED:
+            page = await self.js.consumers_info(REQUESTS_STREAM, offset=listed or None)
+            listed += len(page)
+            for info in page:
+                token = request_consumer_token(info.name or "")
+                if token is not None:
+                    tokens[token] = None
+            if len(page) < CONSUMER_PAGE:
+                break
         return list(tokens)
 
     async def delete_consumer(self, token: str) -> bool:

@@ -72,7 +72,8 @@ class StoredRequest(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class RequestStream(Protocol):
-    """The work queue of requests (`ndif.req.<mtok>[.<user>]`), one durable consumer per model token."""
+    """The work queue of requests (`ndif.req.<mtok>[.<user>]`, a user's stored under its partition),
+    durable consumers per model token and user partition (docs/architecture.md decision 49)."""
 
     async def watch(self, on_subject: Callable[[str], Awaitable[None]]) -> Callable[[], Awaitable[None]]:
         """Call `on_subject` with the subject of each request as it is published; returns the stop."""
@@ -92,8 +93,9 @@ class RequestStream(Protocol):
 
     async def consume(self, token: str, on_delivery: OnDelivery, hold: Callable[[], bool]) -> None:
         """Hand the model's requests to `on_delivery` as they are stored, through its durable
-        consumer (made here if missing); no new ones while `hold()` is True. Runs until cancelled,
-        or raises when the consumer or the connection is lost (the caller makes it again)."""
+        consumers (made here if missing; one per user partition, each user's requests in order);
+        no new ones while `hold()` is True. Runs until cancelled, or raises when a consumer or the
+        connection is lost (the caller makes them again)."""
         ...
 
     async def consumer_tokens(self) -> list[str]:

@@ -527,8 +527,14 @@ def idle_replicas_with_queue(procs: list[Processor]) -> int:
     (tools/bench/fairness.py adds it up over time)."""
     ready: set[int] = set().union(*(p.ready for p in procs)) if procs else set()
     out = {rid: sum(len(p.in_flight.get(rid, {})) for p in procs) for rid in ready}
-    idle = sum(n == 0 for n in out.values())
+    return idle_with_queue(out, any(len(p.queue) for p in procs))
+
+
+def idle_with_queue(outstanding: dict[int, int], queued: bool) -> int:
+    """`idle_replicas_with_queue` from its figures: each ready replica's calls outstanding (from
+    every dispatcher) and whether any dispatcher has requests of the model queued."""
+    idle = sum(n == 0 for n in outstanding.values())
     if not idle:
         return 0
-    waiting = any(len(p.queue) for p in procs) or any(n > 1 for n in out.values())
+    waiting = queued or any(n > 1 for n in outstanding.values())
     return idle if waiting else 0

@@ -136,6 +136,27 @@ async def test_junk_request_subjects_leave_no_consumer_and_end_error(env: Env) -
     assert set(env.dispatcher.processors) == processors
 
 
+async def test_a_request_on_a_subject_no_consumer_takes_asks_no_deployment_and_ends(env: Env) -> None:
+    """On an open server anyone may publish under `ndif.req.<mtok>.` any tail; one that no consumer
+    takes (not `<user>` or `<user>.<partition>`) must not ask for a deployment the model would then
+    get again after every undeploy (read, never deleted): it ends ERROR and leaves the stream."""
+    consumers, processors, stored = await _consumers(env.log), set(env.dispatcher.processors), await _stored(env.log)
+    model = canonical_model_key(f"nobody/tail-{uuid.uuid4().hex[:6]}")
+    rids = []
+    for tail in ("alice.x", "alice.99", "alice.3.more"):
+        rid = f"tail-{uuid.uuid4().hex[:8]}"
+        rids.append(rid)
+        await env.log.js.publish(f"{request_subject(model)}.{tail}", _body(rid, model), headers={"Nats-Msg-Id": rid})
+    for rid in rids:
+        u = await _status(env.log, f"alice.{rid}", timeout=30)
+        assert u.status is RequestStatus.ERROR and u.error == "InvalidCommand" and "not a request subject" in u.message, u
+    async with asyncio.timeout(10):
+        while await _stored(env.log) > stored:
+            await asyncio.sleep(0.1)
+    assert await _consumers(env.log) == consumers and set(env.dispatcher.processors) == processors
+    assert model not in (await env.admin.state()).models  # no deployment was asked for it
+
+
 async def test_consumers_of_models_the_log_does_not_know_are_removed(env: Env) -> None:
     before = set(await _consumers(env.log))
     mk = await _register(env.log, "acme/known-model")

@@ -225,9 +225,9 @@ async def test_a_log_made_before_the_facts_stream_is_migrated_by_ensure(tmp_path
 
 
 async def test_a_role_that_may_not_migrate_the_log_refuses_to_work_on_it_unmigrated(tmp_path):
-    """The controller, dispatcher and agents check the streams and create nothing: on a log made before
-    the facts stream they stop with what to do, rather than run where an agent's batches reach the
-    log (the attack decision 48 closed)."""
+    """The controller and the dispatcher (roles that check the streams and create nothing) stop with
+    what to do on a log made before the facts stream, rather than run where an agent's batches reach
+    the log (the attack decision 48 closed)."""
     with EmbeddedNats(tmp_path / "nats") as srv:
         log = await JetStreamEventLog.open(srv.url, ensure=False)
         try:
@@ -238,6 +238,50 @@ async def test_a_role_that_may_not_migrate_the_log_refuses_to_work_on_it_unmigra
                 await topology.ensure(log.js, replicas=1, may_create=False)
             await log.ensure()  # an admin's `ndif up`
             await topology.ensure(log.js, replicas=1, may_create=False)  # then every role starts
+        finally:
+            await log.close()
+
+
+async def test_a_request_stream_made_before_partitions_is_migrated_and_loses_no_request(tmp_path):
+    """A request stream as an earlier version made it (no subject transform), holding a user's request
+    and its model's old consumer `proc-<mtok>`: `ensure` adds the transform, later requests are stored
+    under the user's partition, and the dispatcher's consumers take both, each once."""
+    from dataplane.serving.jetstream import JetStreamRequests
+    from schemas.subjects import request_consumer, request_partition
+
+    with EmbeddedNats(tmp_path / "nats") as srv:
+        log = await JetStreamEventLog.open(srv.url)
+        try:
+            await log.js.delete_stream(REQUESTS_STREAM)
+            await log.js.add_stream(api.StreamConfig(name=REQUESTS_STREAM, subjects=["ndif.req.>"],
+                                                     retention=api.RetentionPolicy.WORK_QUEUE))
+            tok = "m-0123456789"
+            await log.js.add_consumer(REQUESTS_STREAM, api.ConsumerConfig(
+                durable_name=request_consumer(tok), filter_subjects=[f"ndif.req.{tok}", f"ndif.req.{tok}.*"],
+                ack_policy=api.AckPolicy.EXPLICIT))
+            await log.js.publish(f"ndif.req.{tok}.alice", b"before")
+            await log.ensure()
+            cfg = (await log.js.stream_info(REQUESTS_STREAM)).config
+            assert cfg.subject_transform is not None and cfg.subject_transform.src == "ndif.req.*.*"
+            ack = await log.js.publish(f"ndif.req.{tok}.alice", b"after")
+            stored = await log.js.get_msg(REQUESTS_STREAM, ack.seq)
+            assert stored.subject == f"ndif.req.{tok}.alice.{request_partition('alice')}"
+            got: list[tuple[str, bytes]] = []
+
+            async def on_delivery(m, attempt):
+                got.append((m.subject, m.data))
+                await m.ack()
+
+            requests = JetStreamRequests(log.nc, log.js, ack_wait_s=5.0, fetch_batch=8)
+            task = asyncio.create_task(requests.consume(tok, on_delivery, hold=lambda: False))
+            try:
+                async with asyncio.timeout(10):
+                    while len(got) < 2 or (await log.js.stream_info(REQUESTS_STREAM)).state.messages:
+                        await asyncio.sleep(0.05)
+            finally:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+            assert sorted(data for _, data in got) == [b"after", b"before"]
         finally:
             await log.close()
 

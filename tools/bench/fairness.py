@@ -27,11 +27,11 @@ The last line printed is one JSON object:
   light_wait_ratio            their ratio (target <= 2)
   idle_replica_s_with_queue   replica-seconds idle while requests of the model waited (fair rounds, summed)
   fair_throughput_ratio       median over paired rounds of fair req/s over FIFO req/s (target >= 0.95)
-  nats_rtt_p99_ratio          a baseline with none of our queues, measured over the same time as the
-                              light user's requests: NATS round trips from a client process of their own,
-                              p99 under the flood (fair rounds) over idle
-  ray_call_p99_ratio          the same for raw calls of an idle no-op Ray actor, from that process (what
-                              the flood's load on the machine alone does to a call)
+  nats_rtt_p99_ratio          a baseline with none of our queues, measured during the light user's
+                              requests (the first half of them): NATS round trips from a client process
+                              of its own, p99 under the flood (fair rounds) over idle
+  ray_call_p99_ratio          the same for raw calls of an idle no-op Ray actor, from that process, during
+                              the second half (what the flood's load on the machine alone does to a call)
 and, for the record, the FIFO rounds' light wait and idle figures, the req/s medians and the flood's
 backlog when the light user finished.
 
@@ -71,6 +71,7 @@ from controlplane.store.eventstore import JetStreamEventLog  # noqa: E402
 from dataplane.node.agent import NodeAgent, declared_gpus  # noqa: E402
 from dataplane.runtime import ray_adapter  # noqa: E402
 from dataplane.serving.dispatcher import Dispatcher  # noqa: E402
+from dataplane.serving.processor import idle_with_queue  # noqa: E402
 from schemas.requests import Request, encoder, status_decoder  # noqa: E402
 from schemas.status import RequestStatus  # noqa: E402
 from schemas.subjects import model_token, request_subject, user_statuses  # noqa: E402
@@ -180,7 +181,11 @@ class Child:
         if self.proc is not None and self.proc.returncode is None:
             assert self.proc.stdin is not None
             self.proc.stdin.close()
-            await self.proc.wait()
+            try:
+                await asyncio.wait_for(self.proc.wait(), 60)
+            except TimeoutError:
+                self.proc.kill()  # a child that hangs on its way out does not hang the benchmark
+                await self.proc.wait()
 
 
 def client_process(url: str, mk: str, user: str, new_tokens: int) -> Child:
@@ -215,8 +220,8 @@ async def nats_probe(log: JetStreamEventLog, n: int, gap_s: float) -> list[float
 
 
 async def ray_probe(actor: Any, n: int, gap_s: float) -> list[float]:
-    """The other baseline: `n` raw calls of a no-op Ray actor (one of its own, never busy) from this
-    process, where the dispatchers run, one every `gap_s`; each one's time."""
+    """The other baseline: `n` raw calls of a no-op Ray actor (one of its own, never busy) from the
+    calling process, one every `gap_s`; each one's time."""
     out = []
     for _ in range(n):
         t = time.monotonic()
@@ -296,6 +301,8 @@ async def dispatcher_main(url: str, name: str, order: str, token: str, gcs: str,
                 out["ready"] = p is not None and len(p.ready) == REPLICAS
             elif cmd["op"] == "mark":
                 samples.clear()
+                p = d.processors.get(token)
+                out["held"] = 0 if p is None else len(p.queue) + p.running() + p.completed + p.errors
             elif cmd["op"] == "samples":
                 out["samples"] = samples[:]
             answer(out)
@@ -305,15 +312,17 @@ async def dispatcher_main(url: str, name: str, order: str, token: str, gcs: str,
         ray_adapter.shutdown()
 
 
-def idle_and_intake(timelines: list[list[list[Any]]], n: int) -> tuple[float, float | None]:
+def idle_and_intake(timelines: list[list[list[Any]]], base: int, n: int) -> tuple[float, float | None]:
     """From each dispatcher's samples: replica-seconds a ready replica had no call outstanding from
     any dispatcher while requests of the model waited (queued at a dispatcher, or handed to another
-    replica behind the one it runs: `idle_replicas_with_queue` over the dispatchers' latest samples
-    at each instant), and when the dispatchers together had taken `n` more requests from the stream
-    than at their first samples (what a request stored right behind the flood waits for)."""
+    replica behind the one it runs: `idle_with_queue` over the dispatchers' latest samples at each
+    instant; a dispatcher whose loop stalls keeps its last sample meanwhile), and when the
+    dispatchers together had taken `n` more requests from the stream than `base` (what they held
+    when marked), the flood's, give or take the light user's few taken meanwhile: what a request
+    stored right behind the flood waited for before partitions."""
     merged = sorted((s[0], i, s) for i, line in enumerate(timelines) for s in line)
     cur: list[list[Any] | None] = [None] * len(timelines)
-    idle_s, last_t, last_idle, base, intake_t = 0.0, None, 0, None, None
+    idle_s, last_t, last_idle, intake_t = 0.0, None, 0, None
     for t, i, s in merged:
         if last_t is not None:
             idle_s += last_idle * (t - last_t)
@@ -322,12 +331,8 @@ def idle_and_intake(timelines: list[list[list[Any]]], n: int) -> tuple[float, fl
             continue
         now = [c for c in cur if c is not None]
         ready = {r for c in now for r in c[1]}
-        out = {r: sum(c[2].get(str(r), 0) for c in now) for r in ready}
-        idle = sum(v == 0 for v in out.values())
-        waiting = any(c[3] for c in now) or any(v > 1 for v in out.values())
-        last_idle = idle if waiting else 0
+        last_idle = idle_with_queue({r: sum(c[2].get(str(r), 0) for c in now) for r in ready}, any(c[3] for c in now))
         held = sum(c[4] for c in now)
-        base = held if base is None else base
         if intake_t is None and held >= base + n:
             intake_t = t
     return idle_s, intake_t
@@ -356,8 +361,9 @@ async def stop_dispatchers(ds: list[Child]) -> None:
 
 
 async def with_probes(clients: dict[str, Child], a: argparse.Namespace) -> tuple[list[float], dict[str, list[float]]]:
-    """The light user's requests and, over the same time, the baselines from a client process of
-    their own: NATS round trips, then raw Ray calls (`--light` / 2 of each, at `--gap-ms`)."""
+    """The light user's requests and, during them, the baselines from a client process of their
+    own: NATS round trips over the first half of the light user's run, raw Ray calls over the
+    second (`--light` / 2 of each, at `--gap-ms`; so each baseline's p99 is its largest of 15)."""
     light, other = await asyncio.gather(
         clients["light"].ask({"op": "light", "n": a.light, "gap_s": a.gap_ms / 1000}),
         clients["probe"].ask({"op": "probe", "n": a.light // 2, "gap_s": a.gap_ms / 1000,
@@ -369,8 +375,7 @@ async def flood_round(url: str, order: str, load: Load, clients: dict[str, Child
                       a: argparse.Namespace) -> tuple[dict[str, float], dict[str, list[float]]]:
     ds = await start_dispatchers(url, order, load, token, a.sample_ms)
     try:
-        for d in ds:
-            await d.ask({"op": "mark"})
+        base = sum([(await d.ask({"op": "mark"}))["held"] for d in ds])
         t0 = (await clients["heavy"].ask({"op": "flood", "n": a.heavy}))["t0"]
         published = time.monotonic() - t0
         light, probes = await with_probes(clients, a)
@@ -378,7 +383,7 @@ async def flood_round(url: str, order: str, load: Load, clients: dict[str, Child
         left = (await clients["heavy"].ask({"op": "left_at", "t": light_done}))["left"]
         t_last = (await clients["heavy"].ask({"op": "until_ended", "timeout_s": 600}))["t_last"]
         t1 = max(light_done, t_last)  # the round's every request ended
-        idle_s, intake_t = idle_and_intake([(await d.ask({"op": "samples"}))["samples"] for d in ds], a.heavy)
+        idle_s, intake_t = idle_and_intake([(await d.ask({"op": "samples"}))["samples"] for d in ds], base, a.heavy)
     finally:
         await stop_dispatchers(ds)
     return {"rps": (a.heavy + a.light) / (t1 - t0), "light_p99_s": pct(light, 99), "light_p50_s": pct(light, 50),
@@ -461,7 +466,8 @@ async def main(a: argparse.Namespace) -> dict[str, float]:
     out["fifo_rps"] = statistics.median(g["rps"] for _, g in rounds)
     out["fifo_light_user_wait_p99_s"] = pct(waits["fifo"], 99)
     out["fifo_idle_replica_s_with_queue"] = sum(g["idle_replica_s"] for _, g in rounds)
-    out["flood_intake_s_median"] = statistics.median(f["intake_s"] for f, _ in rounds)
+    intakes = [f["intake_s"] for f, _ in rounds if f["intake_s"] == f["intake_s"]]  # NaN: not seen whole
+    out["flood_intake_s_median"] = statistics.median(intakes) if intakes else -1.0
     out["heavy_left_when_light_done_min"] = min(f["heavy_left_when_light_done"] for f, _ in rounds)
     out["flood_requests"] = a.heavy
     out["light_requests"] = a.light

@@ -1,6 +1,7 @@
 """Intake: requests in, from the work-queue stream to each model's processor, and their time there.
 
-Each model the log knows gets a processor and a durable consumer (`proc-<mtok>`); a subject of a
+Each model the log knows gets a processor and its durable consumers (`proc-<mtok>`, and
+`part<k>-<mtok>` per user partition: decision 49); a subject of a
 model the log does not know is triaged without one (its first valid request asks for a
 deployment). Held requests are kept alive with in-progress acks, end in ERROR past the queue
 lifetime, and can be killed by their user or an admin. The stream is the `RequestStream` port
@@ -35,6 +36,7 @@ from schemas.keys import canonical_model_key, display_name
 from schemas.requests import MAX_REQUEST_BYTES, Request, check_request_id, decode_request
 from schemas.status import RequestStatus
 from schemas.subjects import (
+    consumed_request_subject,
     model_token,
     request_consumer,
     request_consumer_token,
@@ -136,6 +138,10 @@ class Intake:
             seq = raw.seq
             data = raw.data or b""
             _, user = request_subject_parts(raw.subject)
+            if not consumed_request_subject(raw.subject):  # read by nothing: it neither deploys nor stays
+                await self._refuse_stored(seq, data, raw.headers, "InvalidCommand",
+                                          f"{raw.subject[:200]!r} is not a request subject (ndif.req.<model>.<user>)")
+                continue
             try:  # whatever the bytes: a request to deploy for, or one that ends here
                 req, mk = _checked(data, user, token)
             except Exception as exc:  # noqa: BLE001 - InvalidCommand, or anything a check did not foresee
@@ -178,7 +184,7 @@ class Intake:
 
     async def remove_model(self, token_or_key: str, *, reason: str) -> bool:
         """Stop serving a model here: its waiting requests end ERROR (`reason`), its processor stops and
-        its durable consumer `proc-<mtok>` is deleted. The undeploy path calls this (with the model key
+        its durable consumers (`proc-<mtok>`, `part<k>-<mtok>`) are deleted. The undeploy path calls this (with the model key
         or its token); the dispatcher itself does for a model the log no longer knows. Returns whether
         a consumer was deleted."""
         token = model_token(token_or_key) if "{" in token_or_key else token_or_key  # keys hold JSON, tokens never
@@ -199,7 +205,7 @@ class Intake:
         return deleted
 
     async def sweep_consumers(self) -> list[str]:
-        """Delete the durable consumers `proc-<mtok>` of models the log does not know, once seen unknown
+        """Delete the durable consumers of models the log does not know, once seen unknown
         at two sweeps in a row (a model deployed a moment ago may not be in this fold yet)."""
         known = self.known_tokens()
         unknown = {request_consumer(t) for t in await self.requests.consumer_tokens() if t not in known}
@@ -222,7 +228,7 @@ class Intake:
             await asyncio.sleep(UNKNOWN_CONSUMER_SWEEP_S)
 
     async def _consume(self, p: Processor) -> None:
-        """Take the model's requests as they are stored (its durable consumer, made on the way)."""
+        """Take the model's requests as they are stored (its durable consumers, made on the way)."""
 
         async def on_delivery(m: Delivery, attempt: int) -> None:
             await self._accept(p, m, attempt)
