@@ -52,46 +52,40 @@ async def bulk_append(log: Any, events: list[Any], *, progress: Any = None) -> i
     as fast as the server takes it: a benchmark's setup, not what it measures. Returns the log's last seq.
 
     The product appends each observed fact alone, through NDIF_FACTS, and returns once the log has
-    sourced it (decision 48): 200,000 generated facts that way would take minutes, and a guarded batch
-    may hold none. So for the time of the load the log is put back the way a version before the facts
-    stream made it (every event subject its own, atomic batches of any events; NDIF_FACTS taken away,
-    which must hold no fact the log has not sourced: nothing but this appends during a setup), filled
-    in atomic batches of E.MAX_BATCH, and migrated again by `ensure()`, as any such log is
-    (tests/integration/test_eventstore_nats.py: a log made before the facts stream)."""
+    sourced it (decision 48): a million generated events that way would take many minutes, and a
+    guarded batch may hold no fact. So for the time of the load the log takes every event subject
+    itself (NDIF_FACTS lends it its subjects and keeps its own messages and numbering; the log keeps
+    its source), and is filled in atomic batches of E.MAX_BATCH; then both get their subjects back.
+    Nothing else may append meanwhile: a fact published then would be stored in the log unsourced.
+    (Taking the source away instead, and adding it back, makes the server scan the whole log for
+    where the source left off: 23 s at 100,000 events here, the server answering nothing else
+    meanwhile, and past 300 s at a million.)"""
     import dataclasses
     import time
 
-    import nats.js.errors
-
     from controlplane.store.eventstore import appends, topology
     from schemas import events as E
-    from schemas.subjects import EVENTS_ALL, FACTS_STREAM
+    from schemas.subjects import EVENTS_ALL, EVENTS_STREAM, FACTS_STREAM, FACTS_SUBJECTS
 
     js = log.js
+    facts = (await js.stream_info(FACTS_STREAM)).config
+    await js.update_stream(dataclasses.replace(facts, subjects=[f"ndif.bulk-load.{FACTS_STREAM}"]))
+    events_cfg = (await js.stream_info(EVENTS_STREAM)).config
+    await js.update_stream(dataclasses.replace(events_cfg, subjects=[EVENTS_ALL]))
     try:
-        # The facts stream made again numbers from 1, and a log resumes a source after the last of
-        # its messages it holds: a fact appended the product's way before this would make the log
-        # pass over as many new facts. So a bulk load comes before any.
-        if (await js.stream_info(FACTS_STREAM)).state.last_seq:
-            raise RuntimeError(f"bulk_append: {FACTS_STREAM} has taken facts already; bulk-load before any "
-                               "fact is appended the product's way")
-        await js.delete_stream(FACTS_STREAM)
-    except nats.js.errors.NotFoundError:
-        pass
-    await js.update_stream(dataclasses.replace(topology.events_config(1), subjects=[EVENTS_ALL], sources=None))
-    t0, done = time.perf_counter(), 0
-    for i in range(0, len(events), E.MAX_BATCH):
-        batch = events[i:i + E.MAX_BATCH]
-        ack = await appends._publish_batch(log.nc, batch, None, 30.0)
-        if ack.error is not None:
-            raise RuntimeError(f"bulk append refused at event {i}: {ack.error.description}")
-        done += len(batch)
-        if progress is not None and (done % 50_000 < E.MAX_BATCH or done == len(events)):
-            progress(f"  appended {done:>9,} / {len(events):,} events ({done / (time.perf_counter() - t0):,.0f}/s)")
-    # Adding the source back makes the server scan the log for where it left off (about 70 us an
-    # event here: a minute at a million), more than the API's usual wait. (Keeping the source while
-    # NDIF_FACTS is made again leaves it stalled: no later fact reached the log in a trial.)
-    await topology.ensure(log.nc.jetstream(timeout=300), replicas=1, may_create=True)
+        t0, done = time.perf_counter(), 0
+        for i in range(0, len(events), E.MAX_BATCH):
+            batch = events[i:i + E.MAX_BATCH]
+            ack = await appends._publish_batch(log.nc, batch, None, 30.0)
+            if ack.error is not None:
+                raise RuntimeError(f"bulk append refused at event {i}: {ack.error.description}")
+            done += len(batch)
+            if progress is not None and (done % 50_000 < E.MAX_BATCH or done == len(events)):
+                progress(f"  appended {done:>9,} / {len(events):,} events ({done / (time.perf_counter() - t0):,.0f}/s)")
+    finally:
+        await js.update_stream(events_cfg)
+        await js.update_stream(dataclasses.replace(facts, subjects=list(FACTS_SUBJECTS)))
+    await topology.ensure(js, replicas=1, may_create=True)  # as `ndif up` leaves them: nothing to change
     return int(await log.last_seq())
 
 
