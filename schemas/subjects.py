@@ -186,6 +186,16 @@ def request_subject(model_key: str, user: str = "") -> str:
     return f"{REQUESTS_PREFIX}.{tok}.{user}" if user else f"{REQUESTS_PREFIX}.{tok}"
 
 
+_MODEL_TOKEN = re.compile(rf"^[A-Za-z0-9_-]{{1,{_SLUG_MAX}}}-[0-9a-f]{{10}}$")
+
+
+def valid_model_token(token: str) -> bool:
+    """Whether a subject's model token is one `model_token` makes. NATS delivers a publish on
+    `ndif.req.*.alice` literally, and `*` (or `>`) used as a token in a filter would read every
+    model's requests."""
+    return _MODEL_TOKEN.match(token) is not None
+
+
 def request_consumer(model_tok: str, partition: int | None = None) -> str:
     """A durable consumer of a model's requests: `part<k>-<mtok>` for user partition k, `proc-<mtok>`
     for the userless ones and those stored unpartitioned."""

@@ -157,6 +157,26 @@ async def test_a_request_on_a_subject_no_consumer_takes_asks_no_deployment_and_e
     assert model not in (await env.admin.state()).models  # no deployment was asked for it
 
 
+async def test_a_wildcard_published_as_a_model_token_reads_no_other_models_requests(env: Env) -> None:
+    """NATS delivers a publish on `ndif.req.*.alice` literally, and a client's grant `ndif.req.*.alice`
+    allows it. Its `*` taken as a model token would be a filter over every model's stored requests:
+    the triage read them all and ended each as "on another model's subject". It is no model token."""
+    intake = env.dispatcher.intake
+    assert intake is not None
+    processors = set(env.dispatcher.processors)
+    for subject in ("ndif.req.*.alice", "ndif.req.>", "ndif.req.*"):
+        await intake.on_subject(subject)
+        assert not intake._triaging & {"*", ">"} and set(env.dispatcher.processors) == processors, subject
+    stored = await _stored(env.log)
+    await env.log.js.publish("ndif.req.*.alice", _body("wild-1", "acme/any"), headers={"Nats-Msg-Id": "wild-1"})
+    await asyncio.sleep(0.5)
+    assert not intake._triaging & {"*", ">"} and set(env.dispatcher.processors) == processors
+    await intake.route_stored()  # the sweep: what names no model ends, and leaves the stream
+    u = await _status(env.log, "alice.wild-1")
+    assert u.status is RequestStatus.ERROR and "names no model" in u.message, u
+    assert await _stored(env.log) == stored
+
+
 async def test_consumers_of_models_the_log_does_not_know_are_removed(env: Env) -> None:
     before = set(await _consumers(env.log))
     mk = await _register(env.log, "acme/known-model")

@@ -44,6 +44,7 @@ from schemas.subjects import (
     request_subject_parts,
     status_key,
     status_subject,
+    valid_model_token,
 )
 
 logger = structlog.get_logger("ndif.dispatcher")
@@ -67,6 +68,7 @@ class Intake:
     consumers: dict[str, asyncio.Task[None]] = field(default_factory=dict)  # model token -> its consume task
     _triaging: set[str] = field(default_factory=set)  # unknown model tokens whose requests are being looked at
     _unknown_seen: set[str] = field(default_factory=set)  # consumer names found unknown at the last sweep
+    _bad_seen: set[str] = field(default_factory=set)  # subject tokens that are no model's, said once (bounded)
 
     # ---- routing -----------------------------------------------------------------------------
 
@@ -85,6 +87,14 @@ class Intake:
         any other subject is triaged without one (a consumer per junk subject would never go away)."""
         if token in self.processors or self.bg.stopped:
             return
+        if not valid_model_token(token):
+            # Never a filter: `ndif.req.*.alice` published literally would make `*` one, and the
+            # triage would read (and, as on another model's subject, end) every model's requests.
+            if len(self._bad_seen) < 1000 and token not in self._bad_seen:
+                self._bad_seen.add(token)
+                logger.warning("request_subject_ignored", token=token[:80],
+                               why="not a model token: no consumer or triage reads it")
+            return
         if token in self.known_tokens():
             self.processor(token)
         elif token not in self._triaging:
@@ -98,11 +108,29 @@ class Intake:
             self.route(token)
 
     async def route_stored(self) -> None:
-        """Route every model subject that holds stored requests (no stream yet: nothing to route)."""
+        """Route every model subject that holds stored requests (no stream yet: nothing to route);
+        end those stored under a token that is no model's (nothing else would ever take them)."""
         for subject in await self.requests.stored_subjects():
             token, _ = request_subject_parts(subject)
-            if token:
+            if token and not valid_model_token(token):
+                await self._end_unroutable(subject)
+            elif token:
                 self.route(token)
+
+    async def _end_unroutable(self, subject: str, limit: int = 1000) -> None:
+        """End the requests stored on `subject` exactly, whose model token is no model's (`*` or `>`
+        published literally). Read with the subject as a filter, where its wildcard matches others
+        too: only exact matches are ended, at most `limit` a sweep."""
+        seq, seen = 0, 0
+        while seen < limit and not self.bg.stopped:
+            raw = await self.requests.next_stored(subject, seq)
+            if raw is None:
+                return
+            seq, seen = raw.seq, seen + 1
+            if raw.subject == subject:
+                _, user = request_subject_parts(raw.subject)
+                await self._refuse_stored(raw.seq, raw.data or b"", raw.headers, "InvalidCommand",
+                                          f"{subject[:200]!r} names no model (ndif.req.<model>.<user>)", user)
 
     # ---- triage of models the log does not know ----------------------------------------------
 
