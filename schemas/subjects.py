@@ -237,8 +237,11 @@ def consumed_request_subject(subject: str) -> bool:
     anyone may publish, say, `ndif.req.<mtok>.a.b.c`, which nothing would ever take."""
     parts = subject.split(".")
     if len(parts) == 5:
-        return parts[4].isdigit() and len(parts[4]) <= 2 and int(parts[4]) < REQUEST_PARTITIONS
+        return parts[4] in _PARTITION_TOKENS  # `5`, never `05` or a digit of another script
     return len(parts) in (3, 4)
+
+
+_PARTITION_TOKENS = frozenset(str(k) for k in range(REQUEST_PARTITIONS))
 
 
 @functools.lru_cache(maxsize=4096)

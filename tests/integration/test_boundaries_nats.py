@@ -143,7 +143,7 @@ async def test_a_request_on_a_subject_no_consumer_takes_asks_no_deployment_and_e
     consumers, processors, stored = await _consumers(env.log), set(env.dispatcher.processors), await _stored(env.log)
     model = canonical_model_key(f"nobody/tail-{uuid.uuid4().hex[:6]}")
     rids = []
-    for tail in ("alice.x", "alice.99", "alice.3.more"):
+    for tail in ("alice.x", "alice.99", "alice.3.more", "alice.05", "alice.\u00b2", "alice.\u0661"):
         rid = f"tail-{uuid.uuid4().hex[:8]}"
         rids.append(rid)
         await env.log.js.publish(f"{request_subject(model)}.{tail}", _body(rid, model), headers={"Nats-Msg-Id": rid})
