@@ -333,7 +333,7 @@ def operator_filters(model_key: str | None = None, replica_id: int | None = None
             out["replica decisions"] = replica_subject(model_key, replica_id)
             out["replica facts"] = f"{replica_subject(model_key, replica_id)}.*"
         out["requests"] = request_subject(model_key)  # an open server's (no users)
-        out["user requests"] = f"{request_subject(model_key)}.>"  # stored `ndif.req.<mtok>.<user>.<partition>`
+        out["user requests"] = f"{request_subject(model_key)}.>"  # every user's, stored `ndif.req.<mtok>.<user>.<k>`
     if node_id is not None:
         out["node events"] = node_subject(node_id)  # NodeLost (and NodeJoined stored before facts carried a source)
         out["node facts"] = node_facts_from(node_token(node_id))
