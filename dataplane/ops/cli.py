@@ -294,6 +294,13 @@ def queue_lines(state: dict[str, Any]) -> list[str]:
     return out
 
 
+# A request the server refuses to pass on (a client's credentials: `ndif queue` and `ndif kill` are
+# the admin's) reads as no answer, as does a dispatcher too busy to answer.
+_UNANSWERED = ("no dispatcher answered `ndif {verb}` within {s} s: these take the admin's credentials (a "
+               "client cancels its own request with the SDK's `Client.kill`), or the dispatcher is overloaded; "
+               "try again")
+
+
 async def _queue(a: argparse.Namespace) -> int:
     import json
 
@@ -304,6 +311,8 @@ async def _queue(a: argparse.Namespace) -> int:
         msg = await nc.request(DISPATCHER_STATE, b"", timeout=5)
     except nats_mod.errors.NoRespondersError:
         raise errs.InfrastructureError("no dispatcher is answering: start one (`ndif up` or `ndif dispatcher`)") from None
+    except nats_mod.errors.TimeoutError:
+        raise errs.InfrastructureTimeout(_UNANSWERED.format(verb="queue", s=5)) from None
     finally:
         await nc.close()
     state = json.loads(msg.data)
@@ -324,6 +333,8 @@ async def _kill(a: argparse.Namespace) -> int:
         msg = await nc.request(kill_subject(), a.request_id.encode(), timeout=10)
     except nats_mod.errors.NoRespondersError:
         raise errs.InfrastructureError("no dispatcher is answering: start one (`ndif up` or `ndif dispatcher`)") from None
+    except nats_mod.errors.TimeoutError:
+        raise errs.InfrastructureTimeout(_UNANSWERED.format(verb="kill", s=10)) from None
     finally:
         await nc.close()
     ans = json.loads(msg.data)

@@ -413,3 +413,25 @@ async def test_status_watch_redraws_on_a_tick_without_events(nats_server: Embedd
         out, _ = await proc.communicate()
     text = first.decode() + out.decode()
     assert text.count("cluster at seq") >= 3, text
+
+
+async def test_queue_and_kill_unanswered_say_why_in_one_line(nats_server: EmbeddedNats) -> None:
+    """A dispatcher that never answers (or a server that refuses to pass the request on, as for a
+    client's credentials) ends `ndif queue` / `ndif kill` with one `error:` line and exit 5, not a
+    traceback."""
+    import nats
+
+    async def silent(_: Any) -> None:  # hears, never answers
+        pass
+
+    nc = await nats.connect(nats_server.url)
+    try:
+        await nc.subscribe("ndif.dispatcher.state", cb=silent)
+        await nc.subscribe("ndif.dispatcher.kill", cb=silent)
+        await nc.flush()
+        for args in (["queue"], ["kill", "some-request"]):
+            ran = await ndif(nats_server.url, *args, timeout=60)
+            assert ran.rc == 5, (args, ran)
+            assert "Traceback" not in ran.err and "no dispatcher answered" in ran.err, (args, ran.err)
+    finally:
+        await nc.close()
