@@ -157,6 +157,8 @@ async def _command_on(a: argparse.Namespace, admin: AdminClient) -> int:
             print(f"error: placed {res.placed} of {res.asked} replica(s); the rest found no room "
                   "(free memory with `ndif evict` / `ndif scale-down`, or add nodes)", file=sys.stderr)
     if getattr(a, "wait", False) and res.replicas:
+        a.on_interrupt = (f"the {a.cmd} was appended (seq {res.first_seq}-{res.last_seq}) and the cluster carries it "
+                          "out without this wait; `ndif status` shows its replicas")
         state = await admin.wait(res, timeout=a.wait_timeout)
         rollout = next((e for _, e in [p async for p in admin.log.read(res.first_seq, stop_seq=res.last_seq)]
                         if isinstance(e, RolloutUpdated) and e.remaining), None) if a.cmd == "restart" else None
@@ -763,6 +765,10 @@ def main(argv: list[str] | None = None, extra: Callable[[Any], None] | None = No
         require(a.cmd)
         return asyncio.run(runner(a))
     except KeyboardInterrupt:
+        # Ctrl-C: say what was already done (a stored request runs on; an appended command stands),
+        # so that nobody takes the interruption for a cancellation.
+        note = getattr(a, "on_interrupt", None)
+        print(f"ndif: interrupted{': ' + note if note else ''}", file=sys.stderr)
         return 130
     except BrokenPipeError:
         # The reader went away (`ndif status | head`): not an error of ours. Quiet, and the exit

@@ -239,6 +239,8 @@ async def _submit(a: argparse.Namespace) -> int:
         raise errs.InvalidCommand(f"invalid request: {problem}")
     async with Client(a.nats) as c:
         job = await c.submit(a.model, payload)
+        a.on_interrupt = (f"request {job.request_id} is stored and runs without this wait; cancel it with the "
+                          "SDK's `Client.kill`, or read its outcome with `Client.job(...)`")
         t0 = time.perf_counter()
         if not a.json:
             print(f"request {job.request_id}", flush=True)

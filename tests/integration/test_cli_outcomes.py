@@ -435,3 +435,26 @@ async def test_queue_and_kill_unanswered_say_why_in_one_line(nats_server: Embedd
             assert "Traceback" not in ran.err and "no dispatcher answered" in ran.err, (args, ran.err)
     finally:
         await nc.close()
+
+
+async def test_ctrl_c_while_waiting_says_what_stands(nats_server: EmbeddedNats, log: JetStreamEventLog,
+                                                     tiny: Path) -> None:
+    """Ctrl-C in `ndif submit` (no dispatcher: it waits for statuses) ends with exit 130 and a line
+    that names the stored request, so nobody takes the interruption for a cancellation."""
+    import os
+    import signal
+    import sys
+
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "dataplane.ops.cli", "submit", str(tiny), "--prompt", "hi", "--nats", nats_server.url,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env={**os.environ})
+    assert proc.stdout is not None and proc.stderr is not None
+    first = (await asyncio.wait_for(proc.stdout.readline(), 60)).decode()
+    assert first.startswith("request "), first
+    rid = first.split()[1]
+    await asyncio.sleep(0.5)  # waiting for its statuses now
+    proc.send_signal(signal.SIGINT)
+    _, err = await asyncio.wait_for(proc.communicate(), 30)
+    assert proc.returncode == 130, (proc.returncode, err)
+    assert f"interrupted: request {rid} is stored" in err.decode(), err
+    assert "Traceback" not in err.decode(), err

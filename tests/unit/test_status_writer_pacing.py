@@ -118,3 +118,37 @@ async def test_a_read_behind_the_write_is_waited_out_and_an_unkept_terminal_stat
     monkeypatch.setattr(asyncio, "sleep", fast)  # the waits between tries, not their number, are cut
     with pytest.raises(S.InfrastructureError, match="delivered again"):
         await w.finish(q, R.COMPLETED, result=1)
+
+
+async def test_flush_publishes_now_and_keeps_the_order_with_the_outbox_task() -> None:
+    """`flush` sends what waits from the calling task (a replica call leaves a loop turn sooner);
+    with a publish that yields (a slow connection) the outbox task and a flush never interleave."""
+    sent: list[str] = []
+
+    async def slow_publish(subject: str, data: bytes, reply: str = "", headers: Any = None) -> None:
+        await asyncio.sleep(0.001)
+        sent.append(subject)
+
+    w = S.StatusWriter(slow_publish, MemoryStatusKV(), MemoryResults(), Background())  # type: ignore[arg-type]
+    for i in range(3):
+        w.send(f"s.{i}", b"")
+    flushing = asyncio.create_task(w.flush())
+    await asyncio.sleep(0)  # the flush is under way (inside a publish); more is sent meanwhile
+    for i in range(3, 6):
+        w.send(f"s.{i}", b"")
+    await w.flush()  # a drain is under way: it takes these too, in order
+    await flushing
+    await asyncio.sleep(0.02)
+    assert sent == [f"s.{i}" for i in range(6)]
+
+    fast: list[str] = []
+
+    async def publish(subject: str, data: bytes, reply: str = "", headers: Any = None) -> None:
+        fast.append(subject)
+
+    w = S.StatusWriter(publish, MemoryStatusKV(), MemoryResults(), Background())  # type: ignore[arg-type]
+    w.send("call", b"", "reply")
+    await w.flush()
+    assert fast == ["call"]  # sent before the outbox task ran
+    await asyncio.sleep(0)
+    assert fast == ["call"]  # and only once

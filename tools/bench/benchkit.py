@@ -5,6 +5,10 @@ Imported by the scripts beside it (`python tools/bench/<name>.py` puts this dire
 
 from __future__ import annotations
 
+import asyncio
+import json
+import sys
+from collections.abc import AsyncIterator
 from datetime import datetime
 from pathlib import Path
 from typing import Any, TypedDict
@@ -108,3 +112,56 @@ async def append_in_order(log: Any, events: list[Any]) -> None:
             run = []
         if ev is not None and is_fact_subject(event_subject(ev)):
             await log.append([ev], None)
+
+
+class Child:
+    """A process of the benchmark's own (`script` run with `args`, e.g. fairness.py `--client`): commands
+    and answers are JSON lines (`commands`, `answer` in the child). Times are `time.monotonic()`, one
+    clock for every process of the machine."""
+
+    def __init__(self, what: str, script: str, args: list[str]) -> None:
+        self.what = what
+        self.args = [sys.executable, script, *args]
+        self.proc: asyncio.subprocess.Process | None = None
+
+    async def start(self) -> Child:
+        self.proc = await asyncio.create_subprocess_exec(*self.args, stdin=asyncio.subprocess.PIPE,
+                                                         stdout=asyncio.subprocess.PIPE, limit=2**26)
+        await self.ask({"op": "ready"})
+        return self
+
+    async def ask(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        assert self.proc is not None and self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(json.dumps(cmd).encode() + b"\n")
+        await self.proc.stdin.drain()
+        line = await self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the {self.what} process ended (exit {await self.proc.wait()})")
+        out: dict[str, Any] = json.loads(line)
+        if out.get("failed"):
+            raise RuntimeError(f"{len(out['failed'])} {self.what} requests did not complete, e.g. {out['failed'][0]}")
+        return out
+
+    async def close(self) -> None:
+        if self.proc is not None and self.proc.returncode is None:
+            assert self.proc.stdin is not None
+            self.proc.stdin.close()
+            try:
+                await asyncio.wait_for(self.proc.wait(), 60)
+            except TimeoutError:
+                self.proc.kill()  # a child that hangs on its way out does not hang the benchmark
+                await self.proc.wait()
+
+
+async def commands() -> AsyncIterator[dict[str, Any]]:
+    """The JSON-line commands of a child process, from stdin."""
+    reader = asyncio.StreamReader(limit=2**26)
+    loop = asyncio.get_running_loop()
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+    while line := await reader.readline():
+        yield json.loads(line)
+
+
+def answer(out: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(out) + "\n")
+    sys.stdout.flush()

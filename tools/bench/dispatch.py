@@ -3,7 +3,9 @@
 One run, one machine, 2 no-op replicas (real ModelActors of a tiny checkpoint answering `echo`):
  (a) 1 request in flight: our path (SDK -> NDIF_REQUESTS -> dispatcher -> replica -> terminal
      status, exactly once) vs a raw Ray actor call on the same actors, in alternating blocks of 10:
-     added latency p50/p99;
+     added latency p50/p99. The SDK runs in a process of its own (`--client`), as a researcher's
+     does: not inside this Ray driver, whose threads slow every other thing of its process (the
+     same SDK inside it is measured too, as the extra `in_driver_*` figures);
  (b) 16 in flight: requests/s through our path vs Ray Serve (`serve.run` of a 2-replica no-op
      deployment, handle calls) vs raw pipelined Ray actor calls, in paired rounds (medians);
  (c) event-to-lanes: `ReplicaLoaded` appended -> the processor's lanes for it taking requests
@@ -32,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -42,13 +45,13 @@ from controlplane.service.logs import configure
 configure("ERROR")
 logging.getLogger("ray").setLevel(logging.ERROR)
 
-from benchkit import pct  # noqa: E402
+from benchkit import Child, answer, commands, pct  # noqa: E402
 
 from controlplane.ops.auth import LocalAuth, ensure_local  # noqa: E402
 from controlplane.ops.nats_server import EmbeddedNats  # noqa: E402
 from controlplane.service.controller import Controller  # noqa: E402
 from controlplane.store.admin import AdminClient  # noqa: E402
-from controlplane.store.credentials import Creds, creds_file  # noqa: E402
+from controlplane.store.credentials import Creds, creds_file, load_creds  # noqa: E402
 from controlplane.store.eventstore import JetStreamEventLog  # noqa: E402
 from dataplane.client import Client  # noqa: E402
 from dataplane.node.agent import NodeAgent, declared_gpus  # noqa: E402
@@ -63,11 +66,13 @@ from schemas.status import ReplicaState  # noqa: E402
 NOOP = {"op": "echo", "data": 1}
 
 
-async def single(c: Client, model: str, actors: list[Any], n: int, block: int = 10) -> tuple[list[float], list[float]]:
+async def single(ours_block: Callable[[int], Awaitable[list[float]]], actors: list[Any], n: int,
+                 block: int = 10) -> tuple[list[float], list[float]]:
     """1 in flight, our path and a raw Ray call in alternating blocks of `block` (paired: drift hits both
     alike). Not strictly one-one: a Ray call leaves this process and the replica busy for a while after
     it returns, and a NATS round trip right behind it takes ~2.5x as long (0.22 -> 0.55 ms measured
-    here), which would charge the raw call's aftermath to our path."""
+    here), which would charge the raw call's aftermath to our path. `ours_block(k)`: k requests one
+    after another, each one's time (ms)."""
     raw: list[float] = []
     ours: list[float] = []
     for i in range(n):
@@ -75,13 +80,28 @@ async def single(c: Client, model: str, actors: list[Any], n: int, block: int = 
             t0 = time.perf_counter()
             await actors[i % 2].__call__.remote(NOOP)
             raw.append((time.perf_counter() - t0) * 1000)
-        for _ in range(block):
-            t0 = time.perf_counter()
-            await c.run(model, NOOP, timeout=60)
-            ours.append((time.perf_counter() - t0) * 1000)
+        ours += await ours_block(block)
         if len(ours) >= n:
             break
     return raw, ours
+
+
+async def run_block(c: Client, model: str, k: int) -> list[float]:
+    """`k` requests through the SDK, one after another: each one's time in ms."""
+    out = []
+    for _ in range(k):
+        t0 = time.perf_counter()
+        await c.run(model, NOOP, timeout=60)
+        out.append((time.perf_counter() - t0) * 1000)
+    return out
+
+
+async def client_main(url: str, model: str, creds_path: str) -> None:
+    """The `--client` process: an SDK client (no Ray in this process), running blocks on command."""
+    creds = load_creds(Path(creds_path)) if creds_path else None
+    async with Client(url, creds=creds) as c:
+        async for cmd in commands():
+            answer({"ms": await run_block(c, model, cmd["n"])} if cmd["op"] == "run" else {})
 
 
 async def in_flight(call: Any, total: int, width: int = 16) -> float:
@@ -175,14 +195,29 @@ async def main(a: argparse.Namespace) -> dict[str, float]:
             inproc = await Dispatcher.from_url(url, creds=role("dispatcher")).start() if a.in_process else None
             try:
                 await warm()
-                raw, ours = await single(c, ckpt, actors, a.single)
+                # The SDK in a process of its own first (the figures), then inside this Ray driver (extras).
+                child = await Child("client", __file__, ["--client", url, ckpt, str(creds_file("client", name="bench", home=tmp / "home"))
+                                                         if auth else ""]).start()
+                try:
+                    await child.ask({"op": "run", "n": 50})  # its warm-up: its connection, its first requests
+
+                    async def child_block(k: int) -> list[float]:
+                        return list((await child.ask({"op": "run", "n": k}))["ms"])
+
+                    raw, ours = await single(child_block, actors, a.single)
+                finally:
+                    await child.close()
+                raw_d, ours_d = await single(lambda k: run_block(c, ckpt, k), actors, a.single)
+                out["in_driver_raw_ray_p50_ms"], out["in_driver_ours_p50_ms"] = pct(raw_d, 50), pct(ours_d, 50)
+                out["in_driver_p50_overhead_ms"] = pct(ours_d, 50) - pct(raw_d, 50)
                 out["raw_ray_p50_ms"], out["raw_ray_p99_ms"] = pct(raw, 50), pct(raw, 99)
                 out["ours_p50_ms"], out["ours_p99_ms"] = pct(ours, 50), pct(ours, 99)
                 out["p50_overhead_ms"] = out["ours_p50_ms"] - out["raw_ray_p50_ms"]
                 out["p99_overhead_ms"] = out["ours_p99_ms"] - out["raw_ray_p99_ms"]
                 print(f"(a) 1 in flight: raw Ray p50 {out['raw_ray_p50_ms']:.2f} / p99 {out['raw_ray_p99_ms']:.2f} "
                       f"ms; ours p50 {out['ours_p50_ms']:.2f} / p99 {out['ours_p99_ms']:.2f} ms; added p50 "
-                      f"{out['p50_overhead_ms']:.2f} ms, p99 {out['p99_overhead_ms']:.2f} ms", flush=True)
+                      f"{out['p50_overhead_ms']:.2f} ms, p99 {out['p99_overhead_ms']:.2f} ms; the SDK inside the Ray "
+                      f"driver: added p50 {out['in_driver_p50_overhead_ms']:.2f} ms", flush=True)
 
                 i = 0
 
@@ -225,7 +260,7 @@ async def main(a: argparse.Namespace) -> dict[str, float]:
                 disp_proc = dispatcher_process("ray")
                 try:
                     await warm()
-                    raw, ours = await single(c, ckpt, actors, a.single)
+                    raw, ours = await single(lambda k: run_block(c, ckpt, k), actors, a.single)
                 finally:
                     disp_proc.terminate()
                     disp_proc.wait(30)
@@ -263,6 +298,9 @@ async def main(a: argparse.Namespace) -> dict[str, float]:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--client"]:
+        asyncio.run(client_main(*sys.argv[2:5]))
+        sys.exit(0)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--requests", type=int, default=2000)
     p.add_argument("--single", type=int, default=400)

@@ -50,7 +50,6 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -62,7 +61,7 @@ from controlplane.service.logs import configure
 configure("ERROR")
 logging.getLogger("ray").setLevel(logging.ERROR)
 
-from benchkit import pct, tiny_model_stack  # noqa: E402
+from benchkit import Child, answer, commands, pct, tiny_model_stack  # noqa: E402
 
 from controlplane.core.fairness import FairnessPolicy  # noqa: E402
 from controlplane.service.controller import Controller  # noqa: E402
@@ -150,61 +149,9 @@ class Load:
                 await asyncio.sleep(0.05)
 
 
-class Child:
-    """A process of the benchmark's own (`--client` or `--dispatcher`): commands and answers are JSON
-    lines. Times are `time.monotonic()`, one clock for every process of the machine."""
-
-    def __init__(self, what: str, args: list[str]) -> None:
-        self.what = what
-        self.args = [sys.executable, __file__, *args]
-        self.proc: asyncio.subprocess.Process | None = None
-
-    async def start(self) -> Child:
-        self.proc = await asyncio.create_subprocess_exec(*self.args, stdin=asyncio.subprocess.PIPE,
-                                                         stdout=asyncio.subprocess.PIPE, limit=2**26)
-        await self.ask({"op": "ready"})
-        return self
-
-    async def ask(self, cmd: dict[str, Any]) -> dict[str, Any]:
-        assert self.proc is not None and self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.write(json.dumps(cmd).encode() + b"\n")
-        await self.proc.stdin.drain()
-        line = await self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"the {self.what} process ended (exit {await self.proc.wait()})")
-        out: dict[str, Any] = json.loads(line)
-        if out.get("failed"):
-            raise RuntimeError(f"{len(out['failed'])} {self.what} requests did not complete, e.g. {out['failed'][0]}")
-        return out
-
-    async def close(self) -> None:
-        if self.proc is not None and self.proc.returncode is None:
-            assert self.proc.stdin is not None
-            self.proc.stdin.close()
-            try:
-                await asyncio.wait_for(self.proc.wait(), 60)
-            except TimeoutError:
-                self.proc.kill()  # a child that hangs on its way out does not hang the benchmark
-                await self.proc.wait()
-
-
 def client_process(url: str, mk: str, user: str, new_tokens: int) -> Child:
     """One user's client in a process of its own."""
-    return Child(f"{user} client", ["--client", url, mk, user, str(new_tokens)])
-
-
-async def commands() -> AsyncIterator[dict[str, Any]]:
-    """The JSON-line commands of a child process, from stdin."""
-    reader = asyncio.StreamReader(limit=2**26)
-    loop = asyncio.get_running_loop()
-    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
-    while line := await reader.readline():
-        yield json.loads(line)
-
-
-def answer(out: dict[str, Any]) -> None:
-    sys.stdout.write(json.dumps(out) + "\n")
-    sys.stdout.flush()
+    return Child(f"{user} client", __file__, ["--client", url, mk, user, str(new_tokens)])
 
 
 async def nats_probe(log: JetStreamEventLog, n: int, gap_s: float) -> list[float]:
@@ -339,7 +286,7 @@ def idle_and_intake(timelines: list[list[list[Any]]], base: int, n: int) -> tupl
 
 
 def dispatcher_process(url: str, name: str, order: str, token: str, sample_ms: float) -> Child:
-    return Child(name, ["--dispatcher", url, name, order, token, ray_adapter.gcs_address(), str(sample_ms)])
+    return Child(name, __file__, ["--dispatcher", url, name, order, token, ray_adapter.gcs_address(), str(sample_ms)])
 
 
 async def start_dispatchers(url: str, order: str, load: Load, token: str, sample_ms: float) -> list[Child]:

@@ -337,6 +337,7 @@ class Intake:
             p.logger = p.logger.bind(model_key=mk)
             p.sync(queue_view(self.state, mk))
         p.enqueue(Pending(req, m, attempt=attempt))
+        await self.statuses.flush()  # the replica call it started (if a lane was free) goes out now
 
     # ---- held requests: kept alive, expired, killed ------------------------------------------
 

@@ -52,6 +52,7 @@ class StatusWriter:
         self._writes: dict[str, _Writes] = {}  # request id -> its status writes
         self._outbox: list[tuple[str, bytes, str, dict[str, str] | None]] = []
         self._outbox_task: asyncio.Task[None] | None = None
+        self._draining = False  # the outbox is being published (by its task or by `flush`)
         self._lazy: dict[str, float] = {}  # key -> when its QUEUED status may be kept (oldest first)
         self._pacer: asyncio.Task[None] | None = None
 
@@ -102,20 +103,36 @@ class StatusWriter:
             self._kv_put(u, data, terminal=False).add_done_callback(_retrieve)
 
     def send(self, subject: str, data: bytes, reply: str = "", headers: dict[str, str] | None = None) -> None:
-        """Publish without holding up the caller: in order, from one outbox task per loop turn."""
+        """Publish without holding up the caller: in order, from one outbox task per loop turn (or
+        sooner, from a task that calls `flush`)."""
         self._outbox.append((subject, data, reply, headers))
         if self._outbox_task is None:
             self._outbox_task = asyncio.create_task(self._flush_outbox())
             self.bg.track(self._outbox_task)
 
+    async def flush(self) -> None:
+        """Publish what waits in the outbox now, from the calling task: a request's replica call
+        leaves a loop turn sooner than from the outbox task. Order is kept: one drain at a time,
+        and a drain already under way takes what was added meanwhile."""
+        if self._outbox and not self._draining:
+            await self._drain()
+
     async def _flush_outbox(self) -> None:
+        try:
+            if not self._draining:
+                await self._drain()
+        finally:
+            self._outbox_task = None
+
+    async def _drain(self) -> None:
+        self._draining = True
         try:
             while self._outbox:
                 batch, self._outbox = self._outbox, []
                 for subject, data, reply, headers in batch:
                     await self.publish(subject, data, reply, headers)
         finally:
-            self._outbox_task = None
+            self._draining = False
 
     async def finish(self, p: Pending, status: RequestStatus, **kw: Any) -> bool:
         """The terminal status, written exactly once (CAS); then the request is acked.
