@@ -157,6 +157,30 @@ async def test_a_request_on_a_subject_no_consumer_takes_asks_no_deployment_and_e
     assert model not in (await env.admin.state()).models  # no deployment was asked for it
 
 
+async def test_many_new_model_names_at_once_are_triaged_a_bounded_number_at_a_time(env: Env) -> None:
+    """Every unknown model name starts a triage (reads of the stream, maybe a deployment asked for):
+    1,000 new names at once slowed another user's status from 0.28 to 2.03 s. At most MAX_TRIAGES run
+    at once; the names past it wait their turn (no sweep needed), and each still ends."""
+    di = env.dispatcher.intake
+    assert di is not None
+    stored, deferred = await _stored(env.log), di.triage_deferred
+    rids, most = [], 0
+    for i in range(3 * intake.MAX_TRIAGES):
+        model = canonical_model_key(f"nobody/many-{i}-{uuid.uuid4().hex[:6]}")
+        rid = f"many-{uuid.uuid4().hex[:8]}"
+        rids.append(rid)
+        await env.log.js.publish(request_subject(model), _body(rid, model), headers={"Nats-Msg-Id": rid})
+        most = max(most, len(di._triaging))
+    async with asyncio.timeout(60):
+        while await _stored(env.log) > stored:  # no sweep: the background one waits an hour here
+            most = max(most, len(di._triaging))
+            await asyncio.sleep(0.05)
+    assert most <= intake.MAX_TRIAGES and di.triage_deferred > deferred, (most, di.triage_deferred)
+    for rid in rids:
+        u = await _status(env.log, rid, timeout=30)
+        assert u.status is RequestStatus.ERROR, u
+
+
 async def test_a_wildcard_published_as_a_model_token_reads_no_other_models_requests(env: Env) -> None:
     """NATS delivers a publish on `ndif.req.*.alice` literally, and a client's grant `ndif.req.*.alice`
     allows it. Its `*` taken as a model token would be a filter over every model's stored requests:

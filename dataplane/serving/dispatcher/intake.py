@@ -49,6 +49,12 @@ from schemas.subjects import (
 
 logger = structlog.get_logger("ndif.dispatcher")
 R = RequestStatus
+# Unknown model names looked at at once (each reads the stream and may ask the controller for a
+# deployment): a thousand new names at once made another user's status wait 2 s. One past this waits
+# its turn (taken as a triage ends); past MAX_TRIAGE_WAITING waiting, it is left to the sweep
+# (`route_stored`, level-triggered), which routes every subject holding requests again.
+MAX_TRIAGES = 16
+MAX_TRIAGE_WAITING = 10_000
 UNKNOWN_CONSUMER_SWEEP_S = 10.0  # consumers of models the log does not know are deleted this often
 KNOWN_GRACE_S = 10.0  # a processor made as its model was deployed waits this long for the fold to show it
 MAX_HELD = 10_000  # queued requests a processor holds; the rest wait in the stream (for other dispatchers)
@@ -67,6 +73,8 @@ class Intake:
     queue_lifetime_s: float
     consumers: dict[str, asyncio.Task[None]] = field(default_factory=dict)  # model token -> its consume task
     _triaging: set[str] = field(default_factory=set)  # unknown model tokens whose requests are being looked at
+    _triage_waiting: dict[str, None] = field(default_factory=dict)  # tokens waiting for a triage, oldest first
+    triage_deferred: int = 0  # unknown tokens that waited because MAX_TRIAGES were under way
     _unknown_seen: set[str] = field(default_factory=set)  # consumer names found unknown at the last sweep
     _bad_seen: set[str] = field(default_factory=set)  # subject tokens that are no model's, said once (bounded)
 
@@ -98,6 +106,11 @@ class Intake:
         if token in self.known_tokens():
             self.processor(token)
         elif token not in self._triaging:
+            if len(self._triaging) >= MAX_TRIAGES:
+                if token not in self._triage_waiting and len(self._triage_waiting) < MAX_TRIAGE_WAITING:
+                    self._triage_waiting[token] = None
+                    self.triage_deferred += 1
+                return  # its requests stay stored meanwhile
             self._triaging.add(token)
             self.bg.spawn(self._triage(token))
 
@@ -145,6 +158,10 @@ class Intake:
                 await self._triage_subject(token, subject)
         finally:
             self._triaging.discard(token)
+            while self._triage_waiting and len(self._triaging) < MAX_TRIAGES and not self.bg.stopped:
+                nxt = next(iter(self._triage_waiting))
+                del self._triage_waiting[nxt]
+                self.route(nxt)
 
     async def _triage_subject(self, token: str, subject: str) -> None:
         seq = 0
