@@ -215,6 +215,13 @@ def request_consumer_token(name: str) -> str | None:
     return m.group(2) if m and int(m.group(1)) < REQUEST_PARTITIONS else None
 
 
+def request_consumer_partition(name: str) -> int | None:
+    """The user partition a request consumer reads (`part<k>-<mtok>`: k); None for `proc-<mtok>`
+    (userless requests, and those stored unpartitioned) and any other name."""
+    m = _PARTITION_CONSUMER.match(name)
+    return int(m.group(1)) if m and int(m.group(1)) < REQUEST_PARTITIONS else None
+
+
 def request_consumers(model_tok: str) -> dict[str, list[str]]:
     """Every durable consumer of one model's requests, name -> its filter subjects: the userless and
     unpartitioned ones first, then each partition's. Their filters do not overlap (a work queue's may not)."""

@@ -34,6 +34,7 @@ from schemas.subjects import (
     REQUESTS_ALL,
     REQUESTS_STREAM,
     RESULTS_BUCKET,
+    request_consumer_partition,
     request_consumer_token,
     request_consumers,
     results_bucket,
@@ -86,7 +87,7 @@ class JetStreamRequests:
             if exc.err_code != NO_MESSAGE_FOUND:  # deleted already (by another dispatcher's triage)
                 raise
 
-    async def consume(self, token: str, on_delivery: OnDelivery, hold: Callable[[], bool]) -> None:
+    async def consume(self, token: str, on_delivery: OnDelivery, hold: Callable[[int | None], bool]) -> None:
         """The model's durable consumers (`proc-<mtok>` and one per user partition), made or
         corrected here, pulled at once: one partition's burst is not read ahead of another's
         requests. Ends (raises) when any of them is lost; the caller makes them again."""
@@ -100,8 +101,10 @@ class JetStreamRequests:
         try:
             async with asyncio.TaskGroup() as tg:
                 for durable in consumers:
-                    # `hold` is looked at again every heartbeat of the pull.
-                    pull = PullConsumer(self.nc, REQUESTS_STREAM, durable, on_msg, batch=self.fetch_batch, hold=hold)
+                    # `hold` is looked at again every heartbeat of the pull, for the consumer's partition.
+                    part = request_consumer_partition(durable)
+                    pull = PullConsumer(self.nc, REQUESTS_STREAM, durable, on_msg, batch=self.fetch_batch,
+                                        hold=lambda part=part: hold(part))  # type: ignore[misc]
                     tg.create_task(pull.run(), name=f"pull-{durable}")
         except ExceptionGroup as eg:
             # One consumer lost (deleted, the connection gone): the caller decides whether to make

@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable
 from dataplane.serving.ports import Deploy, OnDelivery, RevisionMoved, ServingPorts, StoredRequest
 from schemas.requests import Request, StatusUpdate, encode_request, status_decoder
 from schemas.subjects import (
+    request_consumer_partition,
     request_consumers,
     request_subject,
     status_key,
@@ -23,7 +24,7 @@ from schemas.subjects import (
 )
 
 _ACK_PREFIX = "$MEM.ACK."
-_POLL_S = 0.05  # a consumer that holds (`hold()` True) looks again this often
+_POLL_S = 0.05  # a consumer that holds (`hold(k)` True) looks again this often
 
 
 class MemoryDelivery:
@@ -96,7 +97,7 @@ class MemoryRequests:
     async def delete(self, seq: int) -> None:
         self.stored.pop(seq, None)
 
-    async def consume(self, token: str, on_delivery: OnDelivery, hold: Callable[[], bool]) -> None:
+    async def consume(self, token: str, on_delivery: OnDelivery, hold: Callable[[int | None], bool]) -> None:
         delivered = self._consumers.setdefault(token, set())
         filters = request_consumers(token)
         while True:
@@ -111,10 +112,12 @@ class MemoryRequests:
                 name = next((n for n, fs in filters.items() if any(subject_matches(subject, f) for f in fs)), None)
                 if name is not None:
                     lanes.setdefault(name, []).append(seq)
-            order = [seq for row in itertools.zip_longest(*lanes.values()) for seq in row if seq is not None]
-            for seq in order:
-                if hold():
-                    break
+            part = {name: request_consumer_partition(name) for name in lanes}
+            rows = [[(seq, name) for seq in seqs] for name, seqs in lanes.items()]
+            order = [x for row in itertools.zip_longest(*rows) for x in row if x is not None]
+            for seq, name in order:
+                if hold(part[name]):
+                    continue  # this consumer holds; the others go on
                 stored = self.stored.get(seq)
                 if stored is None or seq in delivered:
                     continue

@@ -91,11 +91,12 @@ class RequestStream(Protocol):
         """Drop a stored request (nothing when it is gone already)."""
         ...
 
-    async def consume(self, token: str, on_delivery: OnDelivery, hold: Callable[[], bool]) -> None:
+    async def consume(self, token: str, on_delivery: OnDelivery, hold: Callable[[int | None], bool]) -> None:
         """Hand the model's requests to `on_delivery` as they are stored, through its durable
         consumers (made here if missing; one per user partition, each user's requests in order);
-        no new ones while `hold()` is True. Runs until cancelled, or raises when a consumer or the
-        connection is lost (the caller makes them again)."""
+        none of a consumer's while `hold(k)` is True for its partition k (None: the userless one).
+        Runs until cancelled, or raises when a consumer or the connection is lost (the caller
+        makes them again)."""
         ...
 
     async def consumer_tokens(self) -> list[str]:

@@ -140,7 +140,7 @@ async def test_a_models_consumer_delivers_its_requests_and_an_ack_takes_one_out(
     async def on_delivery(m: Delivery, attempt: int) -> None:
         got.append((m, attempt))
 
-    task = asyncio.create_task(impl.requests.consume(tok, on_delivery, hold=lambda: False))
+    task = asyncio.create_task(impl.requests.consume(tok, on_delivery, hold=lambda _k: False))
     try:
         await until(lambda: len(got) == 2, timeout=10)
         assert sorted((m.data, a) for m, a in got) == [(b"1", 1), (b"2", 1)]  # its own only, first delivery
@@ -176,7 +176,7 @@ async def test_a_users_request_is_not_read_after_a_burst_stored_before_it_by_ano
         got.append(m.data)
         await m.ack()
 
-    task = asyncio.create_task(impl.requests.consume(tok, on_delivery, hold=lambda: False))
+    task = asyncio.create_task(impl.requests.consume(tok, on_delivery, hold=lambda _k: False))
     try:
         await until(lambda: len(got) == burst + 1, timeout=30)
     finally:
@@ -197,3 +197,32 @@ async def test_the_stream_stores_each_user_under_the_partition_the_code_computes
         await impl.publish_request(f"ndif.req.{tok}.{u}", b"x")
     stored = set(await impl.requests.stored_subjects())
     assert {f"ndif.req.{tok}.{u}.{request_partition(u)}" for u in users} <= stored
+
+
+async def test_a_held_partition_is_not_read_while_the_others_are(impl: Impl) -> None:
+    """`hold(k)` stops one user partition's consumer, not the model's: a dispatcher full of two floods
+    still reads a third user's requests."""
+    tok = model_token(f"m-{uuid.uuid4().hex[:6]}")
+    heavy, light = "heavy", next(u for u in (f"u{i}" for i in range(100))
+                                 if request_partition(u) != request_partition("heavy"))
+    for i in range(20):
+        await impl.publish_request(f"ndif.req.{tok}.{heavy}", b"h%d" % i)
+    await impl.publish_request(f"ndif.req.{tok}.{light}", b"light")
+    got: list[bytes] = []
+    held = {request_partition(heavy)}
+
+    async def on_delivery(m: Delivery, attempt: int) -> None:
+        got.append(m.data)
+        await m.ack()
+
+    task = asyncio.create_task(impl.requests.consume(tok, on_delivery, hold=lambda k: k in held))
+    try:
+        await until(lambda: b"light" in got, timeout=10)
+        await asyncio.sleep(0.3)
+        assert got == [b"light"], got  # the held partition's requests were not read
+        held.clear()
+        await until(lambda: len(got) == 21, timeout=20)  # read once the hold ends (the next pull, heartbeat)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await impl.requests.delete_consumer(tok)

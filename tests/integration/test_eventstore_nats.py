@@ -273,7 +273,7 @@ async def test_a_request_stream_made_before_partitions_is_migrated_and_loses_no_
                 await m.ack()
 
             requests = JetStreamRequests(log.nc, log.js, ack_wait_s=5.0, fetch_batch=8)
-            task = asyncio.create_task(requests.consume(tok, on_delivery, hold=lambda: False))
+            task = asyncio.create_task(requests.consume(tok, on_delivery, hold=lambda _k: False))
             try:
                 async with asyncio.timeout(10):
                     while len(got) < 2 or (await log.js.stream_info(REQUESTS_STREAM)).state.messages:

@@ -17,11 +17,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from typing import Any
 
 import msgspec
 import structlog
 from nats.aio.msg import Msg
 
+from controlplane.core.fairness import RequestQueue
 from controlplane.core.projections import ClusterState
 from controlplane.core.projections.queue import queue_view
 from controlplane.store.credentials import msg_id_problem
@@ -36,11 +38,13 @@ from schemas.keys import canonical_model_key, display_name
 from schemas.requests import MAX_REQUEST_BYTES, Request, check_request_id, decode_request
 from schemas.status import RequestStatus
 from schemas.subjects import (
+    REQUEST_PARTITIONS,
     consumed_request_subject,
     model_token,
     request_consumer,
     request_consumer_token,
     request_filters,
+    request_partition,
     request_subject_parts,
     status_key,
     status_subject,
@@ -57,7 +61,12 @@ MAX_TRIAGES = 16
 MAX_TRIAGE_WAITING = 10_000
 UNKNOWN_CONSUMER_SWEEP_S = 10.0  # consumers of models the log does not know are deleted this often
 KNOWN_GRACE_S = 10.0  # a processor made as its model was deployed waits this long for the fold to show it
-MAX_HELD = 10_000  # queued requests a processor holds; the rest wait in the stream (for other dispatchers)
+# Queued requests a processor holds before it stops reading its heavier user partitions (the rest
+# wait in the stream, for other dispatchers). A partition holding fewer than its share is still read
+# then, so that two users at their queue limit do not stop a third user's requests from being read;
+# what it holds is bounded all the same (MAX_HELD plus a share per partition).
+MAX_HELD = 10_000
+HELD_SHARE = MAX_HELD // REQUEST_PARTITIONS
 
 
 @dataclass(kw_only=True, eq=False)
@@ -287,7 +296,7 @@ class Intake:
                     # Removed (undeployed): never make a consumer for a model the log does not know.
                     self.bg.spawn(self.remove_model(p.token, reason="the model is no longer deployed"))
                     return
-                await self.requests.consume(p.token, on_delivery, hold=lambda: len(p.queue) >= MAX_HELD)
+                await self.requests.consume(p.token, on_delivery, hold=lambda k: holding(p.queue, k))
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - NATS away or consumer gone: make it again
@@ -444,3 +453,13 @@ def _id_of(data: bytes, headers: dict[str, str] | None) -> str | None:
         header = (headers or {}).get("Nats-Msg-Id", "")
         rid = _valid_id(header.rsplit(".", 1)[-1]) if isinstance(header, str) else None
     return rid
+
+
+def holding(queue: RequestQueue[Any], partition: int | None) -> bool:
+    """Stop reading the consumer of user partition `partition` (None: the userless one) for now?
+    Only when the processor holds MAX_HELD queued requests, and then only a partition holding its
+    share (HELD_SHARE) or more of them: a light user's requests are still read behind two floods."""
+    if len(queue) < MAX_HELD:
+        return False
+    mine = sum(q for u, (q, _) in queue.users().items() if (request_partition(u) if u else None) == partition)
+    return mine >= HELD_SHARE
