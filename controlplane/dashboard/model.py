@@ -471,7 +471,7 @@ def _name(model_key: str) -> str:
 
 def _block(r: ReplicaView, nbytes: int) -> dict[str, Any]:
     return {"model_key": r.model_key, "name": _name(r.model_key), "replica_id": r.replica_id, "bytes": nbytes,
-            "level": r.level.value, "state": r.state.value}
+            "level": str(r.level), "state": str(r.state)}  # (str() of a StrEnum: its value, without the property)
 
 
 def _block_order(b: dict[str, Any]) -> tuple[str, int, int]:
@@ -544,20 +544,26 @@ def model_json(state: ClusterState, model_key: str) -> dict[str, Any]:
     rs = state.model_replicas(model_key)
     by_state: dict[str, int] = {}
     by_level: dict[str, int] = {}
-    for r in rs:
-        by_state[str(r.state)] = by_state.get(str(r.state), 0) + 1
-        by_level[str(r.level)] = by_level.get(str(r.level), 0) + 1
-    # What placement charged each replica: its bytes on each of its cards, summed (the latest placement).
-    placed = [r for r in rs if r.gpu_indices]
-    charge = placed[-1].bytes_per_gpu * len(placed[-1].gpu_indices) if placed else None
+    rows = []
+    hot = 0
+    charge = None  # what placement charged each replica: its bytes on each of its cards, summed (the latest placement)
+    for r in rs:  # one pass, each view's level read once: the page's first load and every past position build this
+        st, lv = str(r.state), str(r.level)
+        by_state[st] = by_state.get(st, 0) + 1
+        by_level[lv] = by_level.get(lv, 0) + 1
+        if r.desired is Level.HOT:
+            hot += 1
+        if r.gpu_indices:
+            charge = r.bytes_per_gpu * len(r.gpu_indices)
+        rows.append({"replica_id": r.replica_id, "state": st, "level": lv, "desired": str(r.desired),
+                     "node_id": r.node_id, "gpu_indices": list(r.gpu_indices), "since_seq": r.since_seq,
+                     "restarts": r.restarts, "error": r.error})
     return {"model_key": model_key, "name": _name(model_key),
             "status": str(state.model_status(model_key)), "target_hot": m.target_hot if m else 0,
-            "replica_count": sum(1 for r in rs if r.desired is Level.HOT), "dedicated": bool(m and m.dedicated),
+            "replica_count": hot, "dedicated": bool(m and m.dedicated),
             "size_bytes": m.registration.size_bytes if m and m.registration else None,
             "charge_per_replica_bytes": charge, "by_state": by_state, "by_level": by_level,
-            "replicas": [{"replica_id": r.replica_id, "state": str(r.state), "level": str(r.level),
-                          "desired": str(r.desired), "node_id": r.node_id, "gpu_indices": list(r.gpu_indices),
-                          "since_seq": r.since_seq, "restarts": r.restarts, "error": r.error} for r in rs],
+            "replicas": rows,
             "last_rejection": ({"seq": m.last_rejection.seq, "reason": m.last_rejection.reason,
                                 "replicas": m.last_rejection.replicas}
                                if m and m.last_rejection else None)}
