@@ -26,6 +26,7 @@ from controlplane.core.projections import ClusterState
 from controlplane.core.projections.replica import ReplicaView
 from controlplane.dashboard.detail import event_detail
 from controlplane.dashboard.series import MAX_KEPT, PHASES, LogSeries, phase
+from controlplane.dashboard.views import Block, Card, Held, Node, ReplicaRow
 from controlplane.store.admin import resolve_name
 from controlplane.store.history import Row, left_row
 from schemas import errors as errs
@@ -454,7 +455,7 @@ def touched(state_before: ClusterState, item: Item) -> tuple[set[str], set[str]]
     return nodes, models
 
 
-# ---- views: what the page draws, as plain JSON-ready dicts ---------------------------------------
+# ---- views: what the page draws, as JSON-ready dicts and structs (views.py) -----------------------
 
 
 def replica_json(r: ReplicaView) -> dict[str, Any]:
@@ -469,22 +470,22 @@ def _name(model_key: str) -> str:
     return display_name(model_key)
 
 
-def _block(r: ReplicaView, nbytes: int) -> dict[str, Any]:
-    return {"model_key": r.model_key, "name": _name(r.model_key), "replica_id": r.replica_id, "bytes": nbytes,
-            "level": r.level.value, "state": r.state.value}
+def _block(r: ReplicaView, nbytes: int) -> Block:
+    # (str() of a StrEnum: its value, without the property)
+    return Block(r.model_key, _name(r.model_key), r.replica_id, nbytes, str(r.level), str(r.state))
 
 
-def _block_order(b: dict[str, Any]) -> tuple[str, int, int]:
-    return (b["model_key"], b["replica_id"], b["bytes"])  # the order of `CardUsage.replicas`
+def _block_order(b: Block) -> tuple[str, int, int]:
+    return (b.model_key, b.replica_id, b.bytes)  # the order of `CardUsage.replicas`
 
 
-def nodes_json(state: ClusterState) -> list[dict[str, Any]]:
+def nodes_json(state: ClusterState) -> list[Node]:
     """Every node's view (`node_json` of each, sorted by node id) in one pass over the replicas.
 
     The page's first load and every timeline position build this for the whole cluster, so it
     avoids `node_cards` (a pass over each card's replicas per card) and sorts only shared cards.
     """
-    on_card: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    on_card: dict[tuple[str, int], list[Block]] = {}
     warm: dict[str, list[tuple[tuple[str, int], int]]] = {}
     for key, r in state.replicas.items():
         if r.on_gpu:
@@ -504,39 +505,31 @@ def nodes_json(state: ClusterState) -> list[dict[str, Any]]:
         for gpu in node.gpus:
             blocks = on_card.get((node_id, gpu.index))
             if blocks is None:
-                cards.append({"index": gpu.index, "total_bytes": gpu.memory_bytes, "reserved_bytes": 0,
-                              "used_bytes": 0, "replicas": []})
+                cards.append(Card(gpu.index, gpu.memory_bytes, 0, 0, []))
                 continue
             if len(blocks) > 1:
                 blocks.sort(key=_block_order)
             reserved = used = 0
             for x in blocks:
-                reserved += x["bytes"]
-                if x["level"] == "HOT":
-                    used += x["bytes"]
-            cards.append({"index": gpu.index, "total_bytes": gpu.memory_bytes, "reserved_bytes": reserved,
-                          "used_bytes": used, "replicas": blocks})
+                reserved += x.bytes
+                if x.level == "HOT":
+                    used += x.bytes
+            cards.append(Card(gpu.index, gpu.memory_bytes, reserved, used, blocks))
         held = sorted(warm[node_id]) if node_id in warm else []
-        w = [{"model_key": mk, "name": _name(mk), "replica_id": rid, "bytes": nb} for (mk, rid), nb in held]
-        out.append({"node_id": node_id, "alive": node.alive, "hostname": node.hostname, "since_seq": node.since_seq,
-                    "cpu_cache_bytes": node.cpu_cache_bytes, "cpu_cached_bytes": sum(nb for _, nb in held),
-                    "warm": w, "gpus": cards})
+        w = [Held(mk, _name(mk), rid, nb) for (mk, rid), nb in held]
+        out.append(Node(node_id, node.alive, node.hostname, node.since_seq, node.cpu_cache_bytes,
+                        sum(nb for _, nb in held), w, cards))
     return out
 
 
-def node_json(state: ClusterState, node_id: str) -> dict[str, Any]:
+def node_json(state: ClusterState, node_id: str) -> Node:
     node = state.nodes[node_id]
     reps = state.replicas
-    cards = []
-    for c in state.node_cards(node_id):
-        blocks = [_block(reps[(mk, rid)], b) for mk, rid, b in c.replicas]
-        cards.append({"index": c.index, "total_bytes": c.total_bytes, "reserved_bytes": c.reserved_bytes,
-                      "used_bytes": c.used_bytes, "replicas": blocks})
-    warm = [{"model_key": mk, "name": _name(mk), "replica_id": rid, "bytes": b}
-            for (mk, rid), b in sorted(state.cpu_replicas(node_id).items())]
-    return {"node_id": node_id, "alive": node.alive, "hostname": node.hostname, "since_seq": node.since_seq,
-            "cpu_cache_bytes": node.cpu_cache_bytes, "cpu_cached_bytes": sum(w["bytes"] for w in warm),
-            "warm": warm, "gpus": cards}
+    cards = [Card(c.index, c.total_bytes, c.reserved_bytes, c.used_bytes,
+                  [_block(reps[(mk, rid)], b) for mk, rid, b in c.replicas]) for c in state.node_cards(node_id)]
+    warm = [Held(mk, _name(mk), rid, b) for (mk, rid), b in sorted(state.cpu_replicas(node_id).items())]
+    return Node(node_id, node.alive, node.hostname, node.since_seq, node.cpu_cache_bytes,
+                sum(w.bytes for w in warm), warm, cards)
 
 
 def model_json(state: ClusterState, model_key: str) -> dict[str, Any]:
@@ -544,20 +537,25 @@ def model_json(state: ClusterState, model_key: str) -> dict[str, Any]:
     rs = state.model_replicas(model_key)
     by_state: dict[str, int] = {}
     by_level: dict[str, int] = {}
-    for r in rs:
-        by_state[str(r.state)] = by_state.get(str(r.state), 0) + 1
-        by_level[str(r.level)] = by_level.get(str(r.level), 0) + 1
-    # What placement charged each replica: its bytes on each of its cards, summed (the latest placement).
-    placed = [r for r in rs if r.gpu_indices]
-    charge = placed[-1].bytes_per_gpu * len(placed[-1].gpu_indices) if placed else None
+    rows: list[ReplicaRow] = []
+    hot = 0
+    charge = None  # what placement charged each replica: its bytes on each of its cards, summed (the latest placement)
+    for r in rs:  # one pass, each view's level read once: the page's first load and every past position build this
+        st, lv = str(r.state), str(r.level)
+        by_state[st] = by_state.get(st, 0) + 1
+        by_level[lv] = by_level.get(lv, 0) + 1
+        if r.desired is Level.HOT:
+            hot += 1
+        if r.gpu_indices:
+            charge = r.bytes_per_gpu * len(r.gpu_indices)
+        rows.append(ReplicaRow(r.replica_id, st, lv, str(r.desired), r.node_id, list(r.gpu_indices), r.since_seq,
+                               r.restarts, r.error))
     return {"model_key": model_key, "name": _name(model_key),
             "status": str(state.model_status(model_key)), "target_hot": m.target_hot if m else 0,
-            "replica_count": sum(1 for r in rs if r.desired is Level.HOT), "dedicated": bool(m and m.dedicated),
+            "replica_count": hot, "dedicated": bool(m and m.dedicated),
             "size_bytes": m.registration.size_bytes if m and m.registration else None,
             "charge_per_replica_bytes": charge, "by_state": by_state, "by_level": by_level,
-            "replicas": [{"replica_id": r.replica_id, "state": str(r.state), "level": str(r.level),
-                          "desired": str(r.desired), "node_id": r.node_id, "gpu_indices": list(r.gpu_indices),
-                          "since_seq": r.since_seq, "restarts": r.restarts, "error": r.error} for r in rs],
+            "replicas": rows,
             "last_rejection": ({"seq": m.last_rejection.seq, "reason": m.last_rejection.reason,
                                 "replicas": m.last_rejection.replicas}
                                if m and m.last_rejection else None)}

@@ -28,6 +28,7 @@ from aiohttp import web
 from nats.aio.client import Client as NatsClient
 
 from controlplane.core.ports import EventLog
+from controlplane.core.projections import ClusterState
 from controlplane.dashboard.door import TOKEN_QUERY, Door, StreamSlots, add_security_headers, door_middleware
 from controlplane.dashboard.metrics import registry_for
 from controlplane.dashboard.model import (
@@ -48,6 +49,7 @@ from controlplane.dashboard.sampler import QueueSamples
 from controlplane.service.follow import follow_log
 from controlplane.service.parts import Connect, Parts, connect_url, given, start_or_stop
 from controlplane.service.tasks import cancel_and_wait
+from controlplane.store.collector import collector_paused
 from controlplane.store.credentials import JS_API, Creds
 from controlplane.store.rebuild import newest_snapshot
 from schemas import errors as errs
@@ -379,17 +381,28 @@ class Dashboard:
         until = request.query.get("until")
         m = self.model
         if until is None or until == "" or until == "live":
-            return _json(state_json(m.live, last_seq=m.seq, live=True))
+            return self._state_response(m.live, None)
         if len(until) > 64:
             raise BadQuery("until is too long (a sequence number or an ISO time)")
         assert self.past is not None
         seq, st = await self.past.at(m.parse_until(until))
-        body = state_json(st, last_seq=m.seq, live=seq >= m.seq)
-        body["seq"] = seq
-        # Queue figures are not in the log: those this dashboard sampled at that time, or null.
-        t = body["ts"]
-        body["queues_at"] = self.samples.at(t) if t is not None and seq < m.seq else None
-        return _json(body)
+        return self._state_response(st, seq)
+
+    def _state_response(self, st: ClusterState, seq: int | None) -> web.Response:
+        """The page's whole state, live (`seq` None) or at a past `seq`: built and encoded with the
+        collector paused (tens of thousands of dicts, no cycles: controlplane/store/collector.py),
+        and freed before it resumes."""
+        m = self.model
+        with collector_paused():
+            body = state_json(st, last_seq=m.seq, live=seq is None or seq >= m.seq)
+            if seq is not None:
+                body["seq"] = seq
+                # Queue figures are not in the log: those this dashboard sampled at that time, or null.
+                t = body["ts"]
+                body["queues_at"] = self.samples.at(t) if t is not None and seq < m.seq else None
+            data = _enc.encode(body)
+            del body
+        return web.Response(body=data, content_type="application/json")
 
     async def _events(self, request: web.Request) -> web.StreamResponse:
         q = request.query

@@ -72,6 +72,34 @@ class TooManyResults(InfrastructureError):
     """A `multi_last` get matched more subjects than the server answers in one go (status 413)."""
 
 
+_SEQUENCE = b"\r\nNats-Sequence:"
+_SUBJECT = b"\r\nNats-Subject:"
+_HEADER_LINE = len(b"NATS/1.0")
+
+
+def raw_status(headers: bytes | None) -> str | None:
+    """The inline status of a raw header block (`NATS/1.0 204 EOB`), as nats-py's `Status` header
+    reads it: the three characters after the version line's space, when they are digits."""
+    if not headers or headers[_HEADER_LINE:_HEADER_LINE + 1] != b" ":
+        return None
+    status = headers[_HEADER_LINE + 1:_HEADER_LINE + 4].strip().decode("ascii", "replace")
+    return status if status.isdigit() else None
+
+
+def raw_header(headers: bytes | None, line_start: bytes) -> bytes | None:
+    """The value (stripped) of the last header line beginning `line_start` (b"\r\nName:") in a raw
+    header block; None when there is none. The last one, as in nats-py's header dict: a direct get's
+    answer carries the stored message's own headers, then the server's (Nats-Sequence, Nats-Subject)."""
+    if not headers:
+        return None
+    i = headers.rfind(line_start)
+    if i < 0:
+        return None
+    start = i + len(line_start)
+    end = headers.find(b"\r\n", start)
+    return headers[start:end if end >= 0 else len(headers)].strip()
+
+
 async def direct_batch(nc: Any, stream: str, seq: int, batch: int = MAX_BATCH, *, next_by_subj: str | None = None,
                        multi_last: str | None = None, timeout: float = 5.0, api: str = JS_API) -> list[DirectMsg]:
     """Up to `batch` messages of `stream` from `seq` on (of `next_by_subj` only, if given); [] when none.
@@ -87,17 +115,24 @@ async def direct_batch(nc: Any, stream: str, seq: int, batch: int = MAX_BATCH, *
     out: list[DirectMsg] = []
     done: asyncio.Future[str] = asyncio.get_running_loop().create_future()
 
-    async def on_msg(m: Any) -> None:
-        h = m.headers or {}
-        status = h.get("Status")
+    def on_msg(headers: bytes | None, data: bytes) -> None:
+        status = raw_status(headers)
         if status:
             if not done.done():
-                done.set_result(str(status))
+                done.set_result(status)
             return
-        out.append(DirectMsg(seq=int(h.get("Nats-Sequence", "0")), subject=h.get("Nats-Subject", ""), data=m.data))
+        seq = raw_header(headers, _SEQUENCE)
+        try:
+            n = int(seq) if seq is not None else 0
+        except ValueError:
+            return  # not a stream's message: the batch ends short, and the reader asks on from its last
+        subject = raw_header(headers, _SUBJECT)
+        out.append(DirectMsg(seq=n, subject=subject.decode("utf-8", "replace") if subject is not None else "", data=data))
 
     inbox = nc.new_inbox()
-    sub = await nc.subscribe(inbox, cb=on_msg)
+    # Raw: the answer's messages go from the parser to `on_msg` with no per-message Msg, header
+    # dict, queue or coroutine (controlplane/store/eventstore/connection.py, NdifNatsClient).
+    sub = await nc.subscribe_raw(inbox, on_msg)
     try:
         await nc.publish(f"{api}.DIRECT.GET.{stream}", msgspec.json.encode(req), reply=inbox)
         try:

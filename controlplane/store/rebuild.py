@@ -21,6 +21,7 @@ from controlplane.core.ports import EventLog, SnapshotStore
 from controlplane.core.projections import ClusterState, check_strict
 from controlplane.core.projections.cluster import SNAPSHOT_SCHEMA
 from controlplane.core.projections.snapshot import KIND, SnapshotHeader, SnapshotName, decode_stored, micros, parse_name
+from controlplane.store.collector import collector_paused
 from schemas.events import Event
 
 logger = structlog.get_logger("ndif.snapshots")
@@ -90,7 +91,8 @@ async def newest_snapshot(log: EventLog, *, until_seq: int | None = None, until_
         if data is None:
             _refuse(said, n.name, "deleted meanwhile", lasting=False)
             continue
-        got = decode_stored(data)
+        with collector_paused():
+            got = decode_stored(data)
         if isinstance(got, str):
             _refuse(said, n.name, got)
             continue
@@ -103,7 +105,8 @@ async def newest_snapshot(log: EventLog, *, until_seq: int | None = None, until_
             _refuse(said, n.name, problem)
             continue
         if loaded is not None:
-            loaded[n.name] = state.copy()
+            with collector_paused():
+                loaded[n.name] = state.copy()
         return Start(state, n.name)
     return Start(ClusterState(), None)
 

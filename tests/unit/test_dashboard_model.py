@@ -195,7 +195,7 @@ async def test_a_lost_node_is_shown_lost_with_its_replicas_gone():
     past = await dashboard([*events, lost])
     m = past.model
     before = next(n for n in state_json(await past.at_seq(m.seq - 1), last_seq=m.seq, live=False)["nodes"]
-                  if n["node_id"] == node)
-    after = next(n for n in state_json(m.live, last_seq=m.seq, live=True)["nodes"] if n["node_id"] == node)
-    assert before["alive"] and any(c["replicas"] for c in before["gpus"])
-    assert not after["alive"] and not any(c["replicas"] for c in after["gpus"]) and after["warm"] == []
+                  if n.node_id == node)
+    after = next(n for n in state_json(m.live, last_seq=m.seq, live=True)["nodes"] if n.node_id == node)
+    assert before.alive and any(c.replicas for c in before.gpus)
+    assert not after.alive and not any(c.replicas for c in after.gpus) and after.warm == []

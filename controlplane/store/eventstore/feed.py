@@ -23,7 +23,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext, api
 
 from controlplane.core.ports import Stored
-from controlplane.store.direct import MAX_BATCH, direct_batch
+from controlplane.store.direct import MAX_BATCH, DirectMsg, direct_batch
 from controlplane.store.eventstore.connection import stream_seq
 from controlplane.store.eventstore.topology import last_seq
 from schemas.errors import InfrastructureError, InfrastructureTimeout
@@ -142,12 +142,22 @@ async def _feed_direct(src: FeedSource, start_seq: int, stop_seq: int | None) ->
 
         with contextlib.suppress(Exception):  # without it (or refused by the server) polling alone
             sub = await src.nc.subscribe(EVENTS_ALL, cb=on_event)
+    ahead: asyncio.Task[list[DirectMsg]] | None = None
     try:
         while stop_seq is None or expected <= stop_seq:
             want = MAX_BATCH if stop_seq is None else min(MAX_BATCH, stop_seq - expected + 1)
             wake.clear()
+            msgs = await (ahead if ahead is not None else
+                          direct_batch(src.nc, EVENTS_STREAM, expected, want, timeout=src.timeout, api=src.api))
+            ahead = None
+            if stop_seq is not None and msgs and msgs[-1].seq < stop_seq:
+                # A read with an end asks for the next batch now, so the server reads and sends it
+                # while this one is decoded and folded (at most two batches in flight).
+                nxt = msgs[-1].seq + 1
+                ahead = asyncio.create_task(direct_batch(src.nc, EVENTS_STREAM, nxt, min(MAX_BATCH, stop_seq - nxt + 1),
+                                                         timeout=src.timeout, api=src.api))
             batch: list[Stored] = []
-            for m in await direct_batch(src.nc, EVENTS_STREAM, expected, want, timeout=src.timeout, api=src.api):
+            for m in msgs:
                 if stop_seq is not None and m.seq > stop_seq:
                     break
                 batch.append((m.seq, stored_item(m.subject, m.data)))
@@ -164,6 +174,9 @@ async def _feed_direct(src: FeedSource, start_seq: int, stop_seq: int | None) ->
                 await asyncio.wait_for(wake.wait(), wait)
                 woke = True
     finally:
+        if ahead is not None:  # the reader stopped early: the batch asked ahead is not wanted
+            ahead.cancel()  # (its own `finally` unsubscribes; its outcome is taken so none is left unread)
+            ahead.add_done_callback(lambda t: t.cancelled() or t.exception())
         if sub is not None:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
