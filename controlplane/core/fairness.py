@@ -26,6 +26,7 @@ import msgspec
 from schemas.errors import InvalidCommand, decode_bounded
 
 T = TypeVar("T")
+K = TypeVar("K")
 
 DEFAULT_MAX_QUEUED: Final = 5_000  # requests one user may have queued per model at one dispatcher
 DEFAULT_MAX_RUNNING: Final = 64  # requests of one user running at once per model at one dispatcher
@@ -119,6 +120,7 @@ class RequestQueue(Protocol[T]):
     def queued(self, user: str) -> int: ...
     def running(self, user: str) -> int: ...
     def users(self) -> dict[str, tuple[int, int]]: ...
+    def queued_by(self, group: Callable[[str], K]) -> dict[K, int]: ...
     def admit(self, user: str) -> LimitReached | None: ...
     def position(self, item: T) -> int | None: ...
     def push(self, item: T) -> None: ...
@@ -161,6 +163,14 @@ class _Accounts(ABC, Generic[T]):
     @abstractmethod
     def _queued_users(self) -> set[str]:
         """The users with a request waiting."""
+
+    def queued_by(self, group: Callable[[str], K]) -> dict[K, int]:
+        """Queued requests per group of users (`group(user)`), in one pass: no sorting, no tuples."""
+        out: dict[K, int] = {}
+        for u in self._queued_users():
+            k = group(u)
+            out[k] = out.get(k, 0) + self.queued(u)
+        return out
 
     def users(self) -> dict[str, tuple[int, int]]:
         """user -> (queued, running), for every user holding either."""

@@ -512,7 +512,7 @@ def nodes_json(state: ClusterState) -> list[Node]:
             reserved = used = 0
             for x in blocks:
                 reserved += x.bytes
-                if x.level == "HOT":
+                if x.level == Level.HOT:
                     used += x.bytes
             cards.append(Card(gpu.index, gpu.memory_bytes, reserved, used, blocks))
         held = sorted(warm[node_id]) if node_id in warm else []

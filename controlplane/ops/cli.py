@@ -142,6 +142,9 @@ async def _command_on(a: argparse.Namespace, admin: AdminClient) -> int:
             res = await admin.autoscale(a.model, _policy(a), off=a.off, command_id=cid)
         case _:
             raise errs.InvalidCommand(f"unknown command {a.cmd}")
+    if res.last_seq:  # appended: an interruption from here on cancels nothing
+        a.on_interrupt = (f"the {a.cmd} was appended (seq {res.first_seq}-{res.last_seq}); it stands, and the "
+                          "cluster carries it out whether or not this command waits; `ndif status` shows it")
     why = None
     if a.cmd in ("deploy", "scale") and not a.json and res.last_seq and any(r.node_id for r in res.replicas):
         # Where each replica went and why, from the decision's own events and the cluster before them.
@@ -157,8 +160,6 @@ async def _command_on(a: argparse.Namespace, admin: AdminClient) -> int:
             print(f"error: placed {res.placed} of {res.asked} replica(s); the rest found no room "
                   "(free memory with `ndif evict` / `ndif scale-down`, or add nodes)", file=sys.stderr)
     if getattr(a, "wait", False) and res.replicas:
-        a.on_interrupt = (f"the {a.cmd} was appended (seq {res.first_seq}-{res.last_seq}) and the cluster carries it "
-                          "out without this wait; `ndif status` shows its replicas")
         state = await admin.wait(res, timeout=a.wait_timeout)
         rollout = next((e for _, e in [p async for p in admin.log.read(res.first_seq, stop_seq=res.last_seq)]
                         if isinstance(e, RolloutUpdated) and e.remaining), None) if a.cmd == "restart" else None
@@ -350,7 +351,10 @@ async def _history(a: argparse.Namespace, admin: AdminClient) -> int:
         after = ""
         if step.row is not None:
             _, st, level, desired, _anomaly = step.row
-            after = f"-> {st} ({level}, desired {desired})" if st else "-> (not a replica: refused)"
+            # No replica left after it: refused (an anomaly) or, with none, the last of a replica the
+            # fold no longer keeps (its model undeployed, or past the gone replicas it keeps).
+            after = (f"-> {st} ({level}, desired {desired})" if st else
+                     "-> (not a replica: refused)" if step.anomaly else "-> gone (unloaded, no longer kept)")
         print(f"{_event_line(step.seq, step.item)}  {after}" + (f"  ANOMALY: {step.anomaly}" if step.anomaly else ""))
     return 0
 

@@ -239,12 +239,15 @@ async def _submit(a: argparse.Namespace) -> int:
         raise errs.InvalidCommand(f"invalid request: {problem}")
     async with Client(a.nats) as c:
         job = await c.submit(a.model, payload)
-        a.on_interrupt = (f"request {job.request_id} is stored and runs without this wait; cancel it with the "
-                          "SDK's `Client.kill`, or read its outcome with `Client.job(...)`")
+        a.on_interrupt = (f"request {job.request_id} is stored and runs without this wait; cancel it with "
+                          f"`ndif kill {job.request_id}` (the SDK: `Client.kill`), or read its outcome with the "
+                          "SDK's `Client.job(...)`")
         t0 = time.perf_counter()
         if not a.json:
             print(f"request {job.request_id}", flush=True)
         async for s in job.statuses(timeout=a.timeout):
+            if s.terminal:
+                a.on_interrupt = f"request {job.request_id} had ended {s.status}"
             if a.json:
                 print(msgspec.json.encode(s).decode(), flush=True)
                 continue

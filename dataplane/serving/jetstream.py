@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 from collections.abc import Awaitable, Callable
 
 import nats.errors
@@ -104,7 +105,7 @@ class JetStreamRequests:
                     # `hold` is looked at again every heartbeat of the pull, for the consumer's partition.
                     part = request_consumer_partition(durable)
                     pull = PullConsumer(self.nc, REQUESTS_STREAM, durable, on_msg, batch=self.fetch_batch,
-                                        hold=lambda part=part: hold(part))  # type: ignore[misc]
+                                        hold=functools.partial(hold, part))
                     tg.create_task(pull.run(), name=f"pull-{durable}")
         except ExceptionGroup as eg:
             # One consumer lost (deleted, the connection gone): the caller decides whether to make

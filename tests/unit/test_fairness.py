@@ -328,7 +328,7 @@ def test_fifo_loses_nothing_and_keeps_arrival_order(ops: list[tuple[str, object]
 def test_a_full_processor_stops_reading_only_its_heavier_partitions() -> None:
     """Two users at their queue limit (5,000 each) fill what a processor holds (MAX_HELD): their
     partitions stop being read, a third user's is still read, and what is held stays bounded."""
-    from dataplane.serving.dispatcher.intake import HELD_SHARE, MAX_HELD, holding
+    from dataplane.serving.dispatcher.intake import HELD_SHARE, MAX_HELD, PartitionHold
     from schemas.subjects import REQUEST_PARTITIONS, request_partition
 
     users = iter(f"user{i}" for i in range(10_000))
@@ -336,16 +336,17 @@ def test_a_full_processor_stops_reading_only_its_heavier_partitions() -> None:
     b = next(u for u in users if request_partition(u) != request_partition(a))
     c = next(u for u in users if request_partition(u) not in (request_partition(a), request_partition(b)))
     q = q_of(FairnessPolicy(default=Share(max_queued=MAX_HELD)))
+    holding = PartitionHold(q, recount_s=0.0)  # counted at every call here
     for i in range(MAX_HELD // 2 - 1):
         q.push(Req(a, i))
         q.push(Req(b, i))
-    assert not any(holding(q, k) for k in [None, *range(REQUEST_PARTITIONS)])  # under MAX_HELD: all read
+    assert not any(holding(k) for k in [None, *range(REQUEST_PARTITIONS)])  # under MAX_HELD: all read
     q.push(Req(a, -1))
     q.push(Req(b, -1))
-    assert holding(q, request_partition(a)) and holding(q, request_partition(b))
-    assert not holding(q, request_partition(c)) and not holding(q, None)
+    assert holding(request_partition(a)) and holding(request_partition(b))
+    assert not holding(request_partition(c)) and not holding(None)
     for i in range(HELD_SHARE):  # the third user's partition fills to its share, then it is held too
-        assert not holding(q, request_partition(c))
+        assert not holding(request_partition(c))
         q.push(Req(c, i))
-    assert holding(q, request_partition(c))
+    assert holding(request_partition(c))
     assert len(q) <= MAX_HELD + HELD_SHARE * (REQUEST_PARTITIONS + 1)

@@ -92,3 +92,20 @@ def test_a_restart_recorded_before_rolling_existed_keeps_its_fingerprint():
                                   "replica_id": None})
     assert fingerprint(cmd) == hashlib.blake2b(legacy, digest_size=12).hexdigest()
     assert fingerprint(msgspec.structs.replace(cmd, rolling=True)) != fingerprint(cmd)
+
+
+def test_a_failed_replica_is_not_hot_while_its_restart_is_under_way():
+    """Observed level: a replica whose process died holds its cards' reservation, not its weights,
+    until its restart completes (`ndif status` said HOT there, a new user found)."""
+    from schemas.status import Level
+
+    b = three_serving()
+    b.add(E.ReplicaFailed(**b._env("agent"), model_key=M, replica_id=0, node_id=N, error="actor not found"))
+    assert b.state.replicas[(M, 0)].level is Level.COLD
+    b.add(E.ReplicaRestartRequested(**b._env("controller"), model_key=M, replica_id=0, node_id=N, command_id="c1"))
+    r = b.state.replicas[(M, 0)]
+    assert r.state is S.RESTARTING and r.level is Level.COLD and r.desired is Level.HOT
+    back(b, 0)
+    assert b.state.replicas[(M, 0)].level is Level.HOT
+    b.add(E.ReplicaRestartRequested(**b._env("controller"), model_key=M, replica_id=1, node_id=N, command_id="c2"))
+    assert b.state.replicas[(M, 1)].level is Level.HOT  # a running replica's restart: on GPU until reloaded

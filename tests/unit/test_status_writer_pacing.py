@@ -152,3 +152,39 @@ async def test_flush_publishes_now_and_keeps_the_order_with_the_outbox_task() ->
     assert fast == ["call"]  # sent before the outbox task ran
     await asyncio.sleep(0)
     assert fast == ["call"]  # and only once
+
+
+async def test_a_drain_cancelled_or_failing_midway_loses_nothing_after_it() -> None:
+    """The delivering task's flush can be cancelled (its subscription stops) or meet a publish that
+    fails: the messages behind it are still sent, in order, by the outbox task; a failing publish
+    loses only its own message and never raises into the request that flushed."""
+    sent: list[str] = []
+    gate = asyncio.Event()
+
+    async def publish(subject: str, data: bytes, reply: str = "", headers: Any = None) -> None:
+        if subject == "boom":
+            raise ConnectionError("closed")
+        if subject == "c.1" and not gate.is_set():
+            sent.append(subject)  # queued by the connection before it waits
+            await gate.wait()
+            return
+        sent.append(subject)
+
+    w = S.StatusWriter(publish, MemoryStatusKV(), MemoryResults(), Background())  # type: ignore[arg-type]
+    for name in ("c.1", "boom", "c.2", "c.3"):
+        w.send(name, b"")
+    flushing = asyncio.create_task(w.flush())
+    await asyncio.sleep(0.01)  # inside the publish of c.1
+    w.send("late", b"")
+    flushing.cancel()
+    await asyncio.gather(flushing, return_exceptions=True)
+    gate.set()
+    async with asyncio.timeout(5):
+        while len(sent) < 4:
+            await asyncio.sleep(0.01)
+    await asyncio.sleep(0.05)
+    assert sent == ["c.1", "c.2", "c.3", "late"], sent
+    w.send("boom", b"")
+    w.send("after", b"")
+    await w.flush()  # the failure is logged, not raised
+    assert sent[-1] == "after"

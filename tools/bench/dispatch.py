@@ -14,8 +14,8 @@ One run, one machine, 2 no-op replicas (real ModelActors of a tiny checkpoint an
      endpoints (NDIF_REPLICA_LINK=ray): what the endpoint saves, as extra `ray_link_*` figures.
 The last line printed is one JSON object with the figures.
 
-The dispatcher runs in its own process (`ndif dispatcher`), as deployed; the client, controller
-and agent in this one. With `--auth` the server has the users and accounts `ndif up` configures
+The dispatcher runs in its own process (`ndif dispatcher`), as deployed; the controller and agent
+in this one, the SDK in both (see (a)). With `--auth` the server has the users and accounts `ndif up` configures
 (controlplane/ops/auth.py `ensure_local`): the SDK connects as a client user, the dispatcher, the
 agent (and its replicas' endpoints), the controller and the admin as their roles.
 
@@ -191,22 +191,26 @@ async def main(a: argparse.Namespace) -> dict[str, float]:
                     await c.run(ckpt, NOOP, timeout=60)
                     await actors[0].__call__.remote(NOOP)
 
-            disp_proc = None if a.in_process else dispatcher_process("nats")
-            inproc = await Dispatcher.from_url(url, creds=role("dispatcher")).start() if a.in_process else None
-            try:
-                await warm()
-                # The SDK in a process of its own first (the figures), then inside this Ray driver (extras).
-                child = await Child("client", __file__, ["--client", url, ckpt, str(creds_file("client", name="bench", home=tmp / "home"))
-                                                         if auth else ""]).start()
+            async def single_from_child() -> tuple[list[float], list[float]]:
+                """(a) with the SDK in a process of its own (a researcher's: no Ray driver in it)."""
+                creds = str(creds_file("client", name="bench", home=tmp / "home")) if auth else ""
+                child = await Child("client", __file__, ["--client", url, ckpt, creds]).start()
                 try:
                     await child.ask({"op": "run", "n": 50})  # its warm-up: its connection, its first requests
 
                     async def child_block(k: int) -> list[float]:
                         return list((await child.ask({"op": "run", "n": k}))["ms"])
 
-                    raw, ours = await single(child_block, actors, a.single)
+                    return await single(child_block, actors, a.single)
                 finally:
                     await child.close()
+
+            disp_proc = None if a.in_process else dispatcher_process("nats")
+            inproc = await Dispatcher.from_url(url, creds=role("dispatcher")).start() if a.in_process else None
+            try:
+                await warm()
+                # The SDK in a process of its own first (the figures), then inside this Ray driver (extras).
+                raw, ours = await single_from_child()
                 raw_d, ours_d = await single(lambda k: run_block(c, ckpt, k), actors, a.single)
                 out["in_driver_raw_ray_p50_ms"], out["in_driver_ours_p50_ms"] = pct(raw_d, 50), pct(ours_d, 50)
                 out["in_driver_p50_overhead_ms"] = pct(ours_d, 50) - pct(raw_d, 50)
@@ -260,7 +264,7 @@ async def main(a: argparse.Namespace) -> dict[str, float]:
                 disp_proc = dispatcher_process("ray")
                 try:
                     await warm()
-                    raw, ours = await single(lambda k: run_block(c, ckpt, k), actors, a.single)
+                    raw, ours = await single_from_child()  # as (a): compared with p50_overhead_ms
                 finally:
                     disp_proc.terminate()
                     disp_proc.wait(30)

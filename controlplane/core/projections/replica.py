@@ -73,10 +73,13 @@ class ReplicaView(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     @property
     def level(self) -> Level:
         """Observed level: where the weights are now. A CPU copy still held means the weights are
-        there (a load from WARM that has not completed, or was interrupted), whatever was asked."""
+        there (a load from WARM that has not completed, or was interrupted), whatever was asked.
+        A replica whose process failed (`error` set until it is loaded or restarted again) holds
+        its cards' reservation, not its weights: COLD while its restart or unload is under way."""
         if self.cpu_bytes:
             return Level.WARM
-        if self.on_gpu and self.state in (S.AVAILABLE, S.DRAINING, S.RESTARTING, S.UNLOAD_REQUESTED):
+        if self.on_gpu and self.error is None and self.state in (S.AVAILABLE, S.DRAINING, S.RESTARTING,
+                                                                  S.UNLOAD_REQUESTED):
             return Level.HOT
         return Level.COLD
 

@@ -83,6 +83,7 @@ class Intake:
     consumers: dict[str, asyncio.Task[None]] = field(default_factory=dict)  # model token -> its consume task
     _triaging: set[str] = field(default_factory=set)  # unknown model tokens whose requests are being looked at
     _triage_waiting: dict[str, None] = field(default_factory=dict)  # tokens waiting for a triage, oldest first
+    _triage_again: set[str] = field(default_factory=set)  # tokens (being triaged) published on again meanwhile
     triage_deferred: int = 0  # unknown tokens that waited because MAX_TRIAGES were under way
     _unknown_seen: set[str] = field(default_factory=set)  # consumer names found unknown at the last sweep
     _bad_seen: set[str] = field(default_factory=set)  # subject tokens that are no model's, said once (bounded)
@@ -99,9 +100,10 @@ class Intake:
     def known_tokens(self) -> set[str]:
         return {model_token(mk) for mk in self.state.models}
 
-    def route(self, token: str) -> None:
+    def route(self, token: str, *, fresh: bool = False) -> None:
         """Requests on `ndif.req.<token>`: a model the log knows gets its processor and durable consumer;
-        any other subject is triaged without one (a consumer per junk subject would never go away)."""
+        any other subject is triaged without one (a consumer per junk subject would never go away).
+        `fresh`: a publish on it just woke us (the stream may not have stored it yet)."""
         if token in self.processors or self.bg.stopped:
             return
         if not valid_model_token(token):
@@ -114,20 +116,22 @@ class Intake:
             return
         if token in self.known_tokens():
             self.processor(token)
-        elif token not in self._triaging:
+        elif token in self._triaging:
+            self._triage_again.add(token)  # published again meanwhile: its triage reads once more
+        else:
             if len(self._triaging) >= MAX_TRIAGES:
                 if token not in self._triage_waiting and len(self._triage_waiting) < MAX_TRIAGE_WAITING:
                     self._triage_waiting[token] = None
                     self.triage_deferred += 1
                 return  # its requests stay stored meanwhile
             self._triaging.add(token)
-            self.bg.spawn(self._triage(token))
+            self.bg.spawn(self._triage(token, fresh=fresh))
 
     async def on_subject(self, subject: str) -> None:
         """A request was published on `subject`."""
         token, _ = request_subject_parts(subject)
         if token:
-            self.route(token)
+            self.route(token, fresh=True)
 
     async def route_stored(self) -> None:
         """Route every model subject that holds stored requests (no stream yet: nothing to route);
@@ -156,40 +160,54 @@ class Intake:
 
     # ---- triage of models the log does not know ----------------------------------------------
 
-    async def _triage(self, token: str) -> None:
+    async def _triage(self, token: str, *, fresh: bool = False) -> None:
         """Requests for a model the log does not know, read by subject (no consumer). The first valid
         one asks for a deployment: once the model is in the log, its processor takes over (with its
         durable consumer, from the stream's start). A request that is malformed, on another model's
-        subject, or for a model the controller refuses ends ERROR and is deleted from the stream."""
+        subject, or for a model the controller refuses ends ERROR and is deleted from the stream.
+
+        A triage holds one of MAX_TRIAGES places only while it reads: woken by a publish (`fresh`)
+        that the stream may not have stored yet, it looks twice more when it found nothing, and once
+        more whenever the subject was published on again while it read; with no controller
+        answering, it leaves the request stored (PROVISIONING said) for the sweep."""
         try:
-            # userless subjects (an open server), then every user's (`ndif.req.<mtok>.<user>`)
-            for subject in request_filters(token):
-                await self._triage_subject(token, subject)
+            waits = 0
+            while True:
+                self._triage_again.discard(token)
+                found = 0
+                # userless subjects (an open server), then every user's (`ndif.req.<mtok>.<user>`)
+                for subject in request_filters(token):
+                    read = await self._triage_subject(token, subject)
+                    if read is None:
+                        return  # handed over (its processor), or left for the sweep
+                    found += read
+                if token in self._triage_again:
+                    fresh, waits = True, 0  # published on again while we read: once more
+                    continue
+                if found or not fresh or waits >= 2:
+                    return
+                waits += 1
+                await asyncio.sleep(0.2 * waits)
         finally:
             self._triaging.discard(token)
+            self._triage_again.discard(token)
             while self._triage_waiting and len(self._triaging) < MAX_TRIAGES and not self.bg.stopped:
                 nxt = next(iter(self._triage_waiting))
                 del self._triage_waiting[nxt]
                 self.route(nxt)
 
-    async def _triage_subject(self, token: str, subject: str) -> None:
-        seq = 0
-        misses = 0
+    async def _triage_subject(self, token: str, subject: str) -> int | None:
+        """Read what is stored on `subject` now; how many requests were read, or None when the
+        triage ends here (the model has its processor now, or no controller answered)."""
+        seq = read = 0
         while not self.bg.stopped:
             if token in self.processors or token in self.known_tokens():
                 self.processor(token)
-                return
+                return None
             raw = await self.requests.next_stored(subject, seq)
             if raw is None:
-                # Nothing (more) on the subject. The publish that woke us may reach us before the
-                # stream has stored it: look twice more; the sweep finds any later straggler.
-                misses += 1
-                if misses > 2:
-                    return  # this subject: done
-                await asyncio.sleep(0.2 * misses)
-                continue
-            misses = 0
-            seq = raw.seq
+                return read
+            seq, read = raw.seq, read + 1
             data = raw.data or b""
             _, user = request_subject_parts(raw.subject)
             if not consumed_request_subject(raw.subject):  # read by nothing: it neither deploys nor stays
@@ -211,16 +229,17 @@ class Intake:
                                          "to deploy it")
             try:
                 refused = await self.provisioner.deploy_first(mk)
-            except errs.NdifError as exc:  # no controller: the request stays; try again shortly
+            except errs.NdifError as exc:
+                # No controller: the request stays stored, and the sweep routes its subject again
+                # (every UNKNOWN_CONSUMER_SWEEP_S); this triage's place goes to the next name.
                 logger.warning("provision_failed", model_key=mk, error=str(exc))
-                seq -= 1
-                await asyncio.sleep(2.0)
-                continue
+                return None
             if refused is not None:
                 await self._refuse_stored(seq, data, raw.headers, *refused, user)
                 continue
             self.processor(token)  # deployed (by us or someone first): its consumer takes the requests
-            return
+            return None
+        return None
 
     async def _refuse_stored(self, seq: int, data: bytes, headers: dict[str, str] | None, error: str,
                              message: str, user: str = "") -> None:
@@ -296,7 +315,7 @@ class Intake:
                     # Removed (undeployed): never make a consumer for a model the log does not know.
                     self.bg.spawn(self.remove_model(p.token, reason="the model is no longer deployed"))
                     return
-                await self.requests.consume(p.token, on_delivery, hold=lambda k: holding(p.queue, k))
+                await self.requests.consume(p.token, on_delivery, hold=PartitionHold(p.queue))
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - NATS away or consumer gone: make it again
@@ -455,11 +474,30 @@ def _id_of(data: bytes, headers: dict[str, str] | None) -> str | None:
     return rid
 
 
-def holding(queue: RequestQueue[Any], partition: int | None) -> bool:
-    """Stop reading the consumer of user partition `partition` (None: the userless one) for now?
-    Only when the processor holds MAX_HELD queued requests, and then only a partition holding its
-    share (HELD_SHARE) or more of them: a light user's requests are still read behind two floods."""
-    if len(queue) < MAX_HELD:
-        return False
-    mine = sum(q for u, (q, _) in queue.users().items() if (request_partition(u) if u else None) == partition)
-    return mine >= HELD_SHARE
+class PartitionHold:
+    """`hold(k)` for a processor's consumers: stop reading the consumer of user partition k (None:
+    the userless one) for now? Only when the processor holds MAX_HELD queued requests, and then
+    only a partition holding its share (HELD_SHARE) or more of them: a light user's requests are
+    still read behind two floods. The counts per partition are taken at most every `recount_s`
+    (one pass over the users: cheap enough with 10,000 of them, not for every pull of 17 consumers)."""
+
+    def __init__(self, queue: RequestQueue[Any], recount_s: float = 0.1) -> None:
+        self.queue = queue
+        self.recount_s = recount_s
+        self._at = -float("inf")
+        self._counts: dict[int | None, int] = {}
+
+    def __call__(self, partition: int | None) -> bool:
+        if len(self.queue) < MAX_HELD:
+            return False
+        now = time.monotonic()
+        if now - self._at >= self.recount_s:
+            self._counts = self.queue.queued_by(_user_partition)
+            self._at = now
+        return self._counts.get(partition, 0) >= HELD_SHARE
+
+
+def _user_partition(user: str) -> int | None:
+    """The partition whose consumer reads `user`'s requests (None: userless, the `proc-` consumer).
+    A request stored before partitions (read by `proc-` too) counts under its user's partition."""
+    return request_partition(user) if user else None

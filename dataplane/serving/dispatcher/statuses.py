@@ -6,7 +6,8 @@ and then at most QUEUED_KV_PER_S a second (a flood's queued statuses would other
 stored write each as the flood is taken in, and every request behind it in the stream, another
 user's too, would wait for them). The terminal status is kept by compare-and-set on the key's revision, so a
 redelivered request can never overwrite it, then the request is acked. Large results go to the
-results store. Publishes go out in order from one outbox task per loop turn. It works through the
+results store. Publishes go out in order from one outbox (drained by its task, or at once by the task
+that delivered a request: `flush`). It works through the
 serving ports (dataplane/serving/ports.py); of the dispatcher's other parts it uses only
 `background` (the tasks it starts).
 """
@@ -14,6 +15,7 @@ serving ports (dataplane/serving/ports.py); of the dispatcher's other parts it u
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 from datetime import UTC, datetime
 from typing import Any
@@ -50,7 +52,7 @@ class StatusWriter:
         self.bg = bg
         self._rev: dict[str, int] = {}  # request id -> KV revision of our last (non-terminal) status write
         self._writes: dict[str, _Writes] = {}  # request id -> its status writes
-        self._outbox: list[tuple[str, bytes, str, dict[str, str] | None]] = []
+        self._outbox: collections.deque[tuple[str, bytes, str, dict[str, str] | None]] = collections.deque()
         self._outbox_task: asyncio.Task[None] | None = None
         self._draining = False  # the outbox is being published (by its task or by `flush`)
         self._lazy: dict[str, float] = {}  # key -> when its QUEUED status may be kept (oldest first)
@@ -92,7 +94,7 @@ class StatusWriter:
     def status(self, p: Pending, status: RequestStatus, **kw: Any) -> None:
         """A non-terminal status: published always, kept in KV for the ones a reconnecting client needs.
 
-        It never holds up the caller: publishes go out in order from one outbox task per loop turn.
+        It never holds up the caller: publishes go out in order from the outbox (`send`).
         """
         if self.bg.stopped:
             return
@@ -103,17 +105,21 @@ class StatusWriter:
             self._kv_put(u, data, terminal=False).add_done_callback(_retrieve)
 
     def send(self, subject: str, data: bytes, reply: str = "", headers: dict[str, str] | None = None) -> None:
-        """Publish without holding up the caller: in order, from one outbox task per loop turn (or
-        sooner, from a task that calls `flush`)."""
+        """Publish without holding up the caller: in order, from the outbox (its task drains it a
+        loop turn later, or the calling task sooner with `flush`)."""
         self._outbox.append((subject, data, reply, headers))
+        self._start_outbox_task()
+
+    def _start_outbox_task(self) -> None:
         if self._outbox_task is None:
             self._outbox_task = asyncio.create_task(self._flush_outbox())
             self.bg.track(self._outbox_task)
 
     async def flush(self) -> None:
         """Publish what waits in the outbox now, from the calling task: a request's replica call
-        leaves a loop turn sooner than from the outbox task. Order is kept: one drain at a time,
-        and a drain already under way takes what was added meanwhile."""
+        leaves a loop turn sooner than from the outbox task. Never raises but a cancellation (a
+        publish that fails is logged and dropped, as the outbox task does). Order is kept: one drain
+        at a time, and a drain under way takes what was added meanwhile."""
         if self._outbox and not self._draining:
             await self._drain()
 
@@ -123,16 +129,26 @@ class StatusWriter:
                 await self._drain()
         finally:
             self._outbox_task = None
+            if self._outbox and not self._draining:
+                self._start_outbox_task()  # added after the drain ended (or left by one cancelled)
 
     async def _drain(self) -> None:
+        """Publish the outbox in order, one message at a time: a drain cancelled (its task's
+        subscription stopped) leaves the rest queued, and the outbox task takes them."""
         self._draining = True
         try:
             while self._outbox:
-                batch, self._outbox = self._outbox, []
-                for subject, data, reply, headers in batch:
+                subject, data, reply, headers = self._outbox.popleft()
+                try:
+                    # nats-py queues the message before it waits (for a full buffer): cancelled
+                    # there, it is sent all the same, and is not put back.
                     await self.publish(subject, data, reply, headers)
+                except Exception as exc:  # noqa: BLE001 - e.g. closed while stopping: this one is lost, not the rest
+                    logger.warning("publish_failed", subject=subject[:200], error=str(exc) or type(exc).__name__)
         finally:
             self._draining = False
+            if self._outbox:
+                self._start_outbox_task()
 
     async def finish(self, p: Pending, status: RequestStatus, **kw: Any) -> bool:
         """The terminal status, written exactly once (CAS); then the request is acked.
