@@ -91,7 +91,7 @@ def decide(state: ClusterState, cmd: AnyCommand, ctx: DecisionContext, *,
             _not_undeploying(state, cmd.model_key)
             if state.replica_count(cmd.model_key):
                 raise AlreadyDeployed(
-                    f"{display_name(cmd.model_key)} already has {state.replica_count(cmd.model_key)} HOT replicas: "
+                    f"{display_name(cmd.model_key)} already has {state.replica_count(cmd.model_key)} replicas (desired HOT): "
                     f"use `ndif scale {display_name(cmd.model_key)} --replicas N`")
             # A deploy of a model at zero (the dispatcher's on a first request, or an operator's
             # without flags) keeps the card count and requirements the model was deployed with.
