@@ -72,18 +72,21 @@ class TooManyResults(InfrastructureError):
     """A `multi_last` get matched more subjects than the server answers in one go (status 413)."""
 
 
+STATUS_LINE = b"NATS/1.0 "  # how the server begins a status message's header block (`NATS/1.0 204 EOB`)
 _SEQUENCE = b"\r\nNats-Sequence:"
 _SUBJECT = b"\r\nNats-Subject:"
 _HEADER_LINE = len(b"NATS/1.0")
 
 
-def raw_status(headers: bytes | None) -> str | None:
-    """The inline status of a raw header block (`NATS/1.0 204 EOB`), as nats-py's `Status` header
-    reads it: the three characters after the version line's space, when they are digits."""
-    if not headers or headers[_HEADER_LINE:_HEADER_LINE + 1] != b" ":
+def raw_status(headers: bytes | None, data: bytes = b"") -> str | None:
+    """The server's inline status in a raw header block (`NATS/1.0 204 EOB`): the three digits after
+    exactly `NATS/1.0 `, on a message with no payload and no `Nats-Sequence` (a stored message's
+    answer always has one). Anything else is a stored message: a publisher may store a block that
+    begins `NATS/1.1 204` or `XXXX/1.0 204`, which the server keeps as it is."""
+    if not headers or data or not headers.startswith(STATUS_LINE) or _SEQUENCE in headers:
         return None
-    status = headers[_HEADER_LINE + 1:_HEADER_LINE + 4].strip().decode("ascii", "replace")
-    return status if status.isdigit() else None
+    status = headers[_HEADER_LINE + 1:_HEADER_LINE + 4]
+    return status.decode("ascii") if len(status) == 3 and status.isdigit() and status.isascii() else None
 
 
 def raw_header(headers: bytes | None, line_start: bytes) -> bytes | None:
@@ -116,7 +119,7 @@ async def direct_batch(nc: Any, stream: str, seq: int, batch: int = MAX_BATCH, *
     done: asyncio.Future[str] = asyncio.get_running_loop().create_future()
 
     def on_msg(headers: bytes | None, data: bytes) -> None:
-        status = raw_status(headers)
+        status = raw_status(headers, data)
         if status:
             if not done.done():
                 done.set_result(status)

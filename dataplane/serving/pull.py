@@ -86,7 +86,9 @@ class PullConsumer:
 
     async def _cb(self, msg: Msg) -> None:
         self._seen = time.monotonic()
-        status = msg.headers.get(_STATUS) if msg.headers and not msg.data else None
+        # The server's statuses come with no payload and no reply; a delivered request always has
+        # its ack subject as reply, whatever its headers say.
+        status = msg.headers.get(_STATUS) if msg.headers and not msg.data and not msg.reply else None
         if status is None:
             self.pending = max(0, self.pending - 1)
             if self.pending <= self.batch // 2:

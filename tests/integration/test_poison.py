@@ -181,6 +181,64 @@ async def test_poison_events_on_an_agents_own_subject_stop_no_reader(url: str, a
         await bounded(ctl.stop(), "controller.stop")
 
 
+async def hpub(nc: Any, subject: str, header_block: bytes, payload: bytes) -> None:
+    """Publish with a header block of one's own bytes exactly (what any client library could send)
+    and wait for the stream's ack."""
+    inbox = nc.new_inbox()
+    sub = await nc.subscribe(inbox, max_msgs=1)
+    cmd = b"HPUB %s %s %d %d\r\n" % (subject.encode(), inbox.encode(), len(header_block),
+                                      len(header_block) + len(payload))
+    await nc._send_command(cmd + header_block + payload + b"\r\n")
+    await nc.flush()
+    await sub.next_msg(timeout=5)
+
+
+# A stored message whose header block looks like a server's status in another version, or that
+# carries a `Status` line of its own: the server keeps both as they are.
+FORGED_STATUSES = [
+    (b"NATS/1.1 204 EOB\r\nNats-Msg-Id: forged-0\r\n\r\n", b'{"v":0}'),
+    (b"XXXX/1.0 204 EOB\r\nNats-Msg-Id: forged-1\r\n\r\n", b'{"v":1}'),
+    (b"XXXX/1.0 409\r\nNats-Msg-Id: forged-2\r\nDescription: Consumer Deleted\r\n\r\n", b""),
+    (b"NATS/1.0\r\nNats-Msg-Id: forged-3\r\nStatus: 100\r\nDescription: Idle Heartbeat\r\n"
+     b"Nats-Last-Consumer: 0\r\nNats-Last-Stream: 0\r\n\r\n", b""),
+]
+
+
+async def test_a_fact_dressed_as_a_server_status_is_read_as_a_message_by_every_reader(
+        url: str, auth: LocalAuth, tmp_path: Path) -> None:
+    """Found by a red team with an agent's credentials: facts whose header block began `NATS/1.1 204`
+    or `XXXX/1.0 204` were taken for the end of a direct read by every direct-reading follower (the
+    dashboard and the agents lost them, the controller's consumer did not: the folds diverged). Each
+    reader now reads each of them as the (unreadable) message it is, and no reader stops."""
+    ctl = await Controller.from_url(url, creds=auth.role("controller"), policy_interval_s=0.2).start()
+    legit = await agent(url, auth, NODE_B)
+    dash = await Dashboard.from_url(url, port=0, creds=auth.role("dashboard")).start()
+    mallory = await as_user(url, auth.role(f"agent:{NODE_A}"))
+    admin = await AdminClient.open(url, timeout=10, creds=auth.role("admin"))
+    try:
+        before = [st.skipped for st in (ctl.state, legit.state, dash.model.live)]
+        for header_block, payload in FORGED_STATUSES:
+            await hpub(mallory, own(NODE_A), header_block, payload)
+        last = await sourced_seq(mallory, own(NODE_A), "forged-3")
+        model = checkpoint(tmp_path, "m")
+        res = await asyncio.wait_for(admin.deploy(model, 1, size_bytes=GB), 15)
+        assert res.ok and res.first_seq > last, res
+        await until(lambda: (r := legit.state.replicas.get((model, 0))) is not None
+                    and r.state is ReplicaState.AVAILABLE, timeout=15)
+        await until(lambda: dash.model.seq >= res.last_seq, timeout=15)
+        for st, was in zip((ctl.state, legit.state, dash.model.live), before, strict=True):
+            assert st.skipped - was == len(FORGED_STATUSES), (st.skipped, was)
+        # A fresh fold from the start, read as the dashboard reads it: every sequence, none twice.
+        seqs = [seq async for seq, _ in dash.log.read(1, stop_seq=res.last_seq)]
+        assert seqs == list(range(1, res.last_seq + 1))
+    finally:
+        await mallory.close()
+        await admin.close()
+        await bounded(dash.stop(), "dashboard.stop")
+        await bounded(legit.stop(), "agent.stop")
+        await bounded(ctl.stop(), "controller.stop")
+
+
 # ---- heartbeats --------------------------------------------------------------------------------
 
 

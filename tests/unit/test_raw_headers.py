@@ -1,13 +1,14 @@
 """A batched direct read takes its messages raw (controlplane/store/direct.py): the status, sequence
-and subject it reads from a header block are what nats-py's header dict holds for the same bytes."""
+and subject it reads from a header block are what our client's header dict holds for the same bytes
+(nats-py's, except that only the server's own status line is a status: NdifNatsClient)."""
 
 from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from nats.aio.client import Client
 
 from controlplane.store.direct import _SEQUENCE, _SUBJECT, raw_header, raw_status
+from controlplane.store.eventstore.connection import NdifNatsClient
 
 names = st.text(alphabet=st.sampled_from("Nats-Sequence-Subject: \t\x0bé1"), max_size=16)
 values = st.text(max_size=20)
@@ -21,7 +22,7 @@ server = st.builds(lambda subj, seq: [b"Nats-Stream: NDIF_EVENTS", b"Nats-Subjec
 
 
 async def upstream(block: bytes) -> dict[str, str]:
-    return await Client()._process_headers(block) or {}
+    return await NdifNatsClient()._process_headers(block) or {}
 
 
 @settings(max_examples=1000, deadline=None)
@@ -35,12 +36,34 @@ async def test_message_fields_as_nats_py_reads_them(own: list[bytes], theirs: li
 
 
 @settings(max_examples=500, deadline=None)
-@given(st.text(alphabet="0123456789 aEOB\t", max_size=8), st.lists(st.sampled_from(
-    [b"Nats-Num-Pending: 3", b"Nats-Last-Sequence: 7", b"Description: x"]), max_size=3))
-async def test_status_as_nats_py_reads_it(status: str, more: list[bytes]) -> None:
-    """(Status answers are the server's own: ASCII lines, on which nats-py itself does not fail.)"""
-    block = b"NATS/1.0 " + status.encode() + b"\r\n" + b"\r\n".join(more) + b"\r\n\r\n"
-    assert raw_status(block) == (await upstream(block)).get("Status")
+@given(st.integers(100, 999), st.sampled_from(["", " EOB", " No Messages", " Request Timeout"]), st.lists(
+    st.sampled_from([b"Nats-Num-Pending: 3", b"Nats-Last-Sequence: 7", b"Description: x"]), max_size=3))
+async def test_status_as_nats_py_reads_it(code: int, text: str, more: list[bytes]) -> None:
+    """(Status answers are the server's own: `NATS/1.0 <3 digits>[ text]`, then ASCII lines.)"""
+    block = b"NATS/1.0 " + f"{code}{text}".encode() + b"\r\n" + b"\r\n".join(more) + b"\r\n\r\n"
+    assert raw_status(block) == (await upstream(block)).get("Status") == str(code)
+
+
+async def test_a_stored_message_is_never_a_status_whatever_its_headers_say() -> None:
+    """A publisher (an agent on its fact subjects, a client on its request subject) may store a
+    header block that begins like a status in another version, or carries its own `Status` line;
+    the server keeps both as they are. Neither is a status for a raw read or for our client (nats-py
+    took them for an end of batch, a heartbeat, a deleted consumer: a red-team finding)."""
+    forged = [b"NATS/1.1 204 EOB", b"XXXX/1.0 204 EOB", b"NATS/1.0\t204", b"XXXX/1.0 409"]
+    tail = b"\r\nNats-Msg-Id: w1\r\nNats-Stream: NDIF_EVENTS\r\nNats-Sequence: 2\r\n\r\n"
+    for first in forged:
+        block = first + tail
+        assert raw_status(block) is None, first
+        assert raw_status(block, b"") is None, first
+        h = await upstream(block)
+        assert "Status" not in h and h["Nats-Sequence"] == "2" and h["Nats-Msg-Id"] == "w1", (first, h)
+    own = b"NATS/1.0\r\nStatus: 100\r\nDescription: Idle Heartbeat\r\nNats-Sequence: 3\r\n\r\n"
+    h = await upstream(own)
+    assert raw_status(own) is None and "Status" not in h and h["Description"] == "Idle Heartbeat"
+    # The server's own status: no payload, no sequence.
+    assert raw_status(b"NATS/1.0 204 EOB\r\nNats-Sequence: 2\r\n\r\n") is None
+    assert raw_status(b"NATS/1.0 204 EOB\r\n\r\n", b"x") is None
+    assert raw_status(b"NATS/1.0 204 EOB\r\n\r\n") == "204"
 
 
 def test_the_server_answers() -> None:

@@ -17,6 +17,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from controlplane.store.credentials import Creds
+from controlplane.store.direct import STATUS_LINE
 from schemas.errors import InfrastructureError, InvalidCommand
 from schemas.events import MAX_EVENT_BYTES
 from schemas.requests import MAX_STATUS_BYTES
@@ -42,9 +43,13 @@ def stream_seq(msg: Msg) -> int:
 RawHandler = Callable[[bytes | None, bytes], None]  # (the header block as received, or None; the payload)
 
 
+_VERSION_LEN = len(b"NATS/1.0")
+
+
 class NdifNatsClient(NatsClient):
-    """nats-py's client with three changes: `flush()` keeps its promise, a faster header-line parser,
-    and raw subscriptions (`subscribe_raw`) for reads of thousands of messages.
+    """nats-py's client with four changes: `flush()` keeps its promise, a faster header-line parser,
+    raw subscriptions (`subscribe_raw`) for reads of thousands of messages, and a status only
+    where the server wrote one (`_process_headers`).
 
     `flush()` promises that what the client sent before it has reached the server when it returns.
     nats-py 2.16 writes the flush's PING straight to the socket while commands still wait in its
@@ -88,6 +93,28 @@ class NdifNatsClient(NatsClient):
         self.stats["in_msgs"] += 1
         self.stats["in_bytes"] += len(data)
         on_msg(headers or None, data)
+
+    async def _process_headers(self, headers: bytes) -> dict[str, str] | None:  # type: ignore[override]
+        """Only the server's own status line is a status. Upstream reads a status code after any
+        first 8 bytes; a publisher may store a message whose header block begins `NATS/1.1 204` or
+        `XXXX/1.0 409` (the server keeps such a line as it is, stripping only an exact `NATS/1.0
+        <code>`), or a header line `Status: 100`, and every reader of it would take the message for
+        an end of batch, a heartbeat or a deleted consumer. Such a first line is dropped here (the
+        lines after it are the headers), and so is a `Status` header the server did not write."""
+        if not headers:
+            return await super()._process_headers(headers)
+        if headers.startswith(STATUS_LINE):
+            return await super()._process_headers(headers)  # the server's
+        if headers[_VERSION_LEN:_VERSION_LEN + 1] != b"\r":
+            i = headers.find(b"\r\n")
+            headers = b"NATS/1.0" + (headers[i:] if i >= 0 else b"\r\n\r\n")
+        hdr = await super()._process_headers(headers)
+        if hdr and "Status" in hdr:
+            # A publisher's own `Status` header: nats-py would take it for the server's (with
+            # `Description: Idle Heartbeat` and no payload, a JetStream consumer skips the
+            # message as a heartbeat and an ordered one resets onto it again and again).
+            del hdr["Status"]
+        return hdr or None
 
     async def _send_ping(self, future: Any = None) -> None:
         if self._transport is not None and self._pending_data_size > 0 and self.is_connected:
