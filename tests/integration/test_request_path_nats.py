@@ -95,6 +95,39 @@ async def test_pull_reports_a_deleted_consumer(event_log: JetStreamEventLog) -> 
             await task
 
 
+async def test_a_stored_message_dressed_as_a_status_is_delivered_not_obeyed(event_log: JetStreamEventLog) -> None:
+    """A client may store a request whose header block reads like the server's `409 Consumer
+    Deleted` in another version, or carries a `Status` line of its own, with no payload: the pull
+    hands it over as the message it is (to be ended as unreadable), and goes on pulling."""
+    await _stream(event_log, "PULLF")
+    got: list[bytes] = []
+
+    async def on_msg(m: Any) -> None:
+        got.append(m.headers.get("Nats-Msg-Id", "").encode() if m.headers else b"?")
+        await m.ack()
+
+    pc = PullConsumer(event_log.nc, "PULLF", "c", on_msg, batch=4, heartbeat_s=0.1)
+    task = asyncio.create_task(pc.run())
+    try:
+        for block in (b"XXXX/1.0 409\r\nNats-Msg-Id: f1\r\nDescription: Consumer Deleted\r\n\r\n",
+                      b"NATS/1.0\r\nNats-Msg-Id: f2\r\nStatus: 408\r\nNats-Pending-Messages: 1000\r\n\r\n"):
+            inbox = event_log.nc.new_inbox()
+            sub = await event_log.nc.subscribe(inbox, max_msgs=1)
+            cmd = b"HPUB pullf.x %s %d %d\r\n" % (inbox.encode(), len(block), len(block))
+            await event_log.nc._send_command(cmd + block + b"\r\n")
+            await event_log.nc.flush()
+            await sub.next_msg(timeout=5)
+        await event_log.js.publish("pullf.x", b"after", headers={"Nats-Msg-Id": "f3"})
+        async with asyncio.timeout(10):
+            while len(got) < 3:
+                await asyncio.sleep(0.01)
+        assert got == [b"f1", b"f2", b"f3"] and not task.done()
+        assert 0 <= pc.pending <= pc.batch
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
 async def test_kept_status_is_republished_and_a_losing_write_never_seen(event_log: JetStreamEventLog) -> None:
     """The terminal status reaches `ndif.status.<id>` only as KV keeps it (docs/architecture.md §4: exactly once)."""
     seen: list[tuple[str, bytes]] = []
