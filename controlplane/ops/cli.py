@@ -758,7 +758,10 @@ def main(argv: list[str] | None = None, extra: Callable[[Any], None] | None = No
         near = difflib.get_close_matches(args[0], list(sub.choices), n=2, cutoff=0.6)
         hint = f"; did you mean {' or '.join(repr(n) for n in near)}?" if near else ""
         parser.error(f"unknown command {args[0]!r}{hint} (`ndif --help` lists them)")
-    a = parser.parse_args(args)
+    a, unknown = parser.parse_known_args(args)
+    if unknown:  # said by the command's own parser: its usage, and where its flags are listed
+        (sub.choices.get(a.cmd) or parser).error(
+            f"unrecognized arguments: {' '.join(unknown)[:300]}" + (f" (`ndif {a.cmd} -h` lists its flags)" if a.cmd else ""))
     if a.cmd is None:  # only options, no command (`ndif --json`)
         parser.print_help()
         return 2

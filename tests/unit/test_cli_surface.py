@@ -10,6 +10,7 @@ import re
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta, timezone
+from typing import Any
 
 import pytest
 
@@ -125,3 +126,14 @@ def test_event_times_say_their_zone():
     ev = ReplicaLoaded(event_id="e", ts=ts, actor="agent:a", model_key="m", replica_id=0, node_id="a")
     assert "2026-11-23 16:00:05Z" in _event_line(7, ev)
     assert ts.astimezone(UTC).hour == 16
+
+
+def test_an_unknown_flag_is_refused_with_its_commands_usage(capsys: Any) -> None:
+    """`ndif deploy M --bogus` prints deploy's usage, not the top level's, and where its flags are."""
+    from controlplane.ops.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["deploy", "org/model", "--bogus-flag"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: ndif deploy") and "`ndif deploy -h` lists its flags" in err, err
