@@ -445,9 +445,12 @@ async def test_ctrl_c_while_waiting_says_what_stands(nats_server: EmbeddedNats, 
     import signal
     import sys
 
+    # A shell's background job (CI's, say) starts with SIGINT ignored, and a child inherits that:
+    # Python then never turns Ctrl-C into KeyboardInterrupt. The child gets the default back.
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "dataplane.ops.cli", "submit", str(tiny), "--prompt", "hi", "--nats", nats_server.url,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env={**os.environ})
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env={**os.environ},
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     assert proc.stdout is not None and proc.stderr is not None
     first = (await asyncio.wait_for(proc.stdout.readline(), 60)).decode()
     assert first.startswith("request "), first
