@@ -82,11 +82,11 @@ def raw_status(headers: bytes | None, data: bytes = b"") -> str | None:
     """The server's inline status in a raw header block (`NATS/1.0 204 EOB`): the three digits after
     exactly `NATS/1.0 `, on a message with no payload and no `Nats-Sequence` (a stored message's
     answer always has one). Anything else is a stored message: a publisher may store a block that
-    begins `NATS/1.1 204` or `XXXX/1.0 204`, which the server keeps as it is."""
+    begins `NATS/1.1 204` or `EVIL/1.0 204`, which the server keeps as it is."""
     if not headers or data or not headers.startswith(STATUS_LINE) or _SEQUENCE in headers:
         return None
     status = headers[_HEADER_LINE + 1:_HEADER_LINE + 4]
-    return status.decode("ascii") if len(status) == 3 and status.isdigit() and status.isascii() else None
+    return status.decode("ascii") if len(status) == 3 and status.isdigit() else None
 
 
 def raw_header(headers: bytes | None, line_start: bytes) -> bytes | None:

@@ -197,8 +197,8 @@ async def hpub(nc: Any, subject: str, header_block: bytes, payload: bytes) -> No
 # carries a `Status` line of its own: the server keeps both as they are.
 FORGED_STATUSES = [
     (b"NATS/1.1 204 EOB\r\nNats-Msg-Id: forged-0\r\n\r\n", b'{"v":0}'),
-    (b"XXXX/1.0 204 EOB\r\nNats-Msg-Id: forged-1\r\n\r\n", b'{"v":1}'),
-    (b"XXXX/1.0 409\r\nNats-Msg-Id: forged-2\r\nDescription: Consumer Deleted\r\n\r\n", b""),
+    (b"EVIL/1.0 204 EOB\r\nNats-Msg-Id: forged-1\r\n\r\n", b'{"v":1}'),
+    (b"EVIL/1.0 409\r\nNats-Msg-Id: forged-2\r\nDescription: Consumer Deleted\r\n\r\n", b""),
     (b"NATS/1.0\r\nNats-Msg-Id: forged-3\r\nStatus: 100\r\nDescription: Idle Heartbeat\r\n"
      b"Nats-Last-Consumer: 0\r\nNats-Last-Stream: 0\r\n\r\n", b""),
 ]
@@ -207,7 +207,7 @@ FORGED_STATUSES = [
 async def test_a_fact_dressed_as_a_server_status_is_read_as_a_message_by_every_reader(
         url: str, auth: LocalAuth, tmp_path: Path) -> None:
     """Found by a red team with an agent's credentials: facts whose header block began `NATS/1.1 204`
-    or `XXXX/1.0 204` were taken for the end of a direct read by every direct-reading follower (the
+    or `EVIL/1.0 204` were taken for the end of a direct read by every direct-reading follower (the
     dashboard and the agents lost them, the controller's consumer did not: the folds diverged). Each
     reader now reads each of them as the (unreadable) message it is, and no reader stops."""
     ctl = await Controller.from_url(url, creds=auth.role("controller"), policy_interval_s=0.2).start()

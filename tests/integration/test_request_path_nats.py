@@ -109,7 +109,7 @@ async def test_a_stored_message_dressed_as_a_status_is_delivered_not_obeyed(even
     pc = PullConsumer(event_log.nc, "PULLF", "c", on_msg, batch=4, heartbeat_s=0.1)
     task = asyncio.create_task(pc.run())
     try:
-        for block in (b"XXXX/1.0 409\r\nNats-Msg-Id: f1\r\nDescription: Consumer Deleted\r\n\r\n",
+        for block in (b"EVIL/1.0 409\r\nNats-Msg-Id: f1\r\nDescription: Consumer Deleted\r\n\r\n",
                       b"NATS/1.0\r\nNats-Msg-Id: f2\r\nStatus: 408\r\nNats-Pending-Messages: 1000\r\n\r\n"):
             inbox = event_log.nc.new_inbox()
             sub = await event_log.nc.subscribe(inbox, max_msgs=1)

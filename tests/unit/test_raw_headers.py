@@ -49,7 +49,7 @@ async def test_a_stored_message_is_never_a_status_whatever_its_headers_say() -> 
     header block that begins like a status in another version, or carries its own `Status` line;
     the server keeps both as they are. Neither is a status for a raw read or for our client (nats-py
     took them for an end of batch, a heartbeat, a deleted consumer: a red-team finding)."""
-    forged = [b"NATS/1.1 204 EOB", b"XXXX/1.0 204 EOB", b"NATS/1.0\t204", b"XXXX/1.0 409"]
+    forged = [b"NATS/1.1 204 EOB", b"EVIL/1.0 204 EOB", b"NATS/1.0\t204", b"EVIL/1.0 409"]
     tail = b"\r\nNats-Msg-Id: w1\r\nNats-Stream: NDIF_EVENTS\r\nNats-Sequence: 2\r\n\r\n"
     for first in forged:
         block = first + tail

@@ -43,7 +43,7 @@ def stream_seq(msg: Msg) -> int:
 RawHandler = Callable[[bytes | None, bytes], None]  # (the header block as received, or None; the payload)
 
 
-_VERSION_LEN = len(b"NATS/1.0")
+_VERSION_LEN = len(STATUS_LINE) - 1  # `NATS/1.0`
 
 
 class NdifNatsClient(NatsClient):
@@ -97,7 +97,7 @@ class NdifNatsClient(NatsClient):
     async def _process_headers(self, headers: bytes) -> dict[str, str] | None:  # type: ignore[override]
         """Only the server's own status line is a status. Upstream reads a status code after any
         first 8 bytes; a publisher may store a message whose header block begins `NATS/1.1 204` or
-        `XXXX/1.0 409` (the server keeps such a line as it is, stripping only an exact `NATS/1.0
+        `EVIL/1.0 409` (the server keeps such a line as it is, stripping only an exact `NATS/1.0
         <code>`), or a header line `Status: 100`, and every reader of it would take the message for
         an end of batch, a heartbeat or a deleted consumer. Such a first line is dropped here (the
         lines after it are the headers), and so is a `Status` header the server did not write."""
