@@ -248,10 +248,14 @@ async def test_r3_cluster_loses_nothing_when_two_servers_are_killed(cluster: Nat
               f"{REQUESTS} requests, {last} events, {took:.1f}s; without a leader: {leader}")
         try:
             async with asyncio.timeout(30):
-                while any(p.state.seq != last for p in parts):
-                    await asyncio.sleep(0.2)
-                    last = await _last_seq(lg)  # agents may still be answering the last decisions
-            stored = await _read_all(lg, last)
+                while True:
+                    while any(p.state.seq != last for p in parts):
+                        await asyncio.sleep(0.2)
+                        last = await _last_seq(lg)  # agents may still be answering the last decisions
+                    stored = await _read_all(lg, last)
+                    # Quiet: nothing appended while the log was read (else compare at the new end).
+                    if await _last_seq(lg) == last and all(p.state.seq == last for p in parts):
+                        break
         except TimeoutError:
             raise AssertionError(f"folds behind the log ({last}): {[(getattr(p, 'name', None) or p.node_id, p.state.seq) for p in parts]}") from None
         fresh = ClusterState()
