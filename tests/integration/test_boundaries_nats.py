@@ -19,6 +19,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import msgspec
+import nats.errors
 import nats.js.errors
 import pytest
 import pytest_asyncio
@@ -180,6 +181,63 @@ async def test_many_new_model_names_at_once_are_triaged_a_bounded_number_at_a_ti
     for rid in rids:
         u = await _status(env.log, rid, timeout=30)
         assert u.status is RequestStatus.ERROR, u
+
+
+async def test_a_name_whose_turn_comes_before_its_request_is_stored_is_still_triaged(env: Env) -> None:
+    """The dispatcher hears of a publish (a core delivery) before the stream has stored it. A name
+    that waited for a triage's place took its turn as a name found by the sweep (one look): when its
+    turn came before the store, the request waited for the sweep (CI: 30 s and more). It keeps the
+    publish's freshness now: looked at again until stored."""
+    di = env.dispatcher.intake
+    assert di is not None
+    stored = await _stored(env.log)
+    busy = {f"busy{i}-0123456789" for i in range(intake.MAX_TRIAGES - 1)}
+    di._triaging |= busy  # every place taken but one ...
+    try:
+        first = canonical_model_key(f"nobody/first-{uuid.uuid4().hex[:6]}")
+        await di.on_subject(request_subject(first))  # ... by a triage that finds nothing and ends
+        mk = canonical_model_key(f"nobody/late-{uuid.uuid4().hex[:6]}")
+        await di.on_subject(request_subject(mk))  # heard of, not stored yet: waits for a place
+        assert model_token(mk) in di._triage_waiting
+        async with asyncio.timeout(10):
+            while model_token(mk) in di._triage_waiting:  # its turn: the first triage ended
+                await asyncio.sleep(0.005)
+        # Stored now; its delivery was the one heard above (this publish's own is not heard again).
+        route = di.route
+        di.route = lambda token, **kw: None if token == model_token(mk) else route(token, **kw)  # type: ignore[method-assign]
+        rid = f"late-{uuid.uuid4().hex[:8]}"
+        await env.log.js.publish(request_subject(mk), _body(rid, mk), headers={"Nats-Msg-Id": rid})
+        u = await _status(env.log, rid, timeout=10)  # the sweep waits an hour here
+        assert u.status is RequestStatus.ERROR and u.error == "UnknownModel", u
+        assert await _stored(env.log) == stored
+    finally:
+        di._triaging -= busy
+        vars(di).pop("route", None)
+
+
+async def test_a_triage_whose_read_fails_is_tried_again_before_the_sweep(env: Env) -> None:
+    """A read of the stream that fails (NATS slow or away a moment) ended the triage silently, and
+    its request waited for the sweep. It is looked at again, a bounded number of times."""
+    di = env.dispatcher.intake
+    assert di is not None
+    mk = canonical_model_key(f"nobody/flaky-{uuid.uuid4().hex[:6]}")
+    read, fails = di.requests.next_stored, [1]
+
+    async def flaky(subject: str, after_seq: int) -> Any:
+        if model_token(mk) in subject and fails:
+            fails.pop()
+            raise nats.errors.TimeoutError
+        return await read(subject, after_seq)
+
+    di.requests.next_stored = flaky  # type: ignore[method-assign]
+    try:
+        rid = f"flaky-{uuid.uuid4().hex[:8]}"
+        await env.log.js.publish(request_subject(mk), _body(rid, mk), headers={"Nats-Msg-Id": rid})
+        u = await _status(env.log, rid, timeout=10)  # the sweep waits an hour here
+        assert u.status is RequestStatus.ERROR and u.error == "UnknownModel" and not fails, u
+        assert model_token(mk) not in di._triage_failures
+    finally:
+        vars(di.requests).pop("next_stored", None)
 
 
 async def test_a_wildcard_published_as_a_model_token_reads_no_other_models_requests(env: Env) -> None:

@@ -59,6 +59,7 @@ R = RequestStatus
 # (`route_stored`, level-triggered), which routes every subject holding requests again.
 MAX_TRIAGES = 16
 MAX_TRIAGE_WAITING = 10_000
+TRIAGE_RETRIES = 3  # a triage whose reads fail is tried again this often (0.5, 1, 2 s later), then left to the sweep
 UNKNOWN_CONSUMER_SWEEP_S = 10.0  # consumers of models the log does not know are deleted this often
 KNOWN_GRACE_S = 10.0  # a processor made as its model was deployed waits this long for the fold to show it
 # Queued requests a processor holds before it stops reading its heavier user partitions (the rest
@@ -82,7 +83,10 @@ class Intake:
     queue_lifetime_s: float
     consumers: dict[str, asyncio.Task[None]] = field(default_factory=dict)  # model token -> its consume task
     _triaging: set[str] = field(default_factory=set)  # unknown model tokens whose requests are being looked at
-    _triage_waiting: dict[str, None] = field(default_factory=dict)  # tokens waiting for a triage, oldest first
+    # tokens waiting for a triage, oldest first -> whether a publish woke it (the stream may not have
+    # stored it yet when its turn comes: a core delivery can be seen before the stream's store)
+    _triage_waiting: dict[str, bool] = field(default_factory=dict)
+    _triage_failures: dict[str, int] = field(default_factory=dict)  # token -> triages in a row that raised
     _triage_again: set[str] = field(default_factory=set)  # tokens (being triaged) published on again meanwhile
     triage_deferred: int = 0  # unknown tokens that waited because MAX_TRIAGES were under way
     _unknown_seen: set[str] = field(default_factory=set)  # consumer names found unknown at the last sweep
@@ -120,10 +124,13 @@ class Intake:
             self._triage_again.add(token)  # published again meanwhile: its triage reads once more
         else:
             if len(self._triaging) >= MAX_TRIAGES:
-                if token not in self._triage_waiting and len(self._triage_waiting) < MAX_TRIAGE_WAITING:
-                    self._triage_waiting[token] = None
+                if token in self._triage_waiting:
+                    self._triage_waiting[token] |= fresh
+                elif len(self._triage_waiting) < MAX_TRIAGE_WAITING:
+                    self._triage_waiting[token] = fresh
                     self.triage_deferred += 1
                 return  # its requests stay stored meanwhile
+            fresh |= self._triage_waiting.pop(token, False)  # routed (by the sweep) ahead of its turn
             self._triaging.add(token)
             self.bg.spawn(self._triage(token, fresh=fresh))
 
@@ -169,7 +176,10 @@ class Intake:
         A triage holds one of MAX_TRIAGES places only while it reads: woken by a publish (`fresh`)
         that the stream may not have stored yet, it looks twice more when it found nothing, and once
         more whenever the subject was published on again while it read; with no controller
-        answering, it leaves the request stored (PROVISIONING said) for the sweep."""
+        answering, it leaves the request stored (PROVISIONING said) for the sweep. A name that waited
+        for its place keeps whether a publish woke it; a triage whose reads fail is tried again
+        TRIAGE_RETRIES times before the sweep is left to find it."""
+        failed = False
         try:
             waits = 0
             while True:
@@ -188,13 +198,31 @@ class Intake:
                     return
                 waits += 1
                 await asyncio.sleep(0.2 * waits)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a read or delete failed (NATS slow or away)
+            # Looked at again a few times, sooner than the sweep; then left to it.
+            failed = True
+            failures = self._triage_failures[token] = self._triage_failures.get(token, 0) + 1
+            retry = failures <= TRIAGE_RETRIES
+            logger.warning("triage_failed", token=token, error=str(exc) or type(exc).__name__, attempt=failures,
+                           next="retried" if retry else "left to the sweep")
+            if retry:
+                self.bg.spawn(self._route_later(token, 0.5 * 2 ** (failures - 1)))
+            else:
+                self._triage_failures.pop(token, None)
         finally:
+            if not failed:
+                self._triage_failures.pop(token, None)
             self._triaging.discard(token)
             self._triage_again.discard(token)
             while self._triage_waiting and len(self._triaging) < MAX_TRIAGES and not self.bg.stopped:
                 nxt = next(iter(self._triage_waiting))
-                del self._triage_waiting[nxt]
-                self.route(nxt)
+                self.route(nxt, fresh=self._triage_waiting.pop(nxt))
+
+    async def _route_later(self, token: str, delay_s: float) -> None:
+        await asyncio.sleep(delay_s)
+        self.route(token, fresh=True)
 
     async def _triage_subject(self, token: str, subject: str) -> int | None:
         """Read what is stored on `subject` now; how many requests were read, or None when the
