@@ -18,7 +18,7 @@ from abc import ABC, abstractmethod
 from bisect import bisect_right
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated, Any, Final, Generic, Literal, Protocol, TypeVar
 
 import msgspec
@@ -438,3 +438,89 @@ def position_update_due(last: int | None, now: int, since_s: float, min_interval
     if now == last or since_s < min_interval_s:
         return False
     return now < 10 or abs(now - last) * 10 >= last
+
+
+@dataclass(eq=False)
+class TriagePlaces:
+    """Who may look at a model name the log does not know, now, and who waits: a dispatcher's
+    triages (each reads the stream and may ask for a deployment) are `places` at most at once, and
+    one user holds at most `share` of them; the names past that wait in their user's line (at most
+    `waiting_share` each, `waiting_limit` in all, past which a name is left to the sweep), and the
+    lines are served in turn. So one client storing junk on thousands of new names keeps at most
+    `share` places and its own line full, never another user's first request waiting behind it.
+
+    A name is keyed by its model token; its user is the one whose publish (or stored subject)
+    named it first (a triage reads every user's requests on the name). `fresh`: a publish woke it
+    (the stream may not have stored the request yet), kept while it waits."""
+
+    places: int = 16
+    share: int = 4
+    waiting_limit: int = 10_000
+    waiting_share: int = 625
+    deferred: int = 0  # names that waited (every place, or the user's share, taken)
+    running: dict[str, str] = field(default_factory=dict)  # token -> user, triages under way
+    waiting: dict[str, bool] = field(default_factory=dict)  # token -> fresh, names waiting
+    _held: dict[str, int] = field(default_factory=dict)  # user -> places held
+    _lines: dict[str, deque[str]] = field(default_factory=dict)  # user -> names, oldest first (turn order)
+
+    def ask(self, token: str, user: str, fresh: bool) -> bool | None:
+        """A name to triage: True (with its freshness) when it may start now, None when it waits or
+        is left to the sweep. Not for a name under way (its triage is told to read again)."""
+        if len(self.running) < self.places and self._held.get(user, 0) < self.share:
+            fresh |= self.waiting.pop(token, False)  # routed (by the sweep) ahead of its turn
+            self.running[token] = user
+            self._held[user] = self._held.get(user, 0) + 1
+            return fresh
+        line = self._lines.get(user)
+        if token in self.waiting:
+            self.waiting[token] |= fresh
+            if line is not None and token in line:
+                return None  # waiting in this user's line already (in another's, it joins this one too)
+        elif len(self.waiting) >= self.waiting_limit:
+            return None  # left to the sweep
+        if line is not None and len(line) >= self.waiting_share:
+            return None  # this user's line is full: left to the sweep
+        if token not in self.waiting:
+            self.waiting[token] = fresh
+            self.deferred += 1
+        self._lines.setdefault(user, deque()).append(token)
+        return None
+
+    def done(self, token: str) -> list[tuple[str, str, bool]]:
+        """A triage ended: its place goes to the next names, a line at a time in turn; each
+        (token, user, fresh) returned is under way now."""
+        user = self.running.pop(token, None)
+        if user is not None:
+            held = self._held[user] - 1
+            if held:
+                self._held[user] = held
+            else:
+                del self._held[user]
+        started: list[tuple[str, str, bool]] = []
+        while len(self.running) < self.places:
+            nxt = self._next()
+            if nxt is None:
+                break
+            tok, who = nxt
+            fresh = self.waiting.pop(tok)
+            self.running[tok] = who
+            self._held[who] = self._held.get(who, 0) + 1
+            started.append((tok, who, fresh))
+        return started
+
+    def _next(self) -> tuple[str, str] | None:
+        """The oldest waiting name of the first user in turn who holds less than its share; that
+        user goes to the end of the turn."""
+        for who in list(self._lines):
+            if self._held.get(who, 0) >= self.share:
+                continue
+            line = self._lines.pop(who)
+            while line and line[0] not in self.waiting:
+                line.popleft()  # started from another user's line, or ahead of its turn
+            if not line:
+                continue
+            tok = line.popleft()
+            if line:
+                self._lines[who] = line  # to the end of the turn
+            return tok, who
+        return None

@@ -23,7 +23,7 @@ import msgspec
 import structlog
 from nats.aio.msg import Msg
 
-from controlplane.core.fairness import RequestQueue
+from controlplane.core.fairness import RequestQueue, TriagePlaces
 from controlplane.core.projections import ClusterState
 from controlplane.core.projections.queue import queue_view
 from controlplane.store.credentials import msg_id_problem
@@ -54,11 +54,14 @@ from schemas.subjects import (
 logger = structlog.get_logger("ndif.dispatcher")
 R = RequestStatus
 # Unknown model names looked at at once (each reads the stream and may ask the controller for a
-# deployment): a thousand new names at once made another user's status wait 2 s. One past this waits
-# its turn (taken as a triage ends); past MAX_TRIAGE_WAITING waiting, it is left to the sweep
-# (`route_stored`, level-triggered), which routes every subject holding requests again.
+# deployment): a thousand new names at once made another user's status wait 2 s. One user holds at
+# most TRIAGE_SHARE of the places; a name past them waits its turn in its user's line (the lines
+# served in turn as triages end); past a line's TRIAGE_WAITING_SHARE or MAX_TRIAGE_WAITING in all,
+# it is left to the sweep (`route_stored`, level-triggered), which routes every stored subject again.
 MAX_TRIAGES = 16
+TRIAGE_SHARE = 4
 MAX_TRIAGE_WAITING = 10_000
+TRIAGE_WAITING_SHARE = 625
 TRIAGE_RETRIES = 3  # a triage whose reads fail is tried again this often (0.5, 1, 2 s later), then left to the sweep
 UNKNOWN_CONSUMER_SWEEP_S = 10.0  # consumers of models the log does not know are deleted this often
 KNOWN_GRACE_S = 10.0  # a processor made as its model was deployed waits this long for the fold to show it
@@ -82,13 +85,12 @@ class Intake:
     ack_wait_s: float  # held requests are kept alive every third of it
     queue_lifetime_s: float
     consumers: dict[str, asyncio.Task[None]] = field(default_factory=dict)  # model token -> its consume task
-    _triaging: set[str] = field(default_factory=set)  # unknown model tokens whose requests are being looked at
-    # tokens waiting for a triage, oldest first -> whether a publish woke it (the stream may not have
-    # stored it yet when its turn comes: a core delivery can be seen before the stream's store)
-    _triage_waiting: dict[str, bool] = field(default_factory=dict)
+    # Unknown model tokens being looked at (their user's) and waiting (whether a publish woke them: the
+    # stream may not have stored it yet when their turn comes, as a core delivery can be seen first).
+    triage: TriagePlaces = field(default_factory=lambda: TriagePlaces(
+        places=MAX_TRIAGES, share=TRIAGE_SHARE, waiting_limit=MAX_TRIAGE_WAITING, waiting_share=TRIAGE_WAITING_SHARE))
     _triage_failures: dict[str, int] = field(default_factory=dict)  # token -> triages in a row that raised
     _triage_again: set[str] = field(default_factory=set)  # tokens (being triaged) published on again meanwhile
-    triage_deferred: int = 0  # unknown tokens that waited because MAX_TRIAGES were under way
     _unknown_seen: set[str] = field(default_factory=set)  # consumer names found unknown at the last sweep
     _bad_seen: set[str] = field(default_factory=set)  # subject tokens that are no model's, said once (bounded)
 
@@ -104,10 +106,11 @@ class Intake:
     def known_tokens(self) -> set[str]:
         return {model_token(mk) for mk in self.state.models}
 
-    def route(self, token: str, *, fresh: bool = False) -> None:
+    def route(self, token: str, *, fresh: bool = False, user: str = "") -> None:
         """Requests on `ndif.req.<token>`: a model the log knows gets its processor and durable consumer;
-        any other subject is triaged without one (a consumer per junk subject would never go away).
-        `fresh`: a publish on it just woke us (the stream may not have stored it yet)."""
+        any other subject is triaged without one (a consumer per junk subject would never go away),
+        in `user`'s share of the triage's places. `fresh`: a publish on it just woke us (the stream
+        may not have stored it yet)."""
         if token in self.processors or self.bg.stopped:
             return
         if not valid_model_token(token):
@@ -120,35 +123,28 @@ class Intake:
             return
         if token in self.known_tokens():
             self.processor(token)
-        elif token in self._triaging:
+        elif token in self.triage.running:
             self._triage_again.add(token)  # published again meanwhile: its triage reads once more
         else:
-            if len(self._triaging) >= MAX_TRIAGES:
-                if token in self._triage_waiting:
-                    self._triage_waiting[token] |= fresh
-                elif len(self._triage_waiting) < MAX_TRIAGE_WAITING:
-                    self._triage_waiting[token] = fresh
-                    self.triage_deferred += 1
-                return  # its requests stay stored meanwhile
-            fresh |= self._triage_waiting.pop(token, False)  # routed (by the sweep) ahead of its turn
-            self._triaging.add(token)
-            self.bg.spawn(self._triage(token, fresh=fresh))
+            start = self.triage.ask(token, user, fresh)
+            if start is not None:  # else its requests stay stored meanwhile, waiting their turn
+                self.bg.spawn(self._triage(token, fresh=start))
 
     async def on_subject(self, subject: str) -> None:
         """A request was published on `subject`."""
-        token, _ = request_subject_parts(subject)
+        token, user = request_subject_parts(subject)
         if token:
-            self.route(token, fresh=True)
+            self.route(token, fresh=True, user=user)
 
     async def route_stored(self) -> None:
         """Route every model subject that holds stored requests (no stream yet: nothing to route);
         end those stored under a token that is no model's (nothing else would ever take them)."""
         for subject in await self.requests.stored_subjects():
-            token, _ = request_subject_parts(subject)
+            token, user = request_subject_parts(subject)
             if token and not valid_model_token(token):
                 await self._end_unroutable(subject)
             elif token:
-                self.route(token)
+                self.route(token, user=user)
 
     async def _end_unroutable(self, subject: str, limit: int = 1000) -> None:
         """End the requests stored on `subject` exactly, whose model token is no model's (`*` or `>`
@@ -208,21 +204,19 @@ class Intake:
             logger.warning("triage_failed", token=token, error=str(exc) or type(exc).__name__, attempt=failures,
                            next="retried" if retry else "left to the sweep")
             if retry:
-                self.bg.spawn(self._route_later(token, 0.5 * 2 ** (failures - 1)))
+                self.bg.spawn(self._route_later(token, self.triage.running.get(token, ""), 0.5 * 2 ** (failures - 1)))
             else:
                 self._triage_failures.pop(token, None)
         finally:
             if not failed:
                 self._triage_failures.pop(token, None)
-            self._triaging.discard(token)
             self._triage_again.discard(token)
-            while self._triage_waiting and len(self._triaging) < MAX_TRIAGES and not self.bg.stopped:
-                nxt = next(iter(self._triage_waiting))
-                self.route(nxt, fresh=self._triage_waiting.pop(nxt))
+            for nxt, _, fresh_ in self.triage.done(token):  # its place goes to the next in turn
+                self.bg.spawn(self._triage(nxt, fresh=fresh_))
 
-    async def _route_later(self, token: str, delay_s: float) -> None:
+    async def _route_later(self, token: str, user: str, delay_s: float) -> None:
         await asyncio.sleep(delay_s)
-        self.route(token, fresh=True)
+        self.route(token, fresh=True, user=user)
 
     async def _triage_subject(self, token: str, subject: str) -> int | None:
         """Read what is stored on `subject` now; how many requests were read, or None when the

@@ -1,0 +1,89 @@
+"""The triage's places (controlplane/core/fairness.py `TriagePlaces`): bounded in all and per user,
+the users' lines served in turn, and no free place left while an eligible name waits."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from controlplane.core.fairness import TriagePlaces
+
+
+def _check(tp: TriagePlaces) -> None:
+    held: dict[str, int] = {}
+    for user in tp.running.values():
+        held[user] = held.get(user, 0) + 1
+    assert len(tp.running) <= tp.places
+    assert all(n <= tp.share for n in held.values()), held
+    assert len(tp.waiting) <= tp.waiting_limit
+    assert not set(tp.running) & set(tp.waiting)
+    assert all(len(line) <= tp.waiting_share for line in tp._lines.values())
+    # every waiting name is in some line (else nothing would ever start it but the sweep)
+    lined = {t for line in tp._lines.values() for t in line}
+    assert set(tp.waiting) <= lined
+
+
+def test_one_user_holds_its_share_and_another_starts_at_once() -> None:
+    tp = TriagePlaces(places=16, share=4, waiting_limit=100, waiting_share=10)
+    started = [t for t in range(20) if tp.ask(f"m{t}", "mallory", True) is not None]
+    assert started == [0, 1, 2, 3]  # the rest wait in mallory's line (10), then go to the sweep
+    assert len(tp.waiting) == 10
+    assert tp.ask("b0", "bob", True) is True  # a place is free and bob holds none: at once
+    _check(tp)
+
+
+def test_the_lines_are_served_in_turn() -> None:
+    tp = TriagePlaces(places=2, share=2, waiting_limit=100, waiting_share=100)
+    assert tp.ask("x", "x", False) is not None and tp.ask("y", "y", False) is not None
+    for i in range(5):
+        tp.ask(f"a{i}", "alice", False)
+    for i in range(2):
+        tp.ask(f"b{i}", "bob", True)
+    order: list[str] = []
+    while tp.running:
+        order += [t for t, _, _ in tp.done(next(iter(tp.running)))]  # the oldest triage ends
+        _check(tp)
+    assert order[:4] == ["a0", "b0", "a1", "b1"], order  # alternating while both wait
+    assert sorted(order) == sorted([f"a{i}" for i in range(5)] + ["b0", "b1"])
+
+
+def test_a_name_keeps_its_freshness_while_it_waits() -> None:
+    tp = TriagePlaces(places=1, share=1)
+    assert tp.ask("first", "u", False) is False
+    assert tp.ask("late", "u", True) is None
+    assert tp.done("first") == [("late", "u", True)]
+    assert tp.ask("again", "u", False) is None
+    assert tp.ask("again", "u", True) is None  # a publish on it while waiting
+    assert tp.done("late") == [("again", "u", True)]
+
+
+def test_a_name_waiting_in_another_users_line_joins_this_users_line_too() -> None:
+    tp = TriagePlaces(places=2, share=1)
+    tp.ask("m0", "mallory", False)
+    tp.ask("shared", "mallory", False)  # waits behind mallory's share
+    tp.ask("b0", "bob", False)
+    tp.ask("shared", "bob", True)  # bob's own request on it: in bob's line as well
+    started = tp.done("b0")
+    assert started == [("shared", "bob", True)], started
+    _check(tp)
+    assert tp.done("m0") == []  # mallory's stale entry is skipped
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(0, 5), st.integers(0, 30), st.booleans()), max_size=300))
+def test_bounds_hold_and_no_place_stays_free_while_an_eligible_name_waits(ops: list[tuple[bool, int, int, bool]]) -> None:
+    tp = TriagePlaces(places=4, share=2, waiting_limit=12, waiting_share=5)
+    for ask, user, name, fresh in ops:
+        if ask:
+            if f"n{name}" not in tp.running:
+                tp.ask(f"n{name}", f"u{user}", fresh)
+        elif tp.running:
+            tp.done(sorted(tp.running)[name % len(tp.running)])
+        _check(tp)
+        if len(tp.running) < tp.places:
+            held: dict[str, int] = {}
+            for u in tp.running.values():
+                held[u] = held.get(u, 0) + 1
+            for u, line in tp._lines.items():
+                if held.get(u, 0) < tp.share:
+                    assert not [t for t in line if t in tp.waiting], (u, line, tp.running)
