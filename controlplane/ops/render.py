@@ -19,7 +19,12 @@ from schemas.units import GiB, gib
 
 
 def _gib(n: int) -> str:
-    return f"{n / GiB:,.1f}"
+    """GiB with one decimal, three below 1 GiB (a tiny model's use is not shown as 0.0: the
+    dashboard's sizes read the same way), `<0.001` for a use below that."""
+    g = n / GiB
+    if 0 < g < 0.0005:
+        return "<0.001"
+    return f"{g:.3f}" if 0 < g < 1 else f"{g:,.1f}"
 
 
 def _table(rows: list[list[str]], header: list[str]) -> list[str]:

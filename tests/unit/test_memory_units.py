@@ -91,3 +91,9 @@ def test_no_other_memory_unit_is_shown_or_taken() -> None:
     found = [f"{p.relative_to(ROOT)}:{line}: {text.strip()[:80]}" for p in files for line, text in _strings(p)
              if _shown(text)]
     assert not found, found
+
+
+def test_status_shows_a_tiny_models_use_not_zero() -> None:
+    from controlplane.ops.render import _gib
+
+    assert [_gib(n) for n in (0, 10 << 20, 100, 1 << 30, 80 << 30)] == ["0.0", "0.010", "<0.001", "1.0", "80.0"]
