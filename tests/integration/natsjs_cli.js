@@ -72,6 +72,9 @@ const ops = {
       out.push(message(m));
       if (out.length >= step.count || (step.until && out[out.length - 1].body.status === step.until)) break;
     } })();
+    // A refused subscription's iterator can end (the server's -ERR) before flush's PONG is read:
+    // marked handled now, or node ends the process on an unhandled rejection; awaited below.
+    done.catch(() => {});
     await nc.flush();
     ready();
     const timer = new Promise((r) => setTimeout(r, step.seconds * 1000));

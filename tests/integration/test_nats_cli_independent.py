@@ -65,6 +65,20 @@ async def natsjs_run(natsjs: Path, steps: list[dict[str, Any]], *, ready: asynci
     return results
 
 
+async def _until_ready(ready: asyncio.Event, run: asyncio.Task[Any], timeout_s: float = 60) -> None:
+    """Wait for the client's subscriptions, or its end: a client that ended first says why (its
+    stderr, in the task's error) rather than a bare timeout."""
+    waiting = asyncio.create_task(ready.wait())
+    try:
+        await asyncio.wait({waiting, run}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        waiting.cancel()
+    if not ready.is_set():
+        if run.done():
+            raise AssertionError(f"the nats.js client ended before its subscriptions were in place: {run.result()!r}")
+        raise TimeoutError(f"the nats.js client was not subscribed within {timeout_s} s")
+
+
 async def test_the_docs_nats_commands_work_with_an_independent_client(natsjs: Path, tmp_path: Path) -> None:
     home = tmp_path / "home"
     auth = ensure_local([NODE], clients=["alice", "bob"], home=home)
@@ -92,7 +106,7 @@ async def test_the_docs_nats_commands_work_with_an_independent_client(natsjs: Pa
                  "until": "ERROR"},
                 {"ctx": ctx["client-alice"], "op": "sub", "subject": "ndif.status.>", "count": 1, "seconds": 3},
             ], ready=ready))
-            await asyncio.wait_for(ready.wait(), 60)
+            await _until_ready(ready, live)
             async with Client(url, creds=auth.role("client:alice")) as alice:
                 job = await alice.submit(str(tmp_path / "missing"), {"op": "forward", "input_ids": [[1]]})
                 with pytest.raises(RequestFailed):
