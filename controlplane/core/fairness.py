@@ -447,7 +447,11 @@ class TriagePlaces:
     one user holds at most `share` of them; the names past that wait in their user's line (at most
     `waiting_share` each, `waiting_limit` in all, past which a name is left to the sweep), and the
     lines are served in turn. So one client storing junk on thousands of new names keeps at most
-    `share` places and its own line full, never another user's first request waiting behind it.
+    `share` places and its own line full, never another user's first request waiting behind it; with
+    every line together at `waiting_limit` (16 full lines, say), a user whose line is shorter than
+    the longest takes the longest line's newest place (that name is left to the sweep). Not
+    work-conserving: a lone user has `share` places while the others stand idle (a triage takes
+    milliseconds; a flood of new names is what the places are bounded against).
 
     A name is keyed by its model token; its user is the one whose publish (or stored subject)
     named it first (a triage reads every user's requests on the name). `fresh`: a publish woke it
@@ -458,6 +462,7 @@ class TriagePlaces:
     waiting_limit: int = 10_000
     waiting_share: int = 625
     deferred: int = 0  # names that waited (every place, or the user's share, taken)
+    given_up: int = 0  # waiting names left to the sweep to make room for a shorter line
     running: dict[str, str] = field(default_factory=dict)  # token -> user, triages under way
     waiting: dict[str, bool] = field(default_factory=dict)  # token -> fresh, names waiting
     _held: dict[str, int] = field(default_factory=dict)  # user -> places held
@@ -476,15 +481,32 @@ class TriagePlaces:
             self.waiting[token] |= fresh
             if line is not None and token in line:
                 return None  # waiting in this user's line already (in another's, it joins this one too)
-        elif len(self.waiting) >= self.waiting_limit:
-            return None  # left to the sweep
-        if line is not None and len(line) >= self.waiting_share:
+        if line is not None and len(line) >= self.waiting_share and len(self._compact(user)) >= self.waiting_share:
             return None  # this user's line is full: left to the sweep
         if token not in self.waiting:
+            if len(self.waiting) >= self.waiting_limit and not self._make_room(user):
+                return None  # left to the sweep
             self.waiting[token] = fresh
             self.deferred += 1
         self._lines.setdefault(user, deque()).append(token)
         return None
+
+    def _compact(self, user: str) -> deque[str]:
+        """`user`'s line without the names started meanwhile from another's line (or ahead of
+        their turn), which would otherwise count against its share until they reached its head."""
+        line = self._lines[user] = deque(t for t in self._lines[user] if t in self.waiting)
+        return line
+
+    def _make_room(self, user: str) -> bool:
+        """Every line together at `waiting_limit`: the longest line gives up its newest name (left to
+        the sweep) when it is longer than `user`'s would be with one more."""
+        own = len(self._lines.get(user, ()))
+        heavy = max(self._lines, key=lambda u: len(self._lines[u]), default=None)
+        if heavy is None or heavy == user or len(self._compact(heavy)) <= own + 1:
+            return False
+        del self.waiting[self._lines[heavy].pop()]
+        self.given_up += 1
+        return True
 
     def done(self, token: str) -> list[tuple[str, str, bool]]:
         """A triage ended: its place goes to the next names, a line at a time in turn; each

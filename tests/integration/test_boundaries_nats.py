@@ -226,34 +226,83 @@ async def test_a_name_whose_turn_comes_before_its_request_is_stored_is_still_tri
     """The dispatcher hears of a publish (a core delivery) before the stream has stored it. A name
     that waited for a triage's place took its turn as a name found by the sweep (one look): when its
     turn came before the store, the request waited for the sweep (CI: 30 s and more). It keeps the
-    publish's freshness now: looked at again until stored."""
+    publish's freshness now (a fresh triage that finds nothing looks again for 0.6 s)."""
     di = env.dispatcher.intake
     assert di is not None
     stored = await _stored(env.log)
+    mk = canonical_model_key(f"nobody/late-{uuid.uuid4().hex[:6]}")
+    started: list[bool] = []
+    triage = di._triage
+
+    def spy(token: str, *, fresh: bool = False) -> Any:
+        if token == model_token(mk):
+            started.append(fresh)
+        return triage(token, fresh=fresh)
+
+    di._triage = spy  # type: ignore[method-assign]
     busy = [f"busy{i}-0123456789" for i in range(intake.MAX_TRIAGES - 1)]
     for i, tok in enumerate(busy):
         assert di.triage.ask(tok, f"busy{i}", False) is not None  # every place taken but one ...
     try:
         first = canonical_model_key(f"nobody/first-{uuid.uuid4().hex[:6]}")
         await di.on_subject(request_subject(first))  # ... by a triage that finds nothing and ends
-        mk = canonical_model_key(f"nobody/late-{uuid.uuid4().hex[:6]}")
         await di.on_subject(request_subject(mk))  # heard of, not stored yet: waits for a place
         assert model_token(mk) in di.triage.waiting
         async with asyncio.timeout(10):
-            while model_token(mk) in di.triage.waiting:  # its turn: the first triage ended
+            while not started:  # its turn: the first triage ended
                 await asyncio.sleep(0.005)
-        # Stored now; its delivery was the one heard above (this publish's own is not heard again).
-        route = di.route
-        di.route = lambda token, **kw: None if token == model_token(mk) else route(token, **kw)  # type: ignore[method-assign]
-        rid = f"late-{uuid.uuid4().hex[:8]}"
-        await env.log.js.publish(request_subject(mk), _body(rid, mk), headers={"Nats-Msg-Id": rid})
-        u = await _status(env.log, rid, timeout=10)  # the sweep waits an hour here
-        assert u.status is RequestStatus.ERROR and u.error == "UnknownModel", u
-        assert await _stored(env.log) == stored
+        assert started == [True]  # looked at as a publish's, not as the sweep's (one look)
     finally:
+        vars(di).pop("_triage", None)
         for tok in busy:
-            di.triage.done(tok)
-        vars(di).pop("route", None)
+            for t, _, f in di.triage.done(tok):
+                di.bg.spawn(di._triage(t, fresh=f))
+    rid = f"late-{uuid.uuid4().hex[:8]}"
+    await env.log.js.publish(request_subject(mk), _body(rid, mk), headers={"Nats-Msg-Id": rid})
+    u = await _status(env.log, rid, timeout=10)
+    assert u.status is RequestStatus.ERROR and u.error == "UnknownModel", u
+    assert await _stored(env.log) == stored
+
+
+async def test_anothers_publishes_on_a_name_under_way_do_not_hold_its_users_place(env: Env) -> None:
+    """A place is its name's first user's, but anyone's publish on the name made its triage read
+    again, for as long as the publishes came: mallory, publishing on bob's names, held bob's places
+    (and his next name waited for the sweep). Past TRIAGE_REREADS a triage gives its place to the
+    next in turn and lines up again."""
+    di = env.dispatcher.intake
+    assert di is not None
+    pinned = canonical_model_key(f"nobody/pinned-{uuid.uuid4().hex[:6]}")
+    read, reads = di.requests.next_stored, [0]
+    pinning = True
+
+    async def mallory_publishes_meanwhile(subject: str, after_seq: int) -> Any:
+        if model_token(pinned) in subject and pinning:
+            reads[0] += 1
+            di.route(model_token(pinned), fresh=True, user="mallory")  # as her publish would
+            await asyncio.sleep(0.01)
+        return await read(subject, after_seq)
+
+    di.requests.next_stored = mallory_publishes_meanwhile  # type: ignore[method-assign]
+    busy = [f"bobbusy{i}-0123456789" for i in range(intake.TRIAGE_SHARE - 1)]
+    try:
+        for tok in busy:
+            assert di.triage.ask(tok, "bob", False) is not None  # bob's other places, taken
+        await di.on_subject(request_subject(pinned, "bob"))  # bob's last place
+        mk = canonical_model_key(f"nobody/bobnext-{uuid.uuid4().hex[:6]}")
+        rid = f"bobnext-{uuid.uuid4().hex[:8]}"
+        await env.log.js.publish(request_subject(mk, "bob"), _body(rid, mk), headers={"Nats-Msg-Id": rid})
+        u = await _status(env.log, status_key(rid, "bob"), timeout=10)  # the sweep waits an hour here
+        assert u.status is RequestStatus.ERROR and u.error == "UnknownModel", u
+        assert reads[0] > 2 * intake.TRIAGE_REREADS  # mallory was publishing all along
+    finally:
+        pinning = False
+        vars(di.requests).pop("next_stored", None)
+        for tok in busy:
+            for t, _, f in di.triage.done(tok):
+                di.bg.spawn(di._triage(t, fresh=f))
+    async with asyncio.timeout(10):
+        while model_token(pinned) in di.triage.running or model_token(pinned) in di.triage.waiting:
+            await asyncio.sleep(0.02)
 
 
 async def test_a_triage_whose_read_fails_is_tried_again_before_the_sweep(env: Env) -> None:
@@ -276,6 +325,9 @@ async def test_a_triage_whose_read_fails_is_tried_again_before_the_sweep(env: En
         await env.log.js.publish(request_subject(mk), _body(rid, mk), headers={"Nats-Msg-Id": rid})
         u = await _status(env.log, rid, timeout=10)  # the sweep waits an hour here
         assert u.status is RequestStatus.ERROR and u.error == "UnknownModel" and not fails, u
+        async with asyncio.timeout(10):
+            while model_token(mk) in di.triage.running:  # its status is kept before its triage ends
+                await asyncio.sleep(0.02)
         assert model_token(mk) not in di._triage_failures
     finally:
         vars(di.requests).pop("next_stored", None)

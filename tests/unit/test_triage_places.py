@@ -15,6 +15,7 @@ def _check(tp: TriagePlaces) -> None:
         held[user] = held.get(user, 0) + 1
     assert len(tp.running) <= tp.places
     assert all(n <= tp.share for n in held.values()), held
+    assert held == tp._held
     assert len(tp.waiting) <= tp.waiting_limit
     assert not set(tp.running) & set(tp.waiting)
     assert all(len(line) <= tp.waiting_share for line in tp._lines.values())
@@ -87,3 +88,30 @@ def test_bounds_hold_and_no_place_stays_free_while_an_eligible_name_waits(ops: l
             for u, line in tp._lines.items():
                 if held.get(u, 0) < tp.share:
                     assert not [t for t in line if t in tp.waiting], (u, line, tp.running)
+
+
+def test_a_line_does_not_count_names_started_from_another_users_line() -> None:
+    tp = TriagePlaces(places=2, share=1, waiting_limit=100, waiting_share=3)
+    tp.ask("a-run", "alice", False)
+    for t in ("t0", "t1", "t2"):
+        assert tp.ask(t, "alice", False) is None  # alice's line is full (3)
+    tp.ask("b-run", "bob", False)
+    tp.done("b-run")  # bob's place goes to ... nobody of bob's: alice holds her share
+    for t in ("t0", "t1"):
+        assert tp.ask(t, "bob", True) is True  # bob starts them ahead of alice's turn ...
+        tp.done(t)
+    assert tp.ask("t3", "alice", False) is None and "t3" in tp.waiting  # ... and alice's line has room
+    _check(tp)
+
+
+def test_with_every_line_full_a_shorter_line_takes_the_longest_lines_newest_place() -> None:
+    tp = TriagePlaces(places=1, share=1, waiting_limit=6, waiting_share=5)
+    tp.ask("run", "x", False)
+    for i in range(5):
+        tp.ask(f"m{i}", "mallory", False)
+    tp.ask("e0", "eve", False)  # all 6 waiting places taken
+    assert tp.ask("b0", "bob", True) is None and "b0" in tp.waiting and "m4" not in tp.waiting
+    assert tp.given_up == 1
+    assert tp.ask("e1", "eve", False) is None and "e1" in tp.waiting and "m3" not in tp.waiting
+    assert tp.ask("e2", "eve", False) is None and "e2" not in tp.waiting  # mallory's line (3) is no longer than eve's would be
+    _check(tp)

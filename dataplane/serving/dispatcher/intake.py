@@ -63,6 +63,7 @@ TRIAGE_SHARE = 4
 MAX_TRIAGE_WAITING = 10_000
 TRIAGE_WAITING_SHARE = 625
 TRIAGE_RETRIES = 3  # a triage whose reads fail is tried again this often (0.5, 1, 2 s later), then left to the sweep
+TRIAGE_REREADS = 3  # a triage published on again while it reads reads again this often, then lines up again
 UNKNOWN_CONSUMER_SWEEP_S = 10.0  # consumers of models the log does not know are deleted this often
 KNOWN_GRACE_S = 10.0  # a processor made as its model was deployed waits this long for the fold to show it
 # Queued requests a processor holds before it stops reading its heavier user partitions (the rest
@@ -122,6 +123,7 @@ class Intake:
                                why="not a model token: no consumer or triage reads it")
             return
         if token in self.known_tokens():
+            self._triage_failures.pop(token, None)
             self.processor(token)
         elif token in self.triage.running:
             self._triage_again.add(token)  # published again meanwhile: its triage reads once more
@@ -174,10 +176,13 @@ class Intake:
         more whenever the subject was published on again while it read; with no controller
         answering, it leaves the request stored (PROVISIONING said) for the sweep. A name that waited
         for its place keeps whether a publish woke it; a triage whose reads fail is tried again
-        TRIAGE_RETRIES times before the sweep is left to find it."""
-        failed = False
+        TRIAGE_RETRIES times before the sweep is left to find it. Published on again more than
+        TRIAGE_REREADS times while it reads (by anyone: the place is its first user's), it gives its
+        place up and lines up again, so no one's publishes hold a place of another's."""
+        failed = requeue = False
+        user = self.triage.running.get(token, "")
         try:
-            waits = 0
+            waits = rereads = 0
             while True:
                 self._triage_again.discard(token)
                 found = 0
@@ -188,7 +193,10 @@ class Intake:
                         return  # handed over (its processor), or left for the sweep
                     found += read
                 if token in self._triage_again:
-                    fresh, waits = True, 0  # published on again while we read: once more
+                    if rereads >= TRIAGE_REREADS:
+                        requeue = True  # its place to the next in turn; it lines up again
+                        return
+                    fresh, waits, rereads = True, 0, rereads + 1  # published on again while we read: once more
                     continue
                 if found or not fresh or waits >= 2:
                     return
@@ -203,8 +211,8 @@ class Intake:
             retry = failures <= TRIAGE_RETRIES
             logger.warning("triage_failed", token=token, error=str(exc) or type(exc).__name__, attempt=failures,
                            next="retried" if retry else "left to the sweep")
-            if retry:
-                self.bg.spawn(self._route_later(token, self.triage.running.get(token, ""), 0.5 * 2 ** (failures - 1)))
+            if retry and len(self._triage_failures) <= MAX_TRIAGE_WAITING:
+                self.bg.spawn(self._route_later(token, user, 0.5 * 2 ** (failures - 1)))
             else:
                 self._triage_failures.pop(token, None)
         finally:
@@ -213,6 +221,8 @@ class Intake:
             self._triage_again.discard(token)
             for nxt, _, fresh_ in self.triage.done(token):  # its place goes to the next in turn
                 self.bg.spawn(self._triage(nxt, fresh=fresh_))
+            if requeue:
+                self.route(token, fresh=True, user=user)
 
     async def _route_later(self, token: str, user: str, delay_s: float) -> None:
         await asyncio.sleep(delay_s)
