@@ -333,6 +333,73 @@ async def test_a_triage_whose_read_fails_is_tried_again_before_the_sweep(env: En
         vars(di.requests).pop("next_stored", None)
 
 
+async def test_a_refusal_whose_status_cannot_be_kept_leaves_the_request_stored(env: Env) -> None:
+    """A refused request's ERROR was written with its failure ignored, then the request deleted: a
+    bucket's server lost at that moment (CI's R3 test, a server killed) left a request gone with no
+    status, its client waiting for ever. The request is deleted only once its status is kept."""
+    di = env.dispatcher.intake
+    assert di is not None
+    stored = await _stored(env.log)
+    finish, fails = di.statuses.finish, [1]
+
+    async def lost_server(p: Any, status: Any, **kw: Any) -> Any:
+        if fails:
+            fails.pop()
+            raise nats.errors.TimeoutError
+        return await finish(p, status, **kw)
+
+    di.statuses.finish = lost_server  # type: ignore[method-assign]
+    try:
+        mk = canonical_model_key(f"nobody/unkept-{uuid.uuid4().hex[:6]}")
+        rid = f"unkept-{uuid.uuid4().hex[:8]}"
+        await env.log.js.publish(request_subject(mk), _body(rid, mk), headers={"Nats-Msg-Id": rid})
+        u = await _status(env.log, rid, timeout=10)  # the sweep waits an hour here
+        assert u.status is RequestStatus.ERROR and u.error == "UnknownModel" and not fails, u
+        async with asyncio.timeout(10):
+            while await _stored(env.log) > stored:
+                await asyncio.sleep(0.05)
+    finally:
+        vars(di.statuses).pop("finish", None)
+
+
+async def test_a_delivered_request_whose_refusal_cannot_be_kept_is_delivered_again(env: Env) -> None:
+    """The same for a delivered request (a model the log knows): it was terminated when its ERROR
+    could not be kept. It is left unacked now (delivered again after the ack wait, and ended then),
+    and terminated unsaid only on its last delivery."""
+    di = env.dispatcher.intake
+    assert di is not None
+    ended: list[str] = []
+
+    class Delivered:
+        subject, reply, headers = "ndif.req.x-0123456789", "", None
+        data = _body(f"unkept-{uuid.uuid4().hex[:8]}", "acme/any")
+
+        async def ack(self) -> None:
+            ended.append("ack")
+
+        async def in_progress(self) -> None:
+            pass
+
+        async def term(self) -> None:
+            ended.append("term")
+
+    async def lost_server(p: Any, status: Any, **kw: Any) -> Any:
+        raise nats.errors.TimeoutError
+
+    di.statuses.finish = lost_server  # type: ignore[method-assign]
+    try:
+        await di._end_delivered(Delivered(), "", "InvalidCommand", "refused")
+        assert ended == []  # neither acked nor terminated: delivered again
+        await di._end_delivered(Delivered(), "", "DeadLetter", "refused", last=True)
+        assert ended == ["term"]
+    finally:
+        vars(di.statuses).pop("finish", None)
+    m = Delivered()
+    await di._end_delivered(m, "", "InvalidCommand", "refused")  # kept: its write acks it
+    u = await _status(env.log, msgspec.json.decode(m.data)["request_id"])
+    assert u.status is RequestStatus.ERROR and u.error == "InvalidCommand", u
+
+
 async def test_a_wildcard_published_as_a_model_token_reads_no_other_models_requests(env: Env) -> None:
     """NATS delivers a publish on `ndif.req.*.alice` literally, and a client's grant `ndif.req.*.alice`
     allows it. Its `*` taken as a model token would be a filter over every model's stored requests:

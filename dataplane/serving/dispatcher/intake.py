@@ -276,13 +276,15 @@ class Intake:
     async def _refuse_stored(self, seq: int, data: bytes, headers: dict[str, str] | None, error: str,
                              message: str, user: str = "") -> None:
         """End a stored request that will never run: ERROR under its id (if it has a valid one), then
-        delete it from the work queue (nothing else would ever take it)."""
+        delete it from the work queue (nothing else would ever take it). Raises, deleting nothing,
+        when the status could not be kept."""
         rid = _id_of(data, headers)
         logger.warning("request_refused", request_id=rid, error=error, message=message[:300])
         if rid and _valid_user(user):
             bogus = Request(request_id=rid, model_key="", payload={}, submitted_at=datetime.now(UTC), user=user)
-            with contextlib.suppress(Exception):
-                await self.statuses.finish(Pending(bogus, None), R.ERROR, error=error, message=message)
+            # Kept first: a write that fails (a server of the bucket's lost a moment) raises, and the
+            # request stays stored for the triage's retry or the sweep, never deleted unsaid.
+            await self.statuses.finish(Pending(bogus, None), R.ERROR, error=error, message=message)
         await self.requests.delete(seq)
 
     # ---- consumers ---------------------------------------------------------------------------
@@ -365,9 +367,11 @@ class Intake:
             logger.exception("request_unhandled", error=f"{type(exc).__name__}: {str(exc)[:300]}")
             await self._end_delivered(m, user, type(exc).__name__, f"the dispatcher could not take this request: {exc}")
 
-    async def _end_delivered(self, m: Delivery, user: str, error: str, message: str) -> None:
+    async def _end_delivered(self, m: Delivery, user: str, error: str, message: str, *, last: bool = False) -> None:
         """End a delivered request that will not run: ERROR under its key when one can be formed (the
-        kept status's write acks it), else terminated (nobody can be told; never redelivered)."""
+        kept status's write acks it), else terminated (nobody can be told; never redelivered). When
+        the status cannot be kept (a bucket's server lost a moment), it is left unacked, so it is
+        delivered again after the ack wait and ended then; on its `last` delivery it is terminated."""
         rid = _id_of(m.data, m.headers)
         logger.warning("request_refused", request_id=rid, error=error, message=message[:300])
         if rid and _valid_user(user):
@@ -375,8 +379,12 @@ class Intake:
             try:
                 await self.statuses.finish(Pending(bogus, m), R.ERROR, error=error, message=message)
                 return
-            except Exception as werr:  # noqa: BLE001 - its status could not be kept: end it anyway
-                logger.warning("request_refused_unrecorded", request_id=rid, error=str(werr))
+            except Exception as werr:  # noqa: BLE001 - its status could not be kept
+                if not last:
+                    logger.warning("request_refusal_deferred", request_id=rid, error=str(werr) or type(werr).__name__,
+                                   next="ended again when delivered again (after the ack wait)")
+                    return
+                logger.warning("request_refused_unrecorded", request_id=rid, error=str(werr) or type(werr).__name__)
         with contextlib.suppress(Exception):
             await m.term()
 
@@ -386,7 +394,7 @@ class Intake:
             # (each earlier delivery's dispatcher stopped without ending it, perhaps because of it).
             await self._end_delivered(m, user, "DeadLetter",
                                       f"delivered {attempt} times without ending (each time its dispatcher "
-                                      "stopped first); it is not run again: submit it again")
+                                      "stopped first); it is not run again: submit it again", last=True)
             return
         try:
             req, mk = _checked(m.data, user, p.token)
