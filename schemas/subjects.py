@@ -232,10 +232,13 @@ def request_consumers(model_tok: str) -> dict[str, list[str]]:
 
 
 def request_filters(model_tok: str) -> list[str]:
-    """The subjects of one model's stored requests, by its token: userless (an open server), then
-    every user's, partitioned or not (reads by subject, no consumer). `consumed_request_subject`
-    says which of them a consumer takes."""
-    return [f"{REQUESTS_PREFIX}.{model_tok}", f"{REQUESTS_PREFIX}.{model_tok}.>"]
+    """The subjects of one model's stored requests, by its token, read side by side (by subject,
+    no consumer): userless (an open server), each user partition's (`ndif.req.<mtok>.*.<k>`, so one
+    user's pile is not read ahead of another's first request), and every user subject (`.>`: also
+    the tails no consumer takes). `consumed_request_subject` says which of them a consumer takes."""
+    return ([f"{REQUESTS_PREFIX}.{model_tok}"]
+            + [f"{REQUESTS_PREFIX}.{model_tok}.*.{k}" for k in range(REQUEST_PARTITIONS)]
+            + [f"{REQUESTS_PREFIX}.{model_tok}.>"])
 
 
 def consumed_request_subject(subject: str) -> bool:

@@ -467,12 +467,19 @@ class TriagePlaces:
     waiting: dict[str, bool] = field(default_factory=dict)  # token -> fresh, names waiting
     _held: dict[str, int] = field(default_factory=dict)  # user -> places held
     _lines: dict[str, deque[str]] = field(default_factory=dict)  # user -> names, oldest first (turn order)
+    # Names that left `waiting` other than from their line's head (so lines may hold stale entries),
+    # and how many had when each line was last compacted: a full line is compacted only when it may
+    # have changed, not on every name a full line is asked for (a sweep asks for thousands).
+    _left: int = 0
+    _compacted: dict[str, int] = field(default_factory=dict)
 
     def ask(self, token: str, user: str, fresh: bool) -> bool | None:
         """A name to triage: True (with its freshness) when it may start now, None when it waits or
         is left to the sweep. Not for a name under way (its triage is told to read again)."""
         if len(self.running) < self.places and self._held.get(user, 0) < self.share:
-            fresh |= self.waiting.pop(token, False)  # routed (by the sweep) ahead of its turn
+            if token in self.waiting:
+                fresh |= self.waiting.pop(token)  # routed (by the sweep) ahead of its turn
+                self._left += 1
             self.running[token] = user
             self._held[user] = self._held.get(user, 0) + 1
             return fresh
@@ -494,7 +501,10 @@ class TriagePlaces:
     def _compact(self, user: str) -> deque[str]:
         """`user`'s line without the names started meanwhile from another's line (or ahead of
         their turn), which would otherwise count against its share until they reached its head."""
-        line = self._lines[user] = deque(t for t in self._lines[user] if t in self.waiting)
+        line = self._lines[user]
+        if self._compacted.get(user) != self._left:
+            line = self._lines[user] = deque(t for t in line if t in self.waiting)
+            self._compacted[user] = self._left
         return line
 
     def _make_room(self, user: str) -> bool:
@@ -505,6 +515,7 @@ class TriagePlaces:
         if heavy is None or heavy == user or len(self._compact(heavy)) <= own + 1:
             return False
         del self.waiting[self._lines[heavy].pop()]
+        self._left += 1  # it may stand in other lines too
         self.given_up += 1
         return True
 
@@ -525,6 +536,7 @@ class TriagePlaces:
                 break
             tok, who = nxt
             fresh = self.waiting.pop(tok)
+            self._left += 1  # it may stand in other users' lines too
             self.running[tok] = who
             self._held[who] = self._held.get(who, 0) + 1
             started.append((tok, who, fresh))
@@ -540,9 +552,12 @@ class TriagePlaces:
             while line and line[0] not in self.waiting:
                 line.popleft()  # started from another user's line, or ahead of its turn
             if not line:
+                self._compacted.pop(who, None)
                 continue
             tok = line.popleft()
             if line:
                 self._lines[who] = line  # to the end of the turn
+            else:
+                self._compacted.pop(who, None)
             return tok, who
         return None

@@ -43,6 +43,7 @@ from schemas.subjects import (
     REQUESTS_STREAM,
     model_token,
     request_consumers,
+    request_partition,
     request_subject,
     status_key,
 )
@@ -220,6 +221,41 @@ async def test_one_users_flood_of_new_names_does_not_hold_up_another_users_new_n
                 await asyncio.sleep(0.1)
             await di.route_stored()
             await asyncio.sleep(0.2)
+
+
+async def test_one_users_pile_on_a_new_name_is_not_read_ahead_of_anothers_first_request(env: Env) -> None:
+    """The triage read a name's stored requests in stream order: mallory, knowing bob's new model
+    name (tokens are public), stored 5,000 junk requests on it under her own subject, and bob's
+    first request waited behind every one (26 s, a red team's measure; unbounded). The user
+    partitions are read side by side now: bob's is reached at once."""
+    di = env.dispatcher.intake
+    assert di is not None
+    stored = await _stored(env.log)
+    users = [f"u{i}" for i in range(64)]
+    mallory = users[0]
+    bob = next(u for u in users if request_partition(u) != request_partition(mallory))
+    mk = canonical_model_key(f"nobody/bobs-own-{uuid.uuid4().hex[:6]}")
+    route = di.route
+    di.route = lambda token, **kw: None if token == model_token(mk) else route(token, **kw)  # type: ignore[method-assign]
+    try:
+        for i in range(2000):  # stored, not yet heard of
+            rid = f"pile-{i}-{uuid.uuid4().hex[:6]}"
+            await env.log.nc.publish(request_subject(mk, mallory), b"{junk" + rid.encode(),
+                                     headers={"Nats-Msg-Id": f"{mallory}.x.{rid}"})
+        rid = f"bob-{uuid.uuid4().hex[:8]}"
+        await env.log.js.publish(request_subject(mk, bob), _body(rid, mk), headers={"Nats-Msg-Id": rid})
+    finally:
+        vars(di).pop("route", None)
+    di.route(model_token(mk), fresh=True, user=bob)
+    u = await _status(env.log, status_key(rid, bob), timeout=30)
+    assert u.status is RequestStatus.ERROR and u.error == "UnknownModel", u
+    assert await _stored(env.log) > stored + 1000, "bob's request was read only after mallory's pile"
+    async with asyncio.timeout(120):
+        while await _stored(env.log) > stored:
+            while model_token(mk) in di.triage.running:
+                await asyncio.sleep(0.1)
+            await di.route_stored()
+            await asyncio.sleep(0.1)
 
 
 async def test_a_name_whose_turn_comes_before_its_request_is_stored_is_still_triaged(env: Env) -> None:

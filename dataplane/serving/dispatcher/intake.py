@@ -30,7 +30,7 @@ from controlplane.store.credentials import msg_id_problem
 from dataplane.serving.dispatcher.background import Background
 from dataplane.serving.dispatcher.provisioning import Provisioner
 from dataplane.serving.dispatcher.statuses import StatusWriter
-from dataplane.serving.ports import REQUEST_MAX_DELIVER, Delivery, RequestStream
+from dataplane.serving.ports import REQUEST_MAX_DELIVER, Delivery, RequestStream, StoredRequest
 from dataplane.serving.processor import Pending, Processor
 from schemas import errors as errs
 from schemas.guard import decode_any
@@ -141,7 +141,9 @@ class Intake:
     async def route_stored(self) -> None:
         """Route every model subject that holds stored requests (no stream yet: nothing to route);
         end those stored under a token that is no model's (nothing else would ever take them)."""
-        for subject in await self.requests.stored_subjects():
+        for i, subject in enumerate(await self.requests.stored_subjects()):
+            if i % 1000 == 999:
+                await asyncio.sleep(0)  # thousands of stored names: the loop's other work goes on meanwhile
             token, user = request_subject_parts(subject)
             if token and not valid_model_token(token):
                 await self._end_unroutable(subject)
@@ -185,13 +187,11 @@ class Intake:
             waits = rereads = 0
             while True:
                 self._triage_again.discard(token)
-                found = 0
-                # userless subjects (an open server), then every user's (`ndif.req.<mtok>.<user>`)
-                for subject in request_filters(token):
-                    read = await self._triage_subject(token, subject)
-                    if read is None:
-                        return  # handed over (its processor), or left for the sweep
-                    found += read
+                # userless subjects (an open server), each user partition's and every user subject,
+                # a request of each in turn
+                found = await self._triage_subjects(token, request_filters(token))
+                if found is None:
+                    return  # handed over (its processor), or left for the sweep
                 if token in self._triage_again:
                     if rereads >= TRIAGE_REREADS:
                         requeue = True  # its place to the next in turn; it lines up again
@@ -228,50 +228,61 @@ class Intake:
         await asyncio.sleep(delay_s)
         self.route(token, fresh=True, user=user)
 
-    async def _triage_subject(self, token: str, subject: str) -> int | None:
-        """Read what is stored on `subject` now; how many requests were read, or None when the
-        triage ends here (the model has its processor now, or no controller answered)."""
-        seq = read = 0
-        while not self.bg.stopped:
-            if token in self.processors or token in self.known_tokens():
-                self.processor(token)
-                return None
-            raw = await self.requests.next_stored(subject, seq)
-            if raw is None:
-                return read
-            seq, read = raw.seq, read + 1
-            data = raw.data or b""
-            _, user = request_subject_parts(raw.subject)
-            if not consumed_request_subject(raw.subject):  # read by nothing: it neither deploys nor stays
-                await self._refuse_stored(seq, data, raw.headers, "InvalidCommand",
-                                          f"{raw.subject[:200]!r} is not a request subject (ndif.req.<model>.<user>)")
-                continue
-            try:  # whatever the bytes: a request to deploy for, or one that ends here
-                req, mk = _checked(data, user, token)
-            except Exception as exc:  # noqa: BLE001 - InvalidCommand, or anything a check did not foresee
-                await self._refuse_stored(seq, data, raw.headers, type(exc).__name__, str(exc), user)
-                continue
-            refused = self.provisioner.refusal(mk)
-            if refused is not None:
-                await self._refuse_stored(seq, data, raw.headers, *refused, user)
-                continue
-            # Tell the user while the controller decides (it may still refuse: then ERROR follows).
-            self.statuses.status(Pending(msgspec.structs.replace(req, model_key=mk), None), R.PROVISIONING,
-                                 message=f"model {display_name(mk)} is not deployed: asking the controller "
-                                         "to deploy it")
-            try:
-                refused = await self.provisioner.deploy_first(mk)
-            except errs.NdifError as exc:
-                # No controller: the request stays stored, and the sweep routes its subject again
-                # (every UNKNOWN_CONSUMER_SWEEP_S); this triage's place goes to the next name.
-                logger.warning("provision_failed", model_key=mk, error=str(exc))
-                return None
-            if refused is not None:
-                await self._refuse_stored(seq, data, raw.headers, *refused, user)
-                continue
-            self.processor(token)  # deployed (by us or someone first): its consumer takes the requests
-            return None
-        return None
+    async def _triage_subjects(self, token: str, subjects: list[str]) -> int | None:
+        """Read what is stored on `subjects` now, a request of each in turn (one user's pile of junk
+        on a name is not read ahead of another user's first request on it); how many were read, or
+        None when the triage ends here (the model has its processor now, or no controller answered).
+        A request on two of the subjects is read once (the first deletes it, or the triage ends)."""
+        cursors = dict.fromkeys(subjects, 0)
+        read = 0
+        while cursors and not self.bg.stopped:
+            for subject in list(cursors):
+                if token in self.processors or token in self.known_tokens():
+                    self.processor(token)
+                    return None
+                raw = await self.requests.next_stored(subject, cursors[subject])
+                if raw is None:
+                    del cursors[subject]
+                    continue
+                cursors[subject], read = raw.seq, read + 1
+                if not await self._triage_one(token, raw):
+                    return None
+        return None if self.bg.stopped else read
+
+    async def _triage_one(self, token: str, raw: StoredRequest) -> bool:
+        """One stored request of a name the log does not know: ended here (True: read on), or the
+        triage ends (False: a deployment was asked for and made, or no controller answered)."""
+        seq, data = raw.seq, raw.data or b""
+        _, user = request_subject_parts(raw.subject)
+        if not consumed_request_subject(raw.subject):  # read by nothing: it neither deploys nor stays
+            await self._refuse_stored(seq, data, raw.headers, "InvalidCommand",
+                                      f"{raw.subject[:200]!r} is not a request subject (ndif.req.<model>.<user>)")
+            return True
+        try:  # whatever the bytes: a request to deploy for, or one that ends here
+            req, mk = _checked(data, user, token)
+        except Exception as exc:  # noqa: BLE001 - InvalidCommand, or anything a check did not foresee
+            await self._refuse_stored(seq, data, raw.headers, type(exc).__name__, str(exc), user)
+            return True
+        refused = self.provisioner.refusal(mk)
+        if refused is not None:
+            await self._refuse_stored(seq, data, raw.headers, *refused, user)
+            return True
+        # Tell the user while the controller decides (it may still refuse: then ERROR follows).
+        self.statuses.status(Pending(msgspec.structs.replace(req, model_key=mk), None), R.PROVISIONING,
+                             message=f"model {display_name(mk)} is not deployed: asking the controller "
+                                     "to deploy it")
+        try:
+            refused = await self.provisioner.deploy_first(mk)
+        except errs.NdifError as exc:
+            # No controller: the request stays stored, and the sweep routes its subject again
+            # (every UNKNOWN_CONSUMER_SWEEP_S); this triage's place goes to the next name.
+            logger.warning("provision_failed", model_key=mk, error=str(exc))
+            return False
+        if refused is not None:
+            await self._refuse_stored(seq, data, raw.headers, *refused, user)
+            return True
+        self.processor(token)  # deployed (by us or someone first): its consumer takes the requests
+        return False
 
     async def _refuse_stored(self, seq: int, data: bytes, headers: dict[str, str] | None, error: str,
                              message: str, user: str = "") -> None:
