@@ -10,6 +10,10 @@ if [[ -z ${RAY:-} ]]; then
   [[ -x $RAY ]] || RAY=ray
 fi
 
+# The agent drains a node's replicas itself before its Ray stops: Ray's own drain on SIGTERM (for Ray
+# Serve's proxies; 30 s by default) would only hold each `stop` that long.
+export RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S=${RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S:-0}
+
 die() { echo "$SCRIPT: $*" >&2; exit 2; }
 
 # fail MESSAGE: a start that went wrong half way: stop what this run started, then die.
@@ -29,13 +33,16 @@ start() {
   echo $! >"$RUN/$name.pid"
 }
 
-# wait_line NAME TEXT SECONDS: until RUN/NAME.log holds TEXT; non-zero (the log's tail shown) if the
-# process ended or the time ran out.
+# wait_line NAME TEXT SECONDS [FAILED]: until RUN/NAME.log holds TEXT; non-zero if the process ended,
+# the time ran out, or the log matched the extended regex FAILED (a refusal the process would retry).
 wait_line() {
-  local name=$1 text=$2 deadline=$((SECONDS + $3)) pid
+  local name=$1 text=$2 deadline=$((SECONDS + $3)) failed=${4:-} pid
   pid=$(cat "$RUN/$name.pid")
   until grep -q -- "$text" "$RUN/$name.log" 2>/dev/null; do
     if ! kill -0 "$pid" 2>/dev/null || ((SECONDS > deadline)); then
+      return 1
+    fi
+    if [[ -n $failed ]] && grep -qE -- "$failed" "$RUN/$name.log" 2>/dev/null; then
       return 1
     fi
     sleep 0.3
@@ -43,8 +50,9 @@ wait_line() {
 }
 
 # ray_refused NAME: did Ray refuse the auth token (its own words: InvalidAuthToken)?
+RAY_REFUSED="InvalidAuthToken|AuthenticationError|Unauthenticated|auth(entication)? token"
 ray_refused() {
-  grep -qE "InvalidAuthToken|AuthenticationError|Unauthenticated|auth(entication)? token" "$RUN/$1.log" 2>/dev/null
+  grep -qE "$RAY_REFUSED" "$RUN/$1.log" 2>/dev/null
 }
 
 # stop_all: SIGTERM the leader of every process group of RUN/*.pid (newest first), wait up to NDIF_STOP_WAIT_S

@@ -49,7 +49,7 @@ export RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH=$TOKEN RAY_USAGE_STATS_ENABLED=0
 # shellcheck disable=SC2086  # NDIF_RAY_ARGS is a list of flags
 start ray "$RAY" start --block --address "$HEAD" --node-ip-address "$ADDRESS" --num-gpus 0 \
   --labels "ndif.node_id=$NODE_ID" --disable-usage-stats ${NDIF_RAY_ARGS:-}
-if ! wait_line ray "Ray runtime started" 120; then
+if ! wait_line ray "Ray runtime started" 120 "$RAY_REFUSED"; then
   refused=0; ray_refused ray && refused=1
   stop_all >/dev/null
   ((refused)) && { echo "$SCRIPT: the Ray cluster at $HEAD refused the auth token in $TOKEN (InvalidAuthToken): copy the head's token file again" >&2; exit 3; }

@@ -1,8 +1,8 @@
 """The one check every decoder of untrusted bytes runs before msgspec: size, UTF-8, nesting depth.
 
-msgspec turns malformed JSON into `DecodeError`, but invalid UTF-8 inside a string into
-`UnicodeDecodeError` and nesting past the interpreter's recursion limit into `RecursionError`
-(where that limit falls depends on how deep the caller's stack already is). Checked first, the
+msgspec turns malformed JSON into `DecodeError`, but nesting past the interpreter's recursion limit
+into `RecursionError` (where that limit falls depends on how deep the caller's stack already is), and
+before 0.23 invalid UTF-8 inside a string into `UnicodeDecodeError`. Checked first, the
 same bytes are refused the same way by every reader, and a decoder returns a value or a `Refused`.
 """
 

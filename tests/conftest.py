@@ -1,4 +1,5 @@
-"""Shared fixtures: a real nats-server per test module (port 0, temp store), fresh streams per test."""
+"""Shared fixtures: a real nats-server per test module (port 0, temp store), fresh streams per test,
+one local Ray per test process; and how the suite is laid out on pytest-xdist's workers."""
 
 from __future__ import annotations
 
@@ -15,11 +16,13 @@ from typing import Any
 
 import pytest
 import pytest_asyncio
+from hypothesis import settings
 
 from controlplane.ops.nats_server import EmbeddedNats
 from controlplane.service.tasks import awaiting
 from controlplane.store.eventstore import JetStreamEventLog
 from schemas.subjects import EVENTS_STREAM, FACTS_STREAM, REQUESTS_STREAM, SNAPSHOTS_BUCKET
+from tests.checkpoints import TinyModels, shared_root
 
 # Credentials `ndif up` may have left in a developer's $NDIF_HOME must not reach the tests' servers
 # (their commands find credentials there): each session gets an empty home of its own.
@@ -32,6 +35,19 @@ os.environ["NDIF_MODEL_ROOTS"] = tempfile.gettempdir()
 # finds the cluster of that root only, so an agent a test starts joins this process's Ray, never a
 # developer's nor another pytest worker's. Short: Ray's socket paths must fit 107 bytes.
 os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="r", dir="/tmp")
+
+# Hypothesis: a property of pure code keeps its own example count (full strength, every profile); a
+# property test against a live server proves the wiring, with `live_settings`'s fewer examples under
+# the profile CI names (`--hypothesis-profile ci`, README's test command).
+settings.register_profile("ci", print_blob=True)
+LIVE_WIRING_EXAMPLES = 20
+
+
+def live_settings(full: int, **kw: Any) -> settings:
+    """Settings for a live-server property test: `full` examples, or LIVE_WIRING_EXAMPLES under `ci`."""
+    n = LIVE_WIRING_EXAMPLES if settings.get_current_profile_name() == "ci" else full
+    return settings(max_examples=n, deadline=None, **kw)
+
 
 EXIT_GRACE_S = 120
 _exit_status = 0
@@ -61,6 +77,21 @@ def _needs_nats(item: pytest.Item) -> bool:
         callspec is not None and "jetstream" in callspec.params.values())
 
 
+# Workers (`-n 2 --dist loadgroup`): every test that starts Ray, in this process (`local_ray`) or in
+# a process it runs (`starts_ray`: `ndif up`, `ray start`, a probe), is in the group "ray", which one
+# worker runs in order, so no two Ray clusters ever run at once; the other long tests are a group of
+# their own; everything else is spread over the workers test by test.
+RAY_FIXTURES = ("local_ray", "starts_ray")
+RAY_GROUP, LONG_GROUP = "ray", "long"
+
+
+def _ray_use(item: pytest.Item) -> int | None:
+    """0: the test uses this process's Ray; 1: it starts one in a process of its own; None: no Ray."""
+    names = getattr(item, "fixturenames", ())
+    return next((i for i, f in enumerate(RAY_FIXTURES) if f in names), None)
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's, which reads the groups from the markers
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         where = _tests_dir(item)
@@ -68,12 +99,32 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.e2e)
         elif where in INTEGRATION_DIRS or _needs_nats(item):
             item.add_marker(pytest.mark.integration)
+        if _ray_use(item) is not None:
+            item.add_marker(pytest.mark.xdist_group(RAY_GROUP))
+        elif "long" in item.keywords:
+            item.add_marker(pytest.mark.xdist_group(LONG_GROUP))
+    # The tests on this process's Ray first, then those that start their own (which stop it first):
+    # one start and one stop of the shared Ray per process. A stable sort keeps each module together.
+    items.sort(key=lambda it: {None: 0, 0: 1, 1: 2}[_ray_use(it)])
     if config.getoption("--long"):
         return
     skip = pytest.mark.skip(reason="long fault test: run with --long (CI: `python -m pytest -q --long -m long`)")
     for item in items:
         if "long" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """A worker of `--dist loadgroup` whose groups did not take (xdist names a grouped test
+    `id@group`) would run Ray in two workers at once: refuse the run instead."""
+    if not session.config.getvalue("loadgroup"):
+        return
+    lost = [it.nodeid for it in session.items if it.get_closest_marker("xdist_group") and "@" not in it.nodeid]
+    if lost:
+        why = (f"--dist loadgroup did not group {len(lost)} tests (e.g. {lost[0]}): pytest-xdist does not work "
+               "with this pytest (pyproject.toml's dev extra pins one that does)")
+        os.write(2, f"\n{why}\n".encode())  # a worker's own report would be lost in xdist's INTERNALERROR
+        pytest.exit(why, pytest.ExitCode.USAGE_ERROR)
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
@@ -120,16 +171,54 @@ def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedNa
 
 
 @pytest.fixture(scope="session")
-def local_ray() -> Iterator[str]:
-    """One local Ray for the test process (2 declared GPUs, 2 CPUs), started on first use: starting one
-    takes seconds. Modules clean up their replica actors (tests/dataplane/conftest.py `kill_all_actors`)."""
-    from dataplane.runtime import ray_adapter  # imported here: the pure tests never load Ray
+def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> TinyModels:
+    """The run's tiny checkpoints, copied where a test wants one (tests/checkpoints.py)."""
+    return TinyModels(shared_root(tmp_path_factory))
 
-    gcs = ray_adapter.start_local(2, num_cpus=2)
+
+class RayHost:
+    """This process's one local Ray (2 declared GPUs, 2 CPUs), started on first use (it takes seconds)
+    and kept for every module that asks, until a test that starts a Ray of its own needs it gone."""
+
+    def __init__(self) -> None:
+        self.gcs: str | None = None
+
+    def up(self) -> str:
+        from dataplane.runtime import ray_adapter  # imported here: the pure tests never load Ray
+
+        if self.gcs is None:
+            self.gcs = ray_adapter.start_local(2, num_cpus=2)
+        return self.gcs
+
+    def down(self) -> None:
+        if self.gcs is not None:
+            from dataplane.runtime import ray_adapter
+
+            ray_adapter.shutdown()
+            self.gcs = None
+
+
+@pytest.fixture(scope="session")
+def ray_host() -> Iterator[RayHost]:
+    host = RayHost()
     try:
-        yield gcs
+        yield host
     finally:
-        ray_adapter.shutdown()
+        host.down()
+
+
+@pytest.fixture(scope="module")
+def local_ray(ray_host: RayHost) -> str:
+    """The GCS address of this process's Ray. Modules clean up their replica actors
+    (tests/dataplane/conftest.py `kill_all_actors`)."""
+    return ray_host.up()
+
+
+@pytest.fixture(scope="module")
+def starts_ray(ray_host: RayHost) -> None:
+    """For a module whose tests start Ray in a process they run (`ndif up`, `ray start`): it puts them
+    in the group "ray" (one Ray cluster at a time on this machine) and stops this process's Ray first."""
+    ray_host.down()
 
 
 async def fresh_event_log(url: str) -> JetStreamEventLog:

@@ -34,6 +34,7 @@ from dataplane.runtime import ray_adapter
 # `localhost`) by the machine's routable address (`resolve_ip_for_localhost`), other 127.x it keeps.
 HEAD_IP = "127.0.0.11"
 RAY = str(Path(sys.executable).with_name("ray"))
+STOP_WAIT_S = 10.0  # after SIGTERM, how long the nodes' `ray start` may take to stop theirs before SIGKILL
 
 
 def free_port() -> int:
@@ -66,8 +67,9 @@ class RayNodes:
         self.root = Path(tempfile.mkdtemp(prefix="rn", dir="/tmp"))  # short: Ray's socket paths fit 107 bytes
         self.cpus = cpus
         token = ray_adapter.auth_token_path()  # the one this process's Ray reads (Ray caches the first)
+        # No Ray drain on SIGTERM (for Ray Serve's proxies, 30 s by default): an agent drains its replicas.
         self.env = {**os.environ, "RAY_TMPDIR": str(self.root), "RAY_AUTH_MODE": "token",
-                    "RAY_USAGE_STATS_ENABLED": "0", **(env or {})}
+                    "RAY_USAGE_STATS_ENABLED": "0", "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0", **(env or {})}
         if token:
             self.env["RAY_AUTH_TOKEN_PATH"] = token
         self.port = 0
@@ -114,7 +116,7 @@ class RayNodes:
                 except RuntimeError:
                     node = self.nodes.pop(node_id)
                     node.proc.send_signal(signal.SIGTERM)
-                    _end(node.proc)
+                    _end(node.proc, time.monotonic() + STOP_WAIT_S)
                     if attempt == tries - 1:
                         raise
 
@@ -173,8 +175,9 @@ class RayNodes:
         for proc in procs:  # all at once: each stops its own node's processes
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + STOP_WAIT_S  # one wait for them all, not one each
         for proc in procs:
-            _end(proc)
+            _end(proc, deadline)
         self.nodes.clear()
         self.dead.clear()
         if not os.environ.get("NDIF_KEEP_RAY_LOGS"):
@@ -191,11 +194,11 @@ def _pump(stream: IO[bytes] | None, log: Path, lines: list[str]) -> None:
             del lines[:-200]
 
 
-def _end(proc: subprocess.Popen[bytes]) -> None:
-    """After its SIGTERM: wait for the node's `ray start --block` (it stops its node's processes), then
-    SIGKILL what is left of its process group after 10 s."""
+def _end(proc: subprocess.Popen[bytes], deadline: float) -> None:
+    """After its SIGTERM: wait until `deadline` (monotonic) for the node's `ray start --block` (it stops
+    its node's processes), then SIGKILL what is left of its process group."""
     try:
-        proc.wait(10)
+        proc.wait(max(0.0, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
         pass
     try:

@@ -101,10 +101,11 @@ def decode_reply(data: bytes) -> Reply | Refused:
 
 def _decode(decoder: msgspec.msgpack.Decoder[T], data: bytes, what: str) -> T | Refused:
     # msgpack has no text to scan for depth first (schemas/guard.py's way for JSON): msgspec raises
-    # DecodeError for what is malformed, RecursionError for nesting past the interpreter's limit.
+    # DecodeError for what is malformed (UnicodeDecodeError for bad UTF-8 before 0.23), RecursionError
+    # for nesting past the interpreter's limit.
     try:
         return decoder.decode(data)
-    except msgspec.DecodeError as exc:
+    except (msgspec.DecodeError, UnicodeDecodeError) as exc:
         return Refused(reason=f"malformed {what}: {exc}")
     except Exception as exc:  # noqa: BLE001 - RecursionError, or anything else: a refusal, never raised
         return Refused(reason=f"unreadable {what}: {type(exc).__name__}: {str(exc)[:200]}")

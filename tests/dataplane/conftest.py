@@ -14,10 +14,10 @@ from controlplane.service.controller import Controller
 from controlplane.store.admin import AdminClient
 from controlplane.store.eventstore import JetStreamEventLog
 from dataplane.node.agent import NodeAgent, declared_gpus
-from dataplane.node.tiny_models import make_tiny_gpt2, make_tiny_llama
 from dataplane.runtime import ray_adapter
 from dataplane.runtime.ray_adapter import get_actor, list_replica_actors
 from dataplane.serving.dispatcher import Dispatcher
+from tests.checkpoints import TinyModels
 from tests.conftest import bounded, fresh_event_log
 
 GB = 10**9
@@ -31,9 +31,9 @@ def kill_all_actors() -> None:
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def models(tiny_models: TinyModels, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("ckpt")
-    return {"gpt2": make_tiny_gpt2(root / "gpt2"), "llama": make_tiny_llama(root / "llama")}
+    return {"gpt2": tiny_models.gpt2(root / "gpt2"), "llama": tiny_models.llama(root / "llama")}
 
 
 @contextlib.asynccontextmanager

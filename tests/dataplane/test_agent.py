@@ -26,10 +26,10 @@ from controlplane.service.controller import Controller
 from controlplane.store.admin import AdminClient
 from controlplane.store.eventstore import JetStreamEventLog
 from dataplane.node.agent import NodeAgent, declared_gpus
-from dataplane.node.tiny_models import make_tiny_gpt2
 from dataplane.replica.actor import actor_name, parse_actor_name
 from dataplane.runtime.ray_adapter import get_actor, kill_actor, list_replica_actors
 from schemas.keys import canonical_model_key
+from tests.checkpoints import TinyModels
 from tests.conftest import fresh_event_log
 from tests.dataplane.conftest import kill_all_actors
 from tests.integration.cluster import ndif
@@ -42,8 +42,8 @@ IDS = [[5, 17, 42, 7]]
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_gpt2(tmp_path_factory.mktemp("ckpt") / "tiny-gpt2")
+def tiny(tiny_models: TinyModels, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_models.gpt2(tmp_path_factory.mktemp("ckpt") / "tiny-gpt2")
 
 
 @pytest_asyncio.fixture

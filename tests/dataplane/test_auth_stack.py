@@ -22,9 +22,9 @@ from controlplane.service.controller import Controller
 from controlplane.store.eventstore import JetStreamEventLog
 from dataplane.client import Client, RequestFailed
 from dataplane.node.agent import NodeAgent, declared_gpus
-from dataplane.node.tiny_models import make_tiny_gpt2
 from dataplane.serving.dispatcher import Dispatcher
 from tests import cli_zygote
+from tests.checkpoints import TinyModels
 from tests.conftest import bounded
 from tests.dataplane.conftest import kill_all_actors
 
@@ -80,10 +80,10 @@ async def stack(secured: EmbeddedNats, auth: LocalAuth, home: Path, local_ray: s
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+def models(tiny_models: TinyModels, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("ckpt")  # made before the services start (it holds the event loop)
-    return {"gpt2": str(make_tiny_gpt2(root / "gpt2")), "big": str(make_tiny_gpt2(root / "big")),
-            "third": str(make_tiny_gpt2(root / "third"))}
+    return {"gpt2": str(tiny_models.gpt2(root / "gpt2")), "big": str(tiny_models.gpt2(root / "big")),
+            "third": str(tiny_models.gpt2(root / "third"))}
 
 
 async def test_the_whole_stack_runs_with_auth_on(models: dict[str, str], stack: dict[str, Any], auth: LocalAuth,

@@ -12,7 +12,7 @@ import pytest
 
 from controlplane.ops.auth import ensure_local
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("starts_ray")]  # `ndif up --demo` starts its own Ray
 
 
 def test_ndif_up_demo_runs_end_to_end(tmp_path: Path) -> None:

@@ -7,16 +7,16 @@ from pathlib import Path
 
 import pytest
 
-from dataplane.node.tiny_models import make_tiny_gpt2, make_tiny_llama
 from dataplane.replica.model import BadRequest, ExecutionTimeout, ModelReplica, ReplicaNotHot
+from tests.checkpoints import TinyModels
 
 IDS = [[5, 17, 42, 7]]
 
 
 @pytest.fixture(scope="module")
-def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def ckpts(tiny_models: TinyModels, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("ckpt")
-    return {"gpt2": make_tiny_gpt2(root / "gpt2"), "llama": make_tiny_llama(root / "llama")}
+    return {"gpt2": tiny_models.gpt2(root / "gpt2"), "llama": tiny_models.llama(root / "llama")}
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama"])

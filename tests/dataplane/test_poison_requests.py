@@ -20,10 +20,10 @@ from controlplane.store.credentials import request_msg_id
 from controlplane.store.eventstore import JetStreamEventLog
 from dataplane.client import Client, RequestFailed
 from dataplane.node.agent import NodeAgent, declared_gpus
-from dataplane.node.tiny_models import make_tiny_gpt2
 from dataplane.serving.dispatcher import Dispatcher
 from schemas.keys import canonical_model_key
 from schemas.subjects import REQUESTS_STREAM, request_subject
+from tests.checkpoints import TinyModels
 from tests.conftest import bounded
 from tests.dataplane.conftest import kill_all_actors
 from tests.integration.probe import raw_connect
@@ -47,8 +47,8 @@ def secured(auth: LocalAuth, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return str(make_tiny_gpt2(tmp_path_factory.mktemp("ckpt") / "gpt2"))  # before the services hold the loop
+def model(tiny_models: TinyModels, tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(tiny_models.gpt2(tmp_path_factory.mktemp("ckpt") / "gpt2"))  # before the services hold the loop
 
 
 @pytest_asyncio.fixture

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("starts_ray")]  # the probe starts its own Ray
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -15,7 +15,7 @@ import pytest
 from controlplane.ops.nats_server import free_port, stop_process
 from tests import cli_zygote
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("starts_ray")]  # `ndif up` starts its own Ray
 
 
 def _up(home: Path, port: int) -> subprocess.Popen[str]:

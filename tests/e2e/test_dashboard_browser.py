@@ -31,11 +31,11 @@ from controlplane.service.controller import Controller
 from controlplane.store.admin import AdminClient
 from controlplane.store.eventstore import JetStreamEventLog
 from dataplane.client import Client
-from dataplane.node.tiny_models import make_tiny_gpt2, make_tiny_llama
 from dataplane.serving.dispatcher import Dispatcher
 from schemas import events as E
 from schemas.keys import canonical_model_key
 from tests.agent_sim import GB, ScriptedAgent
+from tests.checkpoints import TinyModels
 from tests.conftest import fresh_event_log
 from tests.fake_runtime import FakeCaller
 from tests.integration.cluster import ndif, settle
@@ -106,10 +106,10 @@ class Scene:
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+def checkpoints(tiny_models: TinyModels, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("ckpt")
-    return {"gpt2": str(make_tiny_gpt2(root / "tiny-gpt2")), "neo": str(make_tiny_gpt2(root / "tiny-neo")),
-            "broken": str(make_tiny_gpt2(root / "tiny-broken")), "llama": str(make_tiny_llama(root / "tiny-llama"))}
+    return {"gpt2": str(tiny_models.gpt2(root / "tiny-gpt2")), "neo": str(tiny_models.gpt2(root / "tiny-neo")),
+            "broken": str(tiny_models.gpt2(root / "tiny-broken")), "llama": str(tiny_models.llama(root / "tiny-llama"))}
 
 
 @pytest_asyncio.fixture(scope="module")

@@ -19,15 +19,15 @@ from pathlib import Path
 import pytest
 
 from controlplane.ops.nats_server import EmbeddedNats
-from dataplane.node.tiny_models import make_tiny_gpt2
 from dataplane.ops.multinode import NodeSpec, running
 from dataplane.ops.nodeloss import node_loss
 from dataplane.ops.raynodes import RayNodes
+from tests.checkpoints import TinyModels
 from tests.conftest import fresh_event_log
 
 # About 100 s on a loaded 2-core machine (three raylets started one after another, three
 # agents, replica processes importing torch, a node killed and started again): run with --long.
-pytestmark = [pytest.mark.timeout(600), pytest.mark.long]
+pytestmark = [pytest.mark.timeout(600), pytest.mark.long, pytest.mark.usefixtures("starts_ray")]  # three `ray start` nodes
 NODES = {n: NodeSpec(count=1, gib=16) for n in ("node-a", "node-b", "node-c")}
 GRACE_S = 5.0
 
@@ -42,9 +42,9 @@ def ray_nodes() -> Iterator[RayNodes]:
         rn.stop()
 
 
-async def test_node_killed_under_traffic_loses_nothing_and_rejoins(nats_server: EmbeddedNats, ray_nodes: RayNodes,
+async def test_node_killed_under_traffic_loses_nothing_and_rejoins(tiny_models: TinyModels, nats_server: EmbeddedNats, ray_nodes: RayNodes,
                                                                    tmp_path: Path) -> None:
-    tiny = make_tiny_gpt2(tmp_path / "gpt2")
+    tiny = tiny_models.gpt2(tmp_path / "gpt2")
     url = nats_server.url
     async with running(url, await fresh_event_log(url), ray_nodes, NODES, heartbeat_grace_s=GRACE_S) as st:
         run = await node_loss(st, str(tiny), replicas=2, heartbeat_grace_s=GRACE_S, head="node-a")

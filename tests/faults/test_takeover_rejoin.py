@@ -31,11 +31,11 @@ from controlplane.store.admin import AdminClient
 from controlplane.store.eventstore import JetStreamEventLog
 from dataplane.client import Client
 from dataplane.node.agent import NodeAgent, declared_gpus
-from dataplane.node.tiny_models import make_tiny_gpt2
 from dataplane.serving.dispatcher import ACK_WAIT_S, Dispatcher
 from schemas.keys import canonical_model_key
 from schemas.requests import status_decoder
 from schemas.status import Level, ReplicaState
+from tests.checkpoints import TinyModels
 from tests.conftest import bounded, fresh_event_log
 from tests.dataplane.conftest import kill_all_actors
 from tests.waiting import after_every_status, dispatcher_answering
@@ -46,8 +46,8 @@ RECORD: dict[str, float] = {}  # measured numbers, printed at the end of each te
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_gpt2(tmp_path_factory.mktemp("ckpt") / "gpt2")
+def tiny(tiny_models: TinyModels, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_models.gpt2(tmp_path_factory.mktemp("ckpt") / "gpt2")
 
 
 @pytest_asyncio.fixture

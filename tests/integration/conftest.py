@@ -12,13 +12,13 @@ from controlplane.ops.auth import LocalAuth, ensure_local
 from controlplane.ops.nats_server import EmbeddedNats
 from controlplane.store.admin import AdminClient
 from controlplane.store.eventstore import JetStreamEventLog
-from dataplane.node.tiny_models import make_tiny_gpt2
+from tests.checkpoints import TinyModels
 from tests.conftest import fresh_event_log
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_gpt2(tmp_path_factory.mktemp("ckpt") / "tiny-gpt2")
+def tiny(tiny_models: TinyModels, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_models.gpt2(tmp_path_factory.mktemp("ckpt") / "tiny-gpt2")
 
 
 @pytest_asyncio.fixture

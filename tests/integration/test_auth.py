@@ -25,7 +25,6 @@ from controlplane.store.admin import AdminClient
 from controlplane.store.credentials import request_msg_id, resolve
 from controlplane.store.direct import read_object
 from controlplane.store.eventstore import JetStreamEventLog, connect
-from dataplane.node.tiny_models import make_tiny_gpt2
 from schemas import errors as errs
 from schemas.events import GpuInfo, NodeJoined, NodeLost, ReplicaFailed, encode_event, event_headers, event_subject
 from schemas.keys import canonical_model_key
@@ -49,6 +48,7 @@ from schemas.subjects import (
     stored_request_subject,
     user_statuses,
 )
+from tests.checkpoints import TinyModels
 from tests.integration.conftest import NODE_A, NODE_B
 from tests.integration.probe import Probe, Spy
 
@@ -106,8 +106,8 @@ async def test_forged_observed_facts_are_refused(streams: str, auth: LocalAuth) 
     assert await _last_seq(streams, auth) == before  # nothing appended
 
 
-async def test_an_operators_command_id_cannot_be_taken(streams: str, auth: LocalAuth, tmp_path: Path) -> None:
-    model = str(make_tiny_gpt2(tmp_path / "gpt2"))
+async def test_an_operators_command_id_cannot_be_taken(tiny_models: TinyModels, streams: str, auth: LocalAuth, tmp_path: Path) -> None:
+    model = str(tiny_models.gpt2(tmp_path / "gpt2"))
     ctl = await Controller.from_url(streams, creds=auth.role("controller"), policy_interval_s=0.2).start()
     admin = await AdminClient.open(streams, timeout=10, creds=auth.role("admin"))
     mallory = await Probe.open(streams, auth.role("client:alice"))

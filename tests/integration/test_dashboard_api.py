@@ -21,9 +21,9 @@ from controlplane.ops.nats_server import EmbeddedNats
 from controlplane.service.controller import Controller
 from controlplane.store.admin import AdminClient
 from controlplane.store.eventstore import JetStreamEventLog
-from dataplane.node.tiny_models import make_tiny_gpt2
 from schemas.keys import canonical_model_key
 from tests.agent_sim import GB, ScriptedAgent
+from tests.checkpoints import TinyModels
 from tests.conftest import fresh_event_log
 from tests.integration.cluster import settle
 
@@ -31,8 +31,8 @@ pytestmark = pytest.mark.timeout(180)
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_gpt2(tmp_path_factory.mktemp("ckpt") / "tiny-gpt2")
+def tiny(tiny_models: TinyModels, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_models.gpt2(tmp_path_factory.mktemp("ckpt") / "tiny-gpt2")
 
 
 @pytest_asyncio.fixture

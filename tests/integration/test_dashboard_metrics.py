@@ -20,10 +20,10 @@ from controlplane.ops.nats_server import EmbeddedNats
 from controlplane.service.controller import Controller
 from controlplane.store.admin import AdminClient
 from dataplane.client import Client
-from dataplane.node.tiny_models import make_tiny_gpt2
 from dataplane.serving.dispatcher import Dispatcher
 from schemas.keys import canonical_model_key
 from tests.agent_sim import GB, ScriptedAgent
+from tests.checkpoints import TinyModels
 from tests.conftest import fresh_event_log
 from tests.fake_runtime import FakeCaller
 from tests.integration.cluster import settle
@@ -36,9 +36,9 @@ def families(text: str) -> dict[str, list[tuple[str, dict[str, str], float]]]:
     return {f.name: [(s.name, s.labels, s.value) for s in f.samples] for f in text_string_to_metric_families(text)}
 
 
-async def test_metrics_are_scraped_and_parsed_while_requests_flow(nats_server: EmbeddedNats, tmp_path: Path) -> None:
+async def test_metrics_are_scraped_and_parsed_while_requests_flow(tiny_models: TinyModels, nats_server: EmbeddedNats, tmp_path: Path) -> None:
     url = nats_server.url
-    ckpt = str(make_tiny_gpt2(tmp_path / "tiny-gpt2"))
+    ckpt = str(tiny_models.gpt2(tmp_path / "tiny-gpt2"))
     mk = canonical_model_key(ckpt)
     lg = await fresh_event_log(url)
     agent = ScriptedAgent(url, "node-a", gpus=2, cpu_cache_bytes=100 * GB)

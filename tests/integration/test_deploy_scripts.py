@@ -22,11 +22,11 @@ from pathlib import Path
 import psutil
 import pytest
 
-from dataplane.node.tiny_models import make_tiny_gpt2
 from dataplane.ops.raynodes import free_port, probe
 from schemas.keys import canonical_model_key
+from tests.checkpoints import TinyModels
 
-pytestmark = [pytest.mark.timeout(420), pytest.mark.long]
+pytestmark = [pytest.mark.timeout(420), pytest.mark.long, pytest.mark.usefixtures("starts_ray")]  # the scripts run `ray start`
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 HEAD_IP, WORKERS = "127.0.0.31", {"node-b": "127.0.0.32", "node-c": "127.0.0.33"}
 NODES = ("node-a", *WORKERS)
@@ -60,12 +60,12 @@ def root() -> Iterator[Path]:
             shutil.rmtree(d, ignore_errors=True)
 
 
-def test_head_and_two_workers_from_the_deploy_scripts(root: Path) -> None:
+def test_head_and_two_workers_from_the_deploy_scripts(tiny_models: TinyModels, root: Path) -> None:
     home, runs = root / "home", {n: root / f"run-{n}" for n in NODES}
     inventory = root / "inventory.json"
     inventory.write_text(json.dumps({"nodes": {n: {"cards": [{"count": 1, "memory_bytes": 16 * 2**30}]}
                                                for n in NODES}}))
-    tiny = make_tiny_gpt2(root / "gpt2")
+    tiny = tiny_models.gpt2(root / "gpt2")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_AUTH", "NDIF_CREDS", "RAY_ADDRESS"))}
     env |= {"PYTHON": sys.executable, "RAY_TMPDIR": str(root), "NDIF_LOG_LEVEL": "WARNING", "NDIF_STOP_WAIT_S": "20"}
     ray_port, nats_port = free_port(), free_port()

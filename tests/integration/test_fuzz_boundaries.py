@@ -1,9 +1,11 @@
-"""A hypothesis fuzz of every command and request field, published raw.
+"""A hypothesis fuzz of every command and request field, published raw to a live server.
 
 Every input gets a clear answer: a command a typed reply (ok, or an error class and a message, with
 nothing appended when refused); a request with an id a status can be kept under ends ERROR with a
 message, one without is terminated; the request stream is left empty and no consumer is made. No
-service stalls: another command is answered within 1 s while each input is handled.
+service stalls: another command is answered within 1 s while each input is handled. The rule at full
+strength is tests/unit/test_fuzz_boundaries_memlog.py's (the same inputs on the in-memory ports);
+this one proves the wiring, with fewer examples under the `ci` profile (tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -12,13 +14,12 @@ import asyncio
 import time
 import uuid
 from collections.abc import Iterator
-from datetime import UTC, datetime
 from typing import Any
 
 import msgspec
 import nats.js.errors
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, given
 from hypothesis import strategies as st
 
 from controlplane.ops.nats_server import EmbeddedNats
@@ -27,49 +28,26 @@ from controlplane.service.controller import Controller
 from controlplane.store.admin import AdminClient
 from controlplane.store.eventstore import JetStreamEventLog
 from dataplane.serving.dispatcher import Dispatcher
-from schemas.commands import VERBS, CommandResult
+from schemas.commands import CommandResult
 from schemas.events import ModelRegistered
 from schemas.keys import canonical_model_key
-from schemas.requests import check_request_id, status_decoder
+from schemas.requests import status_decoder
 from schemas.subjects import REQUEST_STATUS_BUCKET, REQUESTS_STREAM, model_token
-from tests.conftest import fresh_event_log
+from tests.conftest import fresh_event_log, live_settings
+from tests.fuzz_inputs import (
+    ANSWER_S,
+    BYSTANDER,
+    KNOWN,
+    body_id_and_model,
+    command_bodies,
+    command_subject_verb,
+    header_ids,
+    request_bodies,
+    subject_verbs,
+    valid_request_id,
+)
 
 pytestmark = pytest.mark.timeout(600)
-KNOWN = "acme/fuzz-known"
-BYSTANDER = "acme/fuzz-bystander"  # the model of the command sent meanwhile: no fuzz input names it
-ANSWER_S = 1.0  # another command is answered within this while an input is handled
-
-ints = st.one_of(st.integers(-3, 12), st.integers(-(2**70), 2**70), st.text(max_size=4), st.none(), st.floats())
-texts = st.one_of(st.text(max_size=24), st.sampled_from(["a--b", "c..d", "x" * 97, "a/b/c", "foo.git", "", " ",
-                                                         'Cls:{"repo_id": 1}', "gpt2@", "./nope-ckpt"]))
-models = st.one_of(st.just(KNOWN), texts)
-command_fields = {
-    "command_id": st.one_of(st.uuids().map(lambda u: u.hex), st.text(max_size=12)),
-    "actor": st.one_of(st.just("fuzz"), st.text(max_size=8)),
-    "model_key": models,
-    # Replica counts stay small here: their bounds (10^9 replicas) are tests/integration/test_cli_outcomes.py's.
-    "replicas": st.one_of(st.integers(-3, 16), st.text(max_size=3), st.none()),
-    "replica_id": ints, "all": st.one_of(st.booleans(), ints), "cold": st.booleans(), "scale_up": st.booleans(),
-    "dedicated": st.booleans(), "size_bytes": ints, "junk": texts,
-}
-command_bodies = st.one_of(
-    st.fixed_dictionaries({"verb": st.one_of(st.sampled_from(VERBS), st.text(max_size=8))},
-                          optional=command_fields).map(msgspec.json.encode),
-    st.binary(max_size=40),
-)
-subject_verbs = st.one_of(st.none(), st.sampled_from([*VERBS, "junk", "x-y"]))
-
-request_fields = {
-    "request_id": st.one_of(st.uuids().map(lambda u: u.hex), st.text(max_size=10), ints),
-    "model_key": st.one_of(texts, ints, st.sampled_from(["nobody/fuzz-a", "nobody/fuzz-b"])),
-    "payload": st.one_of(st.dictionaries(st.text(max_size=4), st.text(max_size=4), max_size=3), ints, texts),
-    "submitted_at": st.one_of(st.just(datetime.now(UTC).isoformat()), texts),
-    "client": texts,
-}
-request_bodies = st.one_of(st.fixed_dictionaries({}, optional=request_fields).map(msgspec.json.encode),
-                           st.binary(max_size=40))
-header_ids = st.one_of(st.none(), st.uuids().map(lambda u: u.hex), st.sampled_from(["bad id", "a.b", "x" * 200]))
-
 
 class Rig:
     """Controller + dispatcher on one event loop that the (sync) hypothesis test drives."""
@@ -137,15 +115,10 @@ def rig(nats_server: EmbeddedNats) -> Iterator[Rig]:
         r.close()
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
+@live_settings(200, suppress_health_check=list(HealthCheck))
 @given(body=command_bodies, verb=subject_verbs)
 def test_fuzzed_commands_get_a_clear_answer_and_refusals_append_nothing(rig: Rig, body: bytes, verb: str | None) -> None:
-    try:
-        sent_verb = verb or str(msgspec.json.decode(body).get("verb"))
-    except Exception:  # noqa: BLE001 - not an object: any verb
-        sent_verb = "deploy"
-    subject = f"ndif.cmd.{sent_verb}" if sent_verb and all(c.isalnum() or c in "-_" for c in sent_verb) \
-        else "ndif.cmd.junk"
+    subject = f"ndif.cmd.{command_subject_verb(body, verb)}"
 
     async def one() -> None:
         before = await rig.log.last_seq() - rig.other_events
@@ -163,23 +136,18 @@ def test_fuzzed_commands_get_a_clear_answer_and_refusals_append_nothing(rig: Rig
     rig.run(one())
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@live_settings(150, suppress_health_check=list(HealthCheck))
 @given(body=request_bodies, header_id=header_ids, on_own_subject=st.booleans())
 def test_fuzzed_requests_end_clearly_and_leave_nothing_behind(rig: Rig, body: bytes, header_id: str | None,
                                                               on_own_subject: bool) -> None:
-    try:
-        decoded = msgspec.json.decode(body)
-        rid = decoded.get("request_id") if isinstance(decoded, dict) else None
-        mk = decoded.get("model_key") if isinstance(decoded, dict) else None
-    except Exception:  # noqa: BLE001 - not JSON
-        rid, mk = None, None
+    rid, mk = body_id_and_model(body)
     try:
         subject = f"ndif.req.{model_token(canonical_model_key(mk))}" if on_own_subject and isinstance(mk, str) \
             else f"ndif.req.fuzz-{uuid.uuid4().hex[:10]}"
     except Exception:  # noqa: BLE001 - not a model key
         subject = f"ndif.req.fuzz-{uuid.uuid4().hex[:10]}"
     headers = {"Nats-Msg-Id": header_id} if header_id is not None else None
-    keyed = next((i for i in (rid, header_id) if _valid(i)), None)
+    keyed = next((i for i in (rid, header_id) if valid_request_id(i)), None)
 
     async def one() -> None:
         before = await rig.log.last_seq() - rig.other_events
@@ -209,10 +177,3 @@ def test_fuzzed_requests_end_clearly_and_leave_nothing_behind(rig: Rig, body: by
 
     rig.run(one())
 
-
-def _valid(rid: Any) -> bool:
-    try:
-        check_request_id(rid)
-    except Exception:  # noqa: BLE001
-        return False
-    return True

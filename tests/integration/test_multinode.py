@@ -20,19 +20,19 @@ import pytest
 
 from controlplane.ops.nats_server import EmbeddedNats
 from dataplane.client import Client
-from dataplane.node.tiny_models import make_tiny_gpt2
 from dataplane.ops.multinode import NodeSpec, running, served_by, until_available
 from dataplane.ops.raynodes import RayNodes, probe
 from schemas.keys import canonical_model_key
 from schemas.requests import status_decoder
 from schemas.status import Level, ReplicaState
+from tests.checkpoints import TinyModels
 from tests.conftest import fresh_event_log
 from tests.integration.cluster import config_only, ndif
 from tests.waiting import until_state
 
 # Each test takes about a minute on a loaded 2-core machine (three raylets, three agents, replica
 # processes importing torch): run with --long, as the other multi-process fault tests.
-pytestmark = [pytest.mark.timeout(300), pytest.mark.long]
+pytestmark = [pytest.mark.timeout(300), pytest.mark.long, pytest.mark.usefixtures("starts_ray")]  # three `ray start` nodes
 NODES = {"node-a": NodeSpec(count=1, gib=16, kind="A100", labels={"pool": "general"}),
          "node-b": NodeSpec(count=1, gib=16, kind="H100", labels={"pool": "research"}),
          "node-c": NodeSpec(count=2, gib=32, kind="H100", labels={"pool": "research"})}
@@ -49,8 +49,8 @@ def ray_nodes() -> Iterator[RayNodes]:
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_gpt2(tmp_path_factory.mktemp("ckpt") / "gpt2")
+def tiny(tiny_models: TinyModels, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_models.gpt2(tmp_path_factory.mktemp("ckpt") / "gpt2")
 
 
 async def test_replicas_spread_over_ray_nodes_and_each_serves(nats_server: EmbeddedNats, ray_nodes: RayNodes,

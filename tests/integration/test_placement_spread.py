@@ -19,11 +19,11 @@ from controlplane.ops.nats_server import EmbeddedNats
 from controlplane.service.controller import Controller
 from controlplane.store.admin import AdminClient
 from controlplane.store.eventstore import JetStreamEventLog
-from dataplane.node.tiny_models import make_tiny_gpt2
 from schemas.commands import CommandResult
 from schemas.keys import canonical_model_key
 from schemas.units import GiB
 from tests.agent_sim import GB, ScriptedAgent
+from tests.checkpoints import TinyModels
 from tests.conftest import fresh_event_log
 from tests.integration.cluster import Ran, by_id, model_row, ndif, settle
 
@@ -42,10 +42,10 @@ async def ndif_in(cwd: Path, url: str, *args: str) -> Ran:
     return await ndif(url, *args, cwd=cwd)
 
 
-async def test_four_replicas_spread_over_four_nodes(nats_server: EmbeddedNats, log: JetStreamEventLog,
+async def test_four_replicas_spread_over_four_nodes(tiny_models: TinyModels, nats_server: EmbeddedNats, log: JetStreamEventLog,
                                                      tmp_path: Path) -> None:
     url = nats_server.url
-    tiny = make_tiny_gpt2(tmp_path / "ckpt" / "tiny")
+    tiny = tiny_models.gpt2(tmp_path / "ckpt" / "tiny")
     model_dir = tmp_path / "work" / "m"
     model_dir.mkdir(parents=True)
     (model_dir / "config.json").write_bytes((tiny / "config.json").read_bytes())

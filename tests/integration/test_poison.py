@@ -43,6 +43,7 @@ from dataplane.serving.dispatcher import Dispatcher
 from dataplane.serving.dispatcher.intake import REQUEST_MAX_DELIVER
 from schemas import errors as errs
 from schemas import events as E
+from schemas.guard import Refused, decode_any
 from schemas.inventory import CardGroup, Inventory, NodeInventory
 from schemas.keys import canonical_model_key, display_name
 from schemas.requests import Request, encoder, status_decoder
@@ -63,6 +64,7 @@ from schemas.subjects import (
     request_subject,
     status_key,
 )
+from tests.checkpoints import TinyModels
 from tests.conftest import bounded
 from tests.fake_runtime import FakeRuntime
 from tests.integration.cluster import ndif
@@ -474,12 +476,11 @@ async def test_an_agent_cannot_announce_capacity_it_was_not_given(url: str, auth
 # ---- models ------------------------------------------------------------------------------------
 
 
-async def test_a_request_names_only_a_model_the_operator_offers(url: str, auth: LocalAuth, tmp_path: Path) -> None:
-    from dataplane.node.tiny_models import make_tiny_gpt2
+async def test_a_request_names_only_a_model_the_operator_offers(tiny_models: TinyModels, url: str, auth: LocalAuth, tmp_path: Path) -> None:
 
     root = tmp_path / "models"
-    offered = canonical_model_key(str(make_tiny_gpt2(root / "tiny")))
-    outside = make_tiny_gpt2(tmp_path / "private" / "tiny")  # a real checkpoint on the controller's machine
+    offered = canonical_model_key(str(tiny_models.gpt2(root / "tiny")))
+    outside = tiny_models.gpt2(tmp_path / "private" / "tiny")  # a real checkpoint on the controller's machine
     (tmp_path / "private" / "empty").mkdir()
     ctl = await Controller.from_url(url, creds=auth.role("controller"), model_roots=ModelRoots((str(root),))).start()
     disp = await Dispatcher.from_url(url, creds=auth.role("dispatcher")).start()
@@ -600,8 +601,10 @@ def _no_host_model_roots(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_the_poison_bodies_are_what_the_issue_says() -> None:
     assert len(POISON_NESTED) == 6000 and len(POISON_UTF8) == 36
-    with pytest.raises(UnicodeDecodeError):
+    with pytest.raises((UnicodeDecodeError, msgspec.DecodeError)):  # UnicodeDecodeError before msgspec 0.23
         msgspec.json.decode(POISON_UTF8)
+    got = decode_any(POISON_UTF8, limit=1 << 20, what="request")
+    assert isinstance(got, Refused) and got.reason.startswith("request refused: not UTF-8"), got
 
 
 async def test_an_unreadable_kept_status_is_no_terminal_one(url: str, auth: LocalAuth, tmp_path: Path) -> None:

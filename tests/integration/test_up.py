@@ -26,9 +26,10 @@ from controlplane.store.credentials import creds_file, load_creds
 from controlplane.store.eventstore import JetStreamEventLog
 from controlplane.store.heartbeats import STALE_S
 from dataplane.node.watchdog import _start_time, descendants
+from tests.checkpoints import TinyModels
 from tests.integration.cluster import ndif
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("starts_ray")]  # `ndif up` starts its own Ray
 
 
 class Up:
@@ -161,11 +162,9 @@ async def _events(url: str, home: Path) -> list[tuple[int, bytes]]:
 
 
 async def test_a_second_up_on_the_same_home_refuses_before_opening_the_store_and_the_log_keeps_what_it_acked(
-        tmp_path: Path, ups: list[Up]) -> None:
-    from dataplane.node.tiny_models import make_tiny_gpt2
-
+        tmp_path: Path, ups: list[Up], tiny_models: TinyModels) -> None:
     first, url, port = started(tmp_path, ups, "first", "--gpus", "1")
-    model = await asyncio.to_thread(make_tiny_gpt2, tmp_path / "models" / "tiny-gpt2")
+    model = await asyncio.to_thread(tiny_models.gpt2, tmp_path / "models" / "tiny-gpt2")
     await asyncio.to_thread(first.wait_running)
     ran = await ndif(url, "deploy", str(model), "--replicas", "1", env={"NDIF_HOME": str(first.home)})
     assert ran.rc == 0, ran.err

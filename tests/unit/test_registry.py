@@ -8,16 +8,16 @@ from pathlib import Path
 import pytest
 
 from controlplane.service.registry import find_checkpoint, resolve
-from dataplane.node.tiny_models import make_tiny_gpt2, make_tiny_llama
 from schemas.errors import UnknownModel
 from schemas.keys import canonical_model_key, display_name
+from tests.checkpoints import TinyModels
 
 
 @pytest.fixture(scope="module")
-def ckpts(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def ckpts(tiny_models: TinyModels, tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("ckpt")
-    make_tiny_gpt2(root / "gpt2")
-    make_tiny_llama(root / "llama")
+    tiny_models.gpt2(root / "gpt2")
+    tiny_models.llama(root / "llama")
     return root
 
 
@@ -63,13 +63,13 @@ def test_unknown_models_are_clear_errors(tmp_path: Path) -> None:
 # ---- a deploy a request asked for: only what the operator offers --------------------------------
 
 
-def test_a_requests_model_resolves_only_under_the_operators_roots(ckpts: Path, tmp_path: Path) -> None:
+def test_a_requests_model_resolves_only_under_the_operators_roots(tiny_models: TinyModels, ckpts: Path, tmp_path: Path) -> None:
     from controlplane.service.registry import ModelRoots
 
     roots = ModelRoots((str(ckpts),))
     assert resolve(canonical_model_key(str(ckpts / "gpt2")), roots=roots).checkpoint == str(ckpts / "gpt2")
     elsewhere = tmp_path / "elsewhere"
-    make_tiny_gpt2(elsewhere / "gpt2")  # a real checkpoint, not under the roots
+    tiny_models.gpt2(elsewhere / "gpt2")  # a real checkpoint, not under the roots
     (tmp_path / "empty").mkdir()
     asked = [str(elsewhere / "gpt2"), str(tmp_path / "empty"), str(tmp_path / "missing"), "/etc", "/",
              str(ckpts / "missing"), str(ckpts / ".." / "elsewhere"), str(ckpts) + "-sibling/gpt2"]

@@ -99,7 +99,10 @@ def test_a_call_that_is_not_a_list_of_payloads_is_refused() -> None:
     for body in (msgspec.msgpack.encode([[1, 2]]), msgspec.msgpack.encode([{"a": 1}]), b"\x90"):
         got = decode_call(body)
         assert isinstance(got, Refused) and "replica call" in got.reason, got
-    # what msgspec itself raises past DecodeError: nesting past the recursion limit, invalid UTF-8
-    for body in (b"\x91\x91\x81\xa1a" + b"\x91" * 100_000 + b"\x01", b"\x91\x91\x81\xa1a\xa1\xff"):
-        got = decode_call(body)
-        assert isinstance(got, Refused) and "unreadable replica call" in got.reason, got
+    # what msgspec raises past DecodeError (RecursionError; UnicodeDecodeError before 0.23) is refused too
+    nested, bad_utf8 = b"\x91\x91\x81\xa1a" + b"\x91" * 100_000 + b"\x01", b"\x91\x91\x81\xa1a\xa1\xff"
+    got = decode_call(nested)
+    assert isinstance(got, Refused) and got.reason.startswith("unreadable replica call: RecursionError"), got
+    got = decode_call(bad_utf8)
+    assert isinstance(got, Refused) and got.reason.startswith("malformed replica call: "), got
+    assert "utf-8" in got.reason.lower(), got

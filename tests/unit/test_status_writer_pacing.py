@@ -19,6 +19,7 @@ from dataplane.serving.processor import Pending
 from schemas.requests import Request
 from schemas.status import RequestStatus
 from schemas.subjects import status_key
+from tests.waiting import until
 
 pytestmark = pytest.mark.timeout(30)
 R = RequestStatus
@@ -138,7 +139,9 @@ async def test_flush_publishes_now_and_keeps_the_order_with_the_outbox_task() ->
         w.send(f"s.{i}", b"")
     await w.flush()  # a drain is under way: it takes these too, in order
     await flushing
-    await asyncio.sleep(0.02)
+    # The drain under way may be the outbox task's (it can start first): wait for it, not a fixed time.
+    await until(lambda: len(sent) >= 6, timeout=10)
+    await asyncio.sleep(0.01)  # nothing more, and nothing twice
     assert sent == [f"s.{i}" for i in range(6)]
 
     fast: list[str] = []

@@ -49,12 +49,17 @@ POISON_UTF8 = b'{"type":"NodeJoined","event_id":"\xff"}'  # 36 bytes, invalid UT
 
 
 def test_msgspec_itself_raises_more_than_decode_errors() -> None:
-    """Why the guard exists: msgspec raises RecursionError and UnicodeDecodeError for these, not DecodeError."""
+    """Why the guard exists: msgspec raises RecursionError for deep nesting, not DecodeError (and, before
+    0.23, UnicodeDecodeError for bad UTF-8); the guard refuses both with its own reason whichever it raises."""
     assert len(POISON_UTF8) == 36
     with pytest.raises(RecursionError):
         msgspec.json.decode(b'{"x":' + POISON_NESTED + b"}", type=dict)
-    with pytest.raises(UnicodeDecodeError):
+    with pytest.raises((UnicodeDecodeError, msgspec.DecodeError)):
         msgspec.json.decode(POISON_UTF8)
+    got = decode_any(POISON_UTF8, limit=1 << 20)
+    assert isinstance(got, Refused) and got.reason.startswith("body refused: not UTF-8"), got
+    got = decode_any(b'{"x":' + POISON_NESTED + b"}", limit=1 << 20)
+    assert isinstance(got, Refused) and got.reason.startswith("body refused: nested"), got
 
 
 @pytest.mark.parametrize("body", [POISON_NESTED, POISON_UTF8, b'{"type":"NodeJoined","x":' + POISON_NESTED + b"}"])

@@ -1,0 +1,152 @@
+"""The fuzz of every command and request field (tests/fuzz_inputs.py) at full strength, on the
+in-memory ports: the real controller and dispatcher over the memory log and serving ports
+(tests/memory_stack.py). The live server's test of the same inputs is
+tests/integration/test_fuzz_boundaries.py, which proves the wiring.
+
+Every input gets a clear answer: a command a typed reply (ok, or an error class and a message, with
+nothing appended when refused); a request with an id a status can be kept under ends ERROR with a
+message; every request leaves the work queue, no consumer is made for it and nothing is appended. No
+service stalls: another command is answered within 1 s while each input is handled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import msgspec
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from controlplane.service.clock import observed
+from controlplane.service.controller import Controller
+from schemas.commands import CommandResult, ScaleDown
+from schemas.events import ModelRegistered
+from schemas.keys import canonical_model_key
+from schemas.status import RequestStatus
+from schemas.subjects import model_token
+from tests.fuzz_inputs import (
+    ANSWER_S,
+    BYSTANDER,
+    KNOWN,
+    body_id_and_model,
+    command_bodies,
+    command_subject_verb,
+    header_ids,
+    request_bodies,
+    subject_verbs,
+    valid_request_id,
+)
+from tests.memory_stack import Stack, memory_stack
+from tests.unit.test_dispatcher_memlog import EchoCaller
+from tests.waiting import until
+
+pytestmark = pytest.mark.timeout(300)
+FULL = {"deadline": None, "database": None, "suppress_health_check": list(HealthCheck)}
+
+
+class Rig:
+    """The memory stack on one event loop that the (sync) hypothesis tests drive."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.exits = contextlib.AsyncExitStack()
+        self.stack: Stack = self.run(self.exits.enter_async_context(memory_stack(EchoCaller)))
+        self.run(self.stack.log.append(
+            [observed(ModelRegistered, actor="test", model_key=canonical_model_key(m), checkpoint="/nonexistent",
+                      size_bytes=10**6) for m in (KNOWN, BYSTANDER)], None))
+        self.other_events = 0  # appended by the commands sent meanwhile
+
+    @property
+    def controller(self) -> Controller:
+        return self.stack.controller
+
+    def run(self, coro: Any) -> Any:
+        return self.loop.run_until_complete(coro)
+
+    def close(self) -> None:
+        try:
+            self.run(self.exits.aclose())
+        finally:
+            self.loop.close()
+
+    async def appended(self) -> int:
+        return await self.stack.log.last_seq() - self.other_events
+
+    async def answered_meanwhile(self, work: Any) -> Any:
+        """Run `work` while another command (a scale-down to the count it has: nothing to do) is
+        handled; that one must be answered within ANSWER_S."""
+
+        async def other() -> None:
+            t0 = time.perf_counter()
+            cmd = ScaleDown(command_id=uuid.uuid4().hex, actor="test", model_key=canonical_model_key(BYSTANDER),
+                            replicas=5)
+            res = await self.controller.handle(msgspec.json.encode(cmd), verb="scale-down")
+            assert res.ok, res
+            self.other_events += res.last_seq - res.first_seq + 1 if res.first_seq else 0
+            took = time.perf_counter() - t0
+            assert took <= ANSWER_S, f"another command took {took:.2f}s while fuzz input was handled"
+
+        return (await asyncio.gather(other(), work))[1]
+
+
+@pytest.fixture  # a stack of its own per test: the agent would still be placing what a fuzzed deploy asked for
+def rig() -> Iterator[Rig]:
+    r = Rig()
+    try:
+        yield r
+    finally:
+        r.close()
+
+
+@settings(max_examples=200, **FULL)
+@given(body=command_bodies, verb=subject_verbs)
+def test_fuzzed_commands_get_a_clear_answer_and_refusals_append_nothing(rig: Rig, body: bytes, verb: str | None) -> None:
+    async def one() -> None:
+        before = await rig.appended()
+        res: CommandResult = await rig.answered_meanwhile(
+            rig.controller.handle(body, verb=command_subject_verb(body, verb)))
+        if not res.ok:
+            assert res.error and res.message, res
+            assert res.error != "Exception" and not res.message.startswith("controller error"), res  # no crash
+            # A refusal appends nothing; a decision that placed nothing (no room) is recorded, and
+            # appends exactly the events its result names.
+            recorded = res.last_seq - res.first_seq + 1 if res.first_seq and not res.duplicate else 0
+            assert recorded == 0 or res.rejections, f"a refusal appended events: {res}"
+            assert await rig.appended() == before + recorded, f"refused input appended events: {res}"
+
+    rig.run(one())
+
+
+@settings(max_examples=150, **FULL)
+@given(body=request_bodies, header_id=header_ids, on_own_subject=st.booleans())
+def test_fuzzed_requests_end_clearly_and_leave_nothing_behind(rig: Rig, body: bytes, header_id: str | None,
+                                                              on_own_subject: bool) -> None:
+    rid, mk = body_id_and_model(body)
+    try:
+        subject = f"ndif.req.{model_token(canonical_model_key(mk))}" if on_own_subject and isinstance(mk, str) \
+            else f"ndif.req.fuzz-{uuid.uuid4().hex[:10]}"
+    except Exception:  # noqa: BLE001 - not a model key
+        subject = f"ndif.req.fuzz-{uuid.uuid4().hex[:10]}"
+    headers = {"Nats-Msg-Id": header_id} if header_id is not None else None
+    keyed = next((i for i in (rid, header_id) if valid_request_id(i)), None)
+    serving = rig.stack.serving
+
+    async def one() -> None:
+        before, consumers = await rig.appended(), await serving.requests.consumer_tokens()
+        await rig.answered_meanwhile(serving.requests.put(subject, body, headers))
+        if keyed is not None and keyed == rid:
+            # The status is kept under the body's id (or the header's when the body has none valid).
+            await until(lambda: (s := serving.status(keyed)) is not None and s.terminal, timeout=15)
+            u = serving.status(keyed)
+            assert u is not None and u.status is RequestStatus.ERROR and u.error and u.message, u
+        await until(lambda: not serving.requests.stored, timeout=15)  # refused or not, it leaves the work queue
+        assert await serving.requests.consumer_tokens() == consumers
+        assert await rig.appended() == before
+
+    rig.run(one())
