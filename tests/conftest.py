@@ -80,7 +80,8 @@ def _needs_nats(item: pytest.Item) -> bool:
 # Workers (`-n 2 --dist loadgroup`): every test that starts Ray, in this process (`local_ray`) or in
 # a process it runs (`starts_ray`: `ndif up`, `ray start`, a probe), is in the group "ray", which one
 # worker runs in order, so no two Ray clusters ever run at once; the other long tests are a group of
-# their own; everything else is spread over the workers test by test.
+# their own; every other module is a group, so its module-scoped stack starts once and its tests
+# meet one another's state in file order, as in one process.
 RAY_FIXTURES = ("local_ray", "starts_ray")
 RAY_GROUP, LONG_GROUP = "ray", "long"
 
@@ -103,12 +104,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.xdist_group(RAY_GROUP))
         elif "long" in item.keywords:
             item.add_marker(pytest.mark.xdist_group(LONG_GROUP))
+        else:
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
     # The tests on this process's Ray first, then those that start their own (which stop it first):
     # one start and one stop of the shared Ray per process. A stable sort keeps each module together.
     items.sort(key=lambda it: {None: 0, 0: 1, 1: 2}[_ray_use(it)])
     if config.getoption("--long"):
         return
-    skip = pytest.mark.skip(reason="long fault test: run with --long (CI: `python -m pytest -q --long -m long`)")
+    skip = pytest.mark.skip(reason="long fault test: run with --long (README's test command does)")
     for item in items:
         if "long" in item.keywords:
             item.add_marker(skip)
@@ -117,7 +120,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def pytest_collection_finish(session: pytest.Session) -> None:
     """A worker of `--dist loadgroup` whose groups did not take (xdist names a grouped test
     `id@group`) would run Ray in two workers at once: refuse the run instead."""
-    if not session.config.getvalue("loadgroup"):
+    if not getattr(session.config.option, "loadgroup", False):  # set in xdist's workers only
         return
     lost = [it.nodeid for it in session.items if it.get_closest_marker("xdist_group") and "@" not in it.nodeid]
     if lost:
@@ -133,7 +136,10 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    """The results are in: if shutting down (Ray, threads, atexit) hangs, dump stacks and exit anyway."""
+    """The results are in: if shutting down (Ray, threads, atexit) hangs, dump stacks and exit anyway.
+    Not in an xdist worker: it waits for the controller, which ends its workers itself."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return
 
     def watchdog() -> None:
         time.sleep(EXIT_GRACE_S)

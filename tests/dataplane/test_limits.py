@@ -133,7 +133,7 @@ async def test_replica_actors_ask_ray_for_cpu_so_ray_refuses_what_the_node_canno
     admin = service["admin"]
     res = await admin.deploy(str(models["gpt2"]), 1)  # the one that fits (default 60 s to start: slow CI)
     await admin.wait(res, timeout=120)
-    service["agent"].schedule_timeout_s = 10.0
+    service["agent"].schedule_timeout_s = 3.0  # Ray can never start it: how long the agent waits to say so
     res = await admin.scale(str(models["gpt2"]), 2)  # a second one Ray has no CPU for
     state = await admin.wait(res, timeout=120)
     mk = canonical_model_key(str(models["gpt2"]))

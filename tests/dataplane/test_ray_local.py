@@ -51,6 +51,8 @@ for proc in [me, *me.children(recursive=True)]:
 
 code = "import ray; ray.init(address=%r); print('JOINED')" % gcs
 def join(env):
+    # Both joins try the GCS 3 times, not Ray's 20 (a refused one would wait out all of them)
+    env = {**env, "RAY_NUM_REDIS_GET_RETRIES": "3"}
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     return r.returncode == 0 and "JOINED" in r.stdout
 wrong = {k: v for k, v in os.environ.items() if k != "RAY_AUTH_TOKEN_PATH"}

@@ -1,8 +1,10 @@
 """`ndif up` as an operator runs it: real subprocesses, real nats-server, real local Ray.
 
-A second `ndif up` on a port in use fails in one line (exit 5) and appends nothing; `kill -9` of
-`ndif up` leaves no process of it behind; a machine without GPUs is warned about; `ndif status`
-shows the heartbeat's age and marks a dead node stale.
+Its default users are made on the first start (files 0600) and kept on the next, and the CLI in
+another shell finds them by itself; without them the server refuses. A second `ndif up` on a port
+in use fails in one line (exit 5) and appends nothing; `kill -9` of `ndif up` leaves no process of
+it behind; a machine without GPUs is warned about; `ndif status` shows the heartbeat's age and marks
+a dead node stale. The tests that only read what an `ndif up` prints and does share one (`shared`).
 """
 
 from __future__ import annotations
@@ -57,6 +59,19 @@ class Up:
         stop_process(self.proc, signal.SIGINT, 60)
 
 
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory: pytest.TempPathFactory, starts_ray: None) -> Iterator[tuple[Up, str, int]]:
+    """One `ndif up` (no --gpus on a CPU machine: warned, not silent) for the tests that only read it:
+    it, its URL and its port."""
+    port = free_port()
+    up = Up(tmp_path_factory.mktemp("shared"), "shared", port)
+    try:
+        up.wait_running()
+        yield up, f"nats://127.0.0.1:{port}", port
+    finally:
+        up.stop()
+
+
 @pytest.fixture
 def ups(tmp_path: Path) -> Iterator[list[Up]]:
     started: list[Up] = []
@@ -88,10 +103,22 @@ async def _last_seq(url: str, home: Path) -> int:
         return int((await log.js.stream_info("NDIF_EVENTS")).state.last_seq)
 
 
+async def test_up_makes_users_on_its_first_start_and_local_commands_use_them(
+        shared: tuple[Up, str, int], tmp_path: Path) -> None:
+    up, url, _ = shared
+    auth = up.home / "auth"
+    assert (auth / "admin.creds").exists() and (auth / "nats-auth.conf").exists()
+    # files 0600; the directory of `nats` CLI contexts 0700 (its files 0600)
+    assert all((f.stat().st_mode & 0o777) == (0o700 if f.is_dir() else 0o600) for f in auth.rglob("*"))
+    ran = await ndif(url, "status", env={"NDIF_HOME": str(up.home)})
+    assert ran.rc == 0 and "NODES" in ran.out, ran.out + ran.err
+    ran = await ndif(url, "status", env={"NDIF_HOME": str(tmp_path / "elsewhere")})  # no credentials: refused
+    assert ran.rc != 0 and "requires a user and none was found" in ran.err, ran.err
+
+
 async def test_a_second_up_on_a_port_in_use_fails_in_one_line_and_appends_nothing(
-        tmp_path: Path, ups: list[Up]) -> None:
-    first, url, port = started(tmp_path, ups, "first")  # no --gpus on a CPU machine: warned, not silent
-    await asyncio.to_thread(first.wait_running)
+        shared: tuple[Up, str, int], tmp_path: Path, ups: list[Up]) -> None:
+    first, url, port = shared
     assert "no GPU found" in first.err.read_text() and "--gpus N" in first.err.read_text()
     before = await _last_seq(url, first.home)
     await asyncio.sleep(1.0)
@@ -181,9 +208,14 @@ async def test_a_second_up_on_the_same_home_refuses_before_opening_the_store_and
     assert "NDIF_HOME" in err[0] and "--port" in err[0]
     assert (await _events(url, first.home))[:len(acked)] == acked
 
-    # After a restart of the first cluster, its log holds exactly what it acknowledged.
+    # After a restart of the first cluster, its log holds exactly what it acknowledged, and its users
+    # are the ones its first start made (the local commands still find theirs).
+    creds = (first.home / "auth" / "admin.creds").read_bytes()
     first.stop()
     again = Up(tmp_path, "again", port, "--gpus", "1", store="first")
     ups.append(again)
     await asyncio.to_thread(again.wait_running)
     assert (await _events(url, first.home))[:len(acked)] == acked
+    assert (again.home / "auth" / "admin.creds").read_bytes() == creds
+    ran = await ndif(url, "status", env={"NDIF_HOME": str(again.home)})
+    assert ran.rc == 0, ran.err
