@@ -49,10 +49,11 @@ wait_line() {
   done
 }
 
-# ray_refused NAME: did Ray refuse the auth token (its own words: InvalidAuthToken)?
-RAY_REFUSED="InvalidAuthToken|AuthenticationError|Unauthenticated|auth(entication)? token"
+# ray_refused NAME: did Ray refuse the auth token (its own words: InvalidAuthToken)? RAY_REFUSED, Ray's
+# error names alone, also ends a start's wait at once (Ray would retry for about 20 s first).
+RAY_REFUSED="InvalidAuthToken|AuthenticationError"
 ray_refused() {
-  grep -qE "$RAY_REFUSED" "$RUN/$1.log" 2>/dev/null
+  grep -qE "$RAY_REFUSED|Unauthenticated|auth(entication)? token" "$RUN/$1.log" 2>/dev/null
 }
 
 # stop_all: SIGTERM the leader of every process group of RUN/*.pid (newest first), wait up to NDIF_STOP_WAIT_S

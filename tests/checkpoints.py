@@ -8,12 +8,11 @@ build is shared by pytest-xdist's workers through a lock in the run's base temp 
 from __future__ import annotations
 
 import fcntl
+import os
 import shutil
 from pathlib import Path
 
 import pytest
-
-KINDS = ("gpt2", "llama")
 
 
 class TinyModels:
@@ -24,12 +23,12 @@ class TinyModels:
 
     def _built(self, kind: str) -> Path:
         src = self.root / kind
-        if (src / "config.json").is_file():
+        if _is_checkpoint(src):
             return src
         self.root.mkdir(parents=True, exist_ok=True)
         with (self.root / ".lock").open("w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # another worker may be building it
-            if not (src / "config.json").is_file():
+            if not _is_checkpoint(src):
                 from dataplane.node.tiny_models import make_tiny_gpt2, make_tiny_llama
 
                 tmp = self.root / f".{kind}.partial"
@@ -40,7 +39,7 @@ class TinyModels:
 
     def copy(self, kind: str, dest: Path | str) -> Path:
         dest = Path(dest)
-        if not (dest / "config.json").is_file():  # as make_tiny_*: kept when already there
+        if not _is_checkpoint(dest):  # as make_tiny_*: kept when already there
             shutil.copytree(self._built(kind), dest, dirs_exist_ok=True)
         return dest
 
@@ -51,7 +50,12 @@ class TinyModels:
         return self.copy("llama", dest)
 
 
+def _is_checkpoint(path: Path) -> bool:
+    """What dataplane/node/tiny_models.py takes for a checkpoint already made: a config and weights."""
+    return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+
+
 def shared_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The run's directory every worker sees: the parent of a worker's base temp under xdist."""
+    """The run's directory every worker sees: under xdist, the parent of the worker's base temp."""
     base = tmp_path_factory.getbasetemp()
-    return (base.parent if base.name.startswith("popen-gw") else base) / "tiny-checkpoints"
+    return (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "tiny-checkpoints"

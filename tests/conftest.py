@@ -4,6 +4,7 @@ one local Ray per test process; and how the suite is laid out on pytest-xdist's 
 from __future__ import annotations
 
 import asyncio
+import enum
 import faulthandler
 import os
 import pathlib
@@ -55,7 +56,7 @@ _exit_status = 0
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--long", action="store_true", default=False,
-                     help="also run the long fault tests (marker `long`; CI runs them as a step of their own)")
+                     help="also run the long fault tests (marker `long`; README's test command does)")
 
 
 # Markers by directory: what needs a real nats-server (and Ray) is `integration`, the browser test
@@ -77,38 +78,55 @@ def _needs_nats(item: pytest.Item) -> bool:
         callspec is not None and "jetstream" in callspec.params.values())
 
 
-# Workers (`-n 2 --dist loadgroup`): every test that starts Ray, in this process (`local_ray`) or in
-# a process it runs (`starts_ray`: `ndif up`, `ray start`, a probe), is in the group "ray", which one
-# worker runs in order, so no two Ray clusters ever run at once; the other long tests are a group of
-# their own; every other module is a group, so its module-scoped stack starts once and its tests
-# meet one another's state in file order, as in one process.
-RAY_FIXTURES = ("local_ray", "starts_ray")
+# Workers (`-n 2 --dist loadgroup`): every module with a test that starts Ray, in this process
+# (`local_ray`) or in a process it runs (`starts_ray`: `ndif up`, `ray start`, a probe), is in the
+# group "ray", which one worker runs in order, so no two Ray clusters ever run at once; the long
+# modules without Ray (minutes of several servers each) are the group "long", one at a time; every
+# other module is a group, so its module-scoped stack starts once and its tests meet one another's
+# state in file order, as in one process.
 RAY_GROUP, LONG_GROUP = "ray", "long"
 
 
-def _ray_use(item: pytest.Item) -> int | None:
-    """0: the test uses this process's Ray; 1: it starts one in a process of its own; None: no Ray."""
+class RayUse(enum.IntEnum):
+    """What a module's tests do with Ray, in the order the group "ray" runs them."""
+
+    NONE = 0
+    LOCAL = 1  # this process's Ray (`local_ray`)
+    OWN = 2  # a Ray of its own, in a process it runs (`starts_ray`), which stops this process's first
+
+
+def _ray_use(item: pytest.Item) -> RayUse:
     names = getattr(item, "fixturenames", ())
-    return next((i for i, f in enumerate(RAY_FIXTURES) if f in names), None)
+    return RayUse.OWN if "starts_ray" in names else RayUse.LOCAL if "local_ray" in names else RayUse.NONE
+
+
+def _group(item: pytest.Item, use: RayUse) -> str:
+    if use is not RayUse.NONE:
+        return RAY_GROUP
+    return LONG_GROUP if "long" in item.keywords else item.nodeid.split("::", 1)[0]
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's, which reads the groups from the markers
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    modules: dict[pathlib.Path, set[RayUse]] = {}
+    for item in items:
+        modules.setdefault(item.path, set()).add(_ray_use(item))
+    mixed = [str(path) for path, uses in modules.items() if {RayUse.LOCAL, RayUse.OWN} <= uses]
+    if mixed:
+        raise pytest.UsageError(f"{mixed[0]}: a module's tests use either `local_ray` or `starts_ray`, not both")
+    use = {path: max(uses) for path, uses in modules.items()}
+    grouping = config.pluginmanager.hasplugin("xdist")
     for item in items:
         where = _tests_dir(item)
         if where in E2E_DIRS:
             item.add_marker(pytest.mark.e2e)
         elif where in INTEGRATION_DIRS or _needs_nats(item):
             item.add_marker(pytest.mark.integration)
-        if _ray_use(item) is not None:
-            item.add_marker(pytest.mark.xdist_group(RAY_GROUP))
-        elif "long" in item.keywords:
-            item.add_marker(pytest.mark.xdist_group(LONG_GROUP))
-        else:
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
-    # The tests on this process's Ray first, then those that start their own (which stop it first):
-    # one start and one stop of the shared Ray per process. A stable sort keeps each module together.
-    items.sort(key=lambda it: {None: 0, 0: 1, 1: 2}[_ray_use(it)])
+        if grouping:
+            item.add_marker(pytest.mark.xdist_group(_group(item, use[item.path])))
+    # The modules on this process's Ray first, then those that start their own: one start and one
+    # stop of this process's Ray per run. A stable sort keeps each module's tests in file order.
+    items.sort(key=lambda it: use[it.path])
     if config.getoption("--long"):
         return
     skip = pytest.mark.skip(reason="long fault test: run with --long (README's test command does)")
@@ -118,14 +136,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """A worker of `--dist loadgroup` whose groups did not take (xdist names a grouped test
-    `id@group`) would run Ray in two workers at once: refuse the run instead."""
-    if not getattr(session.config.option, "loadgroup", False):  # set in xdist's workers only
+    """In an xdist worker: refuse a run that would start Ray in two workers at once, because it was not
+    `--dist loadgroup` or because the groups did not take (xdist names a grouped test `id@group`)."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
         return
-    lost = [it.nodeid for it in session.items if it.get_closest_marker("xdist_group") and "@" not in it.nodeid]
-    if lost:
-        why = (f"--dist loadgroup did not group {len(lost)} tests (e.g. {lost[0]}): pytest-xdist does not work "
-               "with this pytest (pyproject.toml's dev extra pins one that does)")
+    ray = [it.nodeid for it in session.items if _ray_use(it) is not RayUse.NONE]
+    if not getattr(session.config.option, "loadgroup", False):
+        why = f"{len(ray)} tests start Ray (e.g. {ray[0]}): run them with `--dist loadgroup`" if ray else ""
+    else:
+        lost = [it.nodeid for it in session.items if (m := it.get_closest_marker("xdist_group"))
+                and not it.nodeid.endswith(f"@{m.args[0]}")]
+        why = (f"--dist loadgroup did not group {len(lost)} tests (e.g. {lost[0]}): pytest-xdist does not "
+               "work with this pytest (pyproject.toml's dev extra pins one that does)") if lost else ""
+    if why:
         os.write(2, f"\n{why}\n".encode())  # a worker's own report would be lost in xdist's INTERNALERROR
         pytest.exit(why, pytest.ExitCode.USAGE_ERROR)
 

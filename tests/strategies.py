@@ -29,6 +29,11 @@ T0 = datetime(2026, 1, 1, tzinfo=UTC)
 
 _counter = iter(range(10**12))
 
+# What msgspec raises for invalid UTF-8 inside a JSON string: UnicodeDecodeError before 0.23,
+# DecodeError since (pyproject.toml allows both; schemas/guard.py refuses it first either way).
+MSGSPEC_BAD_UTF8: type[Exception] = (
+    UnicodeDecodeError if tuple(int(p) for p in msgspec.__version__.split(".")[:2]) < (0, 23) else msgspec.DecodeError)
+
 
 def _env(actor: str = "test", **kw: Any) -> dict[str, Any]:
     n = next(_counter)

@@ -67,9 +67,10 @@ class RayNodes:
         self.root = Path(tempfile.mkdtemp(prefix="rn", dir="/tmp"))  # short: Ray's socket paths fit 107 bytes
         self.cpus = cpus
         token = ray_adapter.auth_token_path()  # the one this process's Ray reads (Ray caches the first)
-        # No Ray drain on SIGTERM (for Ray Serve's proxies, 30 s by default): an agent drains its replicas.
-        self.env = {**os.environ, "RAY_TMPDIR": str(self.root), "RAY_AUTH_MODE": "token",
-                    "RAY_USAGE_STATS_ENABLED": "0", "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0", **(env or {})}
+        # No Ray drain on SIGTERM (for Ray Serve's proxies, 30 s by default) unless one is asked for:
+        # an agent drains its replicas itself (as deploy/lib.sh).
+        self.env = {"RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0", **os.environ, "RAY_TMPDIR": str(self.root),
+                    "RAY_AUTH_MODE": "token", "RAY_USAGE_STATS_ENABLED": "0", **(env or {})}
         if token:
             self.env["RAY_AUTH_TOKEN_PATH"] = token
         self.port = 0

@@ -49,6 +49,7 @@ from tests.fuzz_inputs import (
 
 pytestmark = pytest.mark.timeout(600)
 
+
 class Rig:
     """Controller + dispatcher on one event loop that the (sync) hypothesis test drives."""
 
@@ -176,4 +177,3 @@ def test_fuzzed_requests_end_clearly_and_leave_nothing_behind(rig: Rig, body: by
         assert await rig.log.last_seq() - rig.other_events == before
 
     rig.run(one())
-

@@ -70,6 +70,7 @@ from tests.fake_runtime import FakeRuntime
 from tests.integration.cluster import ndif
 from tests.integration.conftest import NODE_A, NODE_B
 from tests.integration.probe import raw_connect
+from tests.strategies import MSGSPEC_BAD_UTF8
 from tests.waiting import until, until_state
 
 pytestmark = pytest.mark.timeout(180)
@@ -601,7 +602,7 @@ def _no_host_model_roots(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_the_poison_bodies_are_what_the_issue_says() -> None:
     assert len(POISON_NESTED) == 6000 and len(POISON_UTF8) == 36
-    with pytest.raises((UnicodeDecodeError, msgspec.DecodeError)):  # UnicodeDecodeError before msgspec 0.23
+    with pytest.raises(MSGSPEC_BAD_UTF8):
         msgspec.json.decode(POISON_UTF8)
     got = decode_any(POISON_UTF8, limit=1 << 20, what="request")
     assert isinstance(got, Refused) and got.reason.startswith("request refused: not UTF-8"), got

@@ -59,10 +59,11 @@ class Up:
         stop_process(self.proc, signal.SIGINT, 60)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="class")
 def shared(tmp_path_factory: pytest.TempPathFactory, starts_ray: None) -> Iterator[tuple[Up, str, int]]:
-    """One `ndif up` (no --gpus on a CPU machine: warned, not silent) for the tests that only read it:
-    it, its URL and its port."""
+    """One `ndif up` (no --gpus on a CPU machine: warned, not silent) for the tests of `TestOneUp`,
+    which only read it: it, its URL and its port. Stopped before the tests that start their own
+    (one Ray on the machine at a time)."""
     port = free_port()
     up = Up(tmp_path_factory.mktemp("shared"), "shared", port)
     try:
@@ -103,40 +104,42 @@ async def _last_seq(url: str, home: Path) -> int:
         return int((await log.js.stream_info("NDIF_EVENTS")).state.last_seq)
 
 
-async def test_up_makes_users_on_its_first_start_and_local_commands_use_them(
-        shared: tuple[Up, str, int], tmp_path: Path) -> None:
-    up, url, _ = shared
-    auth = up.home / "auth"
-    assert (auth / "admin.creds").exists() and (auth / "nats-auth.conf").exists()
-    # files 0600; the directory of `nats` CLI contexts 0700 (its files 0600)
-    assert all((f.stat().st_mode & 0o777) == (0o700 if f.is_dir() else 0o600) for f in auth.rglob("*"))
-    ran = await ndif(url, "status", env={"NDIF_HOME": str(up.home)})
-    assert ran.rc == 0 and "NODES" in ran.out, ran.out + ran.err
-    ran = await ndif(url, "status", env={"NDIF_HOME": str(tmp_path / "elsewhere")})  # no credentials: refused
-    assert ran.rc != 0 and "requires a user and none was found" in ran.err, ran.err
+class TestOneUp:
+    """What one `ndif up` prints and does, read by each test; none changes it."""
 
+    async def test_up_makes_users_on_its_first_start_and_local_commands_use_them(
+            self, shared: tuple[Up, str, int], tmp_path: Path) -> None:
+        up, url, _ = shared
+        auth = up.home / "auth"
+        assert (auth / "admin.creds").exists() and (auth / "nats-auth.conf").exists()
+        # files 0600; the directory of `nats` CLI contexts 0700 (its files 0600)
+        assert all((f.stat().st_mode & 0o777) == (0o700 if f.is_dir() else 0o600) for f in auth.rglob("*"))
+        ran = await ndif(url, "status", env={"NDIF_HOME": str(up.home)})
+        assert ran.rc == 0 and "NODES" in ran.out, ran.out + ran.err
+        ran = await ndif(url, "status", env={"NDIF_HOME": str(tmp_path / "elsewhere")})  # no credentials: refused
+        assert ran.rc != 0 and "requires a user and none was found" in ran.err, ran.err
 
-async def test_a_second_up_on_a_port_in_use_fails_in_one_line_and_appends_nothing(
-        shared: tuple[Up, str, int], tmp_path: Path, ups: list[Up]) -> None:
-    first, url, port = shared
-    assert "no GPU found" in first.err.read_text() and "--gpus N" in first.err.read_text()
-    before = await _last_seq(url, first.home)
-    await asyncio.sleep(1.0)
-    assert await _last_seq(url, first.home) == before  # quiet now: nothing appends on its own
+    async def test_a_second_up_on_a_port_in_use_fails_in_one_line_and_appends_nothing(
+            self, shared: tuple[Up, str, int], tmp_path: Path, ups: list[Up]) -> None:
+        first, url, port = shared
+        assert "no GPU found" in first.err.read_text() and "--gpus N" in first.err.read_text()
+        before = await _last_seq(url, first.home)
+        await asyncio.sleep(1.0)
+        assert await _last_seq(url, first.home) == before  # quiet now: nothing appends on its own
 
-    second = Up(tmp_path, "second", port, "--gpus", "1")
-    ups.append(second)  # stopped at the end should it wrongly come up
-    rc = await asyncio.to_thread(second.proc.wait, 120)
-    err = second.err.read_text().strip().splitlines()
-    assert rc == 5, (rc, err)
-    assert len(err) == 1 and err[0].startswith("error: cannot start nats-server on port"), err
-    assert "address already in use" in err[0] and "try --port" in err[0]
-    assert "running" not in second.out.read_text()
-    assert await _last_seq(url, first.home) == before  # it has exited: whatever it appended is in
+        second = Up(tmp_path, "second", port, "--gpus", "1")
+        ups.append(second)  # stopped at the end should it wrongly come up
+        rc = await asyncio.to_thread(second.proc.wait, 120)
+        err = second.err.read_text().strip().splitlines()
+        assert rc == 5, (rc, err)
+        assert len(err) == 1 and err[0].startswith("error: cannot start nats-server on port"), err
+        assert "address already in use" in err[0] and "try --port" in err[0]
+        assert "running" not in second.out.read_text()
+        assert await _last_seq(url, first.home) == before  # it has exited: whatever it appended is in
 
-    status = (await ndif(url, "status", "--json", env={"NDIF_HOME": str(first.home)})).json()
-    assert [n["node_id"] for n in status["nodes"]] == [socket.gethostname()]
-    assert status["nodes"][0]["stale"] is False and status["nodes"][0]["heartbeat_age_s"] < 3
+        status = (await ndif(url, "status", "--json", env={"NDIF_HOME": str(first.home)})).json()
+        assert [n["node_id"] for n in status["nodes"]] == [socket.gethostname()]
+        assert status["nodes"][0]["stale"] is False and status["nodes"][0]["heartbeat_age_s"] < 3
 
 
 async def test_kill_9_of_up_leaves_no_process_behind_and_status_marks_the_node_stale(

@@ -25,6 +25,8 @@ from hypothesis import strategies as st
 
 from controlplane.service.clock import observed
 from controlplane.service.controller import Controller
+from controlplane.service.parts import Parts
+from controlplane.store.memlog import MemoryEventLog
 from schemas.commands import CommandResult, ScaleDown
 from schemas.events import ModelRegistered
 from schemas.keys import canonical_model_key
@@ -51,20 +53,25 @@ FULL = {"deadline": None, "database": None, "suppress_health_check": list(Health
 
 
 class Rig:
-    """The memory stack on one event loop that the (sync) hypothesis tests drive."""
+    """Services over the memory ports on one event loop that the (sync) hypothesis tests drive. For
+    the commands a controller alone (no node, no autoscale or policy loop: as the live test's, nothing
+    appends between a command and the check of what it appended); for the requests the whole stack."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, stack: bool) -> None:
         self.loop = asyncio.new_event_loop()
         self.exits = contextlib.AsyncExitStack()
-        self.stack: Stack = self.run(self.exits.enter_async_context(memory_stack(EchoCaller)))
-        self.run(self.stack.log.append(
+        if stack:
+            self.stack: Stack = self.run(self.exits.enter_async_context(memory_stack(EchoCaller)))
+            self.log, self.controller = self.stack.log, self.stack.controller
+        else:
+            self.log = MemoryEventLog()
+            self.controller = self.run(Controller(Parts(self.log, None), policy_interval_s=3600,
+                                                  autoscale_interval_s=3600).start())
+            self.exits.push_async_callback(self.controller.stop)
+        self.run(self.log.append(
             [observed(ModelRegistered, actor="test", model_key=canonical_model_key(m), checkpoint="/nonexistent",
                       size_bytes=10**6) for m in (KNOWN, BYSTANDER)], None))
         self.other_events = 0  # appended by the commands sent meanwhile
-
-    @property
-    def controller(self) -> Controller:
-        return self.stack.controller
 
     def run(self, coro: Any) -> Any:
         return self.loop.run_until_complete(coro)
@@ -76,7 +83,7 @@ class Rig:
             self.loop.close()
 
     async def appended(self) -> int:
-        return await self.stack.log.last_seq() - self.other_events
+        return await self.log.last_seq() - self.other_events
 
     async def answered_meanwhile(self, work: Any) -> Any:
         """Run `work` while another command (a scale-down to the count it has: nothing to do) is
@@ -95,9 +102,18 @@ class Rig:
         return (await asyncio.gather(other(), work))[1]
 
 
-@pytest.fixture  # a stack of its own per test: the agent would still be placing what a fuzzed deploy asked for
-def rig() -> Iterator[Rig]:
-    r = Rig()
+@pytest.fixture
+def commands_rig() -> Iterator[Rig]:
+    r = Rig(stack=False)
+    try:
+        yield r
+    finally:
+        r.close()
+
+
+@pytest.fixture
+def requests_rig() -> Iterator[Rig]:
+    r = Rig(stack=True)
     try:
         yield r
     finally:
@@ -106,7 +122,10 @@ def rig() -> Iterator[Rig]:
 
 @settings(max_examples=200, **FULL)
 @given(body=command_bodies, verb=subject_verbs)
-def test_fuzzed_commands_get_a_clear_answer_and_refusals_append_nothing(rig: Rig, body: bytes, verb: str | None) -> None:
+def test_fuzzed_commands_get_a_clear_answer_and_refusals_append_nothing(commands_rig: Rig, body: bytes,
+                                                                       verb: str | None) -> None:
+    rig = commands_rig
+
     async def one() -> None:
         before = await rig.appended()
         res: CommandResult = await rig.answered_meanwhile(
@@ -125,8 +144,9 @@ def test_fuzzed_commands_get_a_clear_answer_and_refusals_append_nothing(rig: Rig
 
 @settings(max_examples=150, **FULL)
 @given(body=request_bodies, header_id=header_ids, on_own_subject=st.booleans())
-def test_fuzzed_requests_end_clearly_and_leave_nothing_behind(rig: Rig, body: bytes, header_id: str | None,
+def test_fuzzed_requests_end_clearly_and_leave_nothing_behind(requests_rig: Rig, body: bytes, header_id: str | None,
                                                               on_own_subject: bool) -> None:
+    rig = requests_rig
     rid, mk = body_id_and_model(body)
     try:
         subject = f"ndif.req.{model_token(canonical_model_key(mk))}" if on_own_subject and isinstance(mk, str) \
