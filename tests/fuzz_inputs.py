@@ -4,6 +4,8 @@ live server's test (tests/integration/test_fuzz_boundaries.py, the wiring) and t
 
 from __future__ import annotations
 
+import uuid
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
@@ -11,7 +13,9 @@ import msgspec
 from hypothesis import strategies as st
 
 from schemas.commands import VERBS
+from schemas.keys import canonical_model_key
 from schemas.requests import check_request_id
+from schemas.subjects import model_token
 
 KNOWN = "acme/fuzz-known"
 BYSTANDER = "acme/fuzz-bystander"  # the model of the command sent meanwhile: no fuzz input names it
@@ -68,6 +72,29 @@ def body_id_and_model(body: bytes) -> tuple[Any, Any]:
     if not isinstance(decoded, dict):
         return None, None
     return decoded.get("request_id"), decoded.get("model_key")
+
+
+@dataclass(frozen=True)
+class Published:
+    """How a fuzzed request body is published: its subject, its headers, the id it names in the body
+    and the one its status is kept under (None: no valid id anywhere)."""
+
+    subject: str
+    headers: dict[str, str] | None
+    body_id: Any
+    keyed: str | None
+
+
+def published(body: bytes, header_id: str | None, on_own_subject: bool) -> Published:
+    """On its model's subject when asked and the body names a model key, else on a fresh junk name."""
+    rid, mk = body_id_and_model(body)
+    try:
+        subject = f"ndif.req.{model_token(canonical_model_key(mk))}" if on_own_subject and isinstance(mk, str) \
+            else f"ndif.req.fuzz-{uuid.uuid4().hex[:10]}"
+    except Exception:  # noqa: BLE001 - not a model key
+        subject = f"ndif.req.fuzz-{uuid.uuid4().hex[:10]}"
+    keyed = next((i for i in (rid, header_id) if valid_request_id(i)), None)
+    return Published(subject, {"Nats-Msg-Id": header_id} if header_id is not None else None, rid, keyed)
 
 
 def valid_request_id(rid: Any) -> bool:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -32,19 +31,18 @@ from schemas.commands import CommandResult
 from schemas.events import ModelRegistered
 from schemas.keys import canonical_model_key
 from schemas.requests import status_decoder
-from schemas.subjects import REQUEST_STATUS_BUCKET, REQUESTS_STREAM, model_token
+from schemas.subjects import REQUEST_STATUS_BUCKET, REQUESTS_STREAM
 from tests.conftest import fresh_event_log, live_settings
 from tests.fuzz_inputs import (
     ANSWER_S,
     BYSTANDER,
     KNOWN,
-    body_id_and_model,
     command_bodies,
     command_subject_verb,
     header_ids,
+    published,
     request_bodies,
     subject_verbs,
-    valid_request_id,
 )
 
 pytestmark = pytest.mark.timeout(600)
@@ -141,14 +139,8 @@ def test_fuzzed_commands_get_a_clear_answer_and_refusals_append_nothing(rig: Rig
 @given(body=request_bodies, header_id=header_ids, on_own_subject=st.booleans())
 def test_fuzzed_requests_end_clearly_and_leave_nothing_behind(rig: Rig, body: bytes, header_id: str | None,
                                                               on_own_subject: bool) -> None:
-    rid, mk = body_id_and_model(body)
-    try:
-        subject = f"ndif.req.{model_token(canonical_model_key(mk))}" if on_own_subject and isinstance(mk, str) \
-            else f"ndif.req.fuzz-{uuid.uuid4().hex[:10]}"
-    except Exception:  # noqa: BLE001 - not a model key
-        subject = f"ndif.req.fuzz-{uuid.uuid4().hex[:10]}"
-    headers = {"Nats-Msg-Id": header_id} if header_id is not None else None
-    keyed = next((i for i in (rid, header_id) if valid_request_id(i)), None)
+    pub = published(body, header_id, on_own_subject)
+    subject, headers, rid, keyed = pub.subject, pub.headers, pub.body_id, pub.keyed
 
     async def one() -> None:
         before = await rig.log.last_seq() - rig.other_events

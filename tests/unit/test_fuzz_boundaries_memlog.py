@@ -31,18 +31,16 @@ from schemas.commands import CommandResult, ScaleDown
 from schemas.events import ModelRegistered
 from schemas.keys import canonical_model_key
 from schemas.status import RequestStatus
-from schemas.subjects import model_token
 from tests.fuzz_inputs import (
     ANSWER_S,
     BYSTANDER,
     KNOWN,
-    body_id_and_model,
     command_bodies,
     command_subject_verb,
     header_ids,
+    published,
     request_bodies,
     subject_verbs,
-    valid_request_id,
 )
 from tests.memory_stack import Stack, memory_stack
 from tests.unit.test_dispatcher_memlog import EchoCaller
@@ -102,22 +100,25 @@ class Rig:
         return (await asyncio.gather(other(), work))[1]
 
 
-@pytest.fixture
-def commands_rig() -> Iterator[Rig]:
-    r = Rig(stack=False)
+@contextlib.contextmanager
+def running(*, stack: bool) -> Iterator[Rig]:
+    r = Rig(stack=stack)
     try:
         yield r
     finally:
         r.close()
+
+
+@pytest.fixture
+def commands_rig() -> Iterator[Rig]:
+    with running(stack=False) as r:
+        yield r
 
 
 @pytest.fixture
 def requests_rig() -> Iterator[Rig]:
-    r = Rig(stack=True)
-    try:
+    with running(stack=True) as r:
         yield r
-    finally:
-        r.close()
 
 
 @settings(max_examples=200, **FULL)
@@ -147,14 +148,8 @@ def test_fuzzed_commands_get_a_clear_answer_and_refusals_append_nothing(commands
 def test_fuzzed_requests_end_clearly_and_leave_nothing_behind(requests_rig: Rig, body: bytes, header_id: str | None,
                                                               on_own_subject: bool) -> None:
     rig = requests_rig
-    rid, mk = body_id_and_model(body)
-    try:
-        subject = f"ndif.req.{model_token(canonical_model_key(mk))}" if on_own_subject and isinstance(mk, str) \
-            else f"ndif.req.fuzz-{uuid.uuid4().hex[:10]}"
-    except Exception:  # noqa: BLE001 - not a model key
-        subject = f"ndif.req.fuzz-{uuid.uuid4().hex[:10]}"
-    headers = {"Nats-Msg-Id": header_id} if header_id is not None else None
-    keyed = next((i for i in (rid, header_id) if valid_request_id(i)), None)
+    pub = published(body, header_id, on_own_subject)
+    subject, headers, rid, keyed = pub.subject, pub.headers, pub.body_id, pub.keyed
     serving = rig.stack.serving
 
     async def one() -> None:
