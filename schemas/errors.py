@@ -104,6 +104,23 @@ class InfrastructureError(NdifError):
     default_retryable = True
 
 
+class LogRewound(InfrastructureError):
+    """The log ends before what this reader already folded (a server restarted on a store that lost
+    its tail, or a store restored from a backup): the fold holds events the log no longer does."""
+
+    def __init__(self, message: str, *, folded_seq: int = 0, last_seq: int = 0) -> None:
+        super().__init__(message)
+        self._set(folded_seq=folded_seq, last_seq=last_seq)
+
+    @property
+    def folded_seq(self) -> int:
+        return int(self._folded_seq)  # type: ignore[attr-defined]
+
+    @property
+    def last_seq(self) -> int:
+        return int(self._last_seq)  # type: ignore[attr-defined]
+
+
 class InfrastructureTimeout(InfrastructureError, TimeoutError):
     """A call did not answer within its timeout; the outcome may be unknown."""
 

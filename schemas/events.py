@@ -516,6 +516,10 @@ def is_sourced_fact(events: Sequence[Event], expected_last_seq: int | None) -> b
     return facts > 0
 
 
+# The largest observed fact a source may send (the facts stream refuses a larger one before it is
+# kept). The largest the agents write (a load failure's error, a node's cards) is a few KiB.
+FACT_MAX_BYTES: Final = 64 * 1024
+
 # Facts only the agent of the node they are about observes (and may append).
 AGENT_FACTS: Final = frozenset({NodeJoined, ReplicaLoading, ReplicaLoaded, ReplicaLoadFailed, ReplicaCached,
                                 ReplicaUnloaded, ReplicaRestarted, ReplicaFailed})

@@ -14,10 +14,16 @@ import re
 from schemas.keys import model_parts
 
 EVENTS_STREAM = "NDIF_EVENTS"
-# Observed facts of agents and the dispatcher: stored here first, then sourced into EVENTS_STREAM,
-# which alone is the log. No atomic batches here, so nothing an agent sends counts against the
-# event stream's batches in flight (docs/architecture.md §2, decision 21).
+# Observed facts of agents and the dispatcher, as they send them (`ndif.fact.…`): stored here first;
+# the controller's fact gate (controlplane/service/factgate.py) appends to EVENTS_STREAM, which
+# alone is the log, only the facts that decode, name their own source and fit their bounds. No
+# atomic batches here, so nothing an agent sends counts against the log's batches in flight.
 FACTS_STREAM = "NDIF_FACTS"
+# Facts the gate refused, with why (`ndif.refused.<source token>`): never the log, kept bounded,
+# read by the operator (`ndif status`) and by the source itself (its append ends refused).
+REFUSED_STREAM = "NDIF_REFUSED"
+FACT_GATE_CONSUMER = "fact-gate"  # the gate's durable consumer of FACTS_STREAM (one fact in flight)
+REFUSED_PREFIX = "ndif.refused"
 REQUESTS_STREAM = "NDIF_REQUESTS"
 HEARTBEATS_BUCKET = "ndif_heartbeats"
 REQUEST_STATUS_BUCKET = "ndif_request_status"
@@ -25,6 +31,8 @@ RESULTS_BUCKET = "ndif_results"
 SNAPSHOTS_BUCKET = "ndif_snapshots"
 
 EVENTS_ALL = "ndif.evt.>"
+EVENTS_PREFIX = "ndif.evt."
+FACT_INBOX_PREFIX = "ndif.fact."  # + what follows `ndif.evt.` in the fact's subject in the log
 NODE_EVENTS_PREFIX = "ndif.evt.node."  # + <ntok>
 MODEL_EVENTS_PREFIX = "ndif.evt.model."  # + <mtok>
 REPLICA_EVENTS_PREFIX = "ndif.evt.replica."  # + <mtok>.<replica_id>[.<source>]
@@ -65,15 +73,19 @@ COMMANDS_ANY = f"{COMMANDS_PREFIX}.*"
 STATUS_ALL = f"{STATUS_PREFIX}.>"
 REPLICA_CALLS_ALL = f"{REPLICA_CALLS_PREFIX}.>"
 FIGURES_ANY = f"{FIGURES_PREFIX}.*"
-# What each stream captures. The two lists do not overlap (the server refuses streams that do),
-# and together they are every event subject.
-FACTS_SUBJECTS = (NODE_FACTS_ANY, REPLICA_FACTS_ANY)
-LOG_SUBJECTS = (MODEL_EVENTS_ANY, REPLICA_DECISIONS_ANY, NODE_EVENTS_ANY, COMMAND_EVENTS_ANY)
+# Where observed facts are in the log (their source token last).
+FACT_LOG_SUBJECTS = (NODE_FACTS_ANY, REPLICA_FACTS_ANY)
+# What each stream captures. They do not overlap (the server refuses streams that do): the facts
+# stream takes what sources send, the log every event subject, facts only from the gate.
+FACTS_SUBJECTS = tuple(FACT_INBOX_PREFIX + s.removeprefix(EVENTS_PREFIX) for s in FACT_LOG_SUBJECTS)
+LOG_SUBJECTS = (MODEL_EVENTS_ANY, REPLICA_DECISIONS_ANY, NODE_EVENTS_ANY, COMMAND_EVENTS_ANY, *FACT_LOG_SUBJECTS)
 
 # Headers on every event message.
 HDR_MSG_ID = "Nats-Msg-Id"
 HDR_EVENT = "Ndif-Event"
 HDR_SCHEMA = "Ndif-Schema"
+# On a fact in the log: its sequence in FACTS_STREAM (the gate sets it; an append waits for it).
+HDR_FACT_SEQ = "Ndif-Fact-Seq"
 
 _SLUG_BAD = re.compile(r"[^A-Za-z0-9_-]+")
 _SLUG_MAX = 40
@@ -110,8 +122,25 @@ def node_facts_from(source_token: str) -> str:
 
 
 def is_fact_subject(subject: str) -> bool:
-    """Whether `subject` is stored in FACTS_STREAM (an observed fact with its source token)."""
-    return any(subject_matches(subject, p) for p in FACTS_SUBJECTS)
+    """Whether `subject` is an observed fact's in the log (its source token last): such a fact is
+    sent to FACTS_STREAM (`fact_inbox`) and reaches the log only through the fact gate."""
+    return any(subject_matches(subject, p) for p in FACT_LOG_SUBJECTS)
+
+
+def fact_inbox(subject: str) -> str:
+    """Where a source sends the fact whose subject in the log is `subject` (`ndif.evt.X` -> `ndif.fact.X`)."""
+    return FACT_INBOX_PREFIX + subject.removeprefix(EVENTS_PREFIX)
+
+
+def fact_log_subject(inbox: str) -> str | None:
+    """The log subject of a fact sent on `inbox` (None: not a fact inbox subject)."""
+    subject = EVENTS_PREFIX + inbox.removeprefix(FACT_INBOX_PREFIX)
+    return subject if inbox.startswith(FACT_INBOX_PREFIX) and is_fact_subject(subject) else None
+
+
+def refused_subject(source_token: str) -> str:
+    """`ndif.refused.<source token>`: the gate's refusals of one source's facts."""
+    return f"{REFUSED_PREFIX}.{source_token}"
 
 
 def replica_facts_from(source_token: str) -> str:

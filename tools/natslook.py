@@ -9,7 +9,7 @@ same reads through nats-py and prints what each read returned, in a layout of it
     python tools/natslook.py --nats URL kv-watch BUCKET [--key K] [--count N] [--seconds S]
 
 `view` = `nats stream view NDIF_EVENTS [--subject F]` (stored messages by sequence; `--stream
-NDIF_FACTS`: the agents' facts on their way into the log), `subjects` = `nats stream subjects
+NDIF_FACTS`: the agents' facts as they sent them; `--stream NDIF_REFUSED`: those the gate refused), `subjects` = `nats stream subjects
 NDIF_EVENTS [F]`, `sub` = `nats sub SUBJECT` (live messages only),
 `kv-watch` = `nats kv watch BUCKET [KEY]` (the latest value of each key, then updates).
 
@@ -34,7 +34,7 @@ from nats.js import api
 from nats.js.kv import KeyValue
 
 from controlplane.store.credentials import load_creds, resolve
-from schemas.subjects import EVENTS_ALL, EVENTS_STREAM, FACTS_STREAM
+from schemas.subjects import EVENTS_STREAM, FACTS_STREAM
 
 
 def show(seq: int | None, subject: str, headers: dict[str, str] | None, data: bytes) -> None:
@@ -111,12 +111,12 @@ async def main() -> None:
     sub = ap.add_subparsers(dest="what", required=True)
     p = sub.add_parser("view", help="stored events by sequence")
     p.add_argument("--stream", default=EVENTS_STREAM, help=f"stream (default {EVENTS_STREAM}; or {FACTS_STREAM})")
-    p.add_argument("--subject", default=EVENTS_ALL, help="subject filter")
+    p.add_argument("--subject", default=">", help="subject filter (default: the stream's every subject)")
     p.add_argument("--count", type=int, default=10, help="messages to print")
     p.add_argument("--start-seq", type=int, default=1, help="first sequence")
     p = sub.add_parser("subjects", help="stored subjects and their message counts")
     p.add_argument("--stream", default=EVENTS_STREAM, help=f"stream (default {EVENTS_STREAM}; or {FACTS_STREAM})")
-    p.add_argument("--filter", default=EVENTS_ALL, help="subject filter")
+    p.add_argument("--filter", default=">", help="subject filter (default: the stream's every subject)")
     for name in ("sub", "kv-watch"):
         p = sub.add_parser(name, help="live messages" if name == "sub" else "a bucket's values and updates")
         p.add_argument("target", help="subject filter" if name == "sub" else "bucket")

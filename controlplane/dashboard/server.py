@@ -248,7 +248,15 @@ class Dashboard:
     async def _follow(self) -> None:
         # The page shows the fold's anomalies itself: nothing to log per batch (no `fold=`).
         assert self.log is not None
-        await follow_log(self.log, lambda: self.model.seq + 1, self._apply, logger=logger, retry_s=1.0)
+        await follow_log(self.log, lambda: self.model.seq + 1, self._apply, logger=logger, retry_s=1.0,
+                         refold=self._refold)
+
+    async def _refold(self, state: ClusterState) -> None:
+        """The log went back: the page shows what it holds now (its series start again there)."""
+        assert self.log is not None
+        self.model = DashboardModel(state, window=self.window)
+        self.past = Past(self.log, self.model)
+        logger.warning("dashboard_refolded", seq=state.seq)
 
     def _apply(self, batch: list[Any]) -> None:
         """Fold a batch; what it changed goes out with the next flush (at most FLUSH_S later), so a

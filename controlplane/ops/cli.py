@@ -32,6 +32,7 @@ from controlplane.service.logs import configure
 from controlplane.service.snapshots import SNAPSHOT_EVERY, SNAPSHOT_EVERY_S
 from controlplane.store import history as H
 from controlplane.store.admin import AdminClient, resolve_name
+from controlplane.store.eventstore.gate import Refusals, refusals
 from controlplane.store.heartbeats import JetStreamHeartbeats, ages, last_beats
 from schemas import errors as errs
 from schemas import logs as L
@@ -41,7 +42,7 @@ from schemas.events import Event, ReplicaEvent, RolloutUpdated, Skipped, event_t
 from schemas.inventory import parse_requirements
 from schemas.keys import canonical_model_key, display_name
 from schemas.status import Level, ReplicaState
-from schemas.subjects import replica_logs_subject
+from schemas.subjects import REFUSED_STREAM, replica_logs_subject
 from schemas.units import GiB, gib
 
 DEFAULT_URL = "nats://127.0.0.1:4222"
@@ -277,7 +278,7 @@ class _Status:
             beats = JetStreamHeartbeats(self.admin.log.js)
             seen = await last_beats(beats, sorted(state.nodes))
             pools = {n: hb.pool for n, hb in seen.items() if hb is not None and hb.pool is not None}
-            _show(state, self.a.json, ages(seen), self.a.all, pools)
+            _show(state, self.a.json, ages(seen), self.a.all, pools, await refusals(self.admin.log.js))
             return
         if self.model not in state.models:
             raise errs.UnknownModel(f"{display_name(self.model)} is no longer deployed (`ndif history` has its past)")
@@ -297,11 +298,21 @@ class _Status:
 
 
 def _show(state: ClusterState, as_json: bool, heartbeats: dict[str, float | None] | None = None,
-          show_all: bool = False, pools: dict[str, tuple[int, int]] | None = None) -> None:
+          show_all: bool = False, pools: dict[str, tuple[int, int]] | None = None,
+          refused: Refusals | None = None) -> None:
+    """`refused`: the fact gate's refusals (`ndif status` only: they are not in the log)."""
     if as_json:
-        _out(status_json(state, heartbeats, pools))
+        out = status_json(state, heartbeats, pools)
+        if refused is not None:
+            out["refused_facts"] = msgspec.to_builtins(refused)
+        _out(out)
     else:
         print(render_status(state, heartbeats, show_all=show_all, pools=pools))
+        if refused is not None and refused.count:
+            last = refused.last
+            print(f"\n{refused.count} observed facts refused by the fact gate (not in the log)"
+                  + (f"; newest: from {last.source!r}: {last.reason}" if last is not None else "")
+                  + f"; all of them: `nats stream view {REFUSED_STREAM}`")
     sys.stdout.flush()
 
 

@@ -35,6 +35,10 @@ logger = structlog.get_logger("ndif.nats_server")
 # is at most 1 MiB (`schemas.requests.MAX_REQUEST_BYTES`) plus headers, so 2 MiB; stream limits
 # (`max_msg_size`, controlplane/store/eventstore/connection.py) are tighter per stream. deploy/nats/*.conf say the same.
 MAX_PAYLOAD = 2 * 1024 * 1024
+# When the server fsyncs file-stored streams: `always` fsyncs every write before it is acknowledged,
+# so an acknowledged message survives a power cut (the default, every 2 minutes, does not:
+# docs/reliability.md "Power loss"). Every config written here and deploy/nats/*.conf set it.
+SYNC_ALWAYS = "always"
 
 
 def find_nats_server() -> str:
@@ -147,7 +151,8 @@ class EmbeddedNats:
     def __init__(self, store_dir: str | os.PathLike[str] | None = None, *, port: int | None = None,
                  ready_timeout: float = 15.0, extra_args: tuple[str, ...] = (),
                  config_file: str | os.PathLike[str] | None = None, host: str = "127.0.0.1",
-                 die_with_parent: bool = False, max_payload: int = MAX_PAYLOAD) -> None:
+                 die_with_parent: bool = False, max_payload: int = MAX_PAYLOAD,
+                 sync_interval: str = SYNC_ALWAYS) -> None:
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
         if store_dir is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="ndif-nats-")
@@ -160,6 +165,8 @@ class EmbeddedNats:
         self.config_file = None if config_file is None else Path(config_file)
         self.host = host
         self.max_payload = max_payload
+        # Anything but `always` is for measuring what the sync costs (tools/bench/), never a cluster.
+        self.sync_interval = sync_interval
         self.proc: subprocess.Popen[bytes] | None = None
         # Our server's name: readiness means *this* server answers (another one may hold the port).
         self.server_name = f"ndif-{uuid.uuid4().hex[:12]}"
@@ -183,6 +190,7 @@ class EmbeddedNats:
         conf.touch(mode=0o600)
         conf.chmod(0o600)
         conf.write_text(f"max_payload: {int(self.max_payload)}\n"
+                        f"jetstream {{\n  sync_interval: {json.dumps(self.sync_interval)}\n}}\n"
                         + (self.config_file.read_text() if self.config_file is not None else ""))
         args = [find_nats_server(), "-c", str(conf), "-js", "-sd", str(self.store_dir / "jetstream"), "-a", self.host,
                 "-p", str(self.port), "-n", self.server_name, "-l", str(self._log_path), *self.extra_args]
@@ -299,7 +307,7 @@ class NatsCluster:
 
     def __init__(self, base_dir: str | os.PathLike[str] | None = None, *, size: int = 3, name: str = "ndif",
                  ready_timeout: float = 20.0, max_payload: int = MAX_PAYLOAD,
-                 config_file: str | os.PathLike[str] | None = None) -> None:
+                 config_file: str | os.PathLike[str] | None = None, sync_interval: str = SYNC_ALWAYS) -> None:
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
         if base_dir is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="ndif-nats-cluster-")
@@ -309,6 +317,7 @@ class NatsCluster:
         self.name = name
         self.ready_timeout = ready_timeout
         self.max_payload = max_payload
+        self.sync_interval = sync_interval
         self.ports = [free_port() for _ in range(size)]
         self.route_ports = [free_port() for _ in range(size)]
         self.procs: list[subprocess.Popen[bytes] | None] = [None] * size
@@ -331,7 +340,8 @@ class NatsCluster:
         return (f"server_name: {self.name}-n{i + 1}\n"
                 f"listen: 127.0.0.1:{self.ports[i]}\n"
                 f"max_payload: {int(self.max_payload)}\n"
-                f"jetstream {{\n  store_dir: {json.dumps(str(store))}\n}}\n"
+                f"jetstream {{\n  store_dir: {json.dumps(str(store))}\n"
+                f"  sync_interval: {json.dumps(self.sync_interval)}\n}}\n"
                 f"cluster {{\n  name: {self.name}\n  listen: 127.0.0.1:{self.route_ports[i]}\n"
                 f"  routes: [\n{routes}\n  ]\n}}\n"
                 + (self.config_file.read_text() if self.config_file is not None else ""))

@@ -150,6 +150,7 @@ class Controller:
         self._figures: dict[str, dict[str, tuple[QueueFigures, float]]] = {}
         self._figures_sub: Subscription | None = None
         self.autoscale_decisions = 0  # AutoscaleDecided appended by this controller (tests, logs)
+        self.gate: Any = None  # the fact gate, on a JetStream log with a connection
 
     @classmethod
     def from_url(cls, url: str, *, name: str | None = None, creds: Creds | None = None,
@@ -190,6 +191,11 @@ class Controller:
         if self.inventory is not None:
             await self.declare(self.inventory)
         self._tasks.append(asyncio.create_task(self._follow(), name="controller-follow"))
+        make_gate = getattr(self.log, "fact_gate", None)
+        if self.nc is not None and make_gate is not None:
+            # Observed facts reach the log only through the gate (controlplane/store/eventstore/gate.py).
+            self.gate = make_gate(lambda: self.state, self._caught_up)
+            self._tasks.append(asyncio.create_task(self.gate.run(), name="controller-fact-gate"))
         if self.nc is not None:
             self._tasks.append(asyncio.create_task(self._watch_heartbeats(self.nc), name="controller-heartbeats"))
         self._tasks.append(asyncio.create_task(self._policies(), name="controller-policies"))
@@ -339,10 +345,23 @@ class Controller:
 
     # ---- the follower and the policies -------------------------------------------------------
 
+    async def _caught_up(self) -> None:
+        """Returns once the fold holds the log up to its end as of now."""
+        assert self.log is not None
+        end = await self.log.last_seq()
+        while self.state.seq < end:
+            await asyncio.sleep(0.01)
+
     async def _follow(self) -> None:
         assert self.log is not None
         await follow_log(self.log, lambda: self.state.seq + 1, self._on_batch, logger=logger,
-                         fold=lambda: self.state)
+                         fold=lambda: self.state, refold=self._refold)
+
+    async def _refold(self, state: ClusterState) -> None:
+        """The log went back (a store that lost its tail, or restored): decide from what it holds now."""
+        self.state.become(state)
+        logger.warning("controller_refolded", seq=state.seq)
+        self.place_unplaced_soon()
 
     def _on_batch(self, batch: list[Stored]) -> None:
         assert self.committer is not None

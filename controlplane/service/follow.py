@@ -10,7 +10,7 @@ double apply.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from controlplane.core.ports import EventLog, Stored
@@ -18,7 +18,7 @@ from controlplane.core.projections import ClusterState
 from controlplane.core.projections.base import Projection
 from controlplane.service.logs import log_new_anomalies
 from controlplane.store.rebuild import rebuild
-from schemas.errors import InfrastructureError
+from schemas.errors import InfrastructureError, LogRewound
 
 RETRY_S = 0.5  # pause before following again after the feed broke
 
@@ -30,7 +30,8 @@ async def catch_up(log: EventLog) -> ClusterState:
 
 
 async def follow_log(log: EventLog, next_seq: Callable[[], int], on_batch: Callable[[list[Stored]], None],
-                     *, logger: Any, fold: Callable[[], Projection] | None = None, retry_s: float = RETRY_S) -> None:
+                     *, logger: Any, fold: Callable[[], Projection] | None = None, retry_s: float = RETRY_S,
+                     refold: Callable[[ClusterState], Awaitable[None]] | None = None) -> None:
     """Feed every batch of events from `next_seq()` on to `on_batch`, forever, across interruptions.
 
     `on_batch` is synchronous (it folds and schedules work; it never awaits), so a batch is applied
@@ -41,6 +42,10 @@ async def follow_log(log: EventLog, next_seq: Callable[[], int], on_batch: Calla
     With `fold` (the service's projection), what the fold found in each batch (anomalies, unreadable
     messages; the fold itself never logs) is logged once here: the history a service rebuilt from
     before following is not logged again on a restart.
+
+    A log that ends before what the service folded (LogRewound: the store lost its tail, or was
+    restored) is folded again from the start and handed to `refold`, which takes it in place of the
+    service's fold and acts on what the log holds now; without `refold` the error is raised.
     """
     while True:
         try:
@@ -51,6 +56,11 @@ async def follow_log(log: EventLog, next_seq: Callable[[], int], on_batch: Calla
                     log_new_anomalies(logger, fold(), mark)
         except asyncio.CancelledError:
             raise
+        except LogRewound as exc:
+            logger.error("log_rewound", folded_seq=exc.folded_seq, last_seq=exc.last_seq, error=str(exc))
+            if refold is None:
+                raise
+            await refold(await catch_up(log))
         except InfrastructureError as exc:
             logger.warning("follow_interrupted", error=str(exc))
             await asyncio.sleep(retry_s)

@@ -64,6 +64,7 @@ from schemas.events import (
     ReplicaRestarted,
     ReplicaUnloaded,
 )
+from schemas.refusals import FactRefused
 from schemas.status import DrainReason, Level, ReplicaState
 from schemas.subjects import model_token, node_logs_subjects
 
@@ -288,6 +289,7 @@ class NodeAgent:
         for key in kill:
             r = self.state.replicas.get(key)
             self.logger.warning("orphan_killed", model_key=key[0], replica_id=key[1], state=str(r.state) if r else None)
+            self.actors.pop(key, None)
             await self.runtime.kill(here[key][0])
         for key in keep:
             self.actors[key] = here[key][0]
@@ -334,7 +336,19 @@ class NodeAgent:
     async def _follow(self) -> None:
         self._kick.set()
         await follow_log(self.log, lambda: self.state.seq + 1, self._on_batch, logger=self.logger,
-                         fold=lambda: self.state)
+                         fold=lambda: self.state, refold=self._refold)
+
+    async def _refold(self, state: ClusterState) -> None:
+        """The log went back: act on what it holds now. A replica running here that the log no longer
+        knows (or wants here) is killed, with a warning, as on a start (`_adopt`); a node the log no
+        longer holds joins again."""
+        self.state.become(state)
+        self._done.clear()  # marks name positions of the log as it was
+        self.logger.warning("agent_refolded", seq=state.seq)
+        await self._adopt()
+        if self.node_id not in self.state.nodes or not self.state.nodes[self.node_id].alive:
+            await self._append(self._joined())  # the log lost this node's join: announce it again
+        self._kick.set()
 
     def _on_batch(self, batch: list[Stored]) -> None:
         for seq, item in batch:
@@ -625,10 +639,14 @@ class NodeAgent:
             try:
                 await self.log.append([ev], None)
                 return
+            except FactRefused as exc:  # the gate kept it out of the log: sending it again changes nothing
+                self.logger.error("fact_refused", event_type=type(ev).__name__, error=str(exc))
+                return
             except InfrastructureError as exc:
                 self.logger.warning("append_retry", event_type=type(ev).__name__, attempt=attempt, error=str(exc))
                 await asyncio.sleep(min(0.1 * 2**attempt, 5))
-        raise InfrastructureError(f"could not append {type(ev).__name__} after 20 tries; is NATS up?")
+        raise InfrastructureError(f"could not append {type(ev).__name__} after 20 tries; are NATS and a "
+                                  "controller up (its fact gate admits facts into the log)?")
 
 
 def _error_text(exc: BaseException) -> str:

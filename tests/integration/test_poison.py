@@ -1,7 +1,8 @@
 """Trust that holds from outside: each attack with the attacker role's real credentials, on a real
 nats-server run with the config `ndif up` generates; the legitimate roles still do their jobs.
 
-- poison events on a node agent's own subject stop no reader (controller, agents, dashboard, `ndif status`);
+- junk on a node agent's own fact subjects never enters the log (the fact gate refuses it, counted
+  where the operator sees it), and stops no reader (controller, agents, dashboard, `ndif status`);
 - junk on a node's heartbeat key keeps no node alive;
 - a node agent cannot announce capacity the operator did not declare;
 - a request may name only a model the operator offers, and learns nothing of the filesystem;
@@ -33,6 +34,7 @@ from controlplane.dashboard import Dashboard
 from controlplane.ops.auth import LocalAuth, ensure_local
 from controlplane.ops.nats_server import EmbeddedNats
 from controlplane.service.controller import Controller
+from controlplane.service.factgate import fact_gate
 from controlplane.service.registry import ModelRoots
 from controlplane.store.admin import AdminClient
 from controlplane.store.credentials import IMPORTED_JS_API, Creds, request_msg_id
@@ -46,18 +48,24 @@ from schemas import events as E
 from schemas.guard import Refused, decode_any
 from schemas.inventory import CardGroup, Inventory, NodeInventory
 from schemas.keys import canonical_model_key, display_name
+from schemas.refusals import decode_refusal
 from schemas.requests import Request, encoder, status_decoder
 from schemas.status import ReplicaState
 from schemas.subjects import (
     EVENTS_STREAM,
     FACTS_STREAM,
+    HDR_FACT_SEQ,
     HEARTBEATS_BUCKET,
+    REFUSED_STREAM,
     REQUEST_STATUS_BUCKET,
     REQUESTS_STREAM,
     command_event_subject,
+    fact_inbox,
+    fact_log_subject,
     model_token,
     node_facts_from,
     node_token,
+    refused_subject,
     request_consumer,
     request_consumers,
     request_partition,
@@ -112,30 +120,37 @@ async def as_user(url: str, creds: Creds) -> Any:
 
 
 async def append_raw(nc: Any, subject: str, body: bytes, msg_id: str) -> int:
-    """What any holder of a subject can store there: a body of its choosing. Its sequence in the log:
-    on an agent's subject it is stored in NDIF_FACTS, and the log has it once it sourced it."""
+    """What any holder of a subject can send there: a body of its choosing. On an agent's fact
+    subject it is stored in NDIF_FACTS and the fact gate decides: its sequence in the log once
+    admitted, 0 once refused."""
     ack = await nc.jetstream().publish(subject, body, headers={"Nats-Msg-Id": msg_id})
     if ack.stream != FACTS_STREAM:
         return int(ack.seq)
-    return await sourced_seq(nc, subject, msg_id)
+    return await gate_decided(nc, subject, int(ack.seq))
 
 
-async def sourced_seq(nc: Any, subject: str, msg_id: str, timeout: float = 5.0) -> int:
-    """The log sequence of the last message on `subject` once it is the one with `msg_id` (read as
-    an agent reads the log: a direct get through its account's import)."""
+async def gate_decided(nc: Any, subject: str, facts_seq: int, timeout: float = 10.0) -> int:
+    """Read as the agent reads (direct gets through its account's imports): the log sequence of the
+    fact at `facts_seq` once the gate admitted it, 0 once the gate's last refusal of its source names it."""
     js = nc.jetstream(prefix=IMPORTED_JS_API)
+    log_subject = fact_log_subject(subject)
+    assert log_subject is not None, subject
     async with asyncio.timeout(timeout):
         while True:
             with contextlib.suppress(nats.js.errors.NotFoundError):
-                m = await js.get_msg(EVENTS_STREAM, subject=subject, direct=True)
-                if m.headers and m.headers.get("Nats-Msg-Id") == msg_id:
+                m = await js.get_msg(EVENTS_STREAM, subject=log_subject, direct=True)
+                if m.headers and m.headers.get(HDR_FACT_SEQ) == str(facts_seq):
                     return int(m.seq or 0)
+            with contextlib.suppress(nats.js.errors.NotFoundError):
+                r = await js.get_msg(REFUSED_STREAM, subject=refused_subject(subject.rsplit(".", 1)[-1]), direct=True)
+                if decode_refusal(r.data).facts_seq == facts_seq:
+                    return 0
             await asyncio.sleep(0.01)
 
 
 def own(node: str) -> str:
-    """A node agent's own subject for its node's facts."""
-    return node_facts_from(node_token(node))
+    """A node agent's own subject for its node's facts (what it sends; the log's is `ndif.evt.…`)."""
+    return fact_inbox(node_facts_from(node_token(node)))
 
 
 async def agent(url: str, auth: LocalAuth, node: str, **kw: Any) -> NodeAgent:
@@ -154,28 +169,58 @@ async def status_json(url: str, home: Path) -> dict[str, Any]:
 # ---- poison events ---------------------------------------------------------------------------
 
 
-async def test_poison_events_on_an_agents_own_subject_stop_no_reader(url: str, auth: LocalAuth, home: Path,
-                                                                     tmp_path: Path) -> None:
+async def test_junk_on_an_agents_own_fact_subjects_never_enters_the_log(url: str, auth: LocalAuth, home: Path,
+                                                                       tmp_path: Path) -> None:
+    """Node A's agent, with its real credentials, sends junk on its own fact subjects: bodies that do
+    not decode, unknown types, wrong field types, arrays, nothing, a fact about another node, a
+    decision, a fact about a replica never placed, an oversized heartbeat. Nothing of it is appended
+    to the log: each is refused by the fact gate before it is kept there, counted where the operator
+    sees it (`ndif status`), and the agent learns each refusal of its own; every reader goes on."""
     ctl = await Controller.from_url(url, creds=auth.role("controller"), policy_interval_s=0.2).start()
     legit = await agent(url, auth, NODE_B)
     dash = await Dashboard.from_url(url, port=0, creds=auth.role("dashboard")).start()
-    mallory = await as_user(url, auth.role(f"agent:{NODE_A}"))  # node A's agent, on its own subject
+    mallory = await as_user(url, auth.role(f"agent:{NODE_A}"))  # node A's agent, on its own subjects
     admin = await AdminClient.open(url, timeout=10, creds=auth.role("admin"))
     try:
-        for i, body in enumerate((POISON_NESTED, POISON_UTF8, b'{"x":' + POISON_NESTED + b"}")):
-            last = await append_raw(mallory, own(NODE_A), body, f"poison-{i}")
-        # The controller still answers commands and decides past the poison; the agent loads what it asks.
+        await until(lambda: NODE_B in ctl.state.nodes, timeout=15)
+        since = await admin.log.last_seq()
+        now = datetime.now(UTC)
+        other = E.NodeJoined(event_id="a-says-b", ts=now, actor=f"agent:{NODE_A}", node_id=NODE_B,
+                             gpus=declared_gpus(1, GB), cpu_cache_bytes=0)
+        ghost = E.ReplicaLoaded(event_id="a-ghost", ts=now, actor=f"agent:{NODE_A}", node_id=NODE_A,
+                                model_key=canonical_model_key("openai-community/gpt2"), replica_id=0, load_seconds=1.0)
+        decision = E.NodeLost(event_id="a-lost", ts=now, actor=f"agent:{NODE_A}", node_id=NODE_B)
+        wrong_types = (b'{"type":"NodeJoined","event_id":"w","ts":"2026-11-01T00:00:00Z","actor":"agent:' + NODE_A.encode()
+                       + b'","node_id":"' + NODE_A.encode() + b'","gpus":"all of them","cpu_cache_bytes":"1"}')
+        junk = [(own(NODE_A), POISON_NESTED), (own(NODE_A), POISON_UTF8), (own(NODE_A), b'{"x":' + POISON_NESTED + b"}"),
+                (own(NODE_A), b""), (own(NODE_A), b"[1, 2]"), (own(NODE_A), b'{"type":"NodeRebooted","event_id":"u"}'),
+                (own(NODE_A), wrong_types), (own(NODE_A), E.encode_event(other)), (own(NODE_A), E.encode_event(decision)),
+                (fact_inbox(E.event_subject(ghost)), E.encode_event(ghost))]
+        for i, (subject, body) in enumerate(junk):
+            assert await append_raw(mallory, subject, body, f"junk-{i}") == 0, (i, body[:60])
+        assert ctl.gate.refused == len(junk)
+        # A heartbeat over its bound is refused by the bucket before it is kept.
+        with pytest.raises(nats.js.errors.APIError, match="maximum"):
+            await mallory.jetstream().publish(f"$KV.{HEARTBEATS_BUCKET}.{node_token(NODE_A)}", b"h" * 600_000)
+        # The controller still answers commands and decides; the agent loads what it asks.
         model = checkpoint(tmp_path, "m")
         res = await asyncio.wait_for(admin.deploy(model, 1, size_bytes=GB), 15)
         assert res.ok and res.replicas and res.replicas[0].node_id == NODE_B, res
-        assert res.first_seq > last
         await until(lambda: (r := legit.state.replicas.get((model, 0))) is not None
                     and r.state is ReplicaState.AVAILABLE, timeout=15)
         await until(lambda: dash.model.seq >= res.last_seq, timeout=15)
         for st in (ctl.state, legit.state, dash.model.live):
-            assert st.skipped == 3, st.skipped
-        status = await status_json(url, home)  # `ndif status` answers, the poison counted as skipped
-        assert status["skipped"] == 3 and [m["model_key"] for m in status["models"]] == [model]
+            assert st.skipped == 0 and st.anomaly_count == 0, (st.skipped, st.anomalies)
+        async for _, e in admin.log.read(since + 1):  # nothing of node A's since: only the deploy and B's facts
+            assert not isinstance(e, E.Skipped) and getattr(e, "node_id", NODE_B) == NODE_B, e
+        status = await status_json(url, home)  # `ndif status` counts them, with the newest reason
+        assert status["skipped"] == 0 and [m["model_key"] for m in status["models"]] == [model]
+        assert status["refused_facts"]["count"] == len(junk), status["refused_facts"]
+        assert "never placed" in status["refused_facts"]["last"]["reason"]
+        # Node A's agent reads its own refusals; node B's are not its to read.
+        js = mallory.jetstream(prefix=IMPORTED_JS_API)
+        with pytest.raises((nats.errors.NoRespondersError, nats.errors.TimeoutError, nats.js.errors.Error)):
+            await js.get_msg(REFUSED_STREAM, subject=refused_subject(node_token(NODE_B)), direct=True)
     finally:
         await mallory.close()
         await admin.close()
@@ -207,12 +252,11 @@ FORGED_STATUSES = [
 ]
 
 
-async def test_a_fact_dressed_as_a_server_status_is_read_as_a_message_by_every_reader(
+async def test_a_fact_dressed_as_a_server_status_never_reaches_a_reader(
         url: str, auth: LocalAuth, tmp_path: Path) -> None:
-    """Found by a red team with an agent's credentials: facts whose header block began `NATS/1.1 204`
-    or `EVIL/1.0 204` were taken for the end of a direct read by every direct-reading follower (the
-    dashboard and the agents lost them, the controller's consumer did not: the folds diverged). Each
-    reader now reads each of them as the (unreadable) message it is, and no reader stops."""
+    """Facts whose header block begins `NATS/1.1 204` or `EVIL/1.0 204` (which direct-reading
+    followers once took for the end of a read) are kept out of the log by the fact gate: it stores
+    only what decodes, under headers of its own. No reader's fold moves; the log has no gap."""
     ctl = await Controller.from_url(url, creds=auth.role("controller"), policy_interval_s=0.2).start()
     legit = await agent(url, auth, NODE_B)
     dash = await Dashboard.from_url(url, port=0, creds=auth.role("dashboard")).start()
@@ -222,15 +266,14 @@ async def test_a_fact_dressed_as_a_server_status_is_read_as_a_message_by_every_r
         before = [st.skipped for st in (ctl.state, legit.state, dash.model.live)]
         for header_block, payload in FORGED_STATUSES:
             await hpub(mallory, own(NODE_A), header_block, payload)
-        last = await sourced_seq(mallory, own(NODE_A), "forged-3")
+        await until(lambda: ctl.gate.refused == len(FORGED_STATUSES), timeout=10)
         model = checkpoint(tmp_path, "m")
         res = await asyncio.wait_for(admin.deploy(model, 1, size_bytes=GB), 15)
-        assert res.ok and res.first_seq > last, res
+        assert res.ok, res
         await until(lambda: (r := legit.state.replicas.get((model, 0))) is not None
                     and r.state is ReplicaState.AVAILABLE, timeout=15)
         await until(lambda: dash.model.seq >= res.last_seq, timeout=15)
-        for st, was in zip((ctl.state, legit.state, dash.model.live), before, strict=True):
-            assert st.skipped - was == len(FORGED_STATUSES), (st.skipped, was)
+        assert [st.skipped for st in (ctl.state, legit.state, dash.model.live)] == before
         # A fresh fold from the start, read as the dashboard reads it: every sequence, none twice.
         seqs = [seq async for seq, _ in dash.log.read(1, stop_seq=res.last_seq)]
         assert seqs == list(range(1, res.last_seq + 1))
@@ -296,20 +339,21 @@ async def test_a_rollup_on_an_agents_own_heartbeat_key_erases_no_other_nodes(url
             await nc.close()
 
 
-async def test_an_event_id_taken_first_is_no_proof_that_the_event_was_stored(url: str, auth: LocalAuth) -> None:
-    """Any holder of an event subject may send any Nats-Msg-Id: an append that JetStream drops as the
-    duplicate of someone else's message is refused, never reported as already appended."""
+async def test_an_agent_cannot_take_an_event_id_in_the_log(url: str, auth: LocalAuth) -> None:
+    """An agent may send any Nats-Msg-Id, but only to the facts stream: the log's ids are the gate's
+    and the controller's. The controller's append under the id the agent sent first lands."""
     mallory = await as_user(url, auth.role(f"agent:{NODE_A}"))
     log = await JetStreamEventLog.open(url, creds=auth.role("controller"), ensure=False)
-    try:
-        taken = await append_raw(mallory, own(NODE_A), b'{"junk": 1}', "cmd-taken-first.0")
-        ev = E.NodeLost(event_id="cmd-taken-first.0", ts=datetime.now(UTC), actor="controller:t", node_id=NODE_B)
-        with pytest.raises(errs.InfrastructureError, match="is taken in the log by another message"):
-            await log.append([ev], taken)
-        assert await log.last_seq() == taken  # nothing appended
-    finally:
-        await mallory.close()
-        await log.close()
+    async with fact_gate(log):
+        try:
+            assert await append_raw(mallory, own(NODE_A), b'{"junk": 1}', "cmd-taken-first.0") == 0
+            at = await log.last_seq()
+            ev = E.NodeLost(event_id="cmd-taken-first.0", ts=datetime.now(UTC), actor="controller:t", node_id=NODE_B)
+            got = await log.append([ev], at)
+            assert got.first_seq == at + 1 and not got.already_appended
+        finally:
+            await mallory.close()
+    await log.close()
 
 
 async def test_an_agent_that_claims_the_controllers_next_ids_does_not_keep_a_dead_node_alive(
@@ -373,7 +417,7 @@ async def test_an_agents_open_atomic_batches_block_none_of_the_controllers_decis
         sub = await mallory.subscribe(inbox, cb=answered)
         for i in range(60):
             ev = joined if i % 2 else loaded  # its node's subject and a replica fact's, both its own
-            await mallory.publish(E.event_subject(ev), E.encode_event(ev), reply=inbox,
+            await mallory.publish(fact_inbox(E.event_subject(ev)), E.encode_event(ev), reply=inbox,
                                   headers={"Nats-Batch-Id": f"never-committed-{i}", "Nats-Batch-Sequence": "1"})
         await mallory.flush()
         # The controller's multi-event decisions: a deploy of 2 replicas, and 2 events appended at once.
@@ -390,7 +434,7 @@ async def test_an_agents_open_atomic_batches_block_none_of_the_controllers_decis
         await sub.unsubscribe()
         codes = {msgspec.json.decode(a)["error"]["err_code"] for a in answers}
         assert codes == {10174}, answers[:3]  # "atomic publish is disabled"
-        for mine in (E.event_subject(joined), E.event_subject(loaded)):  # none of them stored
+        for mine in (fact_inbox(E.event_subject(joined)), fact_inbox(E.event_subject(loaded))):  # none stored
             assert not (await js.stream_info(FACTS_STREAM, subjects_filter=mine)).state.subjects, mine
         async for _, e in log.read(since + 1):
             assert not (isinstance(e, E.Skipped) or e.event_id in ("a-joined", "a-loaded")), e
@@ -403,10 +447,9 @@ async def test_an_agents_open_atomic_batches_block_none_of_the_controllers_decis
 
 
 async def test_an_agents_largest_fact_does_not_stop_the_log_from_taking_facts(url: str, auth: LocalAuth) -> None:
-    """Node A's agent stores in NDIF_FACTS the largest message it takes (padded with headers). The
-    source adds its own header to each fact it copies into the log: were the facts stream's limit
-    the log's, that one message could never be copied, and the source would stop at it for good with
-    every later fact of every node behind it. Node B's agent then joins: the log has it."""
+    """Node A's agent stores in NDIF_FACTS the largest message it takes (padded with headers), and one
+    byte more is refused there. The gate decides on it (refused: a replica never placed) and goes
+    on: node B's agent then joins, and the log has it."""
     from controlplane.store.eventstore.topology import FACTS_MAX_MSG_BYTES
 
     mallory = await as_user(url, auth.role(f"agent:{NODE_A}"))
@@ -421,14 +464,15 @@ async def test_an_agents_largest_fact_does_not_stop_the_log_from_taking_facts(ur
         head = len("NATS/1.0\r\n\r\n") + sum(len(f"{k}: {v}\r\n") for k, v in pad.items())
         head += len("Nats-Msg-Id: a-big\r\n")
         pad["X-Pad-0"] += "p" * (FACTS_MAX_MSG_BYTES - head - len(body))  # hdr + data: the limit exactly
-        ack = await mallory.request(E.event_subject(loaded), body, headers={"Nats-Msg-Id": "a-big", **pad},
+        ack = await mallory.request(fact_inbox(E.event_subject(loaded)), body, headers={"Nats-Msg-Id": "a-big", **pad},
                                     timeout=5)
         assert msgspec.json.decode(ack.data).get("stream") == FACTS_STREAM, ack.data  # stored
-        over = await mallory.request(E.event_subject(loaded), body + b" ", headers={"Nats-Msg-Id": "a-big-2", **pad},
+        over = await mallory.request(fact_inbox(E.event_subject(loaded)), body + b" ", headers={"Nats-Msg-Id": "a-big-2", **pad},
                                      timeout=5)
         assert "error" in msgspec.json.decode(over.data), over.data  # one byte more: refused there
         legit = await agent(url, auth, NODE_B)
-        await until(lambda: NODE_B in ctl.state.nodes, timeout=15)  # its NodeJoined went through the source
+        await until(lambda: NODE_B in ctl.state.nodes, timeout=15)  # its NodeJoined went through the gate
+        assert ctl.gate.refused == 1
     finally:
         await mallory.close()
         if legit is not None:
@@ -451,13 +495,13 @@ async def test_an_agent_cannot_announce_capacity_it_was_not_given(url: str, auth
             ev = E.NodeJoined(event_id=f"a-joined-{i}", ts=datetime.now(UTC), actor=f"agent:{NODE_A}",
                               node_id=NODE_A, gpus=declared_gpus(8, mem), cpu_cache_bytes=10 * GB)
             await append_raw(mallory, own(NODE_A), E.encode_event(ev), ev.event_id)
-        # Nor can it declare itself: on its own subject it is skipped; the controller's is refused.
+        # Nor can it declare itself: on its own subject the gate refuses it; the controller's is not its to send.
         forged = E.NodeDeclared(event_id="a-declared", ts=datetime.now(UTC), actor="controller:x", node_id=NODE_A,
                                 command_id="x", node=NodeInventory(cards=(CardGroup(count=8, memory_bytes=400 * GB),)))
-        await append_raw(mallory, own(NODE_A), E.encode_event(forged), forged.event_id)
+        assert await append_raw(mallory, own(NODE_A), E.encode_event(forged), forged.event_id) == 0
         with pytest.raises((nats.js.errors.APIError, nats.errors.TimeoutError, nats.errors.NoRespondersError)):
             await mallory.jetstream().publish(command_event_subject("x"), E.encode_event(forged), timeout=1)
-        state = await until_state(admin, lambda s: NODE_A in s.nodes and s.skipped >= 1)
+        state = await until_state(admin, lambda s: NODE_A in s.nodes)
         assert [(g.index, g.memory_bytes) for g in state.nodes[NODE_A].gpus] == [(0, 80 * GB), (1, 80 * GB)]
         big = checkpoint(tmp_path, "big")  # 500 GB: fits 8 x 400 GB, not anything declared
         res = await admin.deploy(big, 1, size_bytes=500 * GB)

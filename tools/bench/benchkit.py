@@ -55,48 +55,35 @@ async def bulk_append(log: Any, events: list[Any], *, progress: Any = None) -> i
     """Append a prepared history (the controller's events and agents' observed facts mixed, in order)
     as fast as the server takes it: a benchmark's setup, not what it measures. Returns the log's last seq.
 
-    The product appends each observed fact alone, through NDIF_FACTS, and returns once the log has
-    sourced it (decision 48): a million generated events that way would take many minutes, and a
-    guarded batch may hold no fact. So for the time of the load the log takes every event subject
-    itself (NDIF_FACTS lends it its subjects and keeps its own messages and numbering; the log keeps
-    its source), and is filled in atomic batches of E.MAX_BATCH; then both get their subjects back.
-    Nothing else may append meanwhile: a fact published then would be stored in the log unsourced.
-    (Taking the source away instead, and adding it back, makes the server scan the whole log for
-    where the source left off: 23 s at 100,000 events here, the server answering nothing else
-    meanwhile, and past 300 s at a million.)"""
-    import dataclasses
+    The product appends each observed fact alone, through NDIF_FACTS, and returns once the fact gate
+    has admitted it into the log (decisions 48, 50): a million generated events that way would take
+    many minutes, and a guarded batch may hold no fact. The log takes the facts' subjects itself
+    (only the gate publishes there in a cluster; a benchmark's admin may), so the whole history is
+    stored in atomic batches of E.MAX_BATCH."""
     import time
 
     from controlplane.store.eventstore import appends, topology
     from schemas import events as E
-    from schemas.subjects import EVENTS_ALL, EVENTS_STREAM, FACTS_STREAM, FACTS_SUBJECTS
 
     js = log.js
-    facts = (await js.stream_info(FACTS_STREAM)).config
-    await js.update_stream(dataclasses.replace(facts, subjects=[f"ndif.bulk-load.{FACTS_STREAM}"]))
-    events_cfg = (await js.stream_info(EVENTS_STREAM)).config
-    await js.update_stream(dataclasses.replace(events_cfg, subjects=[EVENTS_ALL]))
-    try:
-        t0, done = time.perf_counter(), 0
-        for i in range(0, len(events), E.MAX_BATCH):
-            batch = events[i:i + E.MAX_BATCH]
-            ack = await appends._publish_batch(log.nc, batch, None, 30.0)
-            if ack.error is not None:
-                raise RuntimeError(f"bulk append refused at event {i}: {ack.error.description}")
-            done += len(batch)
-            if progress is not None and (done % 50_000 < E.MAX_BATCH or done == len(events)):
-                progress(f"  appended {done:>9,} / {len(events):,} events ({done / (time.perf_counter() - t0):,.0f}/s)")
-    finally:
-        await js.update_stream(events_cfg)
-        await js.update_stream(dataclasses.replace(facts, subjects=list(FACTS_SUBJECTS)))
+    t0, done = time.perf_counter(), 0
+    for i in range(0, len(events), E.MAX_BATCH):
+        batch = events[i:i + E.MAX_BATCH]
+        ack = await appends._publish_batch(log.nc, batch, None, 30.0)
+        if ack.error is not None:
+            raise RuntimeError(f"bulk append refused at event {i}: {ack.error.description}")
+        done += len(batch)
+        if progress is not None and (done % 50_000 < E.MAX_BATCH or done == len(events)):
+            progress(f"  appended {done:>9,} / {len(events):,} events ({done / (time.perf_counter() - t0):,.0f}/s)")
     await topology.ensure(js, replicas=1, may_create=True)  # as `ndif up` leaves them: nothing to change
     return int(await log.last_seq())
 
 
 async def append_in_order(log: Any, events: list[Any]) -> None:
     """Append a mixed history the product's way, in order: each run of the controller's events as
-    guard-free atomic batches, each observed fact alone (through NDIF_FACTS, returning once the log
-    has it, as an agent's append does). For what follows a live cluster; `bulk_append` for a setup."""
+    guard-free atomic batches, each observed fact alone (through NDIF_FACTS, returning once the gate
+    admitted it, as an agent's append does: a controller, or `controlplane.service.factgate.fact_gate`,
+    must run). For what follows a live cluster; `bulk_append` for a setup."""
     from schemas import events as E
     from schemas.events import event_subject
     from schemas.subjects import is_fact_subject

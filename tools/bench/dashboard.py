@@ -41,6 +41,7 @@ from benchkit import Envelope, ReplicaRef, append_in_order, bulk_append, pct
 from controlplane.core.projections import ClusterState
 from controlplane.dashboard import Dashboard
 from controlplane.ops.nats_server import EmbeddedNats
+from controlplane.service.factgate import fact_gate
 from controlplane.service.snapshots import SNAPSHOT_EVERY, SnapshotWriter
 from controlplane.store.eventstore import JetStreamEventLog
 from schemas import events as E
@@ -141,13 +142,20 @@ def appender(url: str, batches: list[list[bytes]], tick: float, conn: Any) -> No
 
     async def run() -> tuple[list[tuple[int, float]], float]:
         log = await JetStreamEventLog.open(url, timeout=30, ensure=False)
+        try:
+            async with fact_gate(log):  # what a controller runs: the facts' way into the log
+                return await ticks(log)
+        finally:
+            await log.close()
+
+    async def ticks(log: JetStreamEventLog) -> tuple[list[tuple[int, float]], float]:
         sent: list[tuple[int, float]] = []
         start = time.perf_counter()
         last = await log.last_seq()
         for i, batch in enumerate(batches):
             wall = time.time() * 1000
             # The controller's events in a batch, each agent's fact alone through NDIF_FACTS (returning
-            # once the log has it): when the tick's appends return, the log holds all of it, after `last`.
+            # once the gate admitted it): when the tick's appends return, the log holds all of it, after `last`.
             await append_in_order(log, [E.decode_event(b) for b in batch])
             now = await log.last_seq()
             sent += [(s, wall) for s in range(last + 1, now + 1)]
@@ -155,9 +163,7 @@ def appender(url: str, batches: list[list[bytes]], tick: float, conn: Any) -> No
             delay = start + (i + 1) * tick - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-        elapsed = time.perf_counter() - start
-        await log.close()
-        return sent, elapsed
+        return sent, time.perf_counter() - start
 
     conn.send(asyncio.run(run()))
 

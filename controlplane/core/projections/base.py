@@ -97,6 +97,15 @@ class Projection(abc.ABC):
             self._anomaly(seq, item, f"not folded: {type(exc).__name__}: {str(exc)[:300]}")  # type: ignore[arg-type]
         return self
 
+    def become(self, other: Self) -> Self:
+        """Take `other`'s whole fold in place (every holder of this object sees it): a log folded
+        again from the start after it went back (LogRewound)."""
+        for cls in type(self).__mro__:
+            for slot in getattr(cls, "__slots__", ()):
+                if hasattr(other, slot):
+                    setattr(self, slot, getattr(other, slot))
+        return self
+
     @abc.abstractmethod
     def _evolve(self, seq: int, event: Any) -> None:
         """The projection's reducer for one decoded, first-seen event."""

@@ -6,8 +6,9 @@
 - an ambiguous answer (timeout, 10071 "wrong last sequence", 10201 "batch holds a duplicate id")
   is resolved by reading the log at expected+1 before anything is called a conflict;
 - an observed fact (its subject carries its source: `is_fact_subject`) alone and unguarded: it is
-  stored in the facts stream, which the log sources, so its ack names a sequence of that stream,
-  not of the log; the append returns once the log has it, naming no log sequence (0..0).
+  sent to the facts stream (`fact_inbox`), so its ack names a sequence of that stream, not of the
+  log; the append returns once the fact gate has admitted it into the log, naming no log sequence
+  (0..0), or raises `FactRefused` once the gate has refused it.
 """
 
 from __future__ import annotations
@@ -29,11 +30,19 @@ from controlplane.core.ports import AppendResult
 from controlplane.store.eventstore.topology import last_seq
 from schemas.errors import ConflictError, InfrastructureError, InfrastructureTimeout, InvalidCommand
 from schemas.events import Event, check_batch, encode_event, event_headers, event_subject, event_tag, is_sourced_fact
-from schemas.subjects import EVENTS_STREAM, FACTS_STREAM, HDR_MSG_ID
+from schemas.refusals import FactRefused, decode_refusal
+from schemas.subjects import (
+    EVENTS_STREAM,
+    FACTS_STREAM,
+    HDR_FACT_SEQ,
+    HDR_MSG_ID,
+    REFUSED_STREAM,
+    fact_inbox,
+    refused_subject,
+)
 
 logger = structlog.get_logger("ndif.eventstore")
 
-HDR_SOURCE = "Nats-Stream-Source"  # on a sourced message: `<stream> <seq there> ...`
 ERR_WRONG_LAST_SEQ = 10071
 ERR_BATCH_TOO_LARGE = 10199
 ERR_BATCH_DUPLICATE = 10201
@@ -118,11 +127,11 @@ async def append(nc: NatsClient, js: JetStreamContext, events: Sequence[Event], 
 
 
 async def _append_fact(nc: NatsClient, js: JetStreamContext, ev: Event, *, timeout: float) -> AppendResult:
-    """One observed fact into the facts stream; returns once the log has sourced it (an agent that
-    announced itself is known to whoever reads the log next), with no log sequence: 0..0."""
+    """One observed fact into the facts stream; returns once the gate has admitted it into the log (an
+    agent that announced itself is known to whoever reads the log next), with no log sequence: 0..0."""
     for attempt in (1, 2):
         try:
-            ack = await _publish_one(nc, ev, None, timeout)
+            ack = await _publish_one(nc, ev, None, timeout, subject=fact_inbox(event_subject(ev)))
             break
         except (TimeoutError, nats.errors.TimeoutError):
             # A resend with the same id is deduplicated by the facts stream.
@@ -130,50 +139,60 @@ async def _append_fact(nc: NatsClient, js: JetStreamContext, ev: Event, *, timeo
                 raise InfrastructureTimeout(
                     f"append of an observed fact to {FACTS_STREAM} timed out twice; is JetStream up? (`ndif up`)") from None
         except nats.errors.NoRespondersError:
-            raise InfrastructureError(f"no stream answers on {event_subject(ev)}: create {FACTS_STREAM} "
+            raise InfrastructureError(f"no stream answers on {fact_inbox(event_subject(ev))}: create {FACTS_STREAM} "
                                       "(`ndif up`)") from None
     if ack.error is not None:
         err = ack.error
         raise InfrastructureError(f"append refused by JetStream: {err.code}/{err.err_code} {err.description}")
-    if ack.stream != FACTS_STREAM:  # a log made before the facts stream, not yet migrated
+    if ack.stream != FACTS_STREAM:
         raise InfrastructureError(f"{event_tag(ev)} was stored in {ack.stream or 'an unnamed stream'}, not "
-                                  f"{FACTS_STREAM}: the log predates the facts stream; run `ndif up` (its "
-                                  "ensure migrates it)")
+                                  f"{FACTS_STREAM}: the streams predate the fact gate; run `ndif up` (its "
+                                  "ensure migrates them)")
     # A duplicate is a resend of ours only if the message holding the id is ours byte for byte;
     # anyone who may publish facts can send any Nats-Msg-Id.
     if ack.duplicate and not await _holds(js, FACTS_STREAM, ack.seq, ev):
         raise InfrastructureError(
             f"append of {event_tag(ev)} refused: its event id {ev.event_id!r} is taken in {FACTS_STREAM} by another "
             f"message (seq {ack.seq}) and JetStream drops ours as its duplicate; nothing was appended")
-    await _sourced(js, ev, ack.seq, timeout)
+    await _admitted(js, ev, ack.seq, timeout)
     return AppendResult(first_seq=0, last_seq=0, already_appended=ack.duplicate)
 
 
-async def _sourced(js: JetStreamContext, ev: Event, facts_seq: int, timeout: float) -> None:
-    """Wait until the log holds the fact at `facts_seq` of the facts stream: the log's last message
-    on its subject came from there at that sequence or later (the source keeps their order)."""
+async def _admitted(js: JetStreamContext, ev: Event, facts_seq: int, timeout: float) -> None:
+    """Wait until the gate has decided the fact at `facts_seq` of the facts stream: the log's last
+    message on its subject came from there at that sequence or later (the gate keeps their order),
+    or the gate's last refusal of its source names it (FactRefused)."""
     subject = event_subject(ev)
+    refusals = refused_subject(subject.rsplit(".", 1)[-1])
     loop = asyncio.get_running_loop()
     deadline, pause = loop.time() + timeout, 0.0005
     while True:
         with contextlib.suppress(nats.js.errors.NotFoundError, nats.errors.TimeoutError):
             raw = await js.get_msg(EVENTS_STREAM, subject=subject, direct=True)  # the last on it
-            src = (raw.headers or {}).get(HDR_SOURCE, "").split()
-            if len(src) > 1 and src[0] == FACTS_STREAM and src[1].isdigit() and int(src[1]) >= facts_seq:
+            seq = (raw.headers or {}).get(HDR_FACT_SEQ, "")
+            if seq.isdigit() and int(seq) >= facts_seq:
                 return
+        with contextlib.suppress(nats.js.errors.NotFoundError, nats.errors.TimeoutError, msgspec.DecodeError,
+                                 nats.errors.NoRespondersError):
+            raw = await js.get_msg(REFUSED_STREAM, subject=refusals, direct=True)
+            refusal = decode_refusal(raw.data or b"")
+            if refusal.facts_seq == facts_seq:
+                raise FactRefused(f"{event_tag(ev)} refused by the fact gate: {refusal.reason}; it is not in the log")
         if loop.time() > deadline:
             raise InfrastructureTimeout(
-                f"{event_tag(ev)} is stored in {FACTS_STREAM} (seq {facts_seq}) but {EVENTS_STREAM} has not "
-                f"sourced it within {timeout}s: is the log's stream led? A resend is deduplicated")
+                f"{event_tag(ev)} is stored in {FACTS_STREAM} (seq {facts_seq}) but the fact gate has not admitted "
+                f"it into {EVENTS_STREAM} within {timeout}s: is a controller running (`ndif up`, `ndif controller`)? "
+                "A resend is deduplicated")
         await asyncio.sleep(pause)
         pause = min(pause * 2, 0.05)
 
 
-async def _publish_one(nc: NatsClient, ev: Event, expected: int | None, timeout: float) -> _PubAck:
+async def _publish_one(nc: NatsClient, ev: Event, expected: int | None, timeout: float, *,
+                       subject: str | None = None) -> _PubAck:
     hdr = event_headers(ev)
     if expected is not None:
         hdr["Nats-Expected-Last-Sequence"] = str(expected)
-    msg = await nc.request(event_subject(ev), encode_event(ev), timeout=timeout, headers=hdr)
+    msg = await nc.request(subject or event_subject(ev), encode_event(ev), timeout=timeout, headers=hdr)
     return _ack_decoder.decode(msg.data)
 
 

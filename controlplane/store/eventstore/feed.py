@@ -26,7 +26,7 @@ from controlplane.core.ports import Stored
 from controlplane.store.direct import MAX_BATCH, DirectMsg, direct_batch
 from controlplane.store.eventstore.connection import stream_seq
 from controlplane.store.eventstore.topology import last_seq
-from schemas.errors import InfrastructureError, InfrastructureTimeout
+from schemas.errors import InfrastructureError, InfrastructureTimeout, LogRewound
 from schemas.events import stored_item
 from schemas.guard import decode_any
 from schemas.subjects import EVENTS_ALL, EVENTS_STREAM
@@ -169,6 +169,8 @@ async def _feed_direct(src: FeedSource, start_seq: int, stop_seq: int | None) ->
                 return  # nothing left up to stop_seq
             # Woken but nothing stored yet (the core message can come before the stream has
             # it): look again shortly rather than at the next poll.
+            if not woke:  # a quiet poll: is the log still as long as what was read?
+                await _check_not_rewound(src, expected)
             wait, woke = (0.02 if woke else src.direct_poll_s), False
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(wake.wait(), wait)
@@ -180,6 +182,16 @@ async def _feed_direct(src: FeedSource, start_seq: int, stop_seq: int | None) ->
         if sub is not None:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
+
+
+async def _check_not_rewound(src: FeedSource, expected: int) -> int:
+    """The log's last sequence; LogRewound when it ends before `expected - 1`, what was read."""
+    last = await last_seq(src.js, src.timeout)
+    if last < expected - 1:
+        raise LogRewound(f"the log ends at seq {last}, but this reader has read up to seq {expected - 1}: the "
+                         "store lost its tail or was restored from a backup; fold the log again",
+                         folded_seq=expected - 1, last_seq=last)
+    return last
 
 
 async def _feed_consumer(src: FeedSource, start_seq: int, stop_seq: int | None) -> AsyncIterator[list[Stored]]:
@@ -227,7 +239,7 @@ async def _feed_consumer(src: FeedSource, start_seq: int, stop_seq: int | None) 
                         # can wait forever for a reply that never comes. Ask the stream which.
                         if src.nc.is_closed:
                             raise InfrastructureError("NATS connection closed while following events") from None
-                        if await last_seq(src.js, src.timeout) >= expected:
+                        if await _check_not_rewound(src, expected) >= expected:
                             logger.warning("event_feed_stalled", expected=expected)
                             break  # resubscribe from `expected`
                     continue

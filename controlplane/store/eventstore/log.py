@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from datetime import datetime
 from types import TracebackType
 
@@ -17,9 +17,11 @@ from nats.aio.client import Client as NatsClient
 from nats.js.object_store import ObjectStore
 
 from controlplane.core.ports import AppendResult, Stored
+from controlplane.core.projections.cluster import ClusterState
 from controlplane.store.credentials import JS_API, Creds, js_api, resolve
 from controlplane.store.eventstore import appends, feed, snapshots, topology
 from controlplane.store.eventstore.connection import connect, stream_replicas_default
+from controlplane.store.eventstore.gate import FactGate
 from schemas.events import Event
 
 logger = structlog.get_logger("ndif.eventstore")
@@ -132,6 +134,10 @@ class JetStreamEventLog:
 
     async def last_seq(self) -> int:
         return await topology.last_seq(self.js, self.timeout)
+
+    def fact_gate(self, state: Callable[[], ClusterState], caught_up: Callable[[], Awaitable[None]]) -> FactGate:
+        """The gate that admits observed facts into this log (gate.py), run by the controller."""
+        return FactGate(self.nc, self.js, state, caught_up, timeout=self.timeout)
 
     # ---- appends (appends.py) ----------------------------------------------------------------
 

@@ -1,9 +1,9 @@
 """Streams and buckets of docs/architecture.md §2: create or update them (`ensure`), check they exist,
 read the event stream's last sequence (`last_seq`).
 
-The log is one stream, NDIF_EVENTS: the controller's decisions are appended to it, and it sources
-every observed fact from NDIF_FACTS, where agents and the dispatcher append them (no atomic
-batches there: an agent's open batches never count against the log's).
+The log is one stream, NDIF_EVENTS: the controller's decisions are appended to it, and its fact
+gate appends the observed facts it admits from NDIF_FACTS, where agents and the dispatcher send
+them (no atomic batches there: an agent's open batches never count against the log's).
 
 Functions of a JetStream context; the log (log.py) passes its own.
 """
@@ -21,12 +21,17 @@ from nats.js import JetStreamContext, api
 
 from controlplane.store.eventstore.connection import EVENT_MAX_MSG_BYTES, REQUEST_MAX_MSG_BYTES, STATUS_MAX_VALUE_BYTES
 from schemas.errors import InfrastructureError, InfrastructureTimeout
+from schemas.events import FACT_MAX_BYTES
 from schemas.subjects import (
     EVENTS_STREAM,
+    FACT_GATE_CONSUMER,
+    FACT_LOG_SUBJECTS,
     FACTS_STREAM,
     FACTS_SUBJECTS,
     HEARTBEATS_BUCKET,
     LOG_SUBJECTS,
+    REFUSED_PREFIX,
+    REFUSED_STREAM,
     REQUEST_STATUS_BUCKET,
     REQUESTS_ALL,
     REQUESTS_STREAM,
@@ -42,17 +47,18 @@ logger = structlog.get_logger("ndif.eventstore")
 HEARTBEAT_TTL_S = 15.0
 REQUEST_STATUS_TTL_S = 24 * 3600.0
 DUPLICATE_WINDOW_S = 120.0
-# A fact lives on in the log once sourced (within milliseconds); the facts stream keeps it a day
-# (and at most this many bytes), so a log without a leader for hours still gets every fact.
+# A fact lives on in the log once admitted (within milliseconds while a controller runs); the facts
+# stream keeps it a day (and at most this many bytes), so a log without a gate for hours still
+# gets every fact.
 FACTS_MAX_AGE_S = 24 * 3600.0
 FACTS_MAX_BYTES = 1 << 30
-# The source adds a `Nats-Stream-Source` header (the stream, the sequence, the subject: a subject is
-# under the server's 4 KiB control line) to every fact it copies into the log, and the log refuses a
-# message over its `max_msg_size`. A fact the facts stream took but the log cannot would stop the
-# source at it for good, and every later fact of every node with it: so the facts stream takes
-# nothing that the header would push over the log's limit.
-SOURCE_HEADER_ROOM = 8 * 1024
-FACTS_MAX_MSG_BYTES = EVENT_MAX_MSG_BYTES - SOURCE_HEADER_ROOM
+FACTS_MAX_MSG_BYTES = FACT_MAX_BYTES
+# Refusals: what the operator reads, bounded in count, bytes and age (the oldest go first).
+REFUSED_MAX_MSGS = 10_000
+REFUSED_MAX_BYTES = 16 << 20
+REFUSED_MAX_AGE_S = 7 * 24 * 3600.0
+# A node's heartbeat is a few hundred bytes; the bucket refuses one over this.
+HEARTBEAT_MAX_VALUE_BYTES = 4 * 1024
 
 
 async def ensure(js: JetStreamContext, *, replicas: int, may_create: bool, start_new_history: bool = False) -> None:
@@ -66,21 +72,24 @@ async def ensure(js: JetStreamContext, *, replicas: int, may_create: bool, start
     if not may_create:
         for name in (EVENTS_STREAM, REQUESTS_STREAM):
             await _stream_info_or_fail(js, name)
-        # A log made before the facts stream takes agents' facts straight in, atomic batches and
-        # all (60 open batches held the controller's appends back): no role but an admin may
-        # migrate it, and none works on it unmigrated (decision 48).
-        if FACTS_STREAM not in _sources((await js.stream_info(EVENTS_STREAM)).config):
-            raise InfrastructureError(f"the log {EVENTS_STREAM} predates {FACTS_STREAM} (it takes agents' facts "
-                                      "straight in): an admin migrates it with `ndif up`, then start this again")
+        # A log made before the fact gate takes agents' facts unchecked (straight in, or sourced
+        # from the facts stream): no role but an admin may migrate it, and none works on it unmigrated.
+        if not _gated((await js.stream_info(EVENTS_STREAM)).config):
+            raise InfrastructureError(f"the log {EVENTS_STREAM} predates the fact gate (it takes agents' facts "
+                                      "unchecked): an admin migrates it with `ndif up`, then start this again")
         return
     if not start_new_history:
         await _refuse_lost_history(js)
-    # The log first: a log made before the facts stream captured every event subject, and the
-    # facts stream's subjects may not overlap it. Between the two calls an agent's fact finds no
-    # stream (no responders, an InfrastructureError): the agent retries it
-    # (dataplane/node/agent.py `_append`), the dispatcher too (its follower's `_append`).
-    await ensure_stream(js, events_config(replicas, await _new_log_start(js)))
+    # The facts stream first: one made before the gate holds the fact subjects the log takes now.
+    # Facts already in it were sourced into the log (or belong to a dropped history): the gate
+    # starts after them. Meanwhile an agent's fact may find no stream (no responders, an
+    # InfrastructureError): the agent retries it (dataplane/node/agent.py `_append`), the
+    # dispatcher too (its follower's `_append`).
+    gate_from = await _gate_start(js, start_new_history)
     await ensure_stream(js, facts_config(replicas))
+    await ensure_stream(js, events_config(replicas))
+    await ensure_stream(js, refused_config(replicas))
+    await _ensure_gate_consumer(js, gate_from)
     await ensure_stream(js, api.StreamConfig(
         name=REQUESTS_STREAM, subjects=[REQUESTS_ALL], retention=api.RetentionPolicy.WORK_QUEUE,
         storage=api.StorageType.FILE, num_replicas=replicas, duplicate_window=DUPLICATE_WINDOW_S,
@@ -94,14 +103,17 @@ async def ensure(js: JetStreamContext, *, replicas: int, may_create: bool, start
     # API subject, so its permission is that key only).
     await _ensure_bucket(js, js.create_key_value, js.key_value, HEARTBEATS_BUCKET,
                          api.KeyValueConfig(bucket=HEARTBEATS_BUCKET, ttl=HEARTBEAT_TTL_S,
-                                            replicas=replicas, storage=api.StorageType.FILE, direct=True))
+                                            replicas=replicas, storage=api.StorageType.FILE, direct=True,
+                                            max_value_size=HEARTBEAT_MAX_VALUE_BYTES))
     info = await js.stream_info(f"KV_{HEARTBEATS_BUCKET}")
     # No rollups: nats-py makes every bucket with them allowed, and an agent's put on its own key with
     # `Nats-Rollup: all` would erase every other node's heartbeat (the server checks the subject,
     # never the headers). Nothing here purges a heartbeat: a goodbye is an empty beat.
-    if not info.config.allow_direct or info.config.allow_rollup_hdrs:  # also a bucket made by an earlier version
+    if (not info.config.allow_direct or info.config.allow_rollup_hdrs  # also a bucket made by an earlier version
+            or info.config.max_msg_size != HEARTBEAT_MAX_VALUE_BYTES):
         info.config.allow_direct = True
         info.config.allow_rollup_hdrs = False
+        info.config.max_msg_size = HEARTBEAT_MAX_VALUE_BYTES
         await js.update_stream(info.config)
         logger.info("stream_updated", stream=f"KV_{HEARTBEATS_BUCKET}", allow_direct=True, allow_rollup_hdrs=False)
     # A request's status, as it is stored, is republished by the server on its status subject:
@@ -128,37 +140,73 @@ async def ensure(js: JetStreamContext, *, replicas: int, may_create: bool, start
                                                    storage=api.StorageType.FILE))
 
 
-async def _new_log_start(js: JetStreamContext) -> int | None:
-    """Where a log made anew (`--new-history`) starts sourcing facts: after the facts already in the
-    facts stream, which belong to the history that was dropped (None: the log exists, or no facts)."""
+async def _gate_start(js: JetStreamContext, start_new_history: bool) -> int | None:
+    """Where a new gate consumer starts in the facts stream: after the facts already there when the
+    log existed before the gate (it sourced them) or is made anew (`--new-history`: they belong to
+    the history dropped); None: from the first (a new store, or the consumer exists)."""
     unknown = (nats.js.errors.NotFoundError, nats.errors.TimeoutError, nats.errors.NoRespondersError)
     try:
-        await js.stream_info(EVENTS_STREAM)
+        await js.consumer_info(FACTS_STREAM, FACT_GATE_CONSUMER)
         return None
-    except nats.js.errors.NotFoundError:
+    except unknown:
         pass
-    except unknown:
-        return None  # reported by ensure_stream
     try:
-        return int((await js.stream_info(FACTS_STREAM)).state.last_seq) + 1
+        facts_last = int((await js.stream_info(FACTS_STREAM)).state.last_seq)
     except unknown:
         return None
+    try:
+        log = (await js.stream_info(EVENTS_STREAM)).config
+    except nats.js.errors.NotFoundError:
+        return facts_last + 1 if start_new_history else None
+    except unknown:
+        return None
+    return facts_last + 1 if not _gated(log) else None
 
 
-def events_config(replicas: int, facts_from: int | None = None) -> api.StreamConfig:
-    """The log: the controller's subjects, and every fact sourced from the facts stream (from
-    its sequence `facts_from` on, when given)."""
+def _gated(cfg: api.StreamConfig) -> bool:
+    """Whether a log takes observed facts from the gate alone: it sources nothing, and the facts
+    stream no longer holds the fact subjects (it captures every fact subject itself)."""
+    return not cfg.sources and all(s in (cfg.subjects or []) for s in FACT_LOG_SUBJECTS)
+
+
+async def _ensure_gate_consumer(js: JetStreamContext, start: int | None) -> None:
+    """The gate's durable consumer of the facts stream, from `start` (None: the first fact)."""
+    cfg = api.ConsumerConfig(
+        durable_name=FACT_GATE_CONSUMER, ack_policy=api.AckPolicy.EXPLICIT, max_ack_pending=1,
+        ack_wait=10.0, max_deliver=-1, inactive_threshold=None,
+        deliver_policy=api.DeliverPolicy.ALL if start is None else api.DeliverPolicy.BY_START_SEQUENCE,
+        opt_start_seq=start, description=f"the controller's fact gate into {EVENTS_STREAM}")
+    try:
+        await js.consumer_info(FACTS_STREAM, FACT_GATE_CONSUMER)
+    except nats.js.errors.NotFoundError:
+        with contextlib.suppress(nats.js.errors.BadRequestError):  # made by a racing peer
+            await js.add_consumer(FACTS_STREAM, cfg)
+            logger.info("consumer_created", stream=FACTS_STREAM, consumer=FACT_GATE_CONSUMER, start=start)
+
+
+def events_config(replicas: int) -> api.StreamConfig:
+    """The log: the controller's subjects and the fact subjects (only the fact gate publishes there)."""
     return api.StreamConfig(
         name=EVENTS_STREAM, subjects=list(LOG_SUBJECTS), retention=api.RetentionPolicy.LIMITS,
         storage=api.StorageType.FILE, num_replicas=replicas, deny_delete=True, deny_purge=True,
         allow_atomic=True, allow_direct=True, duplicate_window=DUPLICATE_WINDOW_S,
-        max_msg_size=EVENT_MAX_MSG_BYTES, sources=[api.StreamSource(name=FACTS_STREAM, opt_start_seq=facts_from)],
+        max_msg_size=EVENT_MAX_MSG_BYTES,
         description="ndif control-plane events: the only source of truth (docs/architecture.md §2-3)",
     )
 
 
+def refused_config(replicas: int) -> api.StreamConfig:
+    """The gate's refusals: bounded, the oldest dropped first, never part of the log."""
+    return api.StreamConfig(
+        name=REFUSED_STREAM, subjects=[f"{REFUSED_PREFIX}.*"], retention=api.RetentionPolicy.LIMITS,
+        storage=api.StorageType.FILE, num_replicas=replicas, allow_direct=True, discard=api.DiscardPolicy.OLD,
+        max_msgs=REFUSED_MAX_MSGS, max_bytes=REFUSED_MAX_BYTES, max_age=REFUSED_MAX_AGE_S, max_msg_size=4096,
+        description=f"observed facts the fact gate kept out of {EVENTS_STREAM}, and why",
+    )
+
+
 def facts_config(replicas: int) -> api.StreamConfig:
-    """Agents' and dispatchers' observed facts on their way into the log: no atomic batches."""
+    """Agents' and dispatchers' observed facts as they send them, for the gate: no atomic batches."""
     return api.StreamConfig(
         name=FACTS_STREAM, subjects=list(FACTS_SUBJECTS), retention=api.RetentionPolicy.LIMITS,
         storage=api.StorageType.FILE, num_replicas=replicas, deny_delete=True, deny_purge=True,

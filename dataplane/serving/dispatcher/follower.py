@@ -24,6 +24,7 @@ from dataplane.serving.dispatcher.intake import KNOWN_GRACE_S, Intake
 from dataplane.serving.processor import Processor
 from schemas.events import Event, ModelUndeployed, ReplicaDrained, ReplicaServed
 from schemas.keys import display_name
+from schemas.refusals import FactRefused
 from schemas.status import ReplicaState
 
 logger = structlog.get_logger("ndif.dispatcher")
@@ -43,7 +44,15 @@ class LogFollower:
 
     async def run(self) -> None:
         await follow_log(self.log, lambda: self.state.seq + 1, self.on_batch, logger=logger,
-                         fold=lambda: self.state)
+                         fold=lambda: self.state, refold=self.refold)
+
+    async def refold(self, state: ClusterState) -> None:
+        """The log went back: serve from what it holds now (the fold is shared: replaced in place)."""
+        self.state.become(state)
+        self._drained.clear()
+        self._served.clear()
+        logger.warning("dispatcher_refolded", seq=state.seq)
+        self.sync_all()
 
     def on_batch(self, batch: list[Stored]) -> None:
         undeployed: set[str] = set()
@@ -107,6 +116,9 @@ class LogFollower:
             try:
                 await self.log.append([ev], None)
                 return
+            except FactRefused as exc:  # the gate kept it out of the log: sending it again changes nothing
+                logger.error("fact_refused", event_type=type(ev).__name__, error=str(exc))
+                break
             except Exception as exc:  # noqa: BLE001 - NATS away for a moment: try again, then let the next event retry
                 logger.warning("append_retry", event_type=type(ev).__name__, attempt=attempt, error=str(exc))
                 await asyncio.sleep(min(0.1 * 2**attempt, 2.0))

@@ -1,0 +1,132 @@
+"""The fact gate: observed facts from NDIF_FACTS into the log, each checked before it is kept.
+
+Agents and dispatchers send facts to the facts stream (`ndif.fact.…`), never to the log. The gate,
+run by the controller, reads them in order through one durable consumer (one fact in flight, so
+any number of controllers keep the log's order of facts) and, for each, either appends its
+canonical form to the log on its fact subject (`Ndif-Fact-Seq` names where it came from; the
+event id is the log's dedup id, so a fact redelivered after a crash is stored once), or keeps a
+`FactRefusal` on `ndif.refused.<source>` (bounded, never the log) and logs why. What is admitted is
+decided by controlplane/core/facts.py against the controller's fold.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime
+
+import msgspec
+import nats.errors
+import nats.js.errors
+import structlog
+from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+
+from controlplane.core.facts import Verdict, admit
+from controlplane.core.projections.cluster import ClusterState
+from schemas.events import encode_event, event_headers, event_subject
+from schemas.refusals import FactRefusal, decode_refusal, encode_refusal
+from schemas.subjects import FACT_GATE_CONSUMER, FACTS_STREAM, HDR_FACT_SEQ, REFUSED_STREAM, refused_subject
+
+logger = structlog.get_logger("ndif.factgate")
+
+# How long an unknown replica's fact waits for the fold to reach the log's end before it is refused.
+CATCH_UP_S = 5.0
+
+
+class _Ack(msgspec.Struct):
+    seq: int = 0
+    duplicate: bool = False
+    error: dict[str, object] | None = None
+
+
+_ack = msgspec.json.Decoder(_Ack)
+
+
+class FactGate:
+    """`run()` until cancelled. `state()`: the controller's fold; `caught_up()`: returns once the
+    fold holds the log up to its end as of the call (or raises on its own timeout)."""
+
+    def __init__(self, nc: NatsClient, js: JetStreamContext, state: Callable[[], ClusterState],
+                 caught_up: Callable[[], Awaitable[None]], *, timeout: float = 5.0) -> None:
+        self.nc, self.js = nc, js
+        self.state, self.caught_up = state, caught_up
+        self.timeout = timeout
+        self.admitted = 0
+        self.refused = 0
+
+    async def run(self) -> None:
+        while True:
+            try:
+                sub = await self.js.pull_subscribe_bind(durable=FACT_GATE_CONSUMER, stream=FACTS_STREAM)
+                while True:
+                    try:
+                        msgs = await sub.fetch(1, timeout=5.0)
+                    except (TimeoutError, nats.errors.TimeoutError):
+                        continue
+                    for msg in msgs:
+                        await self._one(msg)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the server away, the consumer missing: try again
+                logger.warning("fact_gate_retry", error=f"{type(exc).__name__}: {exc}")
+                await asyncio.sleep(1.0)
+
+    async def _one(self, msg: Msg) -> None:
+        facts_seq = msg.metadata.sequence.stream
+        verdict = admit(msg.subject, msg.data, self.state())
+        if verdict.unknown:
+            with contextlib.suppress(TimeoutError, nats.errors.TimeoutError):
+                await asyncio.wait_for(self.caught_up(), CATCH_UP_S)
+            verdict = admit(msg.subject, msg.data, self.state())
+        if verdict.event is not None:
+            await self._append(verdict, facts_seq)
+        else:
+            await self._refuse(msg, verdict.problem, facts_seq)
+        await msg.ack_sync(timeout=self.timeout)
+
+    async def _append(self, verdict: Verdict, facts_seq: int) -> None:
+        ev = verdict.event
+        assert ev is not None
+        hdr = event_headers(ev)
+        hdr[HDR_FACT_SEQ] = str(facts_seq)
+        reply = await self.nc.request(event_subject(ev), encode_event(ev), timeout=self.timeout, headers=hdr)
+        ack = _ack.decode(reply.data)
+        if ack.error is not None:
+            # Not acked: the consumer gives the fact again after its ack wait.
+            raise RuntimeError(f"the log refused an admitted fact (facts seq {facts_seq}): {ack.error}")
+        self.admitted += 1
+
+    async def _refuse(self, msg: Msg, problem: str, facts_seq: int) -> None:
+        source = msg.subject.rsplit(".", 1)[-1]
+        refusal = FactRefusal(facts_seq=facts_seq, subject=msg.subject, source=source, reason=problem,
+                              size=len(msg.data), ts=datetime.now(UTC))
+        self.refused += 1
+        logger.warning("fact_refused", source=source, subject=msg.subject, facts_seq=facts_seq, reason=problem)
+        try:
+            await self.js.publish(refused_subject(source), encode_refusal(refusal), timeout=self.timeout)
+        except (nats.js.errors.Error, nats.errors.Error) as exc:  # the fact stays out of the log all the same
+            logger.error("fact_refusal_not_kept", source=source, facts_seq=facts_seq, error=str(exc))
+
+
+class Refusals(msgspec.Struct, frozen=True):
+    """What `ndif status` says of the gate's refusals: how many are kept, and the newest."""
+
+    count: int = 0
+    last: FactRefusal | None = None
+
+
+async def refusals(js: JetStreamContext) -> Refusals:
+    """The refusals kept (bounded: REFUSED_STREAM's limits), and the newest; none on a store made
+    before the gate."""
+    try:
+        info = await js.stream_info(REFUSED_STREAM)
+    except (nats.js.errors.NotFoundError, nats.errors.TimeoutError, nats.errors.NoRespondersError):
+        return Refusals()
+    count, last = int(info.state.messages), None
+    if count:
+        with contextlib.suppress(nats.js.errors.NotFoundError, nats.errors.TimeoutError, msgspec.DecodeError):
+            last = decode_refusal((await js.get_msg(REFUSED_STREAM, int(info.state.last_seq), direct=True)).data or b"")
+    return Refusals(count=count, last=last)
