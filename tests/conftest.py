@@ -22,7 +22,7 @@ from hypothesis import settings
 from controlplane.ops.nats_server import EmbeddedNats
 from controlplane.service.tasks import awaiting
 from controlplane.store.eventstore import JetStreamEventLog
-from schemas.subjects import EVENTS_STREAM, FACTS_STREAM, REQUESTS_STREAM, SNAPSHOTS_BUCKET
+from schemas.subjects import EVENTS_STREAM, FACTS_STREAM, REFUSED_STREAM, REQUESTS_STREAM, SNAPSHOTS_BUCKET
 from tests.checkpoints import TinyModels, shared_root
 
 # Credentials `ndif up` may have left in a developer's $NDIF_HOME must not reach the tests' servers
@@ -253,8 +253,8 @@ def starts_ray(ray_host: RayHost) -> None:
 async def fresh_event_log(url: str) -> JetStreamEventLog:
     """A connected log on empty streams and no snapshots (the streams are dropped and re-made)."""
     log = await JetStreamEventLog.open(url, ensure=False)
-    # the facts stream too: a new log would source every fact still in it
-    for stream in (EVENTS_STREAM, FACTS_STREAM, REQUESTS_STREAM, f"OBJ_{SNAPSHOTS_BUCKET}"):
+    # the facts stream and the gate's refusals too: a new log is a new history of facts
+    for stream in (EVENTS_STREAM, FACTS_STREAM, REFUSED_STREAM, REQUESTS_STREAM, f"OBJ_{SNAPSHOTS_BUCKET}"):
         try:
             await log.js.delete_stream(stream)
         except Exception:  # noqa: BLE001 - absent on the first test
@@ -265,6 +265,18 @@ async def fresh_event_log(url: str) -> JetStreamEventLog:
 
 @pytest_asyncio.fixture
 async def event_log(nats_server: EmbeddedNats) -> AsyncIterator[JetStreamEventLog]:
+    """A fresh log with a fact gate running (what a controller runs): observed facts reach it."""
+    from controlplane.service.factgate import fact_gate
+
+    log = await fresh_event_log(nats_server.url)
+    async with fact_gate(log):
+        yield log
+    await log.close()
+
+
+@pytest_asyncio.fixture
+async def ungated_event_log(nats_server: EmbeddedNats) -> AsyncIterator[JetStreamEventLog]:
+    """A fresh log with no fact gate (no controller): observed facts wait in NDIF_FACTS."""
     log = await fresh_event_log(nats_server.url)
     yield log
     await log.close()

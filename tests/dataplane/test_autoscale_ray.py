@@ -105,12 +105,12 @@ async def test_a_controller_sigkilled_during_a_ramp_loses_doubles_and_reverses_n
     url = nats_server.url
     kill_all_actors()
     lg = await fresh_event_log(url)
+    procs: list[subprocess.Popen[bytes]] = [controller_process(url)]  # its fact gate admits the agent's join
     agent = await (await NodeAgent.open(url, "node-a", gpus=declared_gpus(4, 80 * GB), cpu_cache_bytes=10 * GB,
                                         heartbeat_s=0.5, health_interval_s=0.5)).start()
     admin = await AdminClient.open(url, timeout=30)
     ckpt = str(models["gpt2"])
     mk = canonical_model_key(ckpt)
-    procs: list[subprocess.Popen[bytes]] = [controller_process(url)]
     figures = contextlib.ExitStack()
     pub = figures.enter_context(Publisher(admin, mk))  # a dispatcher's figures, by hand: the load is set
     try:

@@ -34,6 +34,7 @@ from schemas.subjects import (
     EVENTS_STREAM,
     FACTS_STREAM,
     HEARTBEATS_BUCKET,
+    REFUSED_STREAM,
     REQUEST_STATUS_BUCKET,
     REQUESTS_STREAM,
     RESULTS_BUCKET,
@@ -466,7 +467,7 @@ M = node_token(MODEL)
 S = f"KV_{REQUEST_STATUS_BUCKET}"
 # (user, "pub"/"sub", subject, allowed), from role_permissions.txt
 def _table() -> list[tuple[str, str, str, bool]]:
-    names = {"A": A, "B": B, "M": M, "S": S, "NODE_A": NODE_A, "EVENTS_STREAM": EVENTS_STREAM, "FACTS_STREAM": FACTS_STREAM,
+    names = {"A": A, "B": B, "M": M, "S": S, "NODE_A": NODE_A, "EVENTS_STREAM": EVENTS_STREAM, "FACTS_STREAM": FACTS_STREAM, "REFUSED_STREAM": REFUSED_STREAM,
              "REQUESTS_STREAM": REQUESTS_STREAM, "HEARTBEATS_BUCKET": HEARTBEATS_BUCKET,
              "REQUEST_STATUS_BUCKET": REQUEST_STATUS_BUCKET, "RESULTS_BUCKET": RESULTS_BUCKET,
              "SNAPSHOTS_BUCKET": SNAPSHOTS_BUCKET, "call_A": replica_call_subject(MODEL, 0, NODE_A), "call_B": replica_call_subject(MODEL, 0, NODE_B),
@@ -584,6 +585,7 @@ async def test_the_controller_writes_snapshots_and_each_role_that_folds_starts_f
     from structlog.testing import capture_logs
 
     from controlplane.core.projections import ClusterState
+    from controlplane.service.factgate import fact_gate
     from controlplane.service.snapshots import SnapshotWriter
     from controlplane.store.rebuild import rebuild
 
@@ -592,13 +594,12 @@ async def test_the_controller_writes_snapshots_and_each_role_that_folds_starts_f
         before = await ctl.last_seq()
         node = await JetStreamEventLog.open(streams, creds=auth.role(f"agent:{NODE_A}"), ensure=False)
         try:
-            await node.append([NodeJoined(**_env(f"agent:{NODE_A}"), node_id=NODE_A, cpu_cache_bytes=1,
-                                          gpus=(GpuInfo(index=0, memory_bytes=1),))], None)
+            async with fact_gate(ctl):  # the gate, as the controller's user, admits it from NDIF_FACTS
+                await node.append([NodeJoined(**_env(f"agent:{NODE_A}"), node_id=NODE_A, cpu_cache_bytes=1,
+                                              gpus=(GpuInfo(index=0, memory_bytes=1),))], None)
         finally:
             await node.close()
-        async with asyncio.timeout(5):  # the log sources it from NDIF_FACTS
-            while await ctl.last_seq() == before:
-                await asyncio.sleep(0.01)
+        assert await ctl.last_seq() == before + 1
         state = await rebuild(ctl)
         writer = SnapshotWriter(ctl, every=1, every_s=0, keep=1)
         first = await writer.write_now(state)

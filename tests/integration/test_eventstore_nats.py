@@ -13,15 +13,21 @@ from structlog.testing import capture_logs
 
 from controlplane.core.projections import ClusterState, fold
 from controlplane.ops.nats_server import EmbeddedNats
+from controlplane.service.factgate import fact_gate
 from controlplane.store.eventstore import JetStreamEventLog, topology
 from schemas.errors import ConflictError, InfrastructureError, InvalidCommand
 from schemas.events import GpuInfo, NodeJoined, encode_event, event_headers, event_subject
 from schemas.subjects import (
     EVENTS_ALL,
     EVENTS_STREAM,
+    FACT_GATE_CONSUMER,
+    FACT_LOG_SUBJECTS,
     FACTS_STREAM,
+    FACTS_SUBJECTS,
+    HDR_FACT_SEQ,
     LOG_SUBJECTS,
     REQUESTS_STREAM,
+    fact_inbox,
     is_fact_subject,
     node_subject,
 )
@@ -157,20 +163,22 @@ async def _in_log(log: JetStreamEventLog, event_id: str, timeout: float = 5.0) -
             await asyncio.sleep(0.02)
 
 
-async def test_a_fact_is_stored_in_the_facts_stream_and_reaches_the_log_once(event_log):
+async def test_a_fact_is_stored_in_the_facts_stream_and_reaches_the_log_once(ungated_event_log):
+    event_log = ungated_event_log
     await event_log.append(loads(1), 0)
     fact = _fact("gpu-a", "fact-1")
     assert is_fact_subject(event_subject(fact))
-    got = await event_log.append([fact], None)
-    assert (got.first_seq, got.last_seq, got.already_appended) == (0, 0, False)  # no log sequence
-    seq = await _in_log(event_log, "fact-1")
-    raw = await event_log.js.get_msg(EVENTS_STREAM, seq, direct=True)
-    assert raw.headers["Nats-Stream-Source"].startswith(f"{FACTS_STREAM} ")  # sourced, and read as ever
-    assert raw.headers["Nats-Msg-Id"] == "fact-1" and raw.headers["Ndif-Event"] == "NodeJoined"
-    again = await event_log.append([fact], None)  # a resend: the facts stream's window drops it
-    assert again.already_appended and (again.first_seq, again.last_seq) == (0, 0)
-    await asyncio.sleep(0.2)
-    assert await _in_log(event_log, "fact-1") == seq
+    async with fact_gate(event_log) as gate:
+        got = await event_log.append([fact], None)
+        assert (got.first_seq, got.last_seq, got.already_appended) == (0, 0, False)  # no log sequence
+        seq = await _in_log(event_log, "fact-1")
+        raw = await event_log.js.get_msg(EVENTS_STREAM, seq, direct=True)
+        assert raw.subject == event_subject(fact) and raw.headers[HDR_FACT_SEQ] == "1"  # admitted by the gate
+        assert raw.headers["Nats-Msg-Id"] == "fact-1" and raw.headers["Ndif-Event"] == "NodeJoined"
+        again = await event_log.append([fact], None)  # a resend: the facts stream's window drops it
+        assert again.already_appended and (again.first_seq, again.last_seq) == (0, 0)
+        await asyncio.sleep(0.2)
+        assert await _in_log(event_log, "fact-1") == seq and gate.admitted == 1
     # Guarded, or in a batch: refused before anything is sent (the facts stream takes no batches,
     # and its sequences are not the log's).
     for events, expected in (([_fact("gpu-a", "fact-2")], await event_log.last_seq()),
@@ -181,20 +189,84 @@ async def test_a_fact_is_stored_in_the_facts_stream_and_reaches_the_log_once(eve
     assert info.state.last_seq == 1 and not info.config.allow_atomic
 
 
+async def test_without_a_gate_a_fact_waits_and_says_why(ungated_event_log):
+    """No controller, no gate: the fact is kept in NDIF_FACTS, the log has nothing, and the append
+    ends with what to run; once a gate runs, the agent's resend lands it once."""
+    event_log = ungated_event_log
+    fact = _fact("gpu-a", "fact-waits")
+    event_log.timeout = 1.0
+    with pytest.raises(InfrastructureError, match="is a controller running"):
+        await event_log.append([fact], None)
+    assert await event_log.last_seq() == 0
+    async with fact_gate(event_log):
+        assert (await event_log.append([fact], None)).already_appended
+        assert await _in_log(event_log, "fact-waits") == 1
+
+
+async def test_a_refused_fact_ends_its_append_refused(ungated_event_log):
+    """A fact the gate refuses (here: about a replica the log never placed) is not in the log, and its
+    append ends FactRefused with the reason at once, not after its timeout."""
+    from schemas.events import ReplicaLoaded
+    from schemas.keys import canonical_model_key
+    from schemas.refusals import FactRefused
+
+    ghost = ReplicaLoaded(event_id="ghost", ts=datetime.now(UTC), actor="agent:gpu-a", node_id="gpu-a",
+                          model_key=canonical_model_key("openai-community/gpt2"), replica_id=3, load_seconds=1.0)
+    event_log = ungated_event_log
+    async with fact_gate(event_log) as gate:
+        with pytest.raises(FactRefused, match="never placed"):
+            await asyncio.wait_for(event_log.append([ghost], None), 4.0)
+        assert gate.refused == 1
+    assert await event_log.last_seq() == 0
+
+
 async def test_a_facts_id_taken_by_another_message_is_refused(event_log):
     """Anyone who may publish facts may send any Nats-Msg-Id: a fact the facts stream drops as the
     duplicate of another message is refused, never reported as stored."""
     fact = _fact("gpu-a", "fact-taken")
-    await event_log.js.publish(event_subject(fact), b'{"junk": 1}', headers={"Nats-Msg-Id": "fact-taken"})
+    await event_log.js.publish(fact_inbox(event_subject(fact)), b'{"junk": 1}', headers={"Nats-Msg-Id": "fact-taken"})
     with pytest.raises(InfrastructureError, match="is taken in NDIF_FACTS"):
         await event_log.append([fact], None)
 
 
+async def test_a_log_that_sourced_the_facts_stream_is_migrated_by_ensure(tmp_path):
+    """The streams as the version before the gate made them (the facts stream on the facts' log
+    subjects, the log sourcing it): `ensure` moves the facts stream to the inboxes, makes the log take
+    the facts' subjects itself without a source, and starts the gate after the facts the source had
+    copied; what was stored is read as before, and a new fact goes through the gate once."""
+    with EmbeddedNats(tmp_path / "nats") as srv:
+        log = await JetStreamEventLog.open(srv.url, ensure=False)
+        try:
+            old_facts = dataclasses.replace(topology.facts_config(1), subjects=list(FACT_LOG_SUBJECTS))
+            await log.js.add_stream(old_facts)
+            narrow = [s for s in LOG_SUBJECTS if s not in FACT_LOG_SUBJECTS]
+            await log.js.add_stream(dataclasses.replace(topology.events_config(1), subjects=narrow,
+                                                        sources=[api.StreamSource(name=FACTS_STREAM)]))
+            before = _fact("gpu-a", "joined-before")  # as agents appended it then: on the log subject
+            await log.js.publish(event_subject(before), encode_event(before), headers=event_headers(before))
+            assert await _in_log(log, "joined-before") == 1  # sourced
+            await log.ensure()
+            cfg = (await log.js.stream_info(EVENTS_STREAM)).config
+            assert sorted(cfg.subjects or []) == sorted(LOG_SUBJECTS) and not cfg.sources and cfg.allow_atomic
+            assert (await log.js.stream_info(FACTS_STREAM)).config.subjects == list(FACTS_SUBJECTS)
+            gate_cfg = (await log.js.consumer_info(FACTS_STREAM, FACT_GATE_CONSUMER)).config
+            assert gate_cfg.opt_start_seq == 2  # after the fact the source copied
+            async with fact_gate(log):
+                await log.append([_fact("gpu-b", "joined-after")], None)
+                assert await _in_log(log, "joined-after") == 2
+            stored = await collect(log.read())
+            assert [e.event_id for _, e in stored] == ["joined-before", "joined-after"]
+            with capture_logs() as logs:
+                await log.ensure()
+            assert not [e for e in logs if e["event"] in ("stream_updated", "stream_created", "consumer_created")]
+        finally:
+            await log.close()
+
+
 async def test_a_log_made_before_the_facts_stream_is_migrated_by_ensure(tmp_path):
-    """The log as an earlier version made it (every event subject, agents' facts appended straight
-    in): `ensure` narrows its subjects, makes the facts stream and sources it; what was stored is
-    read as before. Between the two steps a fact finds no stream: refused loudly (retryable), and
-    the agent's retry lands it."""
+    """The log as an earlier version still made it (every event subject, agents' facts appended
+    straight in): a fact sent before `ensure` finds no stream, refused loudly (retryable); `ensure`
+    makes the facts stream and narrows the log; the agent's retry lands the fact through the gate."""
     with EmbeddedNats(tmp_path / "nats") as srv:
         log = await JetStreamEventLog.open(srv.url, ensure=False)
         try:
@@ -202,7 +274,6 @@ async def test_a_log_made_before_the_facts_stream_is_migrated_by_ensure(tmp_path
             await log.js.add_stream(old)
             before = _fact("gpu-a", "joined-before")  # on the node's own subject, as agents appended it
             await log.js.publish(node_subject("gpu-a"), encode_event(before), headers=event_headers(before))
-            await topology.ensure_stream(log.js, topology.events_config(1))  # the first step alone
             late = _fact("gpu-b", "joined-between")
             with pytest.raises(InfrastructureError, match=f"create {FACTS_STREAM}") as refused:
                 await log.append([late], None)
@@ -211,15 +282,12 @@ async def test_a_log_made_before_the_facts_stream_is_migrated_by_ensure(tmp_path
                 await log.ensure()
             assert FACTS_STREAM in [e.get("stream") for e in logs if e["event"] == "stream_created"]
             cfg = (await log.js.stream_info(EVENTS_STREAM)).config
-            assert sorted(cfg.subjects or []) == sorted(LOG_SUBJECTS) and cfg.allow_atomic
-            assert [s.name for s in cfg.sources or []] == [FACTS_STREAM]
-            await log.append([late], None)  # the agent's retry
-            assert await _in_log(log, "joined-between") == 2
+            assert sorted(cfg.subjects or []) == sorted(LOG_SUBJECTS) and cfg.allow_atomic and not cfg.sources
+            async with fact_gate(log):
+                await log.append([late], None)  # the agent's retry
+                assert await _in_log(log, "joined-between") == 2
             stored = await collect(log.read())
             assert [e.event_id for _, e in stored] == ["joined-before", "joined-between"]
-            with capture_logs() as logs:
-                await log.ensure()
-            assert not [e for e in logs if e["event"] in ("stream_updated", "stream_created")]
         finally:
             await log.close()
 
@@ -286,11 +354,17 @@ async def test_a_request_stream_made_before_partitions_is_migrated_and_loses_no_
             await log.close()
 
 
-async def test_a_new_history_sources_none_of_the_facts_of_the_dropped_one(event_log):
-    await event_log.append([_fact("gpu-a", "fact-of-the-old-history")], None)
-    await _in_log(event_log, "fact-of-the-old-history")
+async def test_a_new_history_takes_none_of_the_facts_of_the_dropped_one(ungated_event_log):
+    """A fact of the old history still waiting in NDIF_FACTS (no gate ran) is not admitted into a
+    history made anew: its gate starts after it."""
+    event_log = ungated_event_log
+    event_log.timeout = 1.0
+    with pytest.raises(InfrastructureError, match="is a controller running"):
+        await event_log.append([_fact("gpu-a", "fact-of-the-old-history")], None)
     await event_log.js.delete_stream(EVENTS_STREAM)
     await event_log.ensure(start_new_history=True)
-    await event_log.append([_fact("gpu-a", "fact-of-the-new-history")], None)
-    assert await _in_log(event_log, "fact-of-the-new-history") == 1
+    event_log.timeout = 5.0
+    async with fact_gate(event_log):
+        await event_log.append([_fact("gpu-a", "fact-of-the-new-history")], None)
+        assert await _in_log(event_log, "fact-of-the-new-history") == 1
     assert await event_log.last_seq() == 1

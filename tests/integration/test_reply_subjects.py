@@ -30,6 +30,7 @@ import pytest_asyncio
 
 from controlplane.ops.auth import LocalAuth
 from controlplane.ops.nats_server import EmbeddedNats
+from controlplane.service.factgate import fact_gate
 from controlplane.store.credentials import Creds
 from controlplane.store.eventstore import JetStreamEventLog
 from dataplane.client import Client, RequestFailed
@@ -45,6 +46,7 @@ from schemas.subjects import (
     EVENTS_STREAM,
     FACTS_STREAM,
     HEARTBEATS_BUCKET,
+    REFUSED_STREAM,
     REQUEST_STATUS_BUCKET,
     REQUESTS_STREAM,
     RESULTS_BUCKET,
@@ -57,6 +59,7 @@ from schemas.subjects import (
     stored_request_subject,
 )
 from tests.integration.probe import Probe, Spy, raw_connect
+from tests.waiting import until
 
 pytestmark = pytest.mark.timeout(180)
 NODE_A, NODE_B = "node-a.cluster", "node-b.cluster"  # node B is dead: it never beats
@@ -94,13 +97,16 @@ async def url(server: EmbeddedNats, auth: LocalAuth) -> AsyncIterator[str]:
     whose bytes are bob's request id and one that is a request body (a model's output is the user's to
     steer); bob's results bucket."""
     lg = await JetStreamEventLog.open(server.url, creds=auth.role("admin"))
-    await lg.close()
     agent = await Probe.open(server.url, auth.role(f"agent:{NODE_A}"))
     try:
-        for subject, body, _ in _asks(agent.creds)[:2]:  # its NodeJoined and a heartbeat
-            await agent.nc.request(subject, body, timeout=5)
+        async with fact_gate(lg) as gate:  # its NodeJoined admitted into the log, a junk fact refused
+            for subject, body, _ in _asks(agent.creds)[:2]:  # its NodeJoined and a heartbeat
+                await agent.nc.request(subject, body, timeout=5)
+            await agent.nc.request(f"ndif.fact.node.{A}.{A}", b"junk", timeout=5)
+            await until(lambda: gate.admitted == 1 and gate.refused == 1, timeout=10)
     finally:
         await agent.close()
+        await lg.close()
     w, dlg = await _writer(server.url, auth)
     try:
         assert await w.finish(Pending(_req(ALICE_RID, "alice"), None), RequestStatus.COMPLETED,
@@ -122,7 +128,7 @@ TARGETS = {
     "a-request-as-bob": request_subject(MODEL, "bob"),
     "bobs-results-bucket": f"$O.{results_bucket('bob')}.C.forged",
     "the-event-log": f"ndif.evt.model.{model_token(MODEL)}",
-    "another-nodes-facts": f"ndif.evt.node.{B}.{B}",
+    "another-nodes-facts": f"ndif.fact.node.{B}.{B}",
     "a-dead-nodes-heartbeat": f"$KV.{HEARTBEATS_BUCKET}.{B}",
     "an-operators-command": "ndif.cmd.deploy",
 }
@@ -153,9 +159,10 @@ def _asks(c: Creds) -> list[tuple[str, bytes, bool]]:
     if c.role == "agent":
         ev = NodeJoined(event_id=f"joined-{datetime.now(UTC).timestamp()}", ts=datetime.now(UTC), actor=f"agent:{NODE_A}",
                         node_id=NODE_A, gpus=(GpuInfo(index=0, memory_bytes=10**9),), cpu_cache_bytes=1)
-        return [(f"ndif.evt.node.{A}.{A}", encode_event(ev), True),  # an append's publish ack (NDIF_FACTS)
+        return [(f"ndif.fact.node.{A}.{A}", encode_event(ev), True),  # an append's publish ack (NDIF_FACTS)
                 (f"$KV.{HEARTBEATS_BUCKET}.{A}", NODE_A.encode(), True),  # its heartbeat's ack
                 (f"{api}.DIRECT.GET.{FACTS_STREAM}", b'{"seq": 1}', True),  # a fact read back
+                (f"{api}.DIRECT.GET.{REFUSED_STREAM}.ndif.refused.{A}", b"", True),  # the gate's last refusal of it
                 (f"{api}.DIRECT.GET.KV_{HEARTBEATS_BUCKET}.$KV.{HEARTBEATS_BUCKET}.{A}", b"", True), *reads]
     return [*reads, (f"{api}.CONSUMER.LIST.{REQUESTS_STREAM}", b"{}", True), ("ndif.dispatcher.state", b"", False)]
 

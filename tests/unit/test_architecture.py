@@ -43,7 +43,7 @@ PURE = ("schemas", "controlplane.core")
 # Within a package, each part may import only the parts listed before it.
 ORDERS = {
     "dataplane/serving/dispatcher": ["background", "statuses", "provisioning", "intake", "follower", "service"],
-    "controlplane/store/eventstore": ["connection", "topology", "appends", "feed", "snapshots", "log"],
+    "controlplane/store/eventstore": ["connection", "topology", "appends", "feed", "snapshots", "gate", "log"],
 }
 
 

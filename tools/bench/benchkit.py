@@ -35,6 +35,43 @@ def pct(xs: list[float], p: float) -> float:
     return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
 
 
+# `--sync`: the server's `sync_interval` for the stores a benchmark measures. `always` is the project's
+# (controlplane/ops/nats_server.py SYNC_ALWAYS); `2m` is nats-server's default, measured for what the sync costs.
+SYNC_CHOICES = {"always": ["always"], "2m": ["2m"], "both": ["always", "2m"]}
+
+
+def add_sync_option(ap: Any) -> None:
+    ap.add_argument("--sync", choices=list(SYNC_CHOICES), default="always",
+                    help="the server's sync_interval: always (the project's), 2m (the server's default), or both; "
+                         "figures under 2m get keys ending in _nosync")
+
+
+def sync_suffix(sync: str) -> str:
+    """The suffix of a JSON key measured under `sync`: none for the project's setting."""
+    return "" if sync == "always" else "_nosync"
+
+
+def fsync_ms(where: Path, n: int = 500, size: int = 256) -> list[float]:
+    """`n` appends of `size` bytes to a file under `where`, each followed by `os.fsync`: each one's time
+    (ms). What a synced write costs the filesystem the benchmark's stores live on, without the server."""
+    import os
+    import time
+
+    path = where / "fsync-probe"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    out = []
+    try:
+        for _ in range(n):
+            t0 = time.perf_counter()
+            os.write(fd, b"x" * size)
+            os.fsync(fd)
+            out.append((time.perf_counter() - t0) * 1000)
+    finally:
+        os.close(fd)
+        path.unlink()
+    return out
+
+
 class Envelope(TypedDict):
     """The envelope fields of every event (`E.Event`), passed as `**env`."""
 

@@ -141,26 +141,29 @@ async def ensure(js: JetStreamContext, *, replicas: int, may_create: bool, start
 
 
 async def _gate_start(js: JetStreamContext, start_new_history: bool) -> int | None:
-    """Where a new gate consumer starts in the facts stream: after the facts already there when the
-    log existed before the gate (it sourced them) or is made anew (`--new-history`: they belong to
-    the history dropped); None: from the first (a new store, or the consumer exists)."""
+    """Where the gate consumer starts in the facts stream when it is made now: after the facts already
+    there when the log existed before the gate (it sourced them) or is made anew (`--new-history`:
+    they belong to the history dropped, and a consumer of the old history is made again); None: from
+    the first (a new store), or the consumer exists and keeps its place."""
     unknown = (nats.js.errors.NotFoundError, nats.errors.TimeoutError, nats.errors.NoRespondersError)
-    try:
-        await js.consumer_info(FACTS_STREAM, FACT_GATE_CONSUMER)
-        return None
-    except unknown:
-        pass
     try:
         facts_last = int((await js.stream_info(FACTS_STREAM)).state.last_seq)
     except unknown:
         return None
     try:
-        log = (await js.stream_info(EVENTS_STREAM)).config
+        log: api.StreamConfig | None = (await js.stream_info(EVENTS_STREAM)).config
     except nats.js.errors.NotFoundError:
-        return facts_last + 1 if start_new_history else None
+        log = None
     except unknown:
         return None
-    return facts_last + 1 if not _gated(log) else None
+    if log is None and start_new_history:
+        with contextlib.suppress(*unknown):
+            await js.delete_consumer(FACTS_STREAM, FACT_GATE_CONSUMER)
+        return facts_last + 1
+    with contextlib.suppress(*unknown):
+        await js.consumer_info(FACTS_STREAM, FACT_GATE_CONSUMER)
+        return None
+    return facts_last + 1 if log is not None and not _gated(log) else None
 
 
 def _gated(cfg: api.StreamConfig) -> bool:
