@@ -287,6 +287,7 @@ async def test_accounts_on_a_three_server_cluster(tmp_path: Path, monkeypatch: p
 
     from controlplane.ops.auth import ensure_local
     from controlplane.service.clock import observed
+    from controlplane.service.factgate import fact_gate
     from controlplane.store.heartbeats import JetStreamHeartbeats
     from dataplane.serving.dispatcher.background import Background
     from dataplane.serving.dispatcher.statuses import StatusWriter
@@ -319,12 +320,15 @@ async def test_accounts_on_a_three_server_cluster(tmp_path: Path, monkeypatch: p
             # The agent: its own node's fact appended, its heartbeat put and read back, the log read.
             joined = observed(NodeJoined, actor=f"agent:{node}", node_id=node,
                               gpus=(GpuInfo(index=0, memory_bytes=10**9),), cpu_cache_bytes=1)
-            res = await agent.append([joined], None)
+            ctl = await JetStreamEventLog.open(c.url, ensure=False, creds=auth.role("controller"), role="controller")
+            async with fact_gate(ctl):  # the controller's gate, on the R3 streams, admits it
+                res = await agent.append([joined], None)
+            await ctl.close()
             assert (res.first_seq, res.last_seq) == (0, 0)  # stored in NDIF_FACTS: no log sequence
             beats = JetStreamHeartbeats(agent.js, direct=True)
             await beats.beat(node)
             assert await beats.last(node) is not None
-            async with asyncio.timeout(10):  # the log sources it
+            async with asyncio.timeout(10):  # the log has it
                 while not (seqs := [seq async for seq, e in agent.read() if getattr(e, "event_id", "") == joined.event_id]):
                     await asyncio.sleep(0.05)
             assert [seq async for seq, _ in agent.read()][-1:] == seqs, seqs
