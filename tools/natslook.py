@@ -34,7 +34,7 @@ from nats.js import api
 from nats.js.kv import KeyValue
 
 from controlplane.store.credentials import load_creds, resolve
-from schemas.subjects import EVENTS_STREAM, FACTS_STREAM
+from schemas.subjects import EVENTS_STREAM, FACTS_STREAM, REFUSED_STREAM
 
 
 def show(seq: int | None, subject: str, headers: dict[str, str] | None, data: bytes) -> None:
@@ -110,7 +110,7 @@ async def main() -> None:
     ap.add_argument("--password", default=None, help="NATS password")
     sub = ap.add_subparsers(dest="what", required=True)
     p = sub.add_parser("view", help="stored events by sequence")
-    p.add_argument("--stream", default=EVENTS_STREAM, help=f"stream (default {EVENTS_STREAM}; or {FACTS_STREAM})")
+    p.add_argument("--stream", default=EVENTS_STREAM, help=f"stream (default {EVENTS_STREAM}; or {FACTS_STREAM}, {REFUSED_STREAM})")
     p.add_argument("--subject", default=">", help="subject filter (default: the stream's every subject)")
     p.add_argument("--count", type=int, default=10, help="messages to print")
     p.add_argument("--start-seq", type=int, default=1, help="first sequence")

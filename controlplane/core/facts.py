@@ -23,6 +23,7 @@ from schemas.events import (
     event_subject,
     event_tag,
 )
+from schemas.keys import display_name
 from schemas.refusals import MAX_REASON_CHARS
 from schemas.subjects import fact_log_subject
 
@@ -74,6 +75,6 @@ def admit(subject: str, data: bytes, state: ClusterState) -> Verdict:
             # A replica gone and forgotten by the fold (its id below the next one) is let in: the
             # fold words what it means. One never placed is refused.
             if model is None or ev.replica_id >= model.next_replica_id:
-                return _no(f"{event_tag(ev)} about replica {ev.replica_id} of {ev.model_key!r}, which the log "
-                           "never placed", unknown=True)
+                return _no(f"{event_tag(ev)} about replica {ev.replica_id} of {display_name(ev.model_key)!r}, which "
+                           "the log never placed", unknown=True)
     return Verdict(event=ev)

@@ -312,7 +312,8 @@ def _show(state: ClusterState, as_json: bool, heartbeats: dict[str, float | None
             last = refused.last
             print(f"\n{refused.count} observed facts refused by the fact gate (not in the log)"
                   + (f"; newest: from {last.source!r}: {last.reason}" if last is not None else "")
-                  + f"; all of them: `nats stream view {REFUSED_STREAM}`")
+                  + f"; all of them, as the admin: `nats --context ndif-admin stream view {REFUSED_STREAM}` "
+                  f"(or `python tools/natslook.py view --stream {REFUSED_STREAM}`)")
     sys.stdout.flush()
 
 
