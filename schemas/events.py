@@ -505,8 +505,8 @@ def event_tag(event: Event) -> str:
 
 
 def is_sourced_fact(events: Sequence[Event], expected_last_seq: int | None) -> bool:
-    """Whether this append is one observed fact whose subject carries its source (stored in the facts
-    stream, which the log sources). Raises InvalidCommand for a fact in a batch or under an expected
+    """Whether this append is one observed fact whose subject carries its source (sent to the facts
+    stream, from which the fact gate admits it into the log). Raises InvalidCommand for a fact in a batch or under an expected
     sequence: the facts stream takes no batches, and its sequence is not the log's."""
     facts = sum(is_fact_subject(event_subject(ev)) for ev in events)
     if facts and (len(events) > 1 or expected_last_seq is not None):
@@ -567,9 +567,9 @@ def event_subject(event: Event) -> str:
     """The subject an event is stored on (docs/architecture.md §2).
 
     Observed facts carry their source as a last token (`ndif.evt.replica.<mtok>.<rid>.<ntok>` or
-    `.dispatcher`, `ndif.evt.node.<ntok>.<ntok>`), so the server's permissions let an agent append
-    facts of its own node only, and they are stored in the facts stream (FACTS_STREAM), never
-    directly in the log; decisions stay on `ndif.evt.replica.<mtok>.<rid>` and
+    `.dispatcher`, `ndif.evt.node.<ntok>.<ntok>`); an agent sends them to the facts stream on the
+    same subject under `ndif.fact.` (`fact_inbox`), its own node's only (the server's permissions),
+    and only the fact gate appends them to the log; decisions stay on `ndif.evt.replica.<mtok>.<rid>` and
     `ndif.evt.node.<ntok>` (NodeLost).
     """
     if isinstance(event, ReplicaEvent | NodeJoined):

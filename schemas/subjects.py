@@ -19,8 +19,8 @@ EVENTS_STREAM = "NDIF_EVENTS"
 # alone is the log, only the facts that decode, name their own source and fit their bounds. No
 # atomic batches here, so nothing an agent sends counts against the log's batches in flight.
 FACTS_STREAM = "NDIF_FACTS"
-# Facts the gate refused, with why (`ndif.refused.<source token>`): never the log, kept bounded,
-# read by the operator (`ndif status`) and by the source itself (its append ends refused).
+# Facts the gate refused, with why (`ndif.refused.<source token>.<facts seq>`): never the log, kept
+# bounded, read by the operator (`ndif status`) and by the source itself (its append ends refused).
 REFUSED_STREAM = "NDIF_REFUSED"
 FACT_GATE_CONSUMER = "fact-gate"  # the gate's durable consumer of FACTS_STREAM (one fact in flight)
 REFUSED_PREFIX = "ndif.refused"
@@ -138,9 +138,10 @@ def fact_log_subject(inbox: str) -> str | None:
     return subject if inbox.startswith(FACT_INBOX_PREFIX) and is_fact_subject(subject) else None
 
 
-def refused_subject(source_token: str) -> str:
-    """`ndif.refused.<source token>`: the gate's refusals of one source's facts."""
-    return f"{REFUSED_PREFIX}.{source_token}"
+def refused_subject(source_token: str, facts_seq: int | str) -> str:
+    """`ndif.refused.<source token>.<facts seq>`: the gate's refusal of the fact at `facts_seq` of
+    FACTS_STREAM, sent by that source (`*`: any of its facts, for permissions)."""
+    return f"{REFUSED_PREFIX}.{source_token}.{facts_seq}"
 
 
 def replica_facts_from(source_token: str) -> str:

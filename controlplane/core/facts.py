@@ -70,7 +70,7 @@ def admit(subject: str, data: bytes, state: ClusterState) -> Verdict:
             if ev.node_id and view.node_id and view.node_id != ev.node_id:
                 return _no(f"{event_tag(ev)} about replica {ev.replica_id} from node {ev.node_id!r}: "
                            f"the replica is on {view.node_id!r}")
-        else:
+        elif ev.model_key not in state.undeployed:  # a late fact of an undeployed model: the fold ignores it
             model = state.models.get(ev.model_key)
             # A replica gone and forgotten by the fold (its id below the next one) is let in: the
             # fold words what it means. One never placed is refused.

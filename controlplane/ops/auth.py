@@ -210,7 +210,7 @@ def imports(role: str, *, name: str = "", node_id: str = "") -> list[Import]:
                 # a fact's duplicate ack is checked by reading that message back (by sequence)
                 _api_import(f"{JS_API}.DIRECT.GET.{FACTS_STREAM}"),
                 # the fact gate's last refusal of its own facts (an append ends refused, with why)
-                _api_import(f"{JS_API}.DIRECT.GET.{REFUSED_STREAM}.{refused_subject(ntok)}"),
+                _api_import(f"{JS_API}.DIRECT.GET.{REFUSED_STREAM}.{refused_subject(ntok, '*')}"),
                 Import("service", f"$KV.{hb}.{ntok}"),
                 # its own node's last heartbeat (a node id held by a live agent is not taken twice)
                 _api_import(f"{JS_API}.DIRECT.GET.{_kv(hb)}.$KV.{hb}.{ntok}"), *_log_reader_imports()]
@@ -232,7 +232,7 @@ def _exports(clients: list[str], readers: list[str], agents: list[str]) -> list[
         {"service": f"{JS_API}.DIRECT.GET.{_kv(st)}.$KV.{st}.*.>", "account_token_position": 8},
         {"service": fact_inbox(node_facts_from("*")), "account_token_position": 4},  # ndif.fact.node.<ntok>.<ntok>
         {"service": fact_inbox(replica_facts_from("*")), "account_token_position": 6},  # ndif.fact.replica.<m>.<r>.<ntok>
-        {"service": f"{JS_API}.DIRECT.GET.{REFUSED_STREAM}.{refused_subject('*')}", "account_token_position": 8},
+        {"service": f"{JS_API}.DIRECT.GET.{REFUSED_STREAM}.{refused_subject('*', '*')}", "account_token_position": 8},
         {"service": f"$KV.{hb}.*", "account_token_position": 3},
         {"service": f"{JS_API}.DIRECT.GET.{_kv(hb)}.$KV.{hb}.*", "account_token_position": 8},
     ]
@@ -276,16 +276,17 @@ def permissions(role: str, *, name: str = "", node_id: str = "", clients: tuple[
     if role == "controller":
         pub = [MODEL_EVENTS_ANY, REPLICA_DECISIONS_ANY, NODE_EVENTS_ANY, COMMAND_EVENTS_ANY, *events,
                # its fact gate: the facts stream in order, the admitted into the log, the refused kept
-               NODE_FACTS_ANY, REPLICA_FACTS_ANY, f"{REFUSED_PREFIX}.*",
+               NODE_FACTS_ANY, REPLICA_FACTS_ANY, f"{REFUSED_PREFIX}.*.*",
                f"{_API}.CONSUMER.MSG.NEXT.{FACTS_STREAM}.{FACT_GATE_CONSUMER}",
-               f"{_API}.CONSUMER.INFO.{FACTS_STREAM}.{FACT_GATE_CONSUMER}", f"$JS.ACK.{FACTS_STREAM}.>",
+               f"{_API}.CONSUMER.INFO.{FACTS_STREAM}.{FACT_GATE_CONSUMER}",
+               f"$JS.ACK.{FACTS_STREAM}.{FACT_GATE_CONSUMER}.>",
                *_read_stream(_kv(HEARTBEATS_BUCKET)), *_snapshot_writer(),
                f"{_API}.STREAM.INFO.{REQUESTS_STREAM}", f"{_API}.STREAM.INFO.{_kv(REQUEST_STATUS_BUCKET)}",
                f"{_API}.STREAM.INFO.{_obj(RESULTS_BUCKET)}", f"{_API}.STREAM.INFO.{_obj(SNAPSHOTS_BUCKET)}"]
         sub = [COMMANDS_ANY, FIGURES_ANY, inbox]
     elif role == "dispatcher":
         pub = [fact_inbox(replica_facts_from(DISPATCHER_SOURCE)), f"{_API}.DIRECT.GET.{FACTS_STREAM}",  # its facts, read back
-               f"{_API}.DIRECT.GET.{REFUSED_STREAM}.{refused_subject(DISPATCHER_SOURCE)}",  # and the gate's refusals
+               f"{_API}.DIRECT.GET.{REFUSED_STREAM}.{refused_subject(DISPATCHER_SOURCE, '*')}",  # the gate's refusals
                command_subject("deploy"), FIGURES_ANY, STATUS_ALL, REPLICA_CALLS_ALL,
                f"$KV.{REQUEST_STATUS_BUCKET}.>", f"$O.{RESULTS_BUCKET}.>", *events,
                *_read_stream(_kv(REQUEST_STATUS_BUCKET)), *_read_stream(_obj(RESULTS_BUCKET)),

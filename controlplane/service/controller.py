@@ -360,6 +360,8 @@ class Controller:
     async def _refold(self, state: ClusterState) -> None:
         """The log went back (a store that lost its tail, or restored): decide from what it holds now."""
         self.state.become(state)
+        if self.snapshots is not None:  # snapshots past the log's end name a past it no longer holds
+            await self.snapshots.start(state.seq)
         logger.warning("controller_refolded", seq=state.seq)
         self.place_unplaced_soon()
 

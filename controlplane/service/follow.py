@@ -47,8 +47,12 @@ async def follow_log(log: EventLog, next_seq: Callable[[], int], on_batch: Calla
     restored) is folded again from the start and handed to `refold`, which takes it in place of the
     service's fold and acts on what the log holds now; without `refold` the error is raised.
     """
+    rewound = False
     while True:
         try:
+            if rewound:  # folded again inside the loop: a failure here is retried like the feed's
+                await refold(await catch_up(log))  # type: ignore[misc]
+                rewound = False
             async for batch in log.follow_batches(next_seq()):
                 mark = next_seq() - 1
                 on_batch(batch)
@@ -60,7 +64,7 @@ async def follow_log(log: EventLog, next_seq: Callable[[], int], on_batch: Calla
             logger.error("log_rewound", folded_seq=exc.folded_seq, last_seq=exc.last_seq, error=str(exc))
             if refold is None:
                 raise
-            await refold(await catch_up(log))
+            rewound = True
         except InfrastructureError as exc:
             logger.warning("follow_interrupted", error=str(exc))
             await asyncio.sleep(retry_s)

@@ -343,7 +343,7 @@ class NodeAgent:
         knows (or wants here) is killed, with a warning, as on a start (`_adopt`); a node the log no
         longer holds joins again."""
         self.state.become(state)
-        self._done.clear()  # marks name positions of the log as it was
+        self._done.clear()  # its marks name positions (since_seq) of the log as it was
         self.logger.warning("agent_refolded", seq=state.seq)
         await self._adopt()
         if self.node_id not in self.state.nodes or not self.state.nodes[self.node_id].alive:

@@ -138,13 +138,14 @@ async def gate_decided(nc: Any, subject: str, facts_seq: int, timeout: float = 1
     async with asyncio.timeout(timeout):
         while True:
             with contextlib.suppress(nats.js.errors.NotFoundError):
+                r = await js.get_msg(REFUSED_STREAM, subject=refused_subject(subject.rsplit(".", 1)[-1], facts_seq),
+                                     direct=True)
+                assert decode_refusal(r.data).facts_seq == facts_seq
+                return 0
+            with contextlib.suppress(nats.js.errors.NotFoundError):
                 m = await js.get_msg(EVENTS_STREAM, subject=log_subject, direct=True)
                 if m.headers and m.headers.get(HDR_FACT_SEQ) == str(facts_seq):
                     return int(m.seq or 0)
-            with contextlib.suppress(nats.js.errors.NotFoundError):
-                r = await js.get_msg(REFUSED_STREAM, subject=refused_subject(subject.rsplit(".", 1)[-1]), direct=True)
-                if decode_refusal(r.data).facts_seq == facts_seq:
-                    return 0
             await asyncio.sleep(0.01)
 
 
@@ -220,7 +221,7 @@ async def test_junk_on_an_agents_own_fact_subjects_never_enters_the_log(url: str
         # Node A's agent reads its own refusals; node B's are not its to read.
         js = mallory.jetstream(prefix=IMPORTED_JS_API)
         with pytest.raises((nats.errors.NoRespondersError, nats.errors.TimeoutError, nats.js.errors.Error)):
-            await js.get_msg(REFUSED_STREAM, subject=refused_subject(node_token(NODE_B)), direct=True)
+            await js.get_msg(REFUSED_STREAM, subject=refused_subject(node_token(NODE_B), 1), direct=True)
     finally:
         await mallory.close()
         await admin.close()

@@ -162,7 +162,7 @@ def _asks(c: Creds) -> list[tuple[str, bytes, bool]]:
         return [(f"ndif.fact.node.{A}.{A}", encode_event(ev), True),  # an append's publish ack (NDIF_FACTS)
                 (f"$KV.{HEARTBEATS_BUCKET}.{A}", NODE_A.encode(), True),  # its heartbeat's ack
                 (f"{api}.DIRECT.GET.{FACTS_STREAM}", b'{"seq": 1}', True),  # a fact read back
-                (f"{api}.DIRECT.GET.{REFUSED_STREAM}.ndif.refused.{A}", b"", True),  # the gate's last refusal of it
+                (f"{api}.DIRECT.GET.{REFUSED_STREAM}.ndif.refused.{A}.2", b"", True),  # the gate's last refusal of it
                 (f"{api}.DIRECT.GET.KV_{HEARTBEATS_BUCKET}.$KV.{HEARTBEATS_BUCKET}.{A}", b"", True), *reads]
     return [*reads, (f"{api}.CONSUMER.LIST.{REQUESTS_STREAM}", b"{}", True), ("ndif.dispatcher.state", b"", False)]
 

@@ -163,21 +163,22 @@ async def _admitted(js: JetStreamContext, ev: Event, facts_seq: int, timeout: fl
     message on its subject came from there at that sequence or later (the gate keeps their order),
     or the gate's last refusal of its source names it (FactRefused)."""
     subject = event_subject(ev)
-    refusals = refused_subject(subject.rsplit(".", 1)[-1])
+    refusal_subject = refused_subject(subject.rsplit(".", 1)[-1], facts_seq)
     loop = asyncio.get_running_loop()
     deadline, pause = loop.time() + timeout, 0.0005
     while True:
+        # The refusal first: the gate decides facts in order and keeps a refusal before it takes the
+        # next fact, so a later fact of this subject in the log says nothing of this one until then.
+        with contextlib.suppress(nats.js.errors.NotFoundError, nats.errors.TimeoutError, msgspec.DecodeError,
+                                 nats.errors.NoRespondersError):
+            raw = await js.get_msg(REFUSED_STREAM, subject=refusal_subject, direct=True)
+            refusal = decode_refusal(raw.data or b"")
+            raise FactRefused(f"{event_tag(ev)} refused by the fact gate: {refusal.reason}; it is not in the log")
         with contextlib.suppress(nats.js.errors.NotFoundError, nats.errors.TimeoutError):
             raw = await js.get_msg(EVENTS_STREAM, subject=subject, direct=True)  # the last on it
             seq = (raw.headers or {}).get(HDR_FACT_SEQ, "")
             if seq.isdigit() and int(seq) >= facts_seq:
                 return
-        with contextlib.suppress(nats.js.errors.NotFoundError, nats.errors.TimeoutError, msgspec.DecodeError,
-                                 nats.errors.NoRespondersError):
-            raw = await js.get_msg(REFUSED_STREAM, subject=refusals, direct=True)
-            refusal = decode_refusal(raw.data or b"")
-            if refusal.facts_seq == facts_seq:
-                raise FactRefused(f"{event_tag(ev)} refused by the fact gate: {refusal.reason}; it is not in the log")
         if loop.time() > deadline:
             raise InfrastructureTimeout(
                 f"{event_tag(ev)} is stored in {FACTS_STREAM} (seq {facts_seq}) but the fact gate has not admitted "

@@ -26,8 +26,9 @@ from nats.js import JetStreamContext
 
 from controlplane.core.facts import Verdict, admit
 from controlplane.core.projections.cluster import ClusterState
+from schemas.errors import InfrastructureError
 from schemas.events import encode_event, event_headers, event_subject
-from schemas.refusals import FactRefusal, decode_refusal, encode_refusal
+from schemas.refusals import MAX_REASON_CHARS, FactRefusal, decode_refusal, encode_refusal
 from schemas.subjects import FACT_GATE_CONSUMER, FACTS_STREAM, HDR_FACT_SEQ, REFUSED_STREAM, refused_subject
 
 logger = structlog.get_logger("ndif.factgate")
@@ -59,6 +60,7 @@ class FactGate:
 
     async def run(self) -> None:
         while True:
+            sub = None
             try:
                 sub = await self.js.pull_subscribe_bind(durable=FACT_GATE_CONSUMER, stream=FACTS_STREAM)
                 while True:
@@ -71,20 +73,29 @@ class FactGate:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - the server away, the consumer missing: try again
-                logger.warning("fact_gate_retry", error=f"{type(exc).__name__}: {exc}")
+                logger.warning("fact_gate_retry", error=f"{type(exc).__name__}: {exc}",
+                               hint=f"the consumer {FACT_GATE_CONSUMER} of {FACTS_STREAM} is made by `ndif up`")
                 await asyncio.sleep(1.0)
+            finally:
+                if sub is not None:
+                    with contextlib.suppress(Exception):
+                        await sub.unsubscribe()
 
     async def _one(self, msg: Msg) -> None:
         facts_seq = msg.metadata.sequence.stream
         verdict = admit(msg.subject, msg.data, self.state())
         if verdict.unknown:
-            with contextlib.suppress(TimeoutError, nats.errors.TimeoutError):
+            try:
                 await asyncio.wait_for(self.caught_up(), CATCH_UP_S)
+            except (TimeoutError, nats.errors.TimeoutError, InfrastructureError):
+                # The fold could not reach the log's end: undecided, not refused (given again soon).
+                await msg.nak(delay=1.0)
+                return
             verdict = admit(msg.subject, msg.data, self.state())
         if verdict.event is not None:
             await self._append(verdict, facts_seq)
-        else:
-            await self._refuse(msg, verdict.problem, facts_seq)
+        elif not await self._refuse(msg, verdict.problem, facts_seq):
+            return  # the refusal is not kept: undecided, the fact is given again after the ack wait
         await msg.ack_sync(timeout=self.timeout)
 
     async def _append(self, verdict: Verdict, facts_seq: int) -> None:
@@ -96,19 +107,22 @@ class FactGate:
         ack = _ack.decode(reply.data)
         if ack.error is not None:
             # Not acked: the consumer gives the fact again after its ack wait.
-            raise RuntimeError(f"the log refused an admitted fact (facts seq {facts_seq}): {ack.error}")
+            raise InfrastructureError(f"the log refused an admitted fact (facts seq {facts_seq}): {ack.error}")
         self.admitted += 1
 
-    async def _refuse(self, msg: Msg, problem: str, facts_seq: int) -> None:
+    async def _refuse(self, msg: Msg, problem: str, facts_seq: int) -> bool:
+        """Keep the refusal (True once kept); the fact never enters the log."""
         source = msg.subject.rsplit(".", 1)[-1]
-        refusal = FactRefusal(facts_seq=facts_seq, subject=msg.subject, source=source, reason=problem,
-                              size=len(msg.data), ts=datetime.now(UTC))
-        self.refused += 1
+        refusal = FactRefusal(facts_seq=facts_seq, subject=msg.subject[:MAX_REASON_CHARS], source=source,
+                              reason=problem, size=len(msg.data), ts=datetime.now(UTC))
         logger.warning("fact_refused", source=source, subject=msg.subject, facts_seq=facts_seq, reason=problem)
         try:
-            await self.js.publish(refused_subject(source), encode_refusal(refusal), timeout=self.timeout)
-        except (nats.js.errors.Error, nats.errors.Error) as exc:  # the fact stays out of the log all the same
+            await self.js.publish(refused_subject(source, facts_seq), encode_refusal(refusal), timeout=self.timeout)
+        except (nats.js.errors.Error, nats.errors.Error) as exc:
             logger.error("fact_refusal_not_kept", source=source, facts_seq=facts_seq, error=str(exc))
+            return False
+        self.refused += 1
+        return True
 
 
 class Refusals(msgspec.Struct, frozen=True):

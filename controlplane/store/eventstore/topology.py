@@ -57,6 +57,9 @@ FACTS_MAX_MSG_BYTES = FACT_MAX_BYTES
 REFUSED_MAX_MSGS = 10_000
 REFUSED_MAX_BYTES = 16 << 20
 REFUSED_MAX_AGE_S = 7 * 24 * 3600.0
+# Longer than the gate's longest decision (a fold's catch-up, an append, the ack): a fact is given
+# again only when its gate died, never while it is still being decided.
+GATE_ACK_WAIT_S = 30.0
 # A node's heartbeat is a few hundred bytes; the bucket refuses one over this.
 HEARTBEAT_MAX_VALUE_BYTES = 4 * 1024
 
@@ -176,7 +179,7 @@ async def _ensure_gate_consumer(js: JetStreamContext, start: int | None) -> None
     """The gate's durable consumer of the facts stream, from `start` (None: the first fact)."""
     cfg = api.ConsumerConfig(
         durable_name=FACT_GATE_CONSUMER, ack_policy=api.AckPolicy.EXPLICIT, max_ack_pending=1,
-        ack_wait=10.0, max_deliver=-1, inactive_threshold=None,
+        ack_wait=GATE_ACK_WAIT_S, max_deliver=-1, inactive_threshold=None,
         deliver_policy=api.DeliverPolicy.ALL if start is None else api.DeliverPolicy.BY_START_SEQUENCE,
         opt_start_seq=start, description=f"the controller's fact gate into {EVENTS_STREAM}")
     try:
@@ -201,7 +204,7 @@ def events_config(replicas: int) -> api.StreamConfig:
 def refused_config(replicas: int) -> api.StreamConfig:
     """The gate's refusals: bounded, the oldest dropped first, never part of the log."""
     return api.StreamConfig(
-        name=REFUSED_STREAM, subjects=[f"{REFUSED_PREFIX}.*"], retention=api.RetentionPolicy.LIMITS,
+        name=REFUSED_STREAM, subjects=[f"{REFUSED_PREFIX}.*.*"], retention=api.RetentionPolicy.LIMITS,
         storage=api.StorageType.FILE, num_replicas=replicas, allow_direct=True, discard=api.DiscardPolicy.OLD,
         max_msgs=REFUSED_MAX_MSGS, max_bytes=REFUSED_MAX_BYTES, max_age=REFUSED_MAX_AGE_S, max_msg_size=4096,
         description=f"observed facts the fact gate kept out of {EVENTS_STREAM}, and why",
