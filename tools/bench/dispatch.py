@@ -12,6 +12,8 @@ One run, one machine, 2 no-op replicas (real ModelActors of a tiny checkpoint an
      (a replica evicted to WARM and scaled back, repeatedly);
  (a') (a) again with the dispatcher's replica calls made through Ray instead of the replicas' NATS
      endpoints (NDIF_REPLICA_LINK=ray): what the endpoint saves, as extra `ray_link_*` figures.
+With `--sync both` the whole run is made twice, on a server of each sync setting (`2m` second); figures
+under `2m` get keys ending in `_nosync`.
 The last line printed is one JSON object with the figures.
 
 The dispatcher runs in its own process (`ndif dispatcher`), as deployed; the controller and agent
@@ -20,6 +22,7 @@ in this one, the SDK in both (see (a)). With `--auth` the server has the users a
 agent (and its replicas' endpoints), the controller and the admin as their roles.
 
     python tools/bench/dispatch.py [--requests 2000] [--rounds 5] [--single 400] [--cycles 20] [--in-process] [--auth]
+                                   [--sync always|2m|both]
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ from controlplane.service.logs import configure
 configure("ERROR")
 logging.getLogger("ray").setLevel(logging.ERROR)
 
-from benchkit import Child, answer, commands, pct  # noqa: E402
+from benchkit import SYNC_CHOICES, Child, add_sync_option, answer, commands, pct, sync_suffix  # noqa: E402
 
 from controlplane.ops.auth import LocalAuth, ensure_local  # noqa: E402
 from controlplane.ops.nats_server import EmbeddedNats  # noqa: E402
@@ -152,14 +155,15 @@ def _serve_loop() -> asyncio.AbstractEventLoop:
     return _loop
 
 
-async def main(a: argparse.Namespace) -> dict[str, float]:
+async def main(a: argparse.Namespace, sync: str) -> dict[str, float]:
+    print(f"sync_interval {sync}:", flush=True)
     tmp = Path(tempfile.mkdtemp(prefix="ndif-bench-"))
     auth: LocalAuth | None = ensure_local(["bench-node"], clients=["bench"], home=tmp / "home") if a.auth else None
 
     def role(name: str) -> Creds | None:
         return auth.role(name) if auth else None
 
-    srv = EmbeddedNats(tmp / "nats", config_file=auth.config_path if auth else None)
+    srv = EmbeddedNats(tmp / "nats", config_file=auth.config_path if auth else None, sync_interval=sync)
     await srv.astart()
     url = srv.url
     log = await JetStreamEventLog.open(url, creds=role("admin"))
@@ -314,7 +318,12 @@ if __name__ == "__main__":
                    help="run the dispatcher in the benchmark's process (default: its own, as deployed)")
     p.add_argument("--auth", action="store_true",
                    help="users and accounts as `ndif up` configures them, each part connected as its role")
-    res = asyncio.run(main(p.parse_args()))
+    add_sync_option(p)
+    args = p.parse_args()
+    res: dict[str, float] = {}
+    for sync in SYNC_CHOICES[args.sync]:
+        res |= {k + sync_suffix(sync): v for k, v in asyncio.run(main(args, sync)).items()}
     keys = ["ours_rps", "ray_serve_rps", "raw_ray_rps", "throughput_ratio_vs_serve", "p50_overhead_ms",
             "p99_overhead_ms", "event_to_worker_p99_ms"]
+    keys = [k for k in keys if k in res]
     print(json.dumps({k: round(res[k], 3) for k in [*keys, *sorted(set(res) - set(keys))]}))

@@ -6,9 +6,12 @@ Starts its own nats-server (file storage, temp dir) and measures, in one run:
      publishes (`Nats-Expected-Last-Sequence`) of the same events;
  (c) a projection rebuild (read + decode + fold) of >= 200,000 events vs a raw nats-py ordered
      consumer draining the same stream.
+(a) and (b) run on a server of each `--sync` setting (figures under `2m` get keys ending in `_nosync`;
+`decision_over_raw` is (a)'s p50 over its raw floor); (c) reads, so it runs once, on the first. Before
+them, `fsync_p50_ms` / `fsync_p99_ms`: a small append and `os.fsync` on the stores' filesystem.
 The last line printed is one JSON object with the figures.
 
-    python tools/bench/eventlog.py [--events 200000] [--decisions 2000]
+    python tools/bench/eventlog.py [--events 200000] [--decisions 2000] [--sync always|2m|both]
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import nats
-from benchkit import Envelope, ReplicaRef, bulk_append, pct
+from benchkit import SYNC_CHOICES, Envelope, ReplicaRef, add_sync_option, bulk_append, fsync_ms, pct, sync_suffix
 from nats.aio.msg import Msg
 from nats.js import api
 
@@ -117,8 +120,8 @@ async def bench_single_writer(log: JetStreamEventLog, decisions: int) -> dict[st
 
 async def bench_raw_decisions(url: str, decisions: int) -> dict[str, float]:
     """Floor for (a): plain nats-py, the same 1-5 message decisions as guarded atomic batches on a
-    file stream of the same settings. R1 file streams fsync every atomic commit (SyncAlways), so
-    this is the disk's price, not ours."""
+    file stream of the same settings, on the same server (so the same `sync_interval`). R1 file
+    streams fsync every atomic commit whatever that setting, so this is the disk's price, not ours."""
     import uuid
 
     nc = await nats.connect(url)
@@ -234,24 +237,43 @@ async def rebuild(url: str) -> tuple[float, ClusterState]:
     return state.seq / wall, state
 
 
+async def writes(args: argparse.Namespace, sync: str) -> dict[str, int | float]:
+    """(a) and (b) on a server of their own whose `sync_interval` is `sync`."""
+    out: dict[str, int | float] = {}
+    with tempfile.TemporaryDirectory(prefix="ndif-bench-") as tmp, \
+            EmbeddedNats(Path(tmp) / "a", sync_interval=sync) as srv:
+        async with await JetStreamEventLog.open(srv.url) as log:
+            print(f"(a) sync {sync}: single writer, decisions of 1-5 events with OCC ...", file=sys.stderr)
+            out |= await bench_single_writer(log, args.decisions)
+            out |= await bench_raw_decisions(srv.url, args.decisions)
+            out["decision_over_raw"] = out["decision_p50_ms"] / out["raw_decision_p50_ms"]
+            print(f"(b) sync {sync}: 16 concurrent commands, group commit vs guarded single publishes ...",
+                  file=sys.stderr)
+            gc, payloads = await bench_group_commit(log, args.per_client)
+            out |= gc
+            out |= await bench_baseline(log, payloads)
+            out["append_ratio"] = out["group_commit_events_per_s"] / out["baseline_guarded_publish_per_s"]
+    return out
+
+
 async def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--events", type=int, default=200_000, help="events in the rebuild stream (>= 200000)")
     ap.add_argument("--decisions", type=int, default=2000, help="decisions for the single-writer run")
     ap.add_argument("--per-client", type=int, default=150, help="decisions per client in the group-commit run")
+    add_sync_option(ap)
     args = ap.parse_args()
+    syncs = SYNC_CHOICES[args.sync]
     out: dict[str, int | float] = {}
-    with tempfile.TemporaryDirectory(prefix="ndif-bench-") as tmp, EmbeddedNats(Path(tmp) / "a") as srv:
-        async with await JetStreamEventLog.open(srv.url) as log:
-            print("(a) single writer, decisions of 1-5 events with OCC ...", file=sys.stderr)
-            out |= await bench_single_writer(log, args.decisions)
-            out |= await bench_raw_decisions(srv.url, args.decisions)
-            print("(b) 16 concurrent commands, group commit vs guarded single publishes ...", file=sys.stderr)
-            gc, payloads = await bench_group_commit(log, args.per_client)
-            out |= gc
-            out |= await bench_baseline(log, payloads)
-            out["append_ratio"] = out["group_commit_events_per_s"] / out["baseline_guarded_publish_per_s"]
-    with tempfile.TemporaryDirectory(prefix="ndif-bench-") as tmp, EmbeddedNats(Path(tmp) / "b") as srv:
+    with tempfile.TemporaryDirectory(prefix="ndif-bench-") as tmp:
+        lat = fsync_ms(Path(tmp))
+        out["fsync_p50_ms"], out["fsync_p99_ms"] = pct(lat, 50), pct(lat, 99)
+        print(f"fsync of a small append on {tmp}: p50 {out['fsync_p50_ms']:.2f} ms, p99 {out['fsync_p99_ms']:.2f} ms",
+              file=sys.stderr)
+    for sync in syncs:
+        out |= {k + sync_suffix(sync): v for k, v in (await writes(args, sync)).items()}
+    with tempfile.TemporaryDirectory(prefix="ndif-bench-") as tmp, \
+            EmbeddedNats(Path(tmp) / "b", sync_interval=syncs[0]) as srv:
         async with await JetStreamEventLog.open(srv.url) as log:
             print(f"(c) rebuild: writing {args.events} lifecycle events ...", file=sys.stderr)
             await fill(log, lifecycle_events(args.events))
@@ -275,6 +297,7 @@ async def main() -> None:
             "group_commit_events_per_s", "baseline_guarded_publish_per_s", "append_ratio", "rebuild_per_s",
             "raw_drain_per_s", "rebuild_ratio", "group_commit_turns", "group_commit_decisions",
             "raw_decision_p50_ms", "raw_decision_p99_ms", "rebuild_ratio_min", "rebuild_ratio_max"]
+    keys = [k for k in keys if k in out] + sorted(set(out) - set(keys))
     print(json.dumps({k: round(out[k], 3) if isinstance(out[k], float) else out[k] for k in keys}))
 
 
