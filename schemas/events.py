@@ -516,9 +516,10 @@ def is_sourced_fact(events: Sequence[Event], expected_last_seq: int | None) -> b
     return facts > 0
 
 
-# The largest observed fact a source may send (the facts stream refuses a larger one before it is
-# kept). The largest the agents write (a load failure's error, a node's cards) is a few KiB.
-FACT_MAX_BYTES: Final = 64 * 1024
+# The largest observed fact a source may send, and the largest canonical form the gate appends (the
+# facts stream refuses a larger one before it is kept): the log's limit less room for the gate's
+# headers, so an admitted fact always fits the log. The agents' largest is a few KiB.
+FACT_MAX_BYTES: Final = MAX_EVENT_BYTES - 4 * 1024
 
 # Facts only the agent of the node they are about observes (and may append).
 AGENT_FACTS: Final = frozenset({NodeJoined, ReplicaLoading, ReplicaLoaded, ReplicaLoadFailed, ReplicaCached,

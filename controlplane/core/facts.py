@@ -20,6 +20,7 @@ from schemas.events import (
     Skipped,
     author_problem,
     decode_or_skip,
+    encode_event,
     event_subject,
     event_tag,
 )
@@ -61,6 +62,9 @@ def admit(subject: str, data: bytes, state: ClusterState) -> Verdict:
     problem = author_problem(ev)
     if problem is not None:
         return _no(problem)
+    canonical = len(encode_event(ev))  # what the gate appends: defaults filled in, unknown fields gone
+    if canonical > FACT_MAX_BYTES:
+        return _no(f"{event_tag(ev)} is {canonical} bytes as stored, over the {FACT_MAX_BYTES} a fact may have")
     want = event_subject(ev)
     if want != log_subject:
         return _no(f"{event_tag(ev)} sent for {log_subject}, but its body belongs on {want}")

@@ -121,3 +121,19 @@ def test_no_bytes_raise_and_none_but_a_fact_get_in(body: bytes) -> None:
     assert (v.event is None) == bool(v.problem)
     if v.event is not None:
         assert v.event.__class__ in E.AGENT_FACTS | E.DISPATCHER_FACTS
+
+
+def test_a_fact_whose_stored_form_would_not_fit_the_log_is_refused() -> None:
+    """A body within the facts stream's bound whose canonical form (defaults filled in) is over it: were
+    it admitted, the log would refuse the append, and the gate would hold every later fact behind it."""
+    base = joined(A)
+    pad = FACT_MAX_BYTES - len(encode_event(base)) + 20
+    big = E.NodeJoined(**{**{f: getattr(base, f) for f in base.__struct_fields__}, "hostname": "h" * pad})
+    assert len(encode_event(big)) > FACT_MAX_BYTES
+    body = msgspec.json.decode(encode_event(big))
+    for default in ("model_key", "command_id", "correlation_id", "ray_node_id"):
+        body.pop(default)
+    raw = msgspec.json.encode(body)
+    assert len(raw) <= FACT_MAX_BYTES  # the facts stream takes it
+    v = admit(fact_inbox(event_subject(big)), raw, placed())
+    assert v.event is None and "as stored" in v.problem

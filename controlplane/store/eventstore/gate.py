@@ -24,17 +24,26 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
-from controlplane.core.facts import Verdict, admit
+from controlplane.core.facts import admit
 from controlplane.core.projections.cluster import ClusterState
 from schemas.errors import InfrastructureError
-from schemas.events import encode_event, event_headers, event_subject
+from schemas.events import AnyEvent, encode_event, event_headers, event_subject
 from schemas.refusals import MAX_REASON_CHARS, FactRefusal, decode_refusal, encode_refusal
-from schemas.subjects import FACT_GATE_CONSUMER, FACTS_STREAM, HDR_FACT_SEQ, REFUSED_STREAM, refused_subject
+from schemas.subjects import (
+    EVENTS_STREAM,
+    FACT_GATE_CONSUMER,
+    FACTS_STREAM,
+    HDR_FACT_SEQ,
+    REFUSED_STREAM,
+    refused_subject,
+)
 
 logger = structlog.get_logger("ndif.factgate")
 
 # How long an unknown replica's fact waits for the fold to reach the log's end before it is refused.
 CATCH_UP_S = 5.0
+# Deliveries of one fact the log did not answer before the gate refuses it (one fact holds the rest).
+GATE_TRIES = 5
 
 
 class _Ack(msgspec.Struct):
@@ -92,23 +101,33 @@ class FactGate:
                 await msg.nak(delay=1.0)
                 return
             verdict = admit(msg.subject, msg.data, self.state())
+        problem = verdict.problem
         if verdict.event is not None:
-            await self._append(verdict, facts_seq)
-        elif not await self._refuse(msg, verdict.problem, facts_seq):
+            try:
+                problem = await self._append(verdict.event, facts_seq)
+            except (TimeoutError, nats.errors.Error) as exc:
+                if msg.metadata.num_delivered < GATE_TRIES:
+                    raise  # the server away for a moment: the fact is given again after the ack wait
+                problem = f"not appended to the log after {GATE_TRIES} tries: {type(exc).__name__}: {exc}"
+        if problem and not await self._refuse(msg, problem, facts_seq):
             return  # the refusal is not kept: undecided, the fact is given again after the ack wait
         await msg.ack_sync(timeout=self.timeout)
 
-    async def _append(self, verdict: Verdict, facts_seq: int) -> None:
-        ev = verdict.event
-        assert ev is not None
+    async def _append(self, ev: AnyEvent, facts_seq: int) -> str:
+        """Append the admitted fact; "" once the log holds it, else why the log will not (a refusal:
+        given again, the same fact would be refused again, and would hold every later fact)."""
         hdr = event_headers(ev)
         hdr[HDR_FACT_SEQ] = str(facts_seq)
         reply = await self.nc.request(event_subject(ev), encode_event(ev), timeout=self.timeout, headers=hdr)
         ack = _ack.decode(reply.data)
         if ack.error is not None:
-            # Not acked: the consumer gives the fact again after its ack wait.
-            raise InfrastructureError(f"the log refused an admitted fact (facts seq {facts_seq}): {ack.error}")
+            return f"the log refused it: {ack.error}"
+        if ack.duplicate:  # its event id is in the log already (within the dedup window)
+            got = await self.js.get_msg(EVENTS_STREAM, ack.seq, direct=True)
+            if (got.headers or {}).get(HDR_FACT_SEQ) != str(facts_seq):
+                return f"its event id {ev.event_id!r} is in the log already (seq {ack.seq}): sent twice"
         self.admitted += 1
+        return ""
 
     async def _refuse(self, msg: Msg, problem: str, facts_seq: int) -> bool:
         """Keep the refusal (True once kept); the fact never enters the log."""
