@@ -8,7 +8,8 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import datetime
 from pathlib import Path
 from typing import Any, TypedDict
@@ -28,6 +29,21 @@ async def tiny_model_stack(tmp: Path, nats_dir: str, ray_nodes: int, num_cpus: i
     ray_adapter.start_local(ray_nodes, num_cpus=num_cpus)
     ckpt = str(make_tiny_gpt2(tmp / "tiny"))
     return srv, srv.url, ckpt, canonical_model_key(ckpt)
+
+
+async def in_flight(call: Callable[[], Awaitable[object]], total: int, width: int = 16) -> float:
+    """`total` awaited calls, `width` at a time: calls a second."""
+    done = 0
+
+    async def lane() -> None:
+        nonlocal done
+        while done < total:
+            done += 1
+            await call()
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(lane() for _ in range(width)))
+    return total / (time.perf_counter() - t0)
 
 
 def pct(xs: list[float], p: float) -> float:

@@ -48,7 +48,7 @@ from controlplane.service.logs import configure
 configure("ERROR")
 logging.getLogger("ray").setLevel(logging.ERROR)
 
-from benchkit import SYNC_CHOICES, Child, add_sync_option, answer, commands, pct, sync_suffix  # noqa: E402
+from benchkit import SYNC_CHOICES, Child, add_sync_option, answer, commands, in_flight, pct, sync_suffix  # noqa: E402
 
 from controlplane.ops.auth import LocalAuth, ensure_local  # noqa: E402
 from controlplane.ops.nats_server import EmbeddedNats  # noqa: E402
@@ -105,20 +105,6 @@ async def client_main(url: str, model: str, creds_path: str) -> None:
     async with Client(url, creds=creds) as c:
         async for cmd in commands():
             answer({"ms": await run_block(c, model, cmd["n"])} if cmd["op"] == "run" else {})
-
-
-async def in_flight(call: Any, total: int, width: int = 16) -> float:
-    done = 0
-
-    async def lane() -> None:
-        nonlocal done
-        while done < total:
-            done += 1
-            await call()
-
-    t0 = time.perf_counter()
-    await asyncio.gather(*(lane() for _ in range(width)))
-    return total / (time.perf_counter() - t0)
 
 
 class ServeNoop:

@@ -31,7 +31,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import nats
-from benchkit import SYNC_CHOICES, add_sync_option, fsync_ms, pct, sync_suffix
+from benchkit import SYNC_CHOICES, add_sync_option, fsync_ms, in_flight, pct, sync_suffix
 
 from controlplane.ops.nats_server import EmbeddedNats
 from controlplane.service.logs import configure
@@ -77,20 +77,6 @@ async def one_by_one(call: Callable[[], Awaitable[None]], n: int) -> tuple[list[
         await call()
         lat.append((time.perf_counter() - s) * 1000)
     return lat, n / (time.perf_counter() - t0)
-
-
-async def in_flight(call: Callable[[], Awaitable[None]], total: int, width: int = 16) -> float:
-    done = 0
-
-    async def lane() -> None:
-        nonlocal done
-        while done < total:
-            done += 1
-            await call()
-
-    t0 = time.perf_counter()
-    await asyncio.gather(*(lane() for _ in range(width)))
-    return total / (time.perf_counter() - t0)
 
 
 async def main(a: argparse.Namespace) -> dict[str, float]:
