@@ -109,7 +109,9 @@ async def test_a_sigkilled_dispatchers_requests_end_within_10s(base: dict[str, A
         async with Client(url) as c:
             payload = {"op": "forward", "input_ids": [[3, 1, 4, 1, 5]]}
             started = time.monotonic()
-            jobs = [await c.submit(str(tiny), payload) for _ in range(n)]
+            # All at once: submitted one by one, each synced write let the victim serve the first
+            # ones meanwhile, and fewer were held at the kill than the test needs.
+            jobs = list(await asyncio.gather(*(c.submit(str(tiny), payload) for _ in range(n))))
             print(f"\nsubmitted {n} in {time.monotonic() - started:.2f}s")
             async with asyncio.timeout(120):
                 while sum(kept.values()) < 10:
