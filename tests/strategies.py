@@ -183,6 +183,12 @@ def histories(draw: st.DrawFn, *, chaos: bool = True) -> list[E.Event]:
     return out
 
 
+def envelope(actor: str, n: list[int] = [0]) -> dict[str, object]:  # noqa: B006 - a counter for unique ids
+    """An event's envelope fields by `actor`, each with an id of its own (`**envelope(actor)`)."""
+    n[0] += 1
+    return {"event_id": f"e{n[0]}", "ts": datetime(2026, 11, 1, tzinfo=UTC), "actor": actor}
+
+
 def numbered(events: list[E.Event]) -> list[tuple[int, E.Event]]:
     return [(i + 1, e) for i, e in enumerate(events)]
 

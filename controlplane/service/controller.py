@@ -44,7 +44,7 @@ from controlplane.core.ports import EventLog, Stored
 from controlplane.core.projections import ClusterState
 from controlplane.service.clock import new_id, utcnow
 from controlplane.service.committer import GroupCommitter
-from controlplane.service.follow import catch_up, follow_log
+from controlplane.service.follow import catch_up, caught_up, follow_log
 from controlplane.service.parts import Connect, Parts, connect_url, given, start_or_stop
 from controlplane.service.registry import ModelRoots
 from controlplane.service.snapshots import SNAPSHOT_EVERY, SNAPSHOT_EVERY_S, SnapshotWriter
@@ -194,7 +194,7 @@ class Controller:
         make_gate = getattr(self.log, "fact_gate", None)
         if self.nc is not None and make_gate is not None:
             # Observed facts reach the log only through the gate (controlplane/store/eventstore/gate.py).
-            self.gate = make_gate(lambda: self.state, self._caught_up)
+            self.gate = make_gate(lambda: self.state, lambda: caught_up(self.log, lambda: self.state))
             self._tasks.append(asyncio.create_task(self.gate.run(), name="controller-fact-gate"))
         if self.nc is not None:
             self._tasks.append(asyncio.create_task(self._watch_heartbeats(self.nc), name="controller-heartbeats"))
@@ -344,13 +344,6 @@ class Controller:
         return len(res.events)
 
     # ---- the follower and the policies -------------------------------------------------------
-
-    async def _caught_up(self) -> None:
-        """Returns once the fold holds the log up to its end as of now."""
-        assert self.log is not None
-        end = await self.log.last_seq()
-        while self.state.seq < end:
-            await asyncio.sleep(0.01)
 
     async def _follow(self) -> None:
         assert self.log is not None

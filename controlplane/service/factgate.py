@@ -13,7 +13,7 @@ import structlog
 
 from controlplane.core.ports import Stored
 from controlplane.core.projections import ClusterState
-from controlplane.service.follow import catch_up, follow_log
+from controlplane.service.follow import catch_up, caught_up, follow_log
 from controlplane.service.tasks import cancel_and_wait
 
 logger = structlog.get_logger("ndif.factgate")
@@ -28,15 +28,10 @@ async def fact_gate(log: Any) -> AsyncIterator[Any]:
         for seq, item in batch:
             state.apply(seq, item)
 
-    async def caught_up() -> None:
-        end = await log.last_seq()
-        while state.seq < end:
-            await asyncio.sleep(0.01)
-
     async def refold(new: ClusterState) -> None:
         state.become(new)
 
-    gate = log.fact_gate(lambda: state, caught_up)
+    gate = log.fact_gate(lambda: state, lambda: caught_up(log, lambda: state))
     tasks = [asyncio.create_task(follow_log(log, lambda: state.seq + 1, on_batch, logger=logger, refold=refold),
                                  name="gate-follow"),
              asyncio.create_task(gate.run(), name="fact-gate")]

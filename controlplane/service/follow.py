@@ -29,6 +29,13 @@ async def catch_up(log: EventLog) -> ClusterState:
     return await rebuild(log)
 
 
+async def caught_up(log: EventLog, fold: Callable[[], Projection]) -> None:
+    """Returns once the service's fold holds the log up to its end as of the call."""
+    end = await log.last_seq()
+    while fold().seq < end:
+        await asyncio.sleep(0.01)
+
+
 async def follow_log(log: EventLog, next_seq: Callable[[], int], on_batch: Callable[[list[Stored]], None],
                      *, logger: Any, fold: Callable[[], Projection] | None = None, retry_s: float = RETRY_S,
                      refold: Callable[[ClusterState], Awaitable[None]] | None = None) -> None:

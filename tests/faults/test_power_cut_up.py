@@ -14,7 +14,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -28,7 +27,7 @@ from dataplane.client import Client
 from dataplane.node.watchdog import descendants
 from tests.checkpoints import TinyModels
 from tests.faults.test_power_cut import need_fuse
-from tests.integration.cluster import ndif
+from tests.integration.cluster import ndif, up_running
 from tools.lazyfs import LazyMount
 
 # `ndif up` twice, a replica loaded twice: about a minute; its own Ray (`starts_ray`).
@@ -50,11 +49,7 @@ class PoweredUp:
                 start_new_session=True)
 
     def wait_running(self, timeout: float = 180.0) -> None:
-        deadline = time.monotonic() + timeout
-        while "running" not in self.out.read_text():
-            assert self.proc.poll() is None, (self.out.read_text(), self.err.read_text()[-3000:])
-            assert time.monotonic() < deadline, "ndif up did not come up"
-            time.sleep(0.2)
+        up_running(self.proc, self.out, self.err, timeout)
 
     def cut(self) -> None:
         """Every process of it SIGKILLed at once, nats-server first: none shuts down on its own."""

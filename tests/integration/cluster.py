@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import subprocess
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -91,3 +93,12 @@ class Publisher:
     def __exit__(self, *exc: object) -> None:
         assert self.task is not None
         self.task.cancel()
+
+
+def up_running(proc: subprocess.Popen[bytes], out: Path, err: Path, timeout: float = 180.0) -> None:
+    """Wait until an `ndif up` whose output goes to `out` says it is running (fail if it exits first)."""
+    deadline = time.monotonic() + timeout
+    while "running" not in out.read_text():
+        assert proc.poll() is None, (out.read_text(), err.read_text()[-3000:])
+        assert time.monotonic() < deadline, "ndif up did not come up"
+        time.sleep(0.2)

@@ -29,7 +29,7 @@ from controlplane.store.eventstore import JetStreamEventLog
 from controlplane.store.heartbeats import STALE_S
 from dataplane.node.watchdog import _start_time, descendants
 from tests.checkpoints import TinyModels
-from tests.integration.cluster import ndif
+from tests.integration.cluster import ndif, up_running
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("starts_ray")]  # `ndif up` starts its own Ray
 
@@ -49,11 +49,7 @@ class Up:
                 stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=env)
 
     def wait_running(self, timeout: float = 180.0) -> None:
-        deadline = time.monotonic() + timeout
-        while "running" not in self.out.read_text():
-            assert self.proc.poll() is None, (self.out.read_text(), self.err.read_text()[-3000:])
-            assert time.monotonic() < deadline, "ndif up did not come up"
-            time.sleep(0.2)
+        up_running(self.proc, self.out, self.err, timeout)
 
     def stop(self) -> None:
         stop_process(self.proc, signal.SIGINT, 60)

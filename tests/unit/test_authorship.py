@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
-
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -14,25 +12,20 @@ from schemas.events import author_problem, event_subject, subject_problem
 from schemas.status import Level
 from schemas.status import ReplicaState as S
 from schemas.subjects import node_token, replica_subject
-from tests.strategies import MODELS, node_joined, numbered
+from tests.strategies import MODELS, envelope, node_joined, numbered
 
 M = MODELS[0]
 A, B = "node-a.cluster", "node-b.cluster"
 GB = 2**30
 
 
-def _env(actor: str, n: list[int] = [0]) -> dict[str, object]:  # noqa: B006 - a counter for unique ids
-    n[0] += 1
-    return {"event_id": f"e{n[0]}", "ts": datetime(2026, 11, 1, tzinfo=UTC), "actor": actor}
-
-
 def sched() -> E.ReplicaScheduled:
-    return E.ReplicaScheduled(**_env("controller:c"), model_key=M, replica_id=0, node_id=A, gpu_indices=(0,),
+    return E.ReplicaScheduled(**envelope("controller:c"), model_key=M, replica_id=0, node_id=A, gpu_indices=(0,),
                               bytes_per_gpu=10 * GB, source=Level.COLD)
 
 
 def loaded(actor: str = f"agent:{A}") -> E.ReplicaLoaded:
-    return E.ReplicaLoaded(**_env(actor), model_key=M, replica_id=0, node_id=A)
+    return E.ReplicaLoaded(**envelope(actor), model_key=M, replica_id=0, node_id=A)
 
 
 def run(*events: E.Event) -> ClusterState:
@@ -46,22 +39,22 @@ def test_a_fact_from_its_own_agent_folds() -> None:
 
 @pytest.mark.parametrize("actor", [f"agent:{B}", "cli:mallory", "controller:c", "dispatcher:d"])
 def test_a_fact_from_anyone_else_is_refused_and_flagged(actor: str) -> None:
-    s = run(sched(), loaded(), E.ReplicaFailed(**_env(actor), model_key=M, replica_id=0, node_id=A, error="forged"))
+    s = run(sched(), loaded(), E.ReplicaFailed(**envelope(actor), model_key=M, replica_id=0, node_id=A, error="forged"))
     assert s.replicas[(M, 0)].state is S.AVAILABLE  # the healthy replica is untouched
     assert s.anomaly_count == 1 and "only that node's agent" in s.anomalies[-1].message
 
 
 def test_a_ghost_node_joined_by_another_agent_is_refused() -> None:
-    ghost = E.NodeJoined(**_env(f"agent:{A}"), node_id="ghost", gpus=(E.GpuInfo(index=0, memory_bytes=GB),),
+    ghost = E.NodeJoined(**envelope(f"agent:{A}"), node_id="ghost", gpus=(E.GpuInfo(index=0, memory_bytes=GB),),
                          cpu_cache_bytes=0)
     s = run(ghost)
     assert "ghost" not in s.nodes and s.anomaly_count == 1
 
 
 def test_the_dispatcher_may_report_a_drain_but_nothing_else() -> None:
-    drained = E.ReplicaDrained(**_env("dispatcher:d"), model_key=M, replica_id=0, node_id=A)
+    drained = E.ReplicaDrained(**envelope("dispatcher:d"), model_key=M, replica_id=0, node_id=A)
     assert author_problem(drained) is None
-    assert author_problem(E.ReplicaUnloaded(**_env("dispatcher:d"), model_key=M, replica_id=0, node_id=A))
+    assert author_problem(E.ReplicaUnloaded(**envelope("dispatcher:d"), model_key=M, replica_id=0, node_id=A))
 
 
 def test_facts_without_an_authors_kind_still_fold() -> None:
@@ -73,7 +66,7 @@ def test_facts_without_an_authors_kind_still_fold() -> None:
 def test_observed_facts_are_stored_on_their_sources_subject() -> None:
     base = replica_subject(M, 0)
     assert event_subject(loaded()) == f"{base}.{node_token(A)}"
-    assert event_subject(E.ReplicaDrained(**_env("dispatcher:d"), model_key=M, replica_id=0, node_id=A)) == \
+    assert event_subject(E.ReplicaDrained(**envelope("dispatcher:d"), model_key=M, replica_id=0, node_id=A)) == \
         f"{base}.dispatcher"
     assert event_subject(sched()) == base  # decisions keep their subject
     assert event_subject(loaded(actor="agent")) == base  # unattributed: the old subject
@@ -82,7 +75,7 @@ def test_observed_facts_are_stored_on_their_sources_subject() -> None:
 @given(st.sampled_from([A, B, "x.y", "gpu-7"]), st.sampled_from([A, B, "x.y", "gpu-7"]))
 def test_a_fact_on_another_nodes_subject_is_caught(subject_node: str, body_node: str) -> None:
     """The server vouches for the subject (per-node permissions); a body about another node is refused."""
-    ev = E.ReplicaLoaded(**_env(f"agent:{body_node}"), model_key=M, replica_id=0, node_id=body_node)
+    ev = E.ReplicaLoaded(**envelope(f"agent:{body_node}"), model_key=M, replica_id=0, node_id=body_node)
     subject = f"{replica_subject(M, 0)}.{node_token(subject_node)}"
     assert (subject_problem(subject, ev) is None) == (subject_node == body_node)
     assert subject_problem(replica_subject(M, 0), ev) is None  # stored before subjects named their source

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
-
 import msgspec
 import pytest
 from hypothesis import given
@@ -15,27 +13,22 @@ from schemas import events as E
 from schemas.events import FACT_MAX_BYTES, encode_event, event_subject
 from schemas.status import Level
 from schemas.subjects import fact_inbox, fact_log_subject, node_facts_from, node_token
-from tests.strategies import MODELS, node_joined, numbered
+from tests.strategies import MODELS, envelope, node_joined, numbered
 
 M = MODELS[0]
 A, B = "node-a.cluster", "node-b.cluster"
 GB = 2**30
 
 
-def _env(actor: str, n: list[int] = [0]) -> dict[str, object]:  # noqa: B006 - a counter for unique ids
-    n[0] += 1
-    return {"event_id": f"e{n[0]}", "ts": datetime(2026, 11, 1, tzinfo=UTC), "actor": actor}
-
-
 def placed() -> ClusterState:
     """Node A and B joined; replica 0 of M scheduled on A."""
-    sched = E.ReplicaScheduled(**_env("controller:c"), model_key=M, replica_id=0, node_id=A, gpu_indices=(0,),
+    sched = E.ReplicaScheduled(**envelope("controller:c"), model_key=M, replica_id=0, node_id=A, gpu_indices=(0,),
                                bytes_per_gpu=10 * GB, source=Level.COLD)
     return fold(numbered([node_joined(A), node_joined(B), sched]), ClusterState())
 
 
 def joined(node: str) -> E.NodeJoined:
-    return E.NodeJoined(**_env(f"agent:{node}"), node_id=node, gpus=(E.GpuInfo(index=0, memory_bytes=80 * GB),),
+    return E.NodeJoined(**envelope(f"agent:{node}"), node_id=node, gpus=(E.GpuInfo(index=0, memory_bytes=80 * GB),),
                         cpu_cache_bytes=GB)
 
 
@@ -45,7 +38,7 @@ def sent(ev: E.Event) -> tuple[str, bytes]:
 
 
 def loaded(node: str = A, replica_id: int = 0, actor: str | None = None) -> E.ReplicaLoaded:
-    return E.ReplicaLoaded(**_env(f"agent:{node}" if actor is None else actor), model_key=M, replica_id=replica_id, node_id=node)
+    return E.ReplicaLoaded(**envelope(f"agent:{node}" if actor is None else actor), model_key=M, replica_id=replica_id, node_id=node)
 
 
 def test_a_fact_of_its_own_node_about_its_own_replica_is_admitted() -> None:
@@ -94,7 +87,7 @@ def test_a_fact_whose_author_may_not_state_it_is_refused(actor: str) -> None:
 
 
 def test_a_decision_is_no_fact() -> None:
-    sched = E.ReplicaScheduled(**_env(f"agent:{A}"), model_key=M, replica_id=1, node_id=A, gpu_indices=(0,),
+    sched = E.ReplicaScheduled(**envelope(f"agent:{A}"), model_key=M, replica_id=1, node_id=A, gpu_indices=(0,),
                                bytes_per_gpu=GB, source=Level.COLD)
     subject = fact_inbox(event_subject(loaded()))
     v = admit(subject, encode_event(sched), placed())
@@ -102,7 +95,7 @@ def test_a_decision_is_no_fact() -> None:
 
 
 def test_a_fact_over_its_bytes_is_refused() -> None:
-    big = E.ReplicaLoadFailed(**_env(f"agent:{A}"), model_key=M, replica_id=0, node_id=A, error="x" * FACT_MAX_BYTES)
+    big = E.ReplicaLoadFailed(**envelope(f"agent:{A}"), model_key=M, replica_id=0, node_id=A, error="x" * FACT_MAX_BYTES)
     v = admit(*sent(big), placed())
     assert v.event is None and "bytes" in v.problem
 
