@@ -97,9 +97,11 @@ class FactGate:
             try:
                 await asyncio.wait_for(self.caught_up(), CATCH_UP_S)
             except (TimeoutError, nats.errors.TimeoutError, InfrastructureError):
-                # The fold could not reach the log's end: undecided, not refused (given again soon).
-                await msg.nak(delay=1.0)
-                return
+                # The fold could not reach the log's end: undecided (given again soon), refused only
+                # after GATE_TRIES, so that no fact holds every later one for ever.
+                if msg.metadata.num_delivered < GATE_TRIES:
+                    await msg.nak(delay=1.0)
+                    return
             verdict = admit(msg.subject, msg.data, self.state())
         problem = verdict.problem
         if verdict.event is not None:
