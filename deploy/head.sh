@@ -17,7 +17,7 @@ SCRIPT=deploy/head.sh
 # shellcheck source=deploy/lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
-usage() { sed -n '2,15p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit "${1:-0}"; }
+usage() { help_text "${BASH_SOURCE[0]}"; exit "${1:-0}"; }
 
 cmd=${1:-}; [[ $cmd == start || $cmd == stop ]] || usage 2; shift
 ADDRESS= NODE_ID= INVENTORY= HOME_DIR=${NDIF_HOME:-$HOME/.ndif} RUN= RAY_PORT=6379 TOKEN= NATS_PORT=4222

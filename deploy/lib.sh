@@ -16,6 +16,9 @@ export RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S=${RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEO
 
 die() { echo "$SCRIPT: $*" >&2; exit 2; }
 
+# help_text FILE: the script's opening comment (after the #! line, up to its first line of code).
+help_text() { awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "$1"; }
+
 # fail MESSAGE: a start that went wrong half way: stop what this run started, then die.
 fail() { stop_all >/dev/null 2>&1 || true; die "$@"; }
 

@@ -15,7 +15,7 @@ SCRIPT=deploy/worker.sh
 # shellcheck source=deploy/lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
-usage() { sed -n '2,12p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit "${1:-0}"; }
+usage() { help_text "${BASH_SOURCE[0]}"; exit "${1:-0}"; }
 
 cmd=${1:-}; [[ $cmd == start || $cmd == stop ]] || usage 2; shift
 ADDRESS= NODE_ID= HEAD= NATS_URL= CREDS= TOKEN= GPUS= GPU_GIB=80 CACHE_GIB= POOL= RUN=${NDIF_HOME:-$HOME/.ndif}/run

@@ -105,6 +105,9 @@ class Autoscale(Command, frozen=True, kw_only=True, tag="autoscale"):
 AnyCommand = Union[Deploy, Scale, ScaleDown, Evict, Restart, Undeploy, Autoscale]
 VERBS: Final[tuple[str, ...]] = tuple(c.__struct_config__.tag for c in AnyCommand.__args__)  # type: ignore[attr-defined,misc]
 
+# How an operator raises the replica bounds, named in every refusal that cites them.
+RAISE_REPLICA_LIMITS = ("NDIF_MAX_REPLICAS_PER_MODEL / NDIF_MAX_REPLICAS_PER_COMMAND in the environment of "
+                        "`ndif up` or `ndif controller`, or `ndif controller --max-replicas-per-model/-per-command`")
 # Replica bounds. A controller is configured with its own (`ndif controller --max-replicas-per-model`,
 # env NDIF_MAX_REPLICAS_PER_MODEL / NDIF_MAX_REPLICAS_PER_COMMAND); these are the defaults.
 MAX_REPLICAS_PER_MODEL: Final = 128
@@ -172,7 +175,7 @@ def validate(cmd: AnyCommand, limits: Limits | None = None) -> AnyCommand:
                      "this controller's limit per command" if cap == limits.max_replicas_per_command
                      else "this controller's limit per model")
             raise InvalidCommand(f"--replicas {replicas} is above {which} ({cap} replicas); "
-                                 "ask for fewer (limits: `ndif controller --max-replicas-per-model/-per-command`)")
+                                 f"ask for fewer, or raise the limit: {RAISE_REPLICA_LIMITS}")
         if isinstance(cmd, ScaleDown) and replicas > ABSOLUTE_MAX_REPLICAS:
             raise InvalidCommand(f"--replicas {replicas} is above the absolute limit ({ABSOLUTE_MAX_REPLICAS})")
     if isinstance(cmd, Deploy) and cmd.size_bytes is not None and cmd.size_bytes <= 0:

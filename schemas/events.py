@@ -202,6 +202,21 @@ class NodeLost(Event, frozen=True, kw_only=True, tag="NodeLost"):
     reason: str = "heartbeat expired"
 
 
+class ClusterDown(Event, frozen=True, kw_only=True, tag="ClusterDown"):
+    """The cluster was off: nothing of it was heard from `down_from` (a controller's last mark of
+    life, or the log's last event where that is later) until `up_at` (a controller starting on this
+    log). Recorded once, by that controller at its start, when the gap passes its heartbeat grace:
+    timelines draw the span as "cluster down", not as the state the log held before it. Stored on
+    `ndif.evt.cmd.<ctok>` (its `command_id`), as the controller's own records are."""
+
+    down_from: datetime
+    up_at: datetime
+
+    @property
+    def down_s(self) -> float:
+        return max(0.0, (self.up_at - self.down_from).total_seconds())
+
+
 # ---- models (desired) --------------------------------------------------------------------------
 
 
@@ -388,7 +403,10 @@ class ReplicaCached(ReplicaEvent, frozen=True, kw_only=True, tag="ReplicaCached"
 
 
 class ReplicaUnloaded(ReplicaEvent, frozen=True, kw_only=True, tag="ReplicaUnloaded"):
-    """COLD: the actor is gone, nothing of the replica in memory."""
+    """COLD: the actor is gone, nothing of the replica in memory. `cache_lost`: it was WARM in the
+    log, but no process held its weights any more (its node or `ndif up` restarted)."""
+
+    cache_lost: bool = False
 
 
 class ReplicaRestarted(ReplicaEvent, frozen=True, kw_only=True, tag="ReplicaRestarted"):
@@ -405,6 +423,7 @@ AnyEvent = Union[
     NodeJoined,
     NodeLost,
     NodeDeclared,
+    ClusterDown,
     ModelRegistered,
     DeploymentRequested,
     PlacementRejected,
@@ -580,7 +599,7 @@ def event_subject(event: Event) -> str:
         return base if src is None else f"{base}.{src}"
     if isinstance(event, NodeLost):
         return node_subject(event.node_id)
-    if isinstance(event, NodeDeclared) or (isinstance(event, CommandDecided) and event.model_key is None):
+    if isinstance(event, NodeDeclared | ClusterDown) or (isinstance(event, CommandDecided) and event.model_key is None):
         return command_event_subject(event.command_id or event.event_id)
     if event.model_key is None:
         raise ValueError(f"{event_tag(event)} has no model_key; it has no subject")
@@ -602,8 +621,9 @@ def subject_problem(subject: str, item: AnyEvent | Skipped) -> str | None:
     """
     if item.__class__ is Skipped:
         return None
-    if item.__class__ is NodeDeclared and not subject.startswith(COMMAND_EVENTS_PREFIX):
-        return f"NodeDeclared stored on {subject}: the operator's declarations are stored on {COMMAND_EVENTS_PREFIX}*"
+    if item.__class__ in (NodeDeclared, ClusterDown) and not subject.startswith(COMMAND_EVENTS_PREFIX):
+        return (f"{event_tag(item)} stored on {subject}: the controller's own records are stored on "  # type: ignore[arg-type]
+                f"{COMMAND_EVENTS_PREFIX}*")
     if subject.startswith(NODE_EVENTS_PREFIX) or (subject.startswith(REPLICA_EVENTS_PREFIX) and subject.count(".") >= 5):
         if subject.count(".") == 3 and isinstance(item, NodeJoined | NodeLost):
             want = node_subject(item.node_id)

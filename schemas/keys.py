@@ -8,9 +8,12 @@ that is also our canonical form, so keys, actor names and logs stay compatible w
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import re
+from collections.abc import Iterable
+from itertools import islice
 
 from schemas.errors import InvalidCommand
 from schemas.guard import body_problem
@@ -144,3 +147,25 @@ def display_name(model_key: str) -> str:
     except InvalidCommand:
         return model_key
     return f"{repo}@{rev}" if rev else repo
+
+
+MAX_SUGGEST_FROM = 1000  # models a "did you mean" compares against (difflib is quadratic per pair)
+
+
+def closest_model(typed: str, known: Iterable[str]) -> str | None:
+    """The known model key a mistyped name most likely meant (a near path or repo id, or the full
+    name of a short one), or None. `known` are canonical keys; `typed` is what the user wrote."""
+    names = {display_name(k): k for k in islice(known, MAX_SUGGEST_FROM)}
+    t = typed.strip().rstrip("/")[:MAX_KEY_CHARS]
+    try:
+        t = display_name(canonical_model_key(t))
+    except InvalidCommand:
+        pass
+    if t in names:
+        return None  # not a typo: the model itself
+    shorts = {n.rsplit("/", 1)[-1]: n for n in names}
+    near = difflib.get_close_matches(t, list(names), n=1, cutoff=0.8)
+    if not near:
+        short = difflib.get_close_matches(t.rsplit("/", 1)[-1], list(shorts), n=1, cutoff=0.8)
+        near = [shorts[short[0]]] if short else []
+    return names[near[0]] if near else None

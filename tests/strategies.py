@@ -116,6 +116,10 @@ def any_event(draw: st.DrawFn) -> E.Event:
                                       figures=draw(st.none() | st.just(figures)),
                                       condition=draw(st.sampled_from(["", "up", "down", "idle"])),
                                       since=draw(st.none() | st.just(T0)))
+        case "ClusterDown":
+            gap = timedelta(seconds=draw(st.integers(21, 86_400)))
+            return E.ClusterDown(**{**_env(), "command_id": draw(st.sampled_from(["o1", "o2"]))},
+                                 down_from=T0, up_at=T0 + gap)
         case _:
             return E.EVENT_TYPES[kind](**_env(), **rep)  # type: ignore[call-arg]
 

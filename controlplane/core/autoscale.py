@@ -141,11 +141,12 @@ def _idle(m: ModelView, p: AutoscalePolicy, n: int, want: int, figures: QueueFig
     no watch (no event per request). A `down` watched before the model went idle goes on being
     watched (the load fell further), and either one held for `downscale_delay_s` takes the count
     part of the way, to `max(min_replicas, 1)`; `idle_after_s` of idle takes it to `min_replicas`.
-    Idle counts from the count's last raise at the earliest: a replica just brought back from zero
-    (by the dispatcher's provisioning, say) is not sent away on figures taken before its request."""
+    Idle counts at the earliest from when the policy was set, the count's last change by an
+    operator (or a dispatcher's provisioning) and the autoscaler's last raise: turning autoscaling
+    on never acts on idleness from before it, nor on figures taken before a replica came back."""
     held = figures.idle_s
-    if m.autoscale_raised_at is not None:  # figures older than the last raise do not show its cause
-        held = min(held, max(0.0, (now - m.autoscale_raised_at).total_seconds()))
+    if m.autoscale_idle_from is not None:
+        held = min(held, max(0.0, (now - m.autoscale_idle_from).total_seconds()))
     since = now - timedelta(seconds=held)
     down_held = (max(0.0, (now - m.autoscale_since).total_seconds())
                  if m.autoscale_condition == DOWN and m.autoscale_since is not None else 0.0)

@@ -39,7 +39,8 @@ def never_fits(state: ClusterState, needed_bytes: int) -> str | None:
     largest = max(n.max_card_bytes for n in with_gpus)
     return (f"the model can never be placed: the largest card is {gib(largest)} (node {big.node_id} has "
             f"{len(big.gpus)} card(s), {gib(sum(g.memory_bytes for g in big.gpus))} in all), the model needs "
-            f"{gib(needed_bytes)} (its size plus placement's headroom)")
+            f"{gib(needed_bytes)} (its size plus placement's headroom); no eviction can make room: it needs "
+            "a node whose cards can hold it")
 
 
 def capacity_mark(state: ClusterState, now_s: float, min_deploy_s: float = MIN_DEPLOY_S) -> tuple[object, ...]:

@@ -9,6 +9,7 @@ beyond JetStream's dedup window).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from datetime import datetime
 
 import msgspec
 
@@ -30,6 +31,7 @@ from controlplane.core.projections.replica import ReplicaView
 from controlplane.core.requirements import requirements_refusal
 from schemas.commands import (
     MAX_REPLICAS_PER_MODEL,
+    RAISE_REPLICA_LIMITS,
     AnyCommand,
     Autoscale,
     CommandResult,
@@ -46,6 +48,7 @@ from schemas.commands import (
 from schemas.errors import AlreadyDeployed, CommandIdConflict, InvalidCommand, NotFound, UnknownModel
 from schemas.events import (
     AutoscalePolicySet,
+    ClusterDown,
     CommandDecided,
     DeploymentRequested,
     Event,
@@ -108,7 +111,7 @@ def decide(state: ClusterState, cmd: AnyCommand, ctx: DecisionContext, *,
             if target > max_replicas_per_model:
                 raise InvalidCommand(
                     f"{display_name(cmd.model_key)} would have {target} replicas, above this controller's limit "
-                    f"of {max_replicas_per_model} per model (`ndif controller --max-replicas-per-model`)")
+                    f"of {max_replicas_per_model} per model; to raise it: {RAISE_REPLICA_LIMITS}")
             if target == current:
                 name = display_name(cmd.model_key)
                 body = []
@@ -133,6 +136,8 @@ def decide(state: ClusterState, cmd: AnyCommand, ctx: DecisionContext, *,
                         f"nothing to do: {name} has {hot} replica(s) wanted HOT, not more than {cmd.replicas}")
         case Evict():
             body = _evict(state, cmd, ctx)
+            if not body:
+                note = _evict_noop(state, cmd)
         case Restart():
             body = _restart(state, cmd, ctx)
             if not body:
@@ -322,6 +327,17 @@ def _evict(state: ClusterState, cmd: Evict, ctx: DecisionContext) -> list[Event]
     return events
 
 
+def _evict_noop(state: ClusterState, cmd: Evict) -> str:
+    """What an evict that changed nothing says: where the replicas already are, and the next step."""
+    pool = list(state.replicas.values()) if cmd.all else [
+        r for r in state.model_replicas(cmd.model_key or "") if cmd.replica_id in (None, r.replica_id)]
+    warm = sum(1 for r in pool if r.desired is Level.WARM)
+    where = f"no replica is wanted HOT ({warm} WARM in CPU memory, {len(pool) - warm} COLD on disk)"
+    hint = "; `ndif evict --cold` takes WARM replicas to COLD (disk), `ndif undeploy` forgets the model" if warm else ""
+    name = "the cluster" if cmd.all else display_name(cmd.model_key or "")
+    return f"nothing to do: {name}: {where}{hint}"
+
+
 def _restart(state: ClusterState, cmd: Restart, ctx: DecisionContext) -> list[Event]:
     pool = _known(state, cmd.model_key)
     if cmd.replica_id is not None:
@@ -461,6 +477,16 @@ def decide_inventory(state: ClusterState, inventory: Inventory, ctx: DecisionCon
         if state.declared.get(node_id) != want:
             out.append(ctx.event(NodeDeclared, node_id=node_id, node=want))
     return out
+
+
+def decide_outage(state: ClusterState, last_heard: datetime | None, ctx: DecisionContext, grace_s: float) -> list[Event]:
+    """A controller starting on this log: a `ClusterDown` when nothing of the cluster was heard for
+    longer than `grace_s` before now (`last_heard`: the newest heartbeat or event the server holds;
+    the log's own last event where that is later). None heard at all: a first start, no outage."""
+    last = max((t for t in (last_heard, state.max_ts) if t is not None), default=None)
+    if last is None or state.seq == 0 or (ctx.now - last).total_seconds() <= grace_s:
+        return []
+    return [ctx.event(ClusterDown, down_from=last, up_at=ctx.now)]
 
 
 def decide_unplaced(state: ClusterState, ctx: DecisionContext, *, headroom: float = PADDING,

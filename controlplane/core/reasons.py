@@ -38,6 +38,11 @@ def event_reason(item: E.Event) -> str:
             return f"error: {item.error}"
         case E.ReplicaLoaded():
             return f"in {item.load_seconds:.2f}s"
+        case E.ClusterDown():
+            return (f"cluster down {item.down_s:.0f} s: nothing heard from {item.down_from:%Y-%m-%d %H:%M:%S}Z "
+                    f"to {item.up_at:%H:%M:%S}Z")
+        case E.ReplicaUnloaded() if item.cache_lost:
+            return "its CPU copy was gone (no process held it after a restart): retired to COLD"
         case E.ReplicaCached():
             return f"{gib(item.cpu_bytes)} in the CPU cache"
         case E.ReplicaDrained():

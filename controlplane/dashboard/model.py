@@ -97,6 +97,36 @@ class Filter:
         return self.actor is None or (isinstance(item, Event) and self.actor in item.actor)
 
 
+DOWN = "down"  # a lifeline's phase while the cluster was off (`ClusterDown`)
+DOWN_STATE = "cluster down"
+
+
+def outage_spans(state: ClusterState, t0: float, t1: float) -> list[list[float]]:
+    """The spans the cluster was off (`ClusterDown`, as the log stood at `state`) within [t0, t1]."""
+    spans = ([o.down_from.timestamp(), o.up_at.timestamp()] for o in state.outages)
+    return [[max(a, t0), min(b, t1)] for a, b in spans if a < t1 and b > t0]
+
+
+def _cut_outages(segs: list[list[Any]], outages: list[list[float]]) -> list[list[Any]]:
+    """Each segment with the parts inside an outage made `down` segments of their own."""
+    if not outages:
+        return segs
+    out: list[list[Any]] = []
+    for seg in segs:
+        a, b = seg[0], seg[1]
+        cut = False
+        for oa, ob in outages:
+            if ob <= a or oa >= b:
+                continue
+            if oa > a:
+                out.append([a, oa, *seg[2:]])
+            out.append([max(a, oa), min(b, ob), DOWN, DOWN_STATE, *seg[4:]])
+            a, cut = min(b, ob), True
+        if b > a or not cut:  # what is left after the outages (a segment without any kept whole)
+            out.append([a, b, *seg[2:]])
+    return out
+
+
 class DashboardModel:
     """The live fold and the newest events. Single-threaded: call from one event loop."""
 
@@ -264,11 +294,13 @@ class DashboardModel:
             return self.floor_ts
         return self.max_ts[0] if self.max_ts and self.max_ts[0] != float("-inf") else None
 
-    def lifeline(self, model: str | None, seq: int, t0: float, t1: float) -> dict[str, Any]:
+    def lifeline(self, model: str | None, seq: int, t0: float, t1: float,
+                 outages: list[list[float]] | None = None) -> dict[str, Any]:
         """One line per replica over [t0, t1] as the log stood at `seq`, from the rows memory keeps:
         segments of one phase and state, each with the event that began it (its type, actor, command
         and the command's verb) and the decision behind it (the replica's latest step a command
-        caused, up to that event)."""
+        caused, up to that event). Within `outages` (`outage_spans`) a segment is cut and that part
+        is phase `down`: the log's last state before an outage is not what ran through it."""
         mk = self.resolve_model(model) if model else None
         lines = []
         for key, rows in self.replica_rows.items():
@@ -295,7 +327,7 @@ class DashboardModel:
                     continue
                 segs.append([max(start, t0), min(stop, t1), ph, st, lvl, desired, q, anomaly, decision])
             if segs:
-                lines.append((rows[n - 1][0], key, segs))
+                lines.append((rows[n - 1][0], key, _cut_outages(segs, outages or [])))
         truncated = max(0, len(lines) - MAX_LIFELINES)
         if truncated:  # the cluster's: the replicas that moved last
             lines = sorted(lines, key=lambda x: x[0])[-MAX_LIFELINES:]
@@ -306,7 +338,7 @@ class DashboardModel:
         decided = {sg[8] for _, _, segs in lines for sg in segs if sg[8] is not None}
         decisions = {q: {"seq": q, **self._cause(q)} for q in decided}
         return {"model_key": mk, "t0": t0, "t1": t1, "seq": min(seq, self.seq), "truncated": truncated,
-                "phases": list(PHASES), "kept_from": self.first_kept,
+                "phases": [*PHASES, DOWN], "kept_from": self.first_kept, "outages": outages or [],
                 "replicas": [{"model_key": k[0], "name": display_name(k[0]), "replica_id": k[1],
                               "segments": [{"t0": a, "t1": b, "phase": ph, "state": st, "level": lvl,
                                             "desired": des, "seq": q, "anomaly": an, **causes[q],

@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry
 
 from controlplane.core.projections import ClusterState
 from controlplane.dashboard.metrics import CONTENT_TYPE, render
-from controlplane.dashboard.model import BadQuery, DashboardModel, anomalies_json, int_param
+from controlplane.dashboard.model import BadQuery, DashboardModel, anomalies_json, int_param, outage_spans
 from controlplane.dashboard.past import Past
 from controlplane.dashboard.sampler import QueueSamples
 
@@ -80,7 +80,7 @@ def add_routes(app: web.Application, d: Served) -> None:
         seq, live, t1, st = await position(d, q)
         t0 = window(m, q, t1)
         points = query_int(q, "points", lo=10, hi=MAX_POINTS, default=DEFAULT_POINTS)
-        out: dict[str, Any] = {"seq": seq, "live": live, "t0": t0, "t1": t1}
+        out: dict[str, Any] = {"seq": seq, "live": live, "t0": t0, "t1": t1, "outages": outage_spans(st, t0, t1)}
         model = q.get("model")
         if model:
             mk = m.resolve_model(model[:2000])
@@ -99,9 +99,9 @@ def add_routes(app: web.Application, d: Served) -> None:
     async def lifeline(request: web.Request) -> web.StreamResponse:
         q = request.query
         m = d.model
-        seq, live, t1, _ = await position(d, q)
+        seq, live, t1, st = await position(d, q)
         t0 = window(m, q, t1)
-        body = m.lifeline((q.get("model") or "")[:2000] or None, seq, t0, t1)
+        body = m.lifeline((q.get("model") or "")[:2000] or None, seq, t0, t1, outage_spans(st, t0, t1))
         body["live"] = live
         return _json(body)
 

@@ -22,7 +22,9 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import msgspec
+import nats.errors
 
+from controlplane.core.capacity import never_fits
 from controlplane.core.placement import PADDING
 from controlplane.core.projections import ClusterState
 from controlplane.core.reasons import event_reason
@@ -40,7 +42,7 @@ from schemas.autoscale import AutoscalePolicy
 from schemas.commands import MAX_HEADROOM, CommandResult, ReplicaOutcome
 from schemas.events import Event, ReplicaEvent, RolloutUpdated, Skipped, event_tag
 from schemas.inventory import parse_requirements
-from schemas.keys import canonical_model_key, display_name
+from schemas.keys import canonical_model_key, closest_model, display_name
 from schemas.status import Level, ReplicaState
 from schemas.subjects import REFUSED_STREAM, replica_logs_subject
 from schemas.units import GiB, gib
@@ -112,13 +114,23 @@ async def _short_name_hint(admin: AdminClient, name: str | None) -> str | None:
     if not name:
         return None
     try:
-        mk = resolve_name(await admin.state(), name)
-        typed = canonical_model_key(name)
+        state = await admin.state()
     except errs.NdifError:
         return None
-    if mk == typed:
+    try:
+        mk: str | None = resolve_name(state, name)
+    except errs.NdifError:
+        mk = closest_model(name, [k for k in state.models if k not in state.undeployed])
+    if mk is None or mk == _canonical_or_none(name):
         return None
     return f"did you mean {display_name(mk)}? (commands take the full repo id or path)"
+
+
+def _canonical_or_none(name: str) -> str | None:
+    try:
+        return canonical_model_key(name)
+    except errs.InvalidCommand:
+        return None
 
 
 async def _command_on(a: argparse.Namespace, admin: AdminClient) -> int:
@@ -158,8 +170,9 @@ async def _command_on(a: argparse.Namespace, admin: AdminClient) -> int:
     if not res.ok:  # placed fewer than asked: the decision stands, the exit code says it fell short
         code = EXIT_PLACED_NONE if res.placed == 0 else EXIT_PLACED_SOME
         if not a.json:
-            print(f"error: placed {res.placed} of {res.asked} replica(s); the rest found no room "
-                  "(free memory with `ndif evict` / `ndif scale-down`, or add nodes)", file=sys.stderr)
+            hint = _room_hint(await admin.state(), res)
+            print(f"error: placed {res.placed} of {res.asked} replica(s); the rest found no room ({hint})",
+                  file=sys.stderr)
     if getattr(a, "wait", False) and res.replicas:
         state = await admin.wait(res, timeout=a.wait_timeout)
         rollout = next((e for _, e in [p async for p in admin.log.read(res.first_seq, stop_seq=res.last_seq)]
@@ -200,6 +213,17 @@ async def _command_on(a: argparse.Namespace, admin: AdminClient) -> int:
     return code
 
 
+def _room_hint(state: ClusterState, res: CommandResult) -> str:
+    """What would make room for a short placement: evicting only helps where a node could hold it."""
+    if not any(n.alive for n in state.nodes.values()):
+        return "no node is up: start one with `ndif up` or `ndif agent`; `ndif status` lists the nodes"
+    for r in res.rejections:
+        never = never_fits(state, r.needed_bytes)
+        if never is not None:
+            return never
+    return "free memory with `ndif evict` / `ndif scale-down`, or add nodes"
+
+
 def duration_arg(text: str) -> float:
     """A duration: seconds (`300`, `5s`), minutes (`5m`) or hours (`1h`)."""
     t = text.strip().lower()
@@ -211,6 +235,19 @@ def duration_arg(text: str) -> float:
     if not 0 <= value < float("inf"):  # also refuses nan; the policy bounds each delay further
         raise argparse.ArgumentTypeError(f"{text!r}: a duration is 0 or more")
     return value
+
+
+def seq_arg(text: str) -> int:
+    """A log sequence number: 1 or more (a negative one is not "the last N": `ndif history --limit N` is)."""
+    try:
+        seq = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a sequence number (1 or more)") from None
+    if seq < 1:
+        raise argparse.ArgumentTypeError(
+            f"{seq} is not a sequence number (they start at 1); for the newest events of a model use "
+            "`ndif history MODEL --limit N`, or `ndif status` for the log's last sequence")
+    return seq
 
 
 def _policy(a: argparse.Namespace) -> AutoscalePolicy:
@@ -242,28 +279,63 @@ async def _status(a: argparse.Namespace, admin: AdminClient) -> int:
     view = _Status(a, admin, model)
     await view.show(state)
     if a.watch:
-        # Redraw on every batch of events and on a tick: a dead node's heartbeat age must keep growing
-        # on screen although nothing is appended.
-        batches = admin.log.follow_batches(state.seq + 1).__aiter__()
-        nxt: asyncio.Task[Any] | None = None
-        try:
-            while True:
-                nxt = nxt or asyncio.ensure_future(batches.__anext__())
-                done, _ = await asyncio.wait({nxt}, timeout=WATCH_TICK_S)
-                if done:
-                    for seq, item in nxt.result():
-                        state.apply(seq, item)
-                        if model is not None and isinstance(item, Event) and item.model_key == model:
-                            view.recent = [*view.recent, (seq, item)][-RECENT_EVENTS:]
-                    nxt = None
-                if not a.json:
-                    # clear the screen on a terminal only; a pipe or file gets the views one after another
-                    sys.stdout.write("\x1b[2J\x1b[H" if sys.stdout.isatty() else "\n")
-                await view.show(state, reread=False)
-        finally:
-            if nxt is not None:
-                nxt.cancel()
+        configure("ERROR")  # the watch says itself, in one line, when the cluster goes and comes back
+        while True:
+            try:
+                await _follow(a, admin, view, state)
+            except (nats.errors.Error, errs.InfrastructureError, OSError) as exc:
+                state = await _outage(a, admin, view, exc)
     return 0
+
+
+async def _follow(a: argparse.Namespace, admin: AdminClient, view: _Status, state: ClusterState) -> None:
+    """Redraw on every batch of events and on a tick: a dead node's heartbeat age must keep growing
+    on screen although nothing is appended. Returns only by raising (the cluster went away)."""
+    batches = admin.log.follow_batches(state.seq + 1).__aiter__()
+    nxt: asyncio.Task[Any] | None = None
+    try:
+        while True:
+            nxt = nxt or asyncio.ensure_future(batches.__anext__())
+            done, _ = await asyncio.wait({nxt}, timeout=WATCH_TICK_S)
+            if done:
+                for seq, item in nxt.result():
+                    state.apply(seq, item)
+                    if view.model is not None and isinstance(item, Event) and item.model_key == view.model:
+                        view.recent = [*view.recent, (seq, item)][-RECENT_EVENTS:]
+                nxt = None
+            if not admin.log.nc.is_connected:
+                raise errs.InfrastructureError("the connection to NATS is lost")
+            _next_view(a)
+            await view.show(state, reread=False)
+    finally:
+        if nxt is not None:
+            nxt.cancel()
+
+
+def _next_view(a: argparse.Namespace) -> None:
+    if not a.json:  # clear the screen on a terminal only; a pipe or file gets the views one after another
+        sys.stdout.write("\x1b[2J\x1b[H" if sys.stdout.isatty() else "\n")
+
+
+async def _outage(a: argparse.Namespace, admin: AdminClient, view: _Status, exc: BaseException) -> ClusterState:
+    """One line when the cluster goes, one when it is back; the log is read again from its start
+    then (it may have been restored shorter), and the view drawn anew."""
+    since = datetime.now(UTC)
+    print(f"ndif: the cluster is unreachable since {since:%H:%M:%S}Z ({str(exc) or type(exc).__name__}); "
+          "still watching: the view comes back with it (Ctrl-C to stop)", file=sys.stderr, flush=True)
+    while True:
+        await asyncio.sleep(WATCH_TICK_S)
+        if not admin.log.nc.is_connected:
+            continue
+        try:
+            state = await admin.state()
+            _next_view(a)
+            await view.show(state)
+        except (nats.errors.Error, errs.InfrastructureError, OSError):
+            continue
+        print(f"ndif: the cluster is back after {(datetime.now(UTC) - since).total_seconds():.0f} s "
+              f"(log at seq {state.seq})", file=sys.stderr, flush=True)
+        return state
 
 
 class _Status:
@@ -467,10 +539,7 @@ async def _controller(a: argparse.Namespace) -> int:
     from controlplane.service.registry import ModelRoots
     from schemas.inventory import decode_inventory
 
-    if a.snapshot_every < 0 or a.snapshot_every_s < 0:
-        raise errs.InvalidCommand("--snapshot-every and --snapshot-every-s must be 0 (off) or more")
-    if a.snapshot_keep is not None and a.snapshot_keep < 1:
-        raise errs.InvalidCommand(f"--snapshot-keep must be 1 or more, got {a.snapshot_keep}")
+    snapshots = snapshot_options(a)
     inventory = None
     if a.inventory:
         try:
@@ -483,9 +552,31 @@ async def _controller(a: argparse.Namespace) -> int:
                          min_deploy_s=a.min_deploy_s, stream_replicas=a.stream_replicas, headroom=a.headroom,
                          max_replicas_per_model=a.max_replicas_per_model,
                          max_replicas_per_command=a.max_replicas_per_command, inventory=inventory, model_roots=roots,
-                         snapshot_every=a.snapshot_every, snapshot_every_s=a.snapshot_every_s,
-                         snapshot_keep=a.snapshot_keep)
+                         **snapshots)
     return 0
+
+
+def snapshot_options(a: argparse.Namespace) -> dict[str, Any]:
+    """The controller's snapshot settings from `add_snapshot_flags`' flags, checked."""
+    if a.snapshot_every < 0 or a.snapshot_every_s < 0:
+        raise errs.InvalidCommand("--snapshot-every and --snapshot-every-s must be 0 (off) or more")
+    if a.snapshot_keep is not None and a.snapshot_keep < 1:
+        raise errs.InvalidCommand(f"--snapshot-keep must be 1 or more, got {a.snapshot_keep}")
+    return {"snapshot_every": a.snapshot_every, "snapshot_every_s": a.snapshot_every_s,
+            "snapshot_keep": a.snapshot_keep}
+
+
+def add_snapshot_flags(p: argparse.ArgumentParser) -> None:
+    """The controller's snapshots of the fold (`ndif controller`, `ndif up`): on by default."""
+    snapshot_flags: list[tuple[str, type, object, str]] = [
+        ("--snapshot-every", int, SNAPSHOT_EVERY, "events between snapshots of the fold (0: not by count; "
+         "default %(default)s)"),
+        ("--snapshot-every-s", float, SNAPSHOT_EVERY_S, "seconds between snapshots when the log moved (0: not by "
+         "time; default %(default)s)"),
+        ("--snapshot-keep", int, None, "snapshots kept, the newest (default: every one, so any past seq is one "
+         "snapshot away)")]
+    for flag, kind, default, text in snapshot_flags:
+        p.add_argument(flag, type=kind, default=default, help=text)
 
 
 def add_admin_commands(sub: Any) -> None:
@@ -580,7 +671,7 @@ def add_admin_commands(sub: Any) -> None:
     p = sub.add_parser("events", help="the event log, readable")
     common(p)
     p.add_argument("--model", help="only this model's events: " + MODEL_HELP)
-    p.add_argument("--since", type=int, default=1, help="first sequence (default %(default)s)")
+    p.add_argument("--since", type=seq_arg, default=1, metavar="SEQ", help="first sequence (default %(default)s)")
     p.add_argument("--follow", action="store_true", help="keep printing new events as they are appended")
     p = sub.add_parser("history", help="one model's or replica's timeline with causes")
     p.add_argument("model", help=MODEL_HELP)
@@ -631,15 +722,7 @@ def add_admin_commands(sub: Any) -> None:
     p.add_argument("--model-roots", default=None,
                    help="directories (separated by ':') under which a model a request names may live "
                         "(env NDIF_MODEL_ROOTS; default $NDIF_HOME/models); the operator's own deploys are not limited")
-    snapshot_flags: list[tuple[str, type, object, str]] = [
-        ("--snapshot-every", int, SNAPSHOT_EVERY, "events between snapshots of the fold (0: not by count; "
-         "default %(default)s)"),
-        ("--snapshot-every-s", float, SNAPSHOT_EVERY_S, "seconds between snapshots when the log moved (0: not by "
-         "time; default %(default)s)"),
-        ("--snapshot-keep", int, None, "snapshots kept, the newest (default: every one, so any past seq is one "
-         "snapshot away)")]
-    for flag, kind, default, text in snapshot_flags:
-        p.add_argument(flag, type=kind, default=default, help=text)
+    add_snapshot_flags(p)
 
 
 def add_dashboard_command(sub: Any) -> None:

@@ -35,6 +35,7 @@ from controlplane.core.decide import (
     decide_failure,
     decide_inventory,
     decide_node_lost,
+    decide_outage,
     decide_rollout,
     decide_unplaced,
     summarize,
@@ -49,14 +50,15 @@ from controlplane.service.parts import Connect, Parts, connect_url, given, start
 from controlplane.service.registry import ModelRoots
 from controlplane.service.snapshots import SNAPSHOT_EVERY, SNAPSHOT_EVERY_S, SnapshotWriter
 from controlplane.service.tasks import cancel_and_wait
-from controlplane.store.credentials import Creds
-from controlplane.store.heartbeats import beat_counts
+from controlplane.store.credentials import JS_API, Creds
+from controlplane.store.heartbeats import beat_counts, last_heard
 from controlplane.store.rebuild import store_of
 from schemas.autoscale import FIGURES_STALE_S, QueueFigures, decode_figures, sum_figures
 from schemas.commands import MAX_COMMAND_BYTES, AnyCommand, CommandResult, Limits, decode_command
 from schemas.errors import NdifError
 from schemas.events import (
     AutoscaleDecided,
+    ClusterDown,
     Event,
     NodeDeclared,
     NodeJoined,
@@ -188,6 +190,8 @@ class Controller:
             self.snapshots = await SnapshotWriter(store, every=self.snapshot_every, every_s=self.snapshot_every_s,
                                                   keep=self.snapshot_keep).start(self.state.seq)
             self.snapshots.after_batch(self.state)  # a log long past its newest snapshot gets one now
+        if self.nc is not None:
+            await self._record_outage(self.nc)
         if self.inventory is not None:
             await self.declare(self.inventory)
         self._tasks.append(asyncio.create_task(self._follow(), name="controller-follow"))
@@ -328,6 +332,23 @@ class Controller:
         roots = self.model_roots if getattr(cmd, "for_request", False) else None
         async with self._resolve_lock:
             return await asyncio.to_thread(resolve, mk, getattr(cmd, "size_bytes", None), roots=roots)
+
+    async def _record_outage(self, nc: NatsClient) -> None:
+        """Starting on a log after a gap longer than the heartbeat grace: the span in which nothing
+        of the cluster was heard is a `ClusterDown` in the log, so timelines show it as down."""
+        assert self.committer is not None
+        heard = await last_heard(nc, api=getattr(self.log, "api", JS_API))
+        cid = self._own(f"outage-{self.state.seq}")
+
+        def run(state: ClusterState) -> list[Event]:
+            return decide_outage(state, heard, DecisionContext(now=utcnow(), actor=self.name, command_id=cid),
+                                 self.heartbeat_grace_s)
+
+        res = await self.committer.submit(run)
+        for e in res.events:
+            if isinstance(e, ClusterDown):
+                logger.warning("cluster_was_down", down_from=e.down_from.isoformat(), down_s=round(e.down_s, 1),
+                               seq=res.first_seq)
 
     async def declare(self, inventory: Inventory) -> int:
         """Record the operator's inventory (a `NodeDeclared` per node that changes); returns how many."""

@@ -13,17 +13,21 @@ else on a node's key (junk, another node's id, a large body) is no heartbeat.
 from __future__ import annotations
 
 import contextlib
+import re
 from datetime import UTC, datetime
 
+import nats.errors
 import nats.js.errors
+from nats.aio.client import Client as NatsClient
 from nats.js.client import JetStreamContext
 
 from controlplane.core.ports import Heartbeat, Heartbeats
 from schemas.errors import InfrastructureError
+from schemas.guard import decode_any
 from schemas.subjects import HEARTBEATS_BUCKET, node_token
 
 __all__ = ["STALE_S", "Heartbeat", "JetStreamHeartbeats", "MemoryHeartbeats", "ages", "beat_value", "heartbeat_ages",
-           "last_beats"]
+           "last_beats", "last_heard"]
 
 STALE_S = 6.0  # three missed beats at the agents' default 2 s interval
 MAX_BEAT_BYTES = 256  # a node id; a larger value is not a heartbeat
@@ -137,3 +141,31 @@ def ages(seen: dict[str, Heartbeat | None]) -> dict[str, float | None]:
 async def heartbeat_ages(beats: Heartbeats, node_ids: list[str]) -> dict[str, float | None]:
     """Seconds since each node's last heartbeat (None: no heartbeat kept, i.e. none for a while)."""
     return ages(await last_beats(beats, node_ids))
+
+
+async def last_heard(nc: NatsClient, *, api: str, timeout: float = 5.0) -> datetime | None:
+    """When the server last stored a heartbeat of any node (None: never, or unreadable). The beats
+    themselves expire, but the bucket's stream keeps the time of its last message (`last_ts`),
+    through their expiry and a restart of the server: the last moment an agent was heard."""
+    try:
+        msg = await nc.request(f"{api}.STREAM.INFO.KV_{HEARTBEATS_BUCKET}", b"", timeout=timeout)
+    except nats.errors.Error:
+        return None
+    body = decode_any(msg.data, limit=1 << 20, what="JetStream answer")  # a dict, or Refused
+    state = body.get("state") if isinstance(body, dict) else None
+    if not isinstance(state, dict) or not state.get("last_seq") or not isinstance(state.get("last_ts"), str):
+        return None
+    return parse_server_time(state["last_ts"])
+
+
+def parse_server_time(ts: str) -> datetime | None:
+    """nats-server's RFC 3339 times carry nanoseconds (`...:43.36884743Z`); Python reads microseconds."""
+    m = re.fullmatch(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(?:\.(\d+))?(Z|[+-]\d\d:\d\d)", ts.strip())
+    if m is None:
+        return None
+    frac = (m.group(2) or "0")[:6].ljust(6, "0")
+    zone = "+00:00" if m.group(3) == "Z" else m.group(3)
+    try:
+        return datetime.fromisoformat(f"{m.group(1)}.{frac}{zone}").astimezone(UTC)
+    except ValueError:
+        return None

@@ -549,7 +549,7 @@ class NodeAgent:
         if handle is not None:
             self.actors[r.key] = handle
             return
-        await self._append(observed(ReplicaUnloaded, **self._kw(r)))
+        await self._append(observed(ReplicaUnloaded, **self._kw(r), cache_lost=True))
 
     async def _reap(self, key: RKey) -> None:
         """Kill the replica's actor if there is one (and wait until its name is free)."""

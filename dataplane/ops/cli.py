@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from controlplane.ops.cli import build_parser, gib_arg, json_error
+from controlplane.ops.cli import add_snapshot_flags, build_parser, gib_arg, json_error, snapshot_options
 from controlplane.ops.cli import main as admin_main
 from schemas import errors as errs
 from schemas.keys import display_name
@@ -75,6 +75,7 @@ def add_dataplane_commands(sub: Any) -> None:
     p.add_argument("--new-history", action="store_true",
                    help="start an empty event stream even where the rest of a deployment exists (the history "
                         "was deleted on purpose); without it that is an error")
+    add_snapshot_flags(p)
     _node_args(p)
     p = sub.add_parser("agent", help="run the node agent of this Ray node")
     _nats(p)
@@ -145,6 +146,7 @@ async def _agent(a: argparse.Namespace) -> int:
 
 
 async def _up(a: argparse.Namespace) -> int:
+    snapshots = snapshot_options(a)  # checked before anything starts
     if a.demo:
         from dataplane.ops.demo import run_demo
 
@@ -179,7 +181,8 @@ async def _up(a: argparse.Namespace) -> int:
     watchdog.start()
     gpus = kw.pop("gpus", None) or detect_gpus()
     cluster = LocalCluster(store=store, port=port, host=a.host, auth=auth, new_history=a.new_history, gpus=gpus,
-                           node_id=node_id, agent=kw, dashboard_port=a.dashboard_port, die_with_parent=True)
+                           node_id=node_id, agent=kw, controller=snapshots, dashboard_port=a.dashboard_port,
+                           die_with_parent=True)
     url = cluster.start_nats()  # from the main thread: the parent-death signal follows the thread that forked it
     try:
         await cluster.ensure_log()

@@ -18,7 +18,7 @@ import shutil
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -382,6 +382,7 @@ async def test_the_timeline_at_a_past_seq_is_one_time(scene: Scene) -> None:
 async def test_the_layout_at_1280_px_cuts_nothing(scene: Scene) -> None:
     page = await scene.page(width=1280, height=900)
     await page.wait_for_selector("#failures tbody tr.failed")
+    await page.wait_for_selector("#events tbody tr td:nth-child(2)")  # its rows come with a read of their own
     # No horizontal scroll, and no cell, header or card label narrower than its content.
     assert await page.evaluate("document.documentElement.scrollWidth") <= 1280
     cut = await page.evaluate("""() => [...document.querySelectorAll(
@@ -409,4 +410,34 @@ async def test_the_layout_at_1280_px_cuts_nothing(scene: Scene) -> None:
     assert cut == [], cut
     await page.click("#drill-close")
     await scene.shot(page, "dashboard-1280.png", full=True)
+    await page.close()
+
+
+@pytest.mark.parametrize("width", [1280, 1920])
+async def test_an_outage_is_drawn_as_cluster_down_not_as_the_state_before_it(scene: Scene, width: int) -> None:
+    """A `ClusterDown` in the log (a controller started after a gap): the lifelines show every replica
+    `down` through it, and each plot a band that says "cluster down"."""
+    if not [e async for _, e in scene.log.read(1) if isinstance(e, E.ClusterDown)]:
+        now = datetime.now(UTC)
+        down = E.ClusterDown(event_id="outage-e2e", ts=now, actor="controller:e2e", command_id="outage-e2e",
+                             down_from=now - timedelta(seconds=8), up_at=now - timedelta(seconds=3))
+        await scene.log.append([down], None)
+        await settle(scene.admin)
+    page = await scene.page(width=width, height=900)
+    await page.click(f"#models tr{scene.sel('llama')}")
+    await until(page, "window.ndif.lifeline.outages && window.ndif.lifeline.outages.length > 0", timeout=10)
+    phases = await page.evaluate("window.ndif.lifeline.replicas.map(r => r.phases.join(' '))")
+    assert phases and all("down" in p for p in phases), phases
+    assert all(p.split().index("down") < len(p.split()) - 1 for p in phases), phases  # back after it
+    await until(page, "window.ndif.plots.outages && window.ndif.plots.outages.length > 0", timeout=10)
+    assert await page.locator("#lifeline .down-label").count() >= 1
+    seg = page.locator('#lifeline rect[data-phase="down"]').first
+    await seg.hover()
+    assert "cluster down" in await page.inner_text("#tip")
+    # The band is drawn on the plot's canvas: grey in the middle of the outage, near the plot's top
+    # (above any line), and not where the cluster ran.
+    inside, outside = await page.evaluate("""() => { const [a, b] = window.ndif.plots.outages[0];
+        return [window.ndif.plotPixel('replicas', (a + b) / 2, 0.05), window.ndif.plotPixel('replicas', a - 2, 0.05)]; }""")
+    assert inside[3] > 0 and max(inside[:3]) - min(inside[:3]) < 30 and max(inside[:3]) < 235, inside  # grey, drawn
+    assert outside != inside, (inside, outside)
     await page.close()

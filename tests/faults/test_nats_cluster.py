@@ -82,6 +82,31 @@ async def _last_seq(lg: JetStreamEventLog) -> int:
     return await lg.last_seq()
 
 
+async def _each_server(url: str, last: int) -> list[str]:
+    """What each server answers, asked directly: its stream info and a direct get past `last`."""
+    import json
+
+    out = []
+    for u in url.split(","):
+        try:
+            nc = await raw_connect(u, max_reconnect_attempts=1)
+        except Exception as exc:  # noqa: BLE001 - a diagnostic
+            out.append(f"{u}: {exc!r}")
+            continue
+        try:
+            info = json.loads((await nc.request(f"$JS.API.STREAM.INFO.{EVENTS_STREAM}", b"", timeout=5)).data)
+            got = (await nc.request(f"$JS.API.DIRECT.GET.{EVENTS_STREAM}", json.dumps({"seq": last + 1}).encode(),
+                                    timeout=5))
+            out.append(f"{u}: last_seq {info.get('state', {}).get('last_seq')} leader "
+                       f"{info.get('cluster', {}).get('leader')} replicas {info.get('cluster', {}).get('replicas')}; "
+                       f"direct get {last + 1}: {(got.headers or {}).get('Nats-Subject') or got.headers}")
+        except Exception as exc:  # noqa: BLE001 - a diagnostic
+            out.append(f"{u}: {exc!r}")
+        finally:
+            await nc.close()
+    return out
+
+
 def _config(tiny_root: Path) -> str:
     d = tiny_root / "cfg-only"
     d.mkdir(parents=True, exist_ok=True)
@@ -260,7 +285,8 @@ async def test_r3_cluster_loses_nothing_when_two_servers_are_killed(cluster: Nat
                     if await _last_seq(lg) == last and all(p.state.seq == last for p in parts):
                         break
         except TimeoutError:
-            raise AssertionError(f"folds behind the log ({last}): {[(getattr(p, 'name', None) or p.node_id, p.state.seq) for p in parts]}") from None
+            raise AssertionError(f"folds behind the log ({last}): {[(getattr(p, 'name', None) or p.node_id, p.state.seq) for p in parts]}; "
+                                 f"each server says: {await _each_server(url, last)}") from None
         fresh = ClusterState()
         for seq, e in stored:
             fresh.apply(seq, e)

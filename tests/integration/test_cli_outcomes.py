@@ -66,6 +66,11 @@ async def test_short_placement_exits_nonzero(nats_server: EmbeddedNats, admin: A
         ran = await ndif(url, "deploy", other, "--replicas", "1", "--size-gib", "50")
         assert ran.rc == 7, (ran.rc, ran.out, ran.err)
         assert "placed 0 of 1" in ran.out and "error: placed 0 of 1" in ran.err
+        assert "`ndif evict`" in ran.err, ran.err  # the card is full: evicting would make room
+        # Larger than any card could ever hold: the hint says no evict can help, not to evict.
+        huge = config_only(tmp_path, "huge", tiny)
+        ran = await ndif(url, "deploy", huge, "--size-gib", "575")
+        assert ran.rc == 7 and "no eviction can make room" in ran.err and "`ndif evict`" not in ran.err, ran.err
         # A scale that falls short is the same; one that places everything is 0.
         ran = await ndif(url, "scale", big, "--replicas", "3", "--json")
         assert ran.rc == 7 and not result(ran.out).ok and result(ran.out).asked == 2
@@ -75,6 +80,16 @@ async def test_short_placement_exits_nonzero(nats_server: EmbeddedNats, admin: A
         ran = await ndif(url, "scale", big, "--replicas", "3", "--json", "--command-id", "short-1")
         again = await ndif(url, "scale", big, "--replicas", "3", "--json", "--command-id", "short-1")
         assert ran.rc == again.rc == 7 and result(again.out).duplicate and not result(again.out).ok
+
+
+async def test_a_short_placement_on_nodes_without_gpus_names_the_gpus_flag(nats_server: EmbeddedNats,
+                                                                            admin: AdminClient, tiny: Path,
+                                                                            tmp_path: Path) -> None:
+    url = nats_server.url
+    async with Cluster(Controller.from_url(url), ScriptedAgent(url, "node-cpu", gpus=0)):
+        ran = await ndif(url, "deploy", config_only(tmp_path, "nogpu", tiny), "--size-gib", "1")
+        assert ran.rc == 7, (ran.rc, ran.out, ran.err)
+        assert "no node has a GPU" in ran.err and "--gpus N" in ran.err and "`ndif evict`" not in ran.err, ran.err
 
 
 async def test_command_id_is_never_two_commands(nats_server: EmbeddedNats, admin: AdminClient,

@@ -6,6 +6,7 @@ import asyncio
 import os
 import sys
 from datetime import UTC, datetime
+from pathlib import Path
 
 import pytest
 
@@ -64,3 +65,56 @@ async def test_a_reader_that_goes_away_is_not_a_crash(nats_server: EmbeddedNats,
     _, err = await asyncio.wait_for(proc.communicate(), 60)
     assert proc.returncode == 141, (proc.returncode, err.decode()[-2000:])
     assert b"Traceback" not in err, err.decode()[-2000:]
+
+
+async def append_gated(url: str, fact: NodeJoined, *, ensure: bool) -> None:
+    """An agent's fact into the log through a fact gate of this test's own (no controller runs)."""
+    from controlplane.service.factgate import fact_gate
+
+    log = await JetStreamEventLog.open(url, ensure=ensure)
+    try:
+        async with fact_gate(log):
+            await log.append([fact], None)
+    finally:
+        await log.close()
+
+
+async def test_status_watch_outlives_an_outage_and_comes_back(tmp_path: Path) -> None:
+    """The cluster stops under `status --watch`: one line says so, no traceback, the watch stays;
+    the cluster starts again on its store and the view follows the log again."""
+    srv = EmbeddedNats(tmp_path / "nats").start()
+    try:
+        await append_gated(srv.url, joined("node-a"), ensure=True)
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "dataplane.ops.cli", "status", "--watch", "--nats", srv.url,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env={**os.environ})
+        assert proc.stdout is not None and proc.stderr is not None
+        out, err = b"", b""
+
+        async def read(stream: asyncio.StreamReader, text: bytes, seen: bytes) -> bytes:
+            while text not in seen:
+                chunk = await stream.read(4096)
+                assert chunk, f"ndif status --watch ended ({proc.returncode}): {out!r} {err!r}"
+                seen += chunk
+            return seen
+
+        try:
+            async with asyncio.timeout(90):
+                out = await read(proc.stdout, b"cluster at seq 1", out)
+                srv.stop()
+                err = await read(proc.stderr, b"the cluster is unreachable since", err)
+                await asyncio.sleep(4)  # several ticks with the cluster down: still one line, still running
+                assert proc.returncode is None
+                srv.start()
+                await append_gated(srv.url, joined("node-b"), ensure=False)
+                out = await read(proc.stdout, b"cluster at seq 2", out)
+                err = await read(proc.stderr, b"the cluster is back after", err)
+        finally:
+            proc.terminate()
+            rest_out, rest_err = await proc.communicate()
+        out, err = out + rest_out, err + rest_err
+        assert b"Traceback" not in err and err.count(b"unreachable") == 1, err.decode()[-3000:]
+        assert b"nats_error" not in err, err.decode()[-3000:]  # the watch's own line, not a dozen warnings
+        assert "node-b" in out.decode().split("cluster at seq 2")[1]
+    finally:
+        srv.close()

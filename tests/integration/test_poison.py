@@ -548,6 +548,12 @@ async def test_a_request_names_only_a_model_the_operator_offers(tiny_models: Tin
             job = await alice.submit(offered, {"op": "forward", "input_ids": [[1]]})
             await until_state(admin, lambda s: offered in s.models and s.models[offered].registration is not None)
             await job.close()
+            # A near name of an offered model: the same refusal, and the model it probably meant.
+            typo = await alice.submit(str(root / "tinyy"), {"op": "forward", "input_ids": [[1]]})
+            with pytest.raises(RequestFailed) as exc:
+                await typo.result(timeout=30)
+            assert exc.value.error == "UnknownModel" and "not a model this service offers" in str(exc.value)
+            assert f"did you mean {display_name(offered)}?" in str(exc.value), exc.value
         res = await admin.deploy(str(outside), 1)  # the operator's own deploy is not limited to the roots
         assert res.first_seq and res.error == "PlacementError", res  # registered; no node to place it on
     finally:

@@ -61,7 +61,7 @@ def shared(tmp_path_factory: pytest.TempPathFactory, starts_ray: None) -> Iterat
     which only read it: it, its URL and its port. Stopped before the tests that start their own
     (one Ray on the machine at a time)."""
     port = free_port()
-    up = Up(tmp_path_factory.mktemp("shared"), "shared", port)
+    up = Up(tmp_path_factory.mktemp("shared"), "shared", port, "--snapshot-every", "2")
     try:
         up.wait_running()
         yield up, f"nats://127.0.0.1:{port}", port
@@ -114,6 +114,19 @@ class TestOneUp:
         assert ran.rc == 0 and "NODES" in ran.out, ran.out + ran.err
         ran = await ndif(url, "status", env={"NDIF_HOME": str(tmp_path / "elsewhere")})  # no credentials: refused
         assert ran.rc != 0 and "requires a user and none was found" in ran.err, ran.err
+
+    async def test_up_snapshots_its_fold_as_its_flag_says(self, shared: tuple[Up, str, int]) -> None:
+        """`ndif up --snapshot-every 2`: its controller stores a snapshot once the log has 2 events
+        (its node's join and declaration) and more."""
+        up, url, _ = shared
+        async with _admin_log(url, up.home) as log:
+            deadline = time.monotonic() + 30
+            while not await log.snapshot_names() and time.monotonic() < deadline:
+                await asyncio.sleep(0.2)
+            names = await log.snapshot_names()
+        assert names, "no snapshot stored"
+        ran = await ndif(url, "status", env={"NDIF_HOME": str(up.home)})  # folds from it
+        assert ran.rc == 0, ran.err
 
     async def test_a_second_up_on_a_port_in_use_fails_in_one_line_and_appends_nothing(
             self, shared: tuple[Up, str, int], tmp_path: Path, ups: list[Up]) -> None:

@@ -345,3 +345,24 @@ def test_history_reads_every_autoscale_event():
     assert event_reason(off) == "autoscaling off"
     on = E.AutoscalePolicySet(event_id="y", ts=T0, actor="cli", model_key=M, policy=POLICY)
     assert event_reason(on).startswith("autoscale 1..8 replicas, 4 queued per replica")
+
+
+def test_turning_autoscaling_on_never_acts_on_idleness_from_before_it():
+    """`ndif scale M --replicas 2`, then `ndif autoscale M --min 0 --idle-after 40s` 30 s later: the
+    dispatchers' figures say idle for 223.5 s (since the last request), but idleness counts from
+    the policy at the earliest, so nothing is evicted before 40 s under the policy."""
+    b = cluster(1, policy=None)
+    apply(b.state, decide(b.state, Scale(command_id="up2", model_key=M, replicas=2), ctx("up2", now=at(-30))))
+    policy = msgspec.structs.replace(POLICY, min_replicas=0, idle_after_s=40, downscale_delay_s=60)
+    apply(b.state, decide(b.state, Autoscale(command_id="on", model_key=M, policy=policy), ctx("on", now=at(0))))
+    assert b.state.replica_count(M) == 2
+    assert tick(b.state, figures(idle=223.5), at(5)) == []
+    assert tick(b.state, figures(idle=263.4), at(39.9)) == []
+    gone = tick(b.state, figures(idle=263.5), at(40))
+    assert (gone[0].rule, gone[0].target, gone[0].held_s) == ("idle", 0, 40)
+    # Changing the policy starts the count again, as does an operator's own change of the count.
+    b = cluster(2, policy=None)
+    apply(b.state, decide(b.state, Autoscale(command_id="on", model_key=M, policy=policy), ctx("on", now=at(0))))
+    apply(b.state, decide(b.state, Autoscale(command_id="re", model_key=M, policy=policy), ctx("re", now=at(30))))
+    assert tick(b.state, figures(idle=500), at(60)) == []
+    assert tick(b.state, figures(idle=500), at(70))[0].target == 0

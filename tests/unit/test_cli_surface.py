@@ -137,3 +137,15 @@ def test_an_unknown_flag_is_refused_with_its_commands_usage(capsys: Any) -> None
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("usage: ndif deploy") and "`ndif deploy -h` lists its flags" in err, err
+
+
+@pytest.mark.parametrize("since", ["-5", "0", "x"])
+def test_events_since_takes_only_a_sequence_number(capsys: Any, since: str) -> None:
+    """`events --since -5` is refused (exit 2, nothing read), not taken as "from the start"."""
+    from controlplane.ops.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["events", f"--since={since}", "--nats", "nats://127.0.0.1:1"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --since" in err and "sequence number" in err, err

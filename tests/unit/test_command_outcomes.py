@@ -162,3 +162,13 @@ def test_a_scale_down_or_restart_with_nothing_to_do_says_why() -> None:
     res = summarize("r", decide(loading.state, Restart(command_id="r", model_key=M), ctx("r")), 10)
     assert res.ok and "no replica of m is Available, Failed or LoadFailed" in res.message
     assert f"0 {loading.state.replicas[(M, 0)].state}" in res.message
+
+
+def test_a_second_evict_of_a_warm_model_says_where_it_is_and_what_goes_further() -> None:
+    b = Builder().node("n0", cpu_gb=100).target(M, 2).warm(M, 0, "n0", (0,), 5).warm(M, 1, "n0", (1,), 5)
+    res = summarize("v", decide(b.state, Evict(command_id="v", model_key=M), ctx("v")), 10)
+    assert res.ok and not res.evictions
+    assert "nothing to do: m: no replica is wanted HOT (2 WARM in CPU memory, 0 COLD on disk)" in res.message
+    assert "`ndif evict --cold`" in res.message, res.message
+    cold = summarize("w", decide(b.state, Evict(command_id="w", model_key=M, cold=True), ctx("w")), 10)
+    assert len(cold.evictions) == 2 and all(e.level is Level.COLD for e in cold.evictions)

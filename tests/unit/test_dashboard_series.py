@@ -284,3 +284,16 @@ def test_the_grafana_dashboard_asks_only_for_metrics_that_are_exported():
     exprs = [t["expr"] for p in board["panels"] for t in p["targets"]]
     asked = {n for e in exprs for n in re.findall(r"\bndif_[a-z_]+", e)}
     assert asked and asked <= exported, asked - exported
+
+
+def test_a_lifeline_is_down_through_an_outage_and_unbroken_around_it():
+    from controlplane.dashboard.model import _cut_outages
+
+    seg = lambda a, b, ph: [a, b, ph, "Available", "HOT", "HOT", 7, None, None]  # noqa: E731
+    segs = [seg(0.0, 10.0, "HOT"), seg(10.0, 10.0, "draining"), seg(10.0, 30.0, "COLD")]
+    assert _cut_outages(segs, []) == segs  # no outage: every segment as it was, zero-width ones too
+    cut = _cut_outages(segs, [[5.0, 8.0], [12.0, 20.0]])
+    assert [(s[0], s[1], s[2]) for s in cut] == [(0.0, 5.0, "HOT"), (5.0, 8.0, "down"), (8.0, 10.0, "HOT"),
+                                                 (10.0, 10.0, "draining"), (10.0, 12.0, "COLD"), (12.0, 20.0, "down"),
+                                                 (20.0, 30.0, "COLD")]
+    assert all(a[1] == b[0] for a, b in zip(cut, cut[1:], strict=False)) and cut[1][3] == "cluster down"

@@ -160,3 +160,21 @@ def test_command_records_span_the_decision():
     s = run(a, b)
     rec = s.commands["cmd-1"]
     assert (rec.first_seq, rec.last_seq, rec.events) == (2, 3, 2)
+
+
+def test_a_warm_replica_whose_copy_is_gone_is_retired_to_cold_not_left_wanting_warm():
+    """After a restart no process holds a WARM replica's weights: the agent says so (`cache_lost`),
+    and the replica is wanted COLD from then on, out of `status` (an evicted one's place), with
+    its history saying why."""
+    from controlplane.core.reasons import event_reason
+    from controlplane.ops.render import render_status
+
+    lost = ev(E.ReplicaUnloaded, cache_lost=True)
+    s = run(sched(), ev(E.ReplicaLoaded), evict(Level.WARM), ev(E.ReplicaCached, cpu_bytes=10 * GB), lost)
+    assert (rep(s).state, rep(s).level, rep(s).desired) == (S.UNLOADED, Level.COLD, Level.COLD)
+    assert s.anomaly_count == 0 and rep(s).cpu_bytes == 0
+    assert "retired to COLD" in event_reason(lost)
+    assert "(1 replica(s) unloaded and no longer wanted are not listed" in render_status(s)
+    # A WARM replica whose move to CPU failed on the way down is retired the same way.
+    s = run(sched(), ev(E.ReplicaLoaded), evict(Level.WARM), ev(E.ReplicaFailed, error="oom"))
+    assert (rep(s).state, rep(s).desired) == (S.UNLOADED, Level.COLD)

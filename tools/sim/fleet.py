@@ -464,8 +464,8 @@ class Sim:
         if m.autoscale_since is not None:
             since = (m.autoscale_since - T0).total_seconds()
             marks += [since + p.upscale_delay_s, since + p.downscale_delay_s]
-        if m.autoscale_raised_at is not None:
-            raised = (m.autoscale_raised_at - T0).total_seconds()
+        if m.autoscale_idle_from is not None:
+            raised = (m.autoscale_idle_from - T0).total_seconds()
             marks += [raised + p.downscale_delay_s, raised + p.idle_after_s]
         if m.autoscale_last_at is not None:
             last = (m.autoscale_last_at - T0).total_seconds()

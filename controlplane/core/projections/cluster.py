@@ -27,6 +27,7 @@ from schemas.events import (
     DISPATCHER_FACTS,
     AutoscaleDecided,
     AutoscalePolicySet,
+    ClusterDown,
     CommandDecided,
     DeploymentRequested,
     Event,
@@ -130,6 +131,17 @@ class RejectionView(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     reason: str
 
 
+class Outage(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+    """A span the cluster was off (`ClusterDown` at `seq`)."""
+
+    seq: int
+    down_from: datetime
+    up_at: datetime
+
+
+MAX_OUTAGES = 200  # the newest outages the fold keeps (each one a restart after a gap)
+
+
 class ModelView(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     model_key: str
     registration: Registration | None = None
@@ -158,10 +170,10 @@ class ModelView(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     autoscale_cid: str = ""
     autoscale_seq: int = 0
     autoscale_scaled_seq: int = 0  # seq of its last decision that changed the count
-    # When the count of an autoscaled model was last raised (the autoscaler's scale-up, or a deploy:
-    # an operator's or a dispatcher's provisioning from zero): idle is counted from here at the
-    # earliest, as figures taken before the raise do not show the requests that caused it.
-    autoscale_raised_at: datetime | None = None
+    # Idle is counted from here at the earliest: the policy's setting, an operator's (or a
+    # dispatcher's provisioning) change of the count under it, the autoscaler's own last raise.
+    # Figures older than any of these do not show what the operator or the new count meant.
+    autoscale_idle_from: datetime | None = None
 
 
 class CommandRecord(msgspec.Struct, frozen=True, kw_only=True, gc=False):
@@ -210,13 +222,15 @@ class ClusterSnapshot(msgspec.Struct, frozen=True, kw_only=True):
     declared: dict[str, NodeInventory] = {}  # the operator's inventory (`NodeDeclared`), by node id
     last_event_id: str = ""  # of the stored event at `seq` ("" when unreadable)
     max_ts: datetime | None = None  # the latest event time folded
+    outages: list[Outage] = []  # the newest MAX_OUTAGES spans the cluster was off (`ClusterDown`)
 
 
 class ClusterState(Projection):
     """Fold of NDIF_EVENTS into the cluster placement view."""
 
     __slots__ = ("_by_model", "_card_leaving", "_card_totals", "_cards", "_cpu", "_cpu_kept", "_cpu_pending_total", "_gone",
-                 "_live_nodes", "_node_free", "commands", "declared", "models", "nodes", "replicas", "undeployed")
+                 "_live_nodes", "_node_free", "commands", "declared", "models", "nodes", "outages", "replicas",
+                 "undeployed")
 
     def __init__(self) -> None:
         super().__init__()
@@ -228,6 +242,7 @@ class ClusterState(Projection):
         # The operator's inventory, node id -> what it may offer; empty: none declared yet, so the
         # agents' reports are capacity as they are (bounded).
         self.declared: dict[str, NodeInventory] = {}
+        self.outages: list[Outage] = []  # oldest first, the newest MAX_OUTAGES
         # Derived indexes (not in snapshots): replica -> bytes per card and per node CPU cache.
         self._cards: dict[CardKey, dict[RKey, int]] = {}
         self._card_totals: dict[CardKey, int] = {}  # sum of _cards[k], kept alongside for O(1) reads
@@ -302,6 +317,9 @@ class ClusterState(Projection):
                     labels=got.labels, reported=tuple(ev.gpus) if enforced else None,
                     reported_cpu_cache_bytes=ev.cpu_cache_bytes if enforced else None,
                 )
+            case ClusterDown():
+                self.outages = [*self.outages[-(MAX_OUTAGES - 1):],
+                                Outage(seq=seq, down_from=ev.down_from, up_at=ev.up_at)]
             case NodeDeclared():
                 first = not self.declared
                 self.declared[ev.node_id] = ev.node
@@ -336,8 +354,9 @@ class ClusterState(Projection):
                     headroom=m.headroom if ev.headroom is None else ev.headroom,
                     gpus=m.gpus if ev.gpus is None else ev.gpus,
                     requires=ev.requires if isinstance(ev.requires, Requirements) else m.requires,
-                    autoscale_raised_at=(ev.ts if m.autoscale is not None and ev.target_hot > m.target_hot
-                                         else m.autoscale_raised_at),
+                    autoscale_idle_from=(ev.ts if m.autoscale is not None and ((ev.command_id or "") != m.autoscale_cid
+                                                                              or ev.target_hot > m.target_hot)
+                                         else m.autoscale_idle_from),
                     # an operator's deploy/scale/scale-down of an autoscaled model: its count stands
                     # (a dispatcher's provisioning deploy of a model at zero is not an operator's)
                     autoscale_manual=m.autoscale_manual or (m.autoscale is not None
@@ -347,7 +366,7 @@ class ClusterState(Projection):
                 m = self._model(ev.model_key)
                 self.models[ev.model_key] = _replace(m, autoscale=ev.policy, autoscale_manual=False,
                                                      autoscale_condition="", autoscale_since=None,
-                                                     autoscale_seq=seq)
+                                                     autoscale_seq=seq, autoscale_idle_from=ev.ts)
             case AutoscaleDecided():
                 m = self._model(ev.model_key)
                 scaled = ev.target != ev.current
@@ -355,7 +374,7 @@ class ClusterState(Projection):
                     m, autoscale_condition=ev.condition, autoscale_since=ev.since if ev.condition else None,
                     autoscale_last_at=ev.ts if scaled else m.autoscale_last_at, autoscale_cid=ev.command_id or "",
                     autoscale_seq=seq, autoscale_scaled_seq=seq if scaled else m.autoscale_scaled_seq,
-                    autoscale_raised_at=ev.ts if ev.target > ev.current else m.autoscale_raised_at)
+                    autoscale_idle_from=ev.ts if ev.target > ev.current else m.autoscale_idle_from)
             case PlacementRejected():
                 m = self._model(ev.model_key)
                 rej = RejectionView(seq=seq, needed_bytes=ev.needed_bytes, free_bytes=ev.free_bytes,
@@ -680,6 +699,7 @@ class ClusterState(Projection):
             declared={k: self.declared[k] for k in sorted(self.declared)},
             last_event_id=self.last_event_id,
             max_ts=self.max_ts,
+            outages=list(self.outages),
         )
 
     @classmethod
@@ -696,6 +716,7 @@ class ClusterState(Projection):
         s.last_event_id, s.max_ts = snap.last_event_id, snap.max_ts
         s.undeployed = set(snap.undeployed)
         s.declared = dict(snap.declared)
+        s.outages = list(snap.outages)
         for r in snap.replicas:
             s._put(r.key, r)
         return s
@@ -707,6 +728,7 @@ class ClusterState(Projection):
         c.commands = dict(self.commands)
         c.undeployed = set(self.undeployed)
         c.declared = dict(self.declared)
+        c.outages = list(self.outages)
         c._cards = {k: dict(v) for k, v in self._cards.items()}
         c._card_totals = dict(self._card_totals)
         c._card_leaving = dict(self._card_leaving)

@@ -193,10 +193,16 @@ def _on_cached(r: ReplicaView, ev: ReplicaCached, seq: int, st: ReplicaState) ->
     return cached, None if st is S.UNLOAD_REQUESTED else f"ReplicaCached while {st}"
 
 
+def _retired(r: ReplicaView) -> Level:
+    """A replica unloaded while wanted WARM has no CPU copy to go back to: it is wanted COLD from
+    then on (retired, as an evict to COLD leaves it), not left wanting a level nothing reaches."""
+    return Level.COLD if r.desired is Level.WARM else r.desired
+
+
 def _on_unloaded(r: ReplicaView, ev: ReplicaUnloaded, seq: int, st: ReplicaState) -> tuple[ReplicaView, str | None]:
     if st is S.UNLOADED:
-        return r, None
-    gone = _moved(r, S.UNLOADED, seq, on_gpu=False, cpu_bytes=0)
+        return (_replace(r, desired=_retired(r)), None) if ev.cache_lost else (r, None)
+    gone = _moved(r, S.UNLOADED, seq, on_gpu=False, cpu_bytes=0, desired=_retired(r))
     if st in (S.UNLOAD_REQUESTED, S.CACHED, S.FAILED, S.LOAD_FAILED, S.LOST):
         return gone, None
     return gone, f"ReplicaUnloaded while {st} (not requested)"
@@ -226,7 +232,7 @@ def _on_failed(r: ReplicaView, ev: ReplicaFailed, seq: int, st: ReplicaState) ->
         # (a load from WARM under way) lived in the process that died: gone with it.
         return _moved(r, S.FAILED, seq, error=ev.error, cpu_bytes=0), None
     if st is S.UNLOAD_REQUESTED or st is S.CACHED:  # died on its way down: nothing survives
-        return _moved(r, S.UNLOADED, seq, on_gpu=False, cpu_bytes=0, error=ev.error), None
+        return _moved(r, S.UNLOADED, seq, on_gpu=False, cpu_bytes=0, error=ev.error, desired=_retired(r)), None
     if st is S.FAILED:
         return r, None
     return r, f"ReplicaFailed while {st}"

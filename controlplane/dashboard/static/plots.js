@@ -12,9 +12,31 @@ const HEIGHT = 150;
 
 function stepped() { return window.uPlot.paths.stepped({ align: 1 }); }
 
+// The spans the cluster was off (the answer's `outages`, [from, to] in s), drawn over a plot as a
+// grey band that says so: the figures the log holds through them are its last state, not what ran.
+function drawOutages(u) {
+  const spans = u.outages || [];
+  if (!spans.length) return;
+  const { ctx, bbox } = u;
+  ctx.save();
+  for (const [a, b] of spans) {
+    const x0 = u.valToPos(a, "x", true), x1 = u.valToPos(b, "x", true);
+    const left = Math.max(bbox.left, x0), w = Math.min(bbox.left + bbox.width, x1) - left;
+    if (w <= 0) continue;
+    ctx.fillStyle = "rgba(134, 142, 150, 0.35)";
+    ctx.fillRect(left, bbox.top, Math.max(w, 2), bbox.height);
+    if (w > 60 * devicePixelRatio) {
+      ctx.fillStyle = "#495057"; ctx.font = `${11 * devicePixelRatio}px sans-serif`; ctx.textAlign = "center";
+      ctx.fillText("cluster down", left + w / 2, bbox.top + 14 * devicePixelRatio);
+    }
+  }
+  ctx.restore();
+}
+
 function makePlot(el, series, { yLabel, stepped: isStep = false, fmt, dots = false } = {}) {
   const opts = {
     width: Math.max(200, el.clientWidth), height: HEIGHT,
+    hooks: { draw: [drawOutages] },
     legend: { live: true },
     cursor: { drag: { x: false, y: false } },
     scales: { x: { time: true } },
@@ -31,6 +53,13 @@ export class Trends {
   constructor(probe) {
     this.probe = probe;
     probe.plots = { rev: 0, model: null, node: null, t1: null, queue: null, replicas: null, cards: null };
+    // For the browser tests: the colour a plot's canvas has at time `t`, a fraction `yFrac` down its plot area.
+    probe.plotPixel = (name, t, yFrac) => {
+      const u = this.charts[name];
+      if (!u) return null;
+      const x = Math.round(u.valToPos(t, "x", true)), y = Math.round(u.bbox.top + u.bbox.height * yFrac);
+      return [...u.ctx.getImageData(x, y, 1, 1).data];
+    };
     this.model = null; this.node = null; this.window = "900"; this.until = null;
     this.charts = {};
     this.busy = false; this.again = false;
@@ -88,13 +117,15 @@ export class Trends {
     this.charts.latency.setData([q.t, q.p50_s, q.p99_s]);
     this.charts.replicas.setData([r.t, ...Object.keys(COLORS).map((k) => r[k])]);
     this.clamped(r.kept_from);
-    for (const c of [this.charts.queue, this.charts.rate, this.charts.latency, this.charts.replicas]) c.setScale("x", scale);
+    for (const c of [this.charts.queue, this.charts.rate, this.charts.latency, this.charts.replicas]) {
+      c.outages = b.outages; c.setScale("x", scale);
+    }
     const since = q.sampled_since;
     for (const el of document.querySelectorAll("#plots .sampled-mark")) {
       el.textContent = since == null ? "sampled: no sample yet" : `sampled by this dashboard since ${fullTime(since)} (not in the log)`;
     }
     const pr = this.probe.plots;
-    pr.rev += 1; pr.model = b.model_key; pr.t1 = b.t1; pr.live = b.live;
+    pr.rev += 1; pr.model = b.model_key; pr.t1 = b.t1; pr.live = b.live; pr.outages = b.outages;
     pr.queue = { t: q.t.slice(-60), completed_per_s: q.completed_per_s.slice(-60), waiting: q.waiting.slice(-60), p50_s: q.p50_s.slice(-60) };
     pr.replicas = Object.fromEntries(Object.keys(COLORS).map((k) => [k, r[k].at(-1)]));
   }
@@ -121,6 +152,7 @@ export class Trends {
     });
     this.charts.node.setData([times, ...cols]);
     for (const c of cards) this.clamped(c.kept_from);
+    this.charts.node.outages = b.outages;
     this.charts.node.setScale("x", { min: b.t0, max: b.t1 });
     const pr = this.probe.plots;
     pr.node = b.node.node_id; pr.cards = cards.map((c) => c.committed.at(-1));
@@ -176,11 +208,15 @@ export class Lifelines {
       return `<g data-line="${i}" data-model="${esc(l.model_key)}" data-replica="${l.replica_id}"><text x="4" y="${y + ROW - 4}" class="lname">${esc(l.name.split("/").pop())} #${l.replica_id}</text>${segs}</g>`;
     }).join("");
     const h = AXIS + d.replicas.length * ROW + 4;
-    el.innerHTML = `<svg width="${width}" height="${h}" viewBox="0 0 ${width} ${h}">${ticks.join("")}${rows}</svg>` +
+    const hatch = `<defs><pattern id="down-hatch" width="6" height="6" patternUnits="userSpaceOnUse" patternTransform="rotate(45)">` +
+      `<rect width="6" height="6" fill="#f1f3f5"></rect><rect width="3" height="6" fill="#adb5bd"></rect></pattern></defs>`;
+    const bands = (d.outages || []).map(([a, b]) => `<text x="${((x(a) + x(b)) / 2).toFixed(1)}" y="${AXIS - 2}" class="tick down-label" text-anchor="middle">cluster down</text>`).join("");
+    el.innerHTML = `<svg width="${width}" height="${h}" viewBox="0 0 ${width} ${h}">${hatch}${ticks.join("")}${bands}${rows}</svg>` +
       (d.replicas.length ? "" : `<p class="muted">no replica in this window</p>`);
     const pr = this.probe.lifeline;
     pr.rev += 1;
     pr.replicas = d.replicas.map((l) => ({ model_key: l.model_key, replica_id: l.replica_id, phases: l.segments.map((s) => s.phase) }));
+    pr.outages = d.outages || [];
   }
 
   hover(e) {
@@ -188,6 +224,11 @@ export class Lifelines {
     if (!r) { hideTip(); return; }
     const l = this.data.replicas[+r.parentNode.dataset.line], s = l.segments[+r.dataset.seg];
     const secs = (s.t1 - s.t0).toFixed(s.t1 - s.t0 < 10 ? 2 : 0);
+    if (s.phase === "down") {
+      showTip(`cluster down: nothing of it heard from ${fullTime(s.t0)} to ${fullTime(s.t1)} (${secs} s)\n` +
+        `${l.name} #${l.replica_id} was ${s.level} (desired ${s.desired}) in the log before it`, e.clientX, e.clientY);
+      return;
+    }
     const lines = [
       `${l.name} #${l.replica_id}: ${s.phase} (state ${s.state}, level ${s.level}, desired ${s.desired})`,
       `${fullTime(s.t0)} to ${fullTime(s.t1)} (${secs} s)`,

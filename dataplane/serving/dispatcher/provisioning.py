@@ -21,7 +21,7 @@ from dataplane.serving.dispatcher.statuses import StatusWriter
 from dataplane.serving.ports import Deploy
 from dataplane.serving.processor import Processor
 from schemas import errors as errs
-from schemas.keys import display_name
+from schemas.keys import closest_model, display_name
 from schemas.status import RequestStatus
 from schemas.units import gib
 
@@ -180,6 +180,9 @@ class Provisioner:
             pass  # deployed by someone first: its processor takes the requests
         except (errs.InvalidCommand, errs.NotFound) as exc:
             msg = f"cannot deploy {display_name(model_key)}: {exc}"
+            near = closest_model(display_name(model_key), [k for k in self.state.models if k not in self.state.undeployed])
+            if near is not None:  # a model this service offers, by a near name: not a path of the machine
+                msg += f"; did you mean {display_name(near)}?"
             now = time.monotonic()
             _memo_put(self._refused, model_key, (now + REFUSED_MODEL_MEMO_S, type(exc).__name__, msg), now)
             return type(exc).__name__, msg
