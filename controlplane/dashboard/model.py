@@ -570,7 +570,7 @@ def model_json(state: ClusterState, model_key: str) -> dict[str, Any]:
     by_state: dict[str, int] = {}
     by_level: dict[str, int] = {}
     rows: list[ReplicaRow] = []
-    hot = 0
+    hot = on_gpu = 0
     charge = None  # what placement charged each replica: its bytes on each of its cards, summed (the latest placement)
     for r in rs:  # one pass, each view's level read once: the page's first load and every past position build this
         st, lv = str(r.state), str(r.level)
@@ -578,13 +578,16 @@ def model_json(state: ClusterState, model_key: str) -> dict[str, Any]:
         by_level[lv] = by_level.get(lv, 0) + 1
         if r.desired is Level.HOT:
             hot += 1
+        on_gpu += lv == "HOT"
         if r.gpu_indices:
             charge = r.bytes_per_gpu * len(r.gpu_indices)
-        rows.append(ReplicaRow(r.replica_id, st, lv, str(r.desired), r.node_id, list(r.gpu_indices), r.since_seq,
-                               r.restarts, r.error))
+        cards = list(r.gpu_indices) if r.on_gpu else []
+        where = ",".join(map(str, cards)) if cards else ("cpu" if r.cpu_bytes else "-")
+        rows.append(ReplicaRow(r.replica_id, st, lv, str(r.desired), r.node_id, cards, r.since_seq,
+                               r.restarts, r.error, where))
     return {"model_key": model_key, "name": _name(model_key),
             "status": str(state.model_status(model_key)), "target_hot": m.target_hot if m else 0,
-            "replica_count": hot, "dedicated": bool(m and m.dedicated),
+            "replica_count": hot, "hot": on_gpu, "dedicated": bool(m and m.dedicated),
             "size_bytes": m.registration.size_bytes if m and m.registration else None,
             "charge_per_replica_bytes": charge, "by_state": by_state, "by_level": by_level,
             "replicas": rows,

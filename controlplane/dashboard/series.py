@@ -117,12 +117,13 @@ class Steps:
         del self.seq[:n]
         del self.vals[:n * k]
 
-    def window(self, t0: float, t1: float, seq_max: int,
-               points: int = MAX_POINTS) -> tuple[list[float], list[list[int]], float | None]:
+    def window(self, t0: float, t1: float, seq_max: int, points: int = MAX_POINTS,
+               from_first: bool = False) -> tuple[list[float], list[list[int]], float | None]:
         """The series over [t0, t1] as it was at `seq_max`: the value at t0, every change after it
         (or, past `points` changes, the value at the end of each of `points` equal slices), and t1;
         and `kept_from`: None, or the time the window was clamped to (older changes are not kept;
-        a `seq_max` before them gives no points at all)."""
+        a `seq_max` before them gives no points at all). `from_first`: nothing before the series'
+        first change (a model's counts begin when it does, not as zeros before it existed)."""
         k = self.k
         kept_from = None
         if self.floor_t is not None and self.floor_seq is not None and t0 < self.floor_t:
@@ -130,6 +131,10 @@ class Steps:
         if self.floor_seq is not None and (seq_max < self.floor_seq or t1 < t0):
             return [], [[] for _ in range(k)], self.floor_t
         end = bisect.bisect_right(self.seq, seq_max)
+        if from_first and self.floor_seq is None:
+            if end == 0 or self.t[0] > t1:
+                return [], [[] for _ in range(k)], None
+            t0 = max(t0, self.t[0])
         lo = bisect.bisect_right(self.t, t0, 0, end)
         hi = bisect.bisect_right(self.t, t1, lo, end)
 
@@ -232,7 +237,7 @@ class LogSeries:
 
     def model_window(self, model_key: str, t0: float, t1: float, seq_max: int, points: int) -> dict[str, Any]:
         s = self.models.get(model_key) or Steps(len(PHASES), self.keep)
-        xs, cols, kept_from = s.window(t0, t1, seq_max, points)
+        xs, cols, kept_from = s.window(t0, t1, seq_max, points, from_first=True)
         return {"t": xs, **dict(zip(PHASES, cols, strict=True)), "kept_from": kept_from}
 
     def node_window(self, state: ClusterState, node_id: str, t0: float, t1: float, seq_max: int,

@@ -59,7 +59,8 @@ class ReplicaRow(msgspec.Struct, gc=False):
     level: str
     desired: str
     node_id: str
-    gpu_indices: list[int]
+    gpu_indices: list[int]  # the cards it holds now (none when COLD or WARM), as `ndif status` prints them
     since_seq: int
     restarts: int
     error: str | None
+    where: str = "-"  # `ndif status`'s cards column: the cards, `cpu` (WARM) or `-` (nothing held)

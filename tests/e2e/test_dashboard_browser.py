@@ -441,3 +441,38 @@ async def test_an_outage_is_drawn_as_cluster_down_not_as_the_state_before_it(sce
     assert inside[3] > 0 and max(inside[:3]) - min(inside[:3]) < 30 and max(inside[:3]) < 235, inside  # grey, drawn
     assert outside != inside, (inside, outside)
     await page.close()
+
+
+@pytest.mark.parametrize("width", [1280, 1920])
+async def test_labels_cards_and_axes_read_as_the_cli_does(scene: Scene, width: int) -> None:
+    """Block labels are whole or absent (never a few cut letters), sizes read as `ndif status`'s,
+    a failed model is 0 HOT, COLD/WARM replicas hold no card, axes have one format each."""
+    page = await scene.page(width=width, height=900)
+    await page.wait_for_selector("#nodes .bar .block")
+    blocks = await page.evaluate("""() => [...document.querySelectorAll('#nodes .bar .block')].map(b =>
+        [b.textContent, b.dataset.label, '#' + b.dataset.replica, b.scrollWidth > b.clientWidth + 1])""")
+    assert blocks and all(t in (full, short, "") and not cut for t, full, short, cut in blocks), blocks
+    labels = await page.locator(".card .clabel").all_inner_texts()
+    import re
+
+    size = r"(\d+\.\d{3}|\d+\.\d|\d+)"  # 3 decimals below 1 GiB, as `ndif status` prints 0.001
+    assert labels and all(re.fullmatch(rf"gpu\d+ {size}/{size} GiB", t.strip()) for t in labels), labels
+    assert not any(re.search(r"\b0\.00/", t) for t in labels), labels
+    broken = await page.locator(f"#models tr{scene.sel('broken')} td:nth-child(3)").inner_text()
+    assert broken.strip().startswith("0 /"), broken  # failed: nothing HOT, whatever is wanted
+    await page.click(f"#models tr{scene.sel('gpt2')}")
+    await page.wait_for_selector(f"#replicas tbody tr{scene.sel('gpt2')}")
+    rows = await page.evaluate("""() => [...document.querySelectorAll('#replicas tbody tr')].map(r =>
+        [r.cells[2].textContent.trim(), r.cells[5].textContent.trim()])""")
+    for level, cards in rows:
+        assert cards.startswith("gpu ") if level == "HOT" else cards == ("cpu" if level == "WARM" else "-"), rows
+    await until(page, "window.ndif.plotTicks('replicas') && window.ndif.plotTicks('replicas').x.length > 1", timeout=10)
+    for name in ("replicas", "latency", "queue"):
+        t = await page.evaluate(f"window.ndif.plotTicks({name!r})")
+        if t is None:
+            continue
+        assert all(re.fullmatch(r"\d\d:\d\d:\d\d", x) for x in t["x"]) and len(set(t["x"])) == len(t["x"]), t
+        assert len(t["x"]) * 60 <= t["width"], t  # each label has its room: none runs into the next
+        decimals = {len(y.split(".")[1]) if "." in y else 0 for y in t["y"] if y}
+        assert len(decimals) <= 1, t  # one format on an axis
+    await page.close()

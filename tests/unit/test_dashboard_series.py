@@ -57,7 +57,10 @@ def test_series_at_any_seq_equal_the_fold_at_that_seq(events, data):
         for mk in {k[0] for k in m.live.replicas}:
             got = m.series.model_window(mk, t - 3600, t, seq, 50)
             if not got["t"]:  # a position older than the changes kept: said, never a wrong figure
-                assert got["kept_from"] is not None and seq < m.series.models[mk].floor_seq  # type: ignore[operator]
+                if got["kept_from"] is None:  # or one before the model had a replica: nothing to draw yet
+                    assert not any(k[0] == mk for k in state.replicas), (mk, seq)
+                    continue
+                assert seq < m.series.models[mk].floor_seq  # type: ignore[operator]
                 continue
             assert {p: got[p][-1] for p in PHASES} == counts(state, mk), (mk, seq)
         for node_id in state.nodes:
@@ -297,3 +300,17 @@ def test_a_lifeline_is_down_through_an_outage_and_unbroken_around_it():
                                                  (10.0, 10.0, "draining"), (10.0, 12.0, "COLD"), (12.0, 20.0, "down"),
                                                  (20.0, 30.0, "COLD")]
     assert all(a[1] == b[0] for a, b in zip(cut, cut[1:], strict=False)) and cut[1][3] == "cluster down"
+
+
+def test_a_models_counts_begin_when_it_does_not_as_zeros_before():
+    from controlplane.dashboard.series import Steps
+
+    s = Steps(2)
+    s.put(5, 100.0, (1, 0))
+    s.put(6, 150.0, (2, 0))
+    xs, cols, _ = s.window(0.0, 200.0, 6, from_first=True)
+    assert xs[0] == 100.0 and cols[0][0] == 1 and cols[0][-1] == 2  # nothing drawn before its first change
+    xs, cols, _ = s.window(0.0, 200.0, 6)  # a card's memory: zero before its first change is true
+    assert xs[0] == 0.0 and cols[0][0] == 0
+    assert s.window(0.0, 50.0, 6, from_first=True)[0] == []  # a window before the model: no points
+    assert s.window(0.0, 200.0, 4, from_first=True)[0] == []  # a seq before its first change: none either

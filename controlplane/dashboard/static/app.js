@@ -43,8 +43,8 @@ const label = (name) => name.split("/").pop();
 // tooltip gives the true share.
 function blockHtml(b, total) {
   return `<div class="block ${esc(b.level)} ${esc(b.state)}" data-w="${((100 * b.bytes) / total).toFixed(3)}" data-model="${esc(b.model_key)}"
-    data-replica="${b.replica_id}" data-level="${b.level}" data-state="${b.state}" data-bytes="${b.bytes}" data-total="${total}">${
-    esc(label(b.name))}#${b.replica_id}</div>`;
+    data-replica="${b.replica_id}" data-level="${b.level}" data-state="${b.state}" data-bytes="${b.bytes}" data-total="${total}"
+    data-label="${esc(label(b.name))}#${b.replica_id}">${esc(label(b.name))}#${b.replica_id}</div>`;
 }
 
 function nodeHtml(n) {
@@ -59,6 +59,17 @@ function nodeHtml(n) {
     <div class="cards">${cards}</div>
     <div class="cpu">WARM ${gib(n.cpu_cached_bytes)} / ${gib(n.cpu_cache_bytes)}
       <div class="cbar"><span data-w="${pct.toFixed(2)}"></span></div><span class="warm">${warm}</span></div></div>`;
+}
+
+// A block's label is its model and id where that fits, else only `#id`, else nothing (the colour
+// and the tooltip say the rest): never a few cut letters of a name. Measured once in the page.
+function fitLabels(root) {
+  for (const el of root.querySelectorAll(".bar .block")) {
+    const id = "#" + el.dataset.replica;
+    el.textContent = el.dataset.label;
+    if (el.scrollWidth > el.clientWidth + 1) el.textContent = id;
+    if (el.scrollWidth > el.clientWidth + 1) el.textContent = "";
+  }
 }
 
 // ---- drawing: models, failures, one model's replicas ---------------------------------------------
@@ -90,7 +101,7 @@ function modelRow(m) {
   const states = Object.entries(m.by_state).map(([s, n]) => `<span class="st${FAILED_STATES.has(s) ? " bad" : ""}">${esc(s)} ${n}</span>`).join("");
   return `<tr data-model="${esc(m.model_key)}" class="${m.model_key === selected ? "selected" : ""}"><td class="mname" title="${esc(m.model_key)}">${esc(m.name)}</td>
     <td><span class="status ${STATUS_CLASS[m.status] || ""}">${esc(m.status)}</span></td>
-    <td class="num">${m.replica_count} / ${m.target_hot}</td><td>${states}</td><td class="num">${gib(m.charge_per_replica_bytes)}</td>
+    <td class="num">${m.hot} / ${m.replica_count}</td><td>${states}</td><td class="num">${gib(m.charge_per_replica_bytes)}</td>
     ${queueCells(m)}</tr>`;
 }
 
@@ -110,7 +121,7 @@ function replicaRow(mk, r) {
   const bad = FAILED_STATES.has(r.state);
   return `<tr data-model="${esc(mk)}" data-replica="${r.replica_id}" class="${bad ? "failed" : ""}"><td class="num">${r.replica_id}</td>
     <td class="${bad ? "bad" : ""}">${esc(r.state)}</td><td><span class="lvl ${esc(r.level)}">${esc(r.level)}</span></td><td>${esc(r.desired)}</td>
-    <td>${esc(r.node_id || "-")}</td><td>${r.gpu_indices.length ? "gpu " + r.gpu_indices.join(",") : "-"}</td><td class="num">${r.since_seq}</td>
+    <td>${esc(r.node_id || "-")}</td><td>${r.gpu_indices.length ? "gpu " + r.gpu_indices.join(",") : esc(r.where)}</td><td class="num">${r.since_seq}</td>
     <td class="num">${r.restarts}</td><td class="${bad ? "error errtext" : "errtext"}">${esc(r.error || "")}</td></tr>`;
 }
 
@@ -175,6 +186,7 @@ function redraw(ids, views, index, parent, html) {
     if (old) old.replaceWith(fresh[i]);
     else parent.appendChild(fresh[i]);
     index.set(id, fresh[i]);
+    fitLabels(fresh[i]);
   });
 }
 
@@ -202,6 +214,7 @@ function render() {
     $("nodes").classList.toggle("big", view.nodes.size > 100);
     $("nodes").innerHTML = [...view.nodes.values()].map(nodeHtml).join("");
     applyWidths($("nodes"));
+    fitLabels($("nodes"));
     $("models").tBodies[0].innerHTML = [...view.models.values()].map(modelRow).join("");
     rows.nodes = new Map([...$("nodes").children].map((el) => [el.dataset.node, el]));
     rows.models = new Map([...$("models").tBodies[0].rows].map((el) => [el.dataset.model, el]));
@@ -458,3 +471,5 @@ $("nodes").addEventListener("mouseover", (e) => {
 $("nodes").addEventListener("mouseleave", hideTip);
 
 connect().then(() => loadEvents(false)).catch((err) => { $("conn").textContent = "error: " + err.message; });
+
+window.addEventListener("resize", () => fitLabels($("nodes"))); // a card's width follows the page's

@@ -3,7 +3,7 @@
 // are asked again every few seconds; at a past seq, the window ends at that seq's time. Figures
 // from the log are exact; queue figures are what this dashboard sampled (marked "sampled").
 
-import { $, esc, fullTime, getJson, gibNum, hideTip, showTip } from "./util.js";
+import { $, esc, fullTime, getJson, gibNum, hideTip, showTip, ticks } from "./util.js";
 
 const COLORS = { HOT: "#d9480f", WARM: "#f59f00", COLD: "#4dabf7", loading: "#868e96", draining: "#343a40", failed: "#c92a2a" };
 const CARD_COLORS = ["#1c7ed6", "#e8590c", "#2f9e44", "#ae3ec9", "#f08c00", "#0c8599", "#c2255c", "#5c940d"];
@@ -33,15 +33,31 @@ function drawOutages(u) {
   ctx.restore();
 }
 
-function makePlot(el, series, { yLabel, stepped: isStep = false, fmt, dots = false } = {}) {
+// A plot with no point in its window says so, instead of an empty frame.
+function drawNoData(u) {
+  const any = u.data.slice(1).some((col) => col.some((v) => v != null));
+  if (any) return;
+  const { ctx, bbox } = u;
+  ctx.save();
+  ctx.fillStyle = "#868e96"; ctx.font = `${12 * devicePixelRatio}px sans-serif`; ctx.textAlign = "center";
+  ctx.fillText("no data in this window", bbox.left + bbox.width / 2, bbox.top + bbox.height / 2);
+  ctx.restore();
+}
+
+// Time ticks in UTC, 24-hour, with room for each (uPlot's own "2:44am" labels ran together at 1920 px).
+// Each plot keeps the labels it drew last (`u.drawn`), which the browser tests read.
+const timeTicks = (u, vals) => ((u.drawn = u.drawn || {}).x = vals.map((v) => fullTime(v).slice(11, 19)));
+const valueTicks = (u, vals) => ((u.drawn = u.drawn || {}).y = ticks(vals));
+
+function makePlot(el, series, { yLabel, stepped: isStep = false, dots = false } = {}) {
   const opts = {
     width: Math.max(200, el.clientWidth), height: HEIGHT,
-    hooks: { draw: [drawOutages] },
+    hooks: { draw: [drawOutages, drawNoData] },
     legend: { live: true },
     cursor: { drag: { x: false, y: false } },
     scales: { x: { time: true } },
     tzDate: (ts) => window.uPlot.tzDate(new Date(ts * 1e3), "Etc/UTC"), // the page's times are UTC
-    axes: [{ space: 60 }, { label: yLabel, size: 50, values: fmt ? (u, vals) => vals.map(fmt) : undefined }],
+    axes: [{ space: 90, values: timeTicks }, { label: yLabel, size: 50, values: valueTicks }],
     series: [{ value: (u, v) => (v == null ? "-" : fullTime(v)) },
       ...series.map((s) => ({ label: s.label, stroke: s.color, width: 1.5, spanGaps: false,
         paths: isStep ? stepped() : undefined, points: { show: dots, size: 5 } }))],
@@ -54,6 +70,10 @@ export class Trends {
     this.probe = probe;
     probe.plots = { rev: 0, model: null, node: null, t1: null, queue: null, replicas: null, cards: null };
     // For the browser tests: the colour a plot's canvas has at time `t`, a fraction `yFrac` down its plot area.
+    probe.plotTicks = (name) => {
+      const u = this.charts[name];
+      return u && u.drawn ? { x: u.drawn.x, y: u.drawn.y, width: u.bbox.width / devicePixelRatio } : null;
+    };
     probe.plotPixel = (name, t, yFrac) => {
       const u = this.charts[name];
       if (!u) return null;
@@ -72,7 +92,7 @@ export class Trends {
     this.charts.queue = makePlot($("plot-queue"), [{ label: "waiting", color: "#1c7ed6" }, { label: "running", color: "#2f9e44" }], { stepped: true });
     this.charts.rate = makePlot($("plot-rate"), [{ label: "completed/s", color: "#2f9e44" }, { label: "errors/s", color: "#c92a2a" }]);
     this.charts.latency = makePlot($("plot-latency"), [{ label: "p50", color: "#1c7ed6" }, { label: "p99", color: "#ae3ec9" }],
-      { fmt: (v) => (v < 1 ? v.toFixed(3) : v.toFixed(1)), dots: true }); // a slice alone between gaps still shows
+      { dots: true }); // a slice alone between gaps still shows
     this.charts.replicas = makePlot($("plot-replicas"), Object.keys(COLORS).map((p) => ({ label: p, color: COLORS[p] })), { stepped: true });
     return true;
   }
@@ -141,7 +161,7 @@ export class Trends {
       if (this.charts.node) this.charts.node.destroy();
       $("plot-node").textContent = "";
       this.charts.node = makePlot($("plot-node"), cards.map((c, i) => ({ label: `gpu${c.index} (of ${gibNum(c.total_bytes)} GiB)`,
-        color: CARD_COLORS[i % CARD_COLORS.length] })), { stepped: true, fmt: (v) => v.toFixed(v < 1 ? 2 : 0) });
+        color: CARD_COLORS[i % CARD_COLORS.length] })), { stepped: true });
       this.nodeKey = key;
     }
     // Each card has its own change times: put them on one time axis (the value holds between changes).

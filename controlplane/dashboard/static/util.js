@@ -11,7 +11,14 @@ export function gib(b) {
   const g = b / 2 ** 30;
   return (g < 1 ? g.toFixed(3) : g < 100 ? g.toFixed(1) : g.toFixed(0)) + " GiB";
 }
-export const gibNum = (b) => { const g = b / 2 ** 30; return g < 1 ? g.toFixed(2) : g < 100 ? g.toFixed(1) : g.toFixed(0); };
+export const gibNum = (b) => { const g = b / 2 ** 30; return g < 1 ? g.toFixed(3) : g < 100 ? g.toFixed(1) : g.toFixed(0); };
+
+// An axis's tick labels, all with the decimals their step needs (never "200.0" beside "0.000").
+export function ticks(vals) {
+  const step = vals.length > 1 ? Math.abs(vals[1] - vals[0]) : Math.abs(vals[0] || 1);
+  const decimals = step > 0 ? Math.min(3, Math.max(0, Math.ceil(-Math.log10(step) - 1e-9))) : 0;
+  return vals.map((v) => (v == null ? "" : v.toFixed(decimals)));
+}
 
 // A full time, to the millisecond, in UTC: "2026-01-01 14:02:03.456Z".
 export function fullTime(t) {
