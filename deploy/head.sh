@@ -19,7 +19,8 @@ source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
 usage() { help_text "${BASH_SOURCE[0]}"; exit "${1:-0}"; }
 
-cmd=${1:-}; [[ $cmd == start || $cmd == stop ]] || usage 2; shift
+cmd=${1:-}; [[ $cmd == -h || $cmd == --help ]] && usage 0
+[[ $cmd == start || $cmd == stop ]] || usage 2; shift
 ADDRESS= NODE_ID= INVENTORY= HOME_DIR=${NDIF_HOME:-$HOME/.ndif} RUN= RAY_PORT=6379 TOKEN= NATS_PORT=4222
 NATS_CONFIG= NATS_URL= GPUS= GPU_GIB=80 CACHE_GIB= POOL= CLIENTS=()
 while (($#)); do
@@ -44,7 +45,7 @@ while (($#)); do
   esac
 done
 RUN=${RUN:-$HOME_DIR/run}
-if [[ $cmd == stop ]]; then stop_all; exit 0; fi
+if [[ $cmd == stop ]]; then stop_all; forget_ray_cluster "$RUN/ray.address"; exit 0; fi
 
 need --address "$ADDRESS"; need --node-id "$NODE_ID"; need --inventory "$INVENTORY"
 [[ -r $INVENTORY ]] || die "--inventory $INVENTORY: not a readable file"
@@ -95,6 +96,7 @@ start ray "$RAY" start --head --block --port "$RAY_PORT" --node-ip-address "$ADD
   --labels "ndif.node_id=$NODE_ID" --include-dashboard false --disable-usage-stats ${NDIF_RAY_ARGS:-}
 wait_line ray "Ray runtime started" 120 || { tail -30 "$RUN/ray.log" >&2; fail "the Ray head did not start (log $RUN/ray.log)"; }
 RAY_ADDRESS=$ADDRESS:$RAY_PORT
+echo "$RAY_ADDRESS" >"$RUN/ray.address"  # `stop` removes Ray's cluster file only when it names this head
 
 NDIF_CREDS=$(creds controller) start controller "${NDIF[@]}" controller --nats "$NATS_URL" --inventory "$INVENTORY"
 NDIF_CREDS=$(creds dispatcher) start dispatcher "${NDIF[@]}" dispatcher --nats "$NATS_URL" --ray-address "$RAY_ADDRESS"

@@ -78,3 +78,17 @@ stop_all() {
     rm -f "$f"
   done
 }
+
+# forget_ray_cluster FILE: `ray start --head --block` leaves Ray's cluster file (`ray_current_cluster`
+# in Ray's temp dir: RAY_TMPDIR, else TMPDIR, else /tmp, then ray/) behind when stopped by a signal,
+# and a later `ray` or `ndif up` on this machine would take it for a running cluster. Removed when
+# it names the address in FILE (this head's), never another cluster's.
+forget_ray_cluster() {
+  local mine cluster=${RAY_TMPDIR:-${TMPDIR:-/tmp}}/ray/ray_current_cluster
+  [[ -r $1 ]] || return 0
+  mine=$(cat "$1")
+  if [[ -f $cluster && $(head -n 1 "$cluster") == "$mine" ]]; then
+    rm -f "$cluster" && echo "$SCRIPT: removed Ray's cluster file $cluster (it named this head, $mine)"
+  fi
+  rm -f "$1"
+}

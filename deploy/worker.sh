@@ -17,7 +17,8 @@ source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
 usage() { help_text "${BASH_SOURCE[0]}"; exit "${1:-0}"; }
 
-cmd=${1:-}; [[ $cmd == start || $cmd == stop ]] || usage 2; shift
+cmd=${1:-}; [[ $cmd == -h || $cmd == --help ]] && usage 0
+[[ $cmd == start || $cmd == stop ]] || usage 2; shift
 ADDRESS= NODE_ID= HEAD= NATS_URL= CREDS= TOKEN= GPUS= GPU_GIB=80 CACHE_GIB= POOL= RUN=${NDIF_HOME:-$HOME/.ndif}/run
 while (($#)); do
   case $1 in

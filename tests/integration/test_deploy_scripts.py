@@ -141,9 +141,14 @@ def test_head_and_two_workers_from_the_deploy_scripts(tiny_models: TinyModels, r
         assert "COMPLETED" in served.stdout, served.stdout
     finally:
         groups |= {int(p.read_text()) for _, run in started for p in run.glob("*.pid")}
+        said = ""
         for name, run in reversed(started):
             if run.exists():
                 stopped = script(name, "stop", "--run-dir", str(run), env=env, timeout=200)
                 assert stopped.returncode == 0, stopped.stderr
+                said += stopped.stdout
     assert groups and all(not list(run.glob("*.pid")) for _, run in started)
+    # Ray's cluster file named the head: its stop removed it (a later `ray`/`ndif up` would take it for live)
+    assert not (root / "ray" / "ray_current_cluster").exists()
+    assert "removed Ray's cluster file" in said, said  # it was there, naming the head, until the stop
     assert not [p.pid for p in psutil.process_iter() if _pgid(p.pid) in groups], "a process outlived the stop"
