@@ -32,10 +32,12 @@ class ScriptedAgent:
 
     def __init__(self, url: str, node_id: str, *, gpus: int = 8, gpu_bytes: int = 80 * GB,
                  cpu_cache_bytes: int = 200 * GB, load_delay_s: float = 0.0, heartbeat_s: float = 0.5,
-                 fail_loads: Callable[[str], bool] = lambda mk: False) -> None:
+                 fail_loads: Callable[[str], bool] = lambda mk: False, hostname: str = "sim",
+                 gpu_name: str = "sim") -> None:
         self.url = url
         self.node_id = node_id
-        self.gpus = tuple(GpuInfo(index=i, memory_bytes=gpu_bytes, name="sim") for i in range(gpus))
+        self.hostname = hostname
+        self.gpus = tuple(GpuInfo(index=i, memory_bytes=gpu_bytes, name=gpu_name) for i in range(gpus))
         self.cpu_cache_bytes = cpu_cache_bytes
         self.heartbeat_s = heartbeat_s
         self.runtime = FakeRuntime(f"sim:{node_id}", start_delay_s=load_delay_s, fail_loads=fail_loads)
@@ -52,7 +54,7 @@ class ScriptedAgent:
         self.beats = JetStreamHeartbeats(log.js, direct=True)
         self.agent = NodeAgent(log, self.beats, self.runtime, self.node_id, gpus=self.gpus,
                                cpu_cache_bytes=self.cpu_cache_bytes, heartbeat_s=self.heartbeat_s, drain_timeout_s=0.0,
-                               health_interval_s=0.1, hostname="sim", owns_log=True)
+                               health_interval_s=0.1, hostname=self.hostname, owns_log=True)
         await self.agent.start()
         return self
 

@@ -222,7 +222,7 @@ class Dashboard:
             self.port = int(self.runner.addresses[0][1])
         self._tasks += [asyncio.create_task(self._follow(), name="dashboard-follow"),
                         asyncio.create_task(self._poll_queues(), name="dashboard-queues")]
-        logger.info("dashboard_started", url=self.url, seq=self.model.seq)
+        logger.info("dashboard_started", url=self.base_url, seq=self.model.seq)  # never the token: logs are read by many
         return self
 
     async def stop(self) -> None:

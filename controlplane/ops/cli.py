@@ -29,7 +29,7 @@ from controlplane.core.placement import PADDING
 from controlplane.core.projections import ClusterState
 from controlplane.core.reasons import event_reason
 from controlplane.ops.extras import require
-from controlplane.ops.render import explain_decision, render_model, render_status, status_json
+from controlplane.ops.render import explain_decision, printable, render_model, render_status, status_json
 from controlplane.service.logs import configure
 from controlplane.service.snapshots import SNAPSHOT_EVERY, SNAPSHOT_EVERY_S
 from controlplane.store import history as H
@@ -83,18 +83,17 @@ def _print_result(verb: str, res: CommandResult, as_json: bool, why: dict[tuple[
     if as_json:
         sys.stdout.write(_json.encode(res).decode() + "\n")
         return
-    print(f"{verb}: {res.message}" + (f"  [seq {res.first_seq}..{res.last_seq}]" if res.last_seq else ""))
+    lines = [f"{verb}: {res.message}" + (f"  [seq {res.first_seq}..{res.last_seq}]" if res.last_seq else "")]
     for r in res.replicas:
         cards = f"gpus {list(r.gpu_indices)}" if r.gpu_indices else "(its cards)"
-        print(f"  replica {r.replica_id} of {display_name(r.model_key)}: {r.action} on {r.node_id or '-'} {cards}")
+        lines.append(f"  replica {r.replica_id} of {display_name(r.model_key)}: {r.action} on {r.node_id or '-'} {cards}")
         reason = (why or {}).get((r.model_key, r.replica_id))
         if reason:
-            print(f"      why: {reason}")
-    for r in res.evictions:
-        print(f"  replica {r.replica_id} of {display_name(r.model_key)}: {r.action} -> {r.level}")
-    for j in res.rejections:
-        print(f"  {j.replicas} replica(s) of {display_name(j.model_key)} not placed: {j.reason} "
-              f"(needs {gib(j.needed_bytes)}, at most {gib(j.free_bytes)} free)")
+            lines.append(f"      why: {reason}")
+    lines += [f"  replica {r.replica_id} of {display_name(r.model_key)}: {r.action} -> {r.level}" for r in res.evictions]
+    lines += [f"  {j.replicas} replica(s) of {display_name(j.model_key)} not placed: {j.reason} "
+              f"(needs {gib(j.needed_bytes)}, at most {gib(j.free_bytes)} free)" for j in res.rejections]
+    print("\n".join(map(printable, lines)))
 
 
 async def _command(a: argparse.Namespace, admin: AdminClient) -> int:
@@ -397,8 +396,8 @@ def _event_line(seq: int, item: Event | Skipped) -> str:
     node = f" @{item.node_id}" if isinstance(item, ReplicaEvent) and item.node_id else ""
     cause = f" cmd={item.command_id}" if item.command_id else ""
     reason = event_reason(item)
-    return (f"{seq:>7}  {item.ts.astimezone(UTC):%Y-%m-%d %H:%M:%SZ}  {event_tag(item):<26} {who}{rid}{node}  "
-            f"by {item.actor}{cause}" + (f"  [{reason}]" if reason else ""))
+    return printable(f"{seq:>7}  {item.ts.astimezone(UTC):%Y-%m-%d %H:%M:%SZ}  {event_tag(item):<26} {who}{rid}{node}  "
+                     f"by {item.actor}{cause}" + (f"  [{reason}]" if reason else ""))
 
 
 async def _events(a: argparse.Namespace, admin: AdminClient) -> int:
@@ -439,7 +438,7 @@ async def _history(a: argparse.Namespace, admin: AdminClient) -> int:
             # fold no longer keeps (its model undeployed, or past the gone replicas it keeps).
             after = (f"-> {st} ({level}, desired {desired})" if st else
                      "-> (not a replica: refused)" if step.anomaly else "-> gone (unloaded, no longer kept)")
-        print(f"{_event_line(step.seq, step.item)}  {after}" + (f"  ANOMALY: {step.anomaly}" if step.anomaly else ""))
+        print(_event_line(step.seq, step.item) + printable(f"  {after}" + (f"  ANOMALY: {step.anomaly}" if step.anomaly else "")))
     return 0
 
 
@@ -485,18 +484,18 @@ async def _logs(a: argparse.Namespace, admin: AdminClient) -> int:
     if a.json:
         _out({"ok": worst == 0, "model_key": mk, "replicas": answers})
         return worst
-    for row in answers:
-        print(f"==> {name} replica {row['replica_id']} on {row['node_id']} ({row['state']}) <==")
+    for row in answers:  # what an agent answered is shown, never acted on by the terminal
+        print(printable(f"==> {name} replica {row['replica_id']} on {row['node_id']} ({row['state']}) <=="))
         if not row["ok"]:
-            print(f"error: replica {row['replica_id']}: {row['message']}", file=sys.stderr)
+            print(printable(f"error: replica {row['replica_id']}: {row['message']}"), file=sys.stderr)
             continue
         if row["truncated"]:
             print(f"(older lines left out; the newest {len(row['lines'])} shown)")
         if row.get("missing"):
-            print(f"({row['missing']})")
-            print(f"note: replica {row['replica_id']}: {row['missing']}", file=sys.stderr)
+            print(printable(f"({row['missing']})"))
+            print(printable(f"note: replica {row['replica_id']}: {row['missing']}"), file=sys.stderr)
         for line in row["lines"]:
-            print(line)
+            print(printable(line))
     return worst
 
 
@@ -882,7 +881,7 @@ def main(argv: list[str] | None = None, extra: Callable[[Any], None] | None = No
         if as_json:
             json_error(type(exc).__name__, str(exc), exit_code(exc))
         else:
-            print(f"error: {exc}", file=sys.stderr)
+            print(printable(f"error: {exc}"), file=sys.stderr)
         return exit_code(exc)
     except Exception as exc:
         if not as_json:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from collections.abc import Sequence
 
@@ -17,6 +18,22 @@ from schemas.keys import display_name
 from schemas.status import Level, ReplicaState
 from schemas.units import GiB, gib
 
+# What a terminal acts on rather than shows: C0 and C1 controls, DEL, and the bidirectional
+# overrides and isolates (text that reads other than it is stored).
+_UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+
+
+def printable(text: str) -> str:
+    """`text` as one line a terminal shows and never acts on: each control or direction mark is
+    written as its escape (`\x1b`, `\n`), so a node's hostname or an error cannot clear the screen,
+    move the cursor or start a fake line."""
+    return _UNSAFE.sub(_escape, text) if _UNSAFE.search(text) else text
+
+
+def _escape(m: re.Match[str]) -> str:
+    c = m.group()
+    return {"\n": "\\n", "\r": "\\r", "\t": "\\t"}.get(c) or (f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}")
+
 
 def _gib(n: int) -> str:
     """GiB with one decimal, three below 1 GiB (a tiny model's use is not shown as 0.0: the
@@ -28,6 +45,7 @@ def _gib(n: int) -> str:
 
 
 def _table(rows: list[list[str]], header: list[str]) -> list[str]:
+    rows = [[printable(str(c)) for c in r] for r in rows]  # a cell is what it says, on one line
     widths = [max(len(str(c)) for c in col) for col in zip(header, *rows, strict=False)]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
     return [fmt.format(*header), fmt.format(*("-" * w for w in widths))] + [fmt.format(*r) for r in rows]
@@ -118,8 +136,8 @@ def render_status(state: ClusterState, heartbeats: dict[str, float | None] | Non
         out += [f"({hidden} replica(s) unloaded and no longer wanted are not listed: `ndif status --all` lists them)"]
     if state.anomaly_count or state.skipped:
         out += ["", f"ANOMALIES: {state.anomaly_count} (unreadable events: {state.skipped})"]
-        out += [f"  seq {a.seq} {a.event_type}: {a.message}" for a in state.anomalies[-5:]]
-    return "\n".join(out)
+        out += [printable(f"  seq {a.seq} {a.event_type}: {a.message}") for a in state.anomalies[-5:]]
+    return "\n".join(map(printable, out))
 
 
 def autoscale_cell(m: ModelView) -> str:
@@ -264,4 +282,4 @@ def render_model(state: ClusterState, model_key: str, recent: list[tuple[int, E.
     for seq, e in recent:
         rid = f"#{e.replica_id}" if isinstance(e, E.ReplicaEvent) else ""
         out.append(f"  {seq:>7}  {e.ts:%Y-%m-%d %H:%M:%S}Z  {E.event_tag(e)}{rid}  {event_reason(e)}".rstrip())
-    return "\n".join(out)
+    return "\n".join(map(printable, out))

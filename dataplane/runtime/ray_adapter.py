@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import ray
+import structlog
 from ray._private import ray_constants
 from ray.experimental import internal_kv
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -33,6 +34,8 @@ from dataplane.replica.wire import Answer
 from dataplane.runtime.pool import Pool, member_number, member_prefix
 from dataplane.runtime.ports import Found, Liveness, ReplicaHandle, ReplicaSpec
 from schemas.errors import InfrastructureError
+
+logger = structlog.get_logger("ndif.ray")
 
 # ---- the local Ray ---------------------------------------------------------------------------
 
@@ -103,7 +106,12 @@ def start_local(num_gpus: int, *, num_cpus: int | None = None) -> str:
     (dataplane/replica/actor.py): `num_gpus` only says how many this node has."""
     _loopback_only()
     _private_token()
-    ray.init(num_gpus=num_gpus, num_cpus=num_cpus, namespace=NAMESPACE, include_dashboard=False,
+    if os.environ.get("RAY_ADDRESS"):
+        logger.warning("ray_address_ignored", ray_address=os.environ["RAY_ADDRESS"][:200],
+                       hint="this process starts a Ray of its own; `ndif agent` / `ndif dispatcher` join a cluster")
+    # "local": always a new Ray, never the cluster RAY_ADDRESS or a (perhaps stale) `ray_current_cluster`
+    # file in Ray's temp dir names; another user's or another run's Ray is not ours to join.
+    ray.init(address="local", num_gpus=num_gpus, num_cpus=num_cpus, namespace=NAMESPACE, include_dashboard=False,
              log_to_driver=False)
     return str(ray.get_runtime_context().gcs_address)
 

@@ -12,9 +12,11 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
+import shutil
 import stat
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -78,9 +80,20 @@ def test_the_embedded_ray_listens_on_loopback_only_and_its_token_is_private(tmp_
     home = tmp_path / "home"
     home.mkdir()
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-    env.update(HOME=str(home), PYTHONPATH=str(ROOT), NDIF_LOG_LEVEL="WARNING")
-    proc = subprocess.run([sys.executable, "-c", PROBE], env=env, cwd=ROOT, capture_output=True, text=True,
-                          timeout=280)
+    # What another cluster left on the machine: its address file in Ray's temp dir (world-writable
+    # /tmp/ray by default) naming a Ray that is gone, and RAY_ADDRESS pointing at it. The embedded
+    # Ray is its own whatever they say, and the address it was told is said to be ignored.
+    raytmp = Path(tempfile.mkdtemp(prefix="rt", dir="/tmp"))  # short: Ray's socket paths must fit
+    (raytmp / "ray").mkdir()
+    (raytmp / "ray" / "ray_current_cluster").write_text("127.0.0.1:1")
+    env.update(HOME=str(home), PYTHONPATH=str(ROOT), NDIF_LOG_LEVEL="WARNING", RAY_TMPDIR=str(raytmp),
+               RAY_ADDRESS="127.0.0.1:1")
+    try:
+        proc = subprocess.run([sys.executable, "-c", PROBE], env=env, cwd=ROOT, capture_output=True, text=True,
+                              timeout=280)
+    finally:
+        shutil.rmtree(raytmp, ignore_errors=True)
+    assert "ray_address_ignored" in proc.stdout + proc.stderr, proc.stderr[-2000:]
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("PROBE ")), None)
     assert proc.returncode == 0 and line, proc.stdout[-2000:] + proc.stderr[-4000:]
     got = json.loads(line[6:])

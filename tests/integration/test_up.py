@@ -128,6 +128,13 @@ class TestOneUp:
         ran = await ndif(url, "status", env={"NDIF_HOME": str(up.home)})  # folds from it
         assert ran.rc == 0, ran.err
 
+    async def test_no_secret_in_its_log(self, shared: tuple[Up, str, int]) -> None:
+        """Its log lines (stderr, INFO) name the dashboard's address, never its token."""
+        up, _, _ = shared
+        token = (up.home / "auth" / "dashboard.token").read_text().strip()
+        log = up.err.read_text()
+        assert "dashboard_started" in log and len(token) >= 16 and token not in log
+
     async def test_a_second_up_on_a_port_in_use_fails_in_one_line_and_appends_nothing(
             self, shared: tuple[Up, str, int], tmp_path: Path, ups: list[Up]) -> None:
         first, url, port = shared
