@@ -172,3 +172,14 @@ def test_a_second_evict_of_a_warm_model_says_where_it_is_and_what_goes_further()
     assert "`ndif evict --cold`" in res.message, res.message
     cold = summarize("w", decide(b.state, Evict(command_id="w", model_key=M, cold=True), ctx("w")), 10)
     assert len(cold.evictions) == 2 and all(e.level is Level.COLD for e in cold.evictions)
+
+
+def test_a_count_past_the_limits_names_how_to_raise_them_for_ndif_up_too() -> None:
+    body = msgspec.json.encode({"verb": "deploy", "command_id": "c", "model_key": M, "replicas": 1000})
+    with pytest.raises(InvalidCommand) as exc:
+        decode_command(body, Limits(max_replicas_per_model=128, max_replicas_per_command=64))
+    said = str(exc.value)
+    assert "NDIF_MAX_REPLICAS_PER_MODEL" in said and "`ndif up`" in said and "--max-replicas-per-model" in said, said
+    b = Builder().node("n0").hot(M, 0, "n0", (0,), 10).target(M, 1)
+    with pytest.raises(InvalidCommand, match="NDIF_MAX_REPLICAS_PER_MODEL.*`ndif up`"):
+        decide(b.state, Scale(command_id="s", model_key=M, replicas=2, scale_up=True), ctx("s"), max_replicas_per_model=2)
