@@ -152,9 +152,11 @@ def display_name(model_key: str) -> str:
 MAX_SUGGEST_FROM = 1000  # models a "did you mean" compares against (difflib is quadratic per pair)
 
 
-def closest_model(typed: str, known: Iterable[str]) -> str | None:
+def closest_model(typed: str, known: Iterable[str], *, names_only: bool = False) -> str | None:
     """The known model key a mistyped name most likely meant (a near path or repo id, or the full
-    name of a short one), or None. `known` are canonical keys; `typed` is what the user wrote."""
+    name of a short one), or None. `known` are canonical keys; `typed` is what the user wrote.
+    `names_only`: matched on the last part of each name only (what a client is told: a shared
+    directory prefix alone is no match)."""
     names = {display_name(k): k for k in islice(known, MAX_SUGGEST_FROM)}
     t = typed.strip().rstrip("/")[:MAX_KEY_CHARS]
     try:
@@ -164,7 +166,7 @@ def closest_model(typed: str, known: Iterable[str]) -> str | None:
     if t in names:
         return None  # not a typo: the model itself
     shorts = {n.rsplit("/", 1)[-1]: n for n in names}
-    near = difflib.get_close_matches(t, list(names), n=1, cutoff=0.8)
+    near = [] if names_only else difflib.get_close_matches(t, list(names), n=1, cutoff=0.8)
     if not near:
         short = difflib.get_close_matches(t.rsplit("/", 1)[-1], list(shorts), n=1, cutoff=0.8)
         near = [shorts[short[0]]] if short else []

@@ -481,10 +481,14 @@ def decide_inventory(state: ClusterState, inventory: Inventory, ctx: DecisionCon
 
 def decide_outage(state: ClusterState, last_heard: datetime | None, ctx: DecisionContext, grace_s: float) -> list[Event]:
     """A controller starting on this log: a `ClusterDown` when nothing of the cluster was heard for
-    longer than `grace_s` before now (`last_heard`: the newest heartbeat or event the server holds;
-    the log's own last event where that is later). None heard at all: a first start, no outage."""
-    last = max((t for t in (last_heard, state.max_ts) if t is not None), default=None)
-    if last is None or state.seq == 0 or (ctx.now - last).total_seconds() <= grace_s:
+    longer than `grace_s` before now. `last_heard`: the newest heartbeat or event as the server
+    stamped them; without it, the log's last event time (a time its author wrote: never later than
+    now here, so a fact dated in the future cannot hide an outage). An empty log: a first start."""
+    last = last_heard if last_heard is not None else state.max_ts
+    if last is None or state.seq == 0:
+        return []
+    last = min(last, ctx.now)
+    if (ctx.now - last).total_seconds() <= grace_s:
         return []
     return [ctx.event(ClusterDown, down_from=last, up_at=ctx.now)]
 

@@ -8,6 +8,8 @@ eventstore/gate.py) gives it the subject, the body and the controller's fold.
 
 from __future__ import annotations
 
+from datetime import datetime
+
 import msgspec
 
 from controlplane.core.projections.cluster import ClusterState
@@ -44,8 +46,13 @@ def _no(problem: str, *, unknown: bool = False) -> Verdict:
     return Verdict(problem=problem[:MAX_REASON_CHARS], unknown=unknown)
 
 
-def admit(subject: str, data: bytes, state: ClusterState) -> Verdict:
-    """Whether the fact sent on `subject` (a fact inbox subject) with body `data` enters the log."""
+MAX_FACT_AHEAD_S = 60.0  # a fact's own time may run this far ahead of the gate's clock (clock skew)
+
+
+def admit(subject: str, data: bytes, state: ClusterState, now: datetime | None = None) -> Verdict:
+    """Whether the fact sent on `subject` (a fact inbox subject) with body `data` enters the log.
+    `now`: the gate's time; a fact dated past it (by more than MAX_FACT_AHEAD_S) is refused, as the
+    log's times (timelines, the outage rule) would otherwise run ahead of what happened."""
     log_subject = fact_log_subject(subject)
     if log_subject is None:
         return _no(f"{subject} is no fact subject")
@@ -62,6 +69,8 @@ def admit(subject: str, data: bytes, state: ClusterState) -> Verdict:
     problem = author_problem(ev)
     if problem is not None:
         return _no(problem)
+    if now is not None and (ev.ts - now).total_seconds() > MAX_FACT_AHEAD_S:
+        return _no(f"{event_tag(ev)} is dated {ev.ts.isoformat()}, after the gate's time {now.isoformat()}")
     canonical = len(encode_event(ev))  # what the gate appends: defaults filled in, unknown fields gone
     if canonical > FACT_MAX_BYTES:
         return _no(f"{event_tag(ev)} is {canonical} bytes as stored, over the {FACT_MAX_BYTES} a fact may have")

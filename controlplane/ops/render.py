@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import re
+import unicodedata
 from collections import Counter
 from collections.abc import Sequence
 
@@ -18,21 +18,24 @@ from schemas.keys import display_name
 from schemas.status import Level, ReplicaState
 from schemas.units import GiB, gib
 
-# What a terminal acts on rather than shows: C0 and C1 controls, DEL, and the bidirectional
-# overrides and isolates (text that reads other than it is stored).
-_UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+# What a terminal or a line splitter acts on rather than shows: controls (Cc), format characters
+# (Cf: direction marks, zero-width and invisible ones) and line and paragraph separators (Zl, Zp).
+_UNSAFE_CATEGORIES = frozenset({"Cc", "Cf", "Zl", "Zp"})
 
 
 def printable(text: str) -> str:
-    """`text` as one line a terminal shows and never acts on: each control or direction mark is
-    written as its escape (`\x1b`, `\n`), so a node's hostname or an error cannot clear the screen,
-    move the cursor or start a fake line."""
-    return _UNSAFE.sub(_escape, text) if _UNSAFE.search(text) else text
+    """`text` as one line a terminal shows and never acts on: each control, format character or
+    line separator is written as its escape (`\\x1b`, `\\n`, `\\u2028`), so a node's hostname or an
+    error cannot clear the screen, move the cursor, hide text or start a fake line."""
+    if text.isascii() and text.isprintable():
+        return text
+    return "".join(_escape(c) if unicodedata.category(c) in _UNSAFE_CATEGORIES else c for c in text)
 
 
-def _escape(m: re.Match[str]) -> str:
-    c = m.group()
-    return {"\n": "\\n", "\r": "\\r", "\t": "\\t"}.get(c) or (f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}")
+def _escape(c: str) -> str:
+    n = ord(c)
+    return {"\n": "\\n", "\r": "\\r", "\t": "\\t"}.get(c) or (
+        f"\\x{n:02x}" if n < 0x100 else f"\\u{n:04x}" if n < 0x10000 else f"\\U{n:08x}")
 
 
 def _gib(n: int) -> str:

@@ -24,7 +24,7 @@ from nats.js.client import JetStreamContext
 from controlplane.core.ports import Heartbeat, Heartbeats
 from schemas.errors import InfrastructureError
 from schemas.guard import decode_any
-from schemas.subjects import HEARTBEATS_BUCKET, node_token
+from schemas.subjects import EVENTS_STREAM, HEARTBEATS_BUCKET, node_token
 
 __all__ = ["STALE_S", "Heartbeat", "JetStreamHeartbeats", "MemoryHeartbeats", "ages", "beat_value", "heartbeat_ages",
            "last_beats", "last_heard"]
@@ -144,11 +144,18 @@ async def heartbeat_ages(beats: Heartbeats, node_ids: list[str]) -> dict[str, fl
 
 
 async def last_heard(nc: NatsClient, *, api: str, timeout: float = 5.0) -> datetime | None:
-    """When the server last stored a heartbeat of any node (None: never, or unreadable). The beats
-    themselves expire, but the bucket's stream keeps the time of its last message (`last_ts`),
-    through their expiry and a restart of the server: the last moment an agent was heard."""
+    """When the server last stored a heartbeat of any node or an event (None: neither, or
+    unreadable): the times the server stamped, never a time a client wrote into a body. The beats
+    themselves expire, but a stream keeps the time of its last message (`last_ts`) through their
+    expiry and a restart of the server: the last moment anything of the cluster was heard."""
+    times = [t for stream in (f"KV_{HEARTBEATS_BUCKET}", EVENTS_STREAM)
+             if (t := await _last_stored(nc, api, stream, timeout)) is not None]
+    return max(times, default=None)
+
+
+async def _last_stored(nc: NatsClient, api: str, stream: str, timeout: float) -> datetime | None:
     try:
-        msg = await nc.request(f"{api}.STREAM.INFO.KV_{HEARTBEATS_BUCKET}", b"", timeout=timeout)
+        msg = await nc.request(f"{api}.STREAM.INFO.{stream}", b"", timeout=timeout)
     except nats.errors.Error:
         return None
     body = decode_any(msg.data, limit=1 << 20, what="JetStream answer")  # a dict, or Refused

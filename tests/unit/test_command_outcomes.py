@@ -181,5 +181,5 @@ def test_a_count_past_the_limits_names_how_to_raise_them_for_ndif_up_too() -> No
     said = str(exc.value)
     assert "NDIF_MAX_REPLICAS_PER_MODEL" in said and "`ndif up`" in said and "--max-replicas-per-model" in said, said
     b = Builder().node("n0").hot(M, 0, "n0", (0,), 10).target(M, 1)
-    with pytest.raises(InvalidCommand, match="NDIF_MAX_REPLICAS_PER_MODEL.*`ndif up`"):
+    with pytest.raises(InvalidCommand, match=r"NDIF_MAX_REPLICAS_PER_MODEL.*`ndif up`"):
         decide(b.state, Scale(command_id="s", model_key=M, replicas=2, scale_up=True), ctx("s"), max_replicas_per_model=2)

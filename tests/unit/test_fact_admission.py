@@ -130,3 +130,15 @@ def test_a_fact_whose_stored_form_would_not_fit_the_log_is_refused() -> None:
     assert len(raw) <= FACT_MAX_BYTES  # the facts stream takes it
     v = admit(fact_inbox(event_subject(big)), raw, placed())
     assert v.event is None and "as stored" in v.problem
+
+
+def test_a_fact_dated_past_the_gates_clock_is_refused() -> None:
+    """A fact's time is its author's word: one from the future would move the log's times (timelines,
+    the outage rule) ahead of what happened."""
+    from datetime import timedelta
+
+    own = joined(A)
+    assert admit(*sent(own), ClusterState(), own.ts - timedelta(seconds=59)).event == own  # 59 s ahead: skew allowed
+    ahead = msgspec.structs.replace(own, ts=own.ts + timedelta(days=365 * 70))
+    v = admit(*sent(ahead), ClusterState(), own.ts)
+    assert v.event is None and "after the gate's time" in v.problem

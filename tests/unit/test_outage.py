@@ -18,12 +18,23 @@ def test_a_gap_past_the_grace_is_recorded_from_the_last_thing_heard():
     now = T0 + timedelta(minutes=20)
     assert decide_outage(ClusterState(), None, ctx("o", now=now), 20.0) == []  # an empty log: a first start
     assert decide_outage(b.state, None, ctx("o", now=T0 + timedelta(seconds=19)), 20.0) == []  # within the grace
-    beat = T0 + timedelta(minutes=5)  # an agent was heard after the last event
+    beat = T0 + timedelta(minutes=5)  # the server last stored a beat or an event then
     (down,) = decide_outage(b.state, beat, ctx("o", now=now), 20.0)
     assert isinstance(down, E.ClusterDown) and (down.down_from, down.up_at) == (beat, now)
     assert down.down_s == 15 * 60 and "cluster down 900 s" in event_reason(down)
-    (older,) = decide_outage(b.state, T0 - timedelta(hours=1), ctx("o", now=now), 20.0)
-    assert older.down_from == T0  # the log's own last event is later than the beat: counted from it
+    (bodies,) = decide_outage(b.state, None, ctx("o", now=now), 20.0)  # no server time: the log's last event
+    assert bodies.down_from == T0
+
+
+def test_a_fact_dated_in_the_future_hides_no_outage():
+    """An agent's fact may carry any time in its body: the rule reads the server's times, and a
+    body's time is never taken as later than now."""
+    b = Builder().node("n0")
+    b.add(E.NodeJoined(**b._env("agent:n0", ts=T0.replace(year=2099)), node_id="n0", gpus=(), cpu_cache_bytes=0))
+    now = T0 + timedelta(minutes=20)
+    (down,) = decide_outage(b.state, T0, ctx("o", now=now), 20.0)  # what the server stamped wins
+    assert down.down_from == T0
+    assert decide_outage(b.state, None, ctx("o", now=now), 20.0) == []  # clamped to now: no gap, nothing made up
 
 
 def test_the_fold_keeps_the_newest_outages_and_snapshots_keep_them():

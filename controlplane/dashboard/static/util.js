@@ -3,10 +3,11 @@
 // that depend on data (block widths) are set through the CSSOM (`el.style.width`), never in markup.
 
 export const $ = (id) => document.getElementById(id);
-// What a node or a request reports is shown as it is stored, never acted on: control characters
-// and direction marks (which would reorder the text around them) are written as their escapes.
-const UNSAFE = /[\u0000-\u0008\u000b-\u001f\u007f-\u009f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]/g;
-export const shown = (s) => String(s ?? "").replace(UNSAFE, (c) => "\\u" + c.charCodeAt(0).toString(16).padStart(4, "0"));
+// What a node or a request reports is shown as it is stored, never acted on: controls, format
+// characters (direction marks, invisible ones) and line separators are written as their escapes.
+// A tooltip's own line breaks and tabs stay.
+const UNSAFE = /(?![\n\t])[\p{Cc}\p{Cf}\p{Zl}\p{Zp}]/gu;
+export const shown = (s) => String(s ?? "").replace(UNSAFE, (c) => "\\u{" + c.codePointAt(0).toString(16) + "}");
 export const esc = (s) => shown(s).replace(/[&<>"']/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;" }[c]));
 
 // Bytes as GiB: 3 decimals below 1 GiB (tiny models stay readable), 1 below 100, none above.

@@ -92,7 +92,7 @@ class FactGate:
 
     async def _one(self, msg: Msg) -> None:
         facts_seq = msg.metadata.sequence.stream
-        verdict = admit(msg.subject, msg.data, self.state())
+        verdict = admit(msg.subject, msg.data, self.state(), datetime.now(UTC))
         if verdict.unknown:
             try:
                 await asyncio.wait_for(self.caught_up(), CATCH_UP_S)
@@ -102,7 +102,7 @@ class FactGate:
                 if msg.metadata.num_delivered < GATE_TRIES:
                     await msg.nak(delay=1.0)
                     return
-            verdict = admit(msg.subject, msg.data, self.state())
+            verdict = admit(msg.subject, msg.data, self.state(), datetime.now(UTC))
         problem = verdict.problem
         if verdict.event is not None:
             try:

@@ -180,8 +180,9 @@ class Provisioner:
             pass  # deployed by someone first: its processor takes the requests
         except (errs.InvalidCommand, errs.NotFound) as exc:
             msg = f"cannot deploy {display_name(model_key)}: {exc}"
-            near = closest_model(display_name(model_key), [k for k in self.state.models if k not in self.state.undeployed])
-            if near is not None:  # a model this service offers, by a near name: not a path of the machine
+            serving = [k for k, m in self.state.models.items() if not m.undeployed and m.target_hot > 0]
+            near = closest_model(display_name(model_key), serving, names_only=True)
+            if near is not None:  # a model this service serves now, by a near name: never a path of the machine
                 msg += f"; did you mean {display_name(near)}?"
             now = time.monotonic()
             _memo_put(self._refused, model_key, (now + REFUSED_MODEL_MEMO_S, type(exc).__name__, msg), now)
