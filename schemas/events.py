@@ -203,10 +203,9 @@ class NodeLost(Event, frozen=True, kw_only=True, tag="NodeLost"):
 
 
 class ClusterDown(Event, frozen=True, kw_only=True, tag="ClusterDown"):
-    """The cluster was off: nothing of it was heard from `down_from` (a controller's last mark of
-    life, or the log's last event where that is later) until `up_at` (a controller starting on this
-    log). Recorded once, by that controller at its start, when the gap passes its heartbeat grace:
-    timelines draw the span as "cluster down", not as the state the log held before it. Stored on
+    """The cluster was off: nothing of it was heard from `down_from` (the time the server stamped on
+    its last heartbeat or event) until `up_at` (a controller starting on this log). Recorded once,
+    by that controller at its start, when the gap passes its heartbeat grace: timelines draw the span as "cluster down", not as the state the log held before it. Stored on
     `ndif.evt.cmd.<ctok>` (its `command_id`), as the controller's own records are."""
 
     down_from: datetime

@@ -165,7 +165,8 @@ def closest_model(typed: str, known: Iterable[str], *, names_only: bool = False)
         pass
     if t in names:
         return None  # not a typo: the model itself
-    shorts = {n.rsplit("/", 1)[-1]: n for n in names}
+    last = [n.rsplit("/", 1)[-1] for n in names]
+    shorts = {s: n for s, n in zip(last, names, strict=True) if last.count(s) == 1}  # an ambiguous name suggests none
     near = [] if names_only else difflib.get_close_matches(t, list(names), n=1, cutoff=0.8)
     if not near:
         short = difflib.get_close_matches(t.rsplit("/", 1)[-1], list(shorts), n=1, cutoff=0.8)

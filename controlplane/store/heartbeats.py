@@ -174,5 +174,5 @@ def parse_server_time(ts: str) -> datetime | None:
     zone = "+00:00" if m.group(3) == "Z" else m.group(3)
     try:
         return datetime.fromisoformat(f"{m.group(1)}.{frac}{zone}").astimezone(UTC)
-    except ValueError:
+    except (ValueError, OverflowError):
         return None

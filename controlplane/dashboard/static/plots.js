@@ -44,7 +44,7 @@ function drawNoData(u) {
   ctx.restore();
 }
 
-// Time ticks in UTC, 24-hour, with room for each (uPlot's own "2:44am" labels ran together at 1920 px).
+// Time ticks in UTC, 24-hour, each with room to be read.
 // Each plot keeps the labels it drew last (`u.drawn`), which the browser tests read.
 const timeTicks = (u, vals) => ((u.drawn = u.drawn || {}).x = vals.map((v) => fullTime(v).slice(11, 19)));
 const valueTicks = (u, vals) => ((u.drawn = u.drawn || {}).y = ticks(vals));

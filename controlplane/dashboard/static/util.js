@@ -18,10 +18,12 @@ export function gib(b) {
 }
 export const gibNum = (b) => { const g = b / 2 ** 30; return g < 1 ? g.toFixed(3) : g < 100 ? g.toFixed(1) : g.toFixed(0); };
 
-// An axis's tick labels, all with the decimals their step needs (never "200.0" beside "0.000").
+// An axis's tick labels, all with the decimals their step has (uPlot's steps include 2.5 and 0.25:
+// never "3" for 2.5, nor "200.0" beside "0.000").
 export function ticks(vals) {
   const step = vals.length > 1 ? Math.abs(vals[1] - vals[0]) : Math.abs(vals[0] || 1);
-  const decimals = step > 0 ? Math.min(3, Math.max(0, Math.ceil(-Math.log10(step) - 1e-9))) : 0;
+  const decimals = step > 0 ? (String(+step.toPrecision(6)).split(".")[1] || "").length : 0;
+  if (decimals > 6) return vals.map((v) => (v == null ? "" : v.toExponential(2)));
   return vals.map((v) => (v == null ? "" : v.toFixed(decimals)));
 }
 
