@@ -275,9 +275,7 @@ async def test_r3_cluster_loses_nothing_when_two_servers_are_killed(cluster: Nat
         print(f"\nRECORD r3: {COMMANDS} commands ({len(acked)} acknowledged, refused {dict(refused)}), "
               f"{REQUESTS} requests, {last} events, {took:.1f}s; without a leader: {leader}")
         try:
-            # After the run the agents still carry out the last decisions (loads and unloads of
-            # hundreds of replica ids, each a fact): the log grows until they are done.
-            async with asyncio.timeout(120):
+            async with asyncio.timeout(30):
                 while True:
                     while any(p.state.seq != last for p in parts):
                         await asyncio.sleep(0.2)
