@@ -19,6 +19,11 @@ from schemas.errors import InvalidCommand
 from schemas.guard import body_problem
 
 DEFAULT_MODEL_CLASS = "nnsight.modeling.language.LanguageModel"
+# What a load reads from a key (dataplane/replica/model.py): the repo id, and for a repo in the
+# cache its revision; every replica is a causal LM, whatever the class. Anything else a key could
+# carry would be a second name for the same checkpoint, so it is refused, never kept.
+SERVED_CLASSES = frozenset({DEFAULT_MODEL_CLASS})
+KEY_FIELDS = ("repo_id", "revision")
 
 # `pkg.module.Class:{...json...}`
 _NDIF_KEY = re.compile(r"^(?P<cls>[A-Za-z_][\w.]*):(?P<json>\{.*\})$", re.DOTALL)
@@ -65,10 +70,7 @@ def check_repo_id(repo_id: str) -> str:
 
 
 def _dump(cls: str, kwargs: dict[str, object]) -> str:
-    ordered: dict[str, object] = {"repo_id": kwargs["repo_id"], "revision": kwargs.get("revision")}
-    for k in sorted(kwargs):
-        if k not in ordered:
-            ordered[k] = kwargs[k]
+    ordered = {"repo_id": kwargs["repo_id"], "revision": kwargs.get("revision")}
     # json.dumps' default separators are what NDIF writes: `{"repo_id": "...", "revision": null}`
     return f"{cls}:{json.dumps(ordered, ensure_ascii=False)}"
 
@@ -83,8 +85,10 @@ def canonical_model_key(text: str, *, relative: bool = True) -> str:
     Accepts a repo id (`openai-community/gpt2`, `gpt2@main` for a revision), a local checkpoint
     directory (`/ckpt/tiny`, `./tiny`, `~/tiny`; made absolute) or an NDIF-style key
     (`Class:{"repo_id": ..., "revision": ...}`, re-serialised with a stable field order).
-    Raises `InvalidCommand` for empty or unparseable input; whether the model exists is
-    decided elsewhere (registration resolves it offline).
+    Raises `InvalidCommand` for empty or unparseable input, and for what a load would ignore
+    (another class, fields besides repo_id and revision, a revision on a directory): each would
+    be one more name for the same checkpoint. Whether the model exists is decided elsewhere
+    (registration resolves it offline, and refuses a second key for a registered checkpoint).
 
     A relative path (`./tiny`, `~/tiny`) is made absolute against this process's directory and
     user: call this where the user typed it (CLI, admin client, SDK). A service that receives keys
@@ -103,8 +107,13 @@ def canonical_model_key(text: str, *, relative: bool = True) -> str:
         rev = kwargs.get("revision")
         if rev is not None and not isinstance(rev, str):
             raise InvalidCommand(f"model key {text!r}: \"revision\" must be a string or null")
+        _loaded_fields_only(m.group("cls"), kwargs, text)
         repo = kwargs["repo_id"]
         if _is_path(repo):
+            if rev is not None:
+                raise InvalidCommand(f"model key {text[:120]!r}: a local checkpoint directory has no revision "
+                                     "(a load reads the directory as it is); drop \"revision\" or name another "
+                                     "directory")
             kwargs = {**kwargs, "repo_id": _abs(repo, relative)}
         else:
             check_repo_id(repo)
@@ -119,6 +128,18 @@ def canonical_model_key(text: str, *, relative: bool = True) -> str:
         )
     check_repo_id(repo)
     return _dump(DEFAULT_MODEL_CLASS, {"repo_id": repo, "revision": rev or None})
+
+
+def _loaded_fields_only(cls: str, kwargs: dict[str, object], text: str) -> None:
+    """Refuse what a load ignores: another class, or fields besides repo_id and revision."""
+    if cls not in SERVED_CLASSES:
+        raise InvalidCommand(f"model key {text[:120]!r}: class {cls[:80]!r} is not served; every model here loads "
+                             f"as {DEFAULT_MODEL_CLASS} (write it so, or give the repo id or directory alone)")
+    extra = sorted(k for k in kwargs if k not in KEY_FIELDS)
+    if extra:
+        shown = ", ".join(repr(k[:40]) for k in extra[:5]) + (" …" if len(extra) > 5 else "")
+        raise InvalidCommand(f"model key {text[:120]!r}: {shown} not read by a load (a model is its repo_id and "
+                             "revision only); drop them")
 
 
 def _abs(path: str, relative: bool = True) -> str:

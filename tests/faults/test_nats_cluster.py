@@ -36,7 +36,7 @@ from dataplane.serving.dispatcher import Dispatcher
 from schemas import errors as errs
 from schemas.commands import CommandResult, Scale, ScaleDown
 from schemas.events import Event
-from schemas.subjects import EVENTS_STREAM, FACTS_STREAM, REQUEST_STATUS_BUCKET, REQUESTS_STREAM
+from schemas.subjects import EVENTS_STREAM, FACT_GATE_CONSUMER, FACTS_STREAM, REQUEST_STATUS_BUCKET, REQUESTS_STREAM
 from tests.agent_sim import GB, ScriptedAgent
 from tests.conftest import bounded, dump_tasks
 from tests.integration.probe import raw_connect
@@ -104,6 +104,19 @@ async def _each_server(url: str, last: int) -> list[str]:
             out.append(f"{u}: {exc!r}")
         finally:
             await nc.close()
+    return out
+
+
+async def _tail(lg: Any, last: int, n: int = 40) -> list[str]:
+    """The log's last `n` items, one line each: what kept the log moving (a diagnostic)."""
+    out = []
+    try:
+        async for seq, e in lg.read(max(1, last - n + 1), stop_seq=last):
+            fields = {k: getattr(e, k) for k in ("model_key", "replica_id", "node_id", "state", "actor", "command_id",
+                                                  "reason", "error") if getattr(e, k, None) not in (None, "")}
+            out.append(f"{seq} {type(e).__name__} {fields}")
+    except Exception as exc:  # noqa: BLE001 - a diagnostic
+        out.append(repr(exc))
     return out
 
 
@@ -272,21 +285,38 @@ async def test_r3_cluster_loses_nothing_when_two_servers_are_killed(cluster: Nat
         assert len(terminal_seen) == REQUESTS and set(terminal_seen.values()) == {1}
         # Every component's fold equals a fresh fold of the whole log.
         parts: list[Any] = [*ctls, *agents, disp]
+
+        async def facts_waiting() -> int:  # facts sent and not yet decided by the gate
+            try:
+                ci = await lg.js.consumer_info(FACTS_STREAM, FACT_GATE_CONSUMER)
+            except Exception:  # noqa: BLE001 - a server still electing the consumer's leader: ask again
+                return -1
+            return ci.num_pending + ci.num_ack_pending
+
         print(f"\nRECORD r3: {COMMANDS} commands ({len(acked)} acknowledged, refused {dict(refused)}), "
-              f"{REQUESTS} requests, {last} events, {took:.1f}s; without a leader: {leader}")
-        try:
-            async with asyncio.timeout(30):
-                while True:
-                    while any(p.state.seq != last for p in parts):
-                        await asyncio.sleep(0.2)
-                        last = await _last_seq(lg)  # agents may still be answering the last decisions
-                    stored = await _read_all(lg, last)
-                    # Quiet: nothing appended while the log was read (else compare at the new end).
-                    if await _last_seq(lg) == last and all(p.state.seq == last for p in parts):
-                        break
-        except TimeoutError:
-            raise AssertionError(f"folds behind the log ({last}): {[(getattr(p, 'name', None) or p.node_id, p.state.seq) for p in parts]}; "
-                                 f"each server says: {await _each_server(url, last)}") from None
+              f"{REQUESTS} requests, {last} events, {took:.1f}s; without a leader: {leader}; "
+              f"facts waiting for the gate: {await facts_waiting()}")
+        # Agents may still be answering the last decisions, and the gate admitting their facts: wait
+        # while that moves (the gate is behind the agents under this load), fail once it stops moving.
+        t_run, moved, seen = time.monotonic(), time.monotonic(), (last, await facts_waiting())
+        while True:
+            waiting = await facts_waiting()
+            if waiting == 0 and all(p.state.seq == last for p in parts):
+                stored = await _read_all(lg, last)
+                # Quiet: nothing appended while the log was read (else compare at the new end).
+                if await _last_seq(lg) == last and all(p.state.seq == last for p in parts):
+                    break
+            await asyncio.sleep(0.2)
+            last = await _last_seq(lg)
+            if (last, waiting) != seen:
+                seen, moved = (last, waiting), time.monotonic()
+            if time.monotonic() - moved > 30 or time.monotonic() - t_run > 240:
+                raise AssertionError(f"no quiet log after the run (facts waiting for the gate: "
+                                     f"{waiting}, unmoved for {time.monotonic() - moved:.0f} s); folds at ({last}): "
+                                     f"{[(getattr(p, 'name', None) or p.node_id, p.state.seq) for p in parts]}; "
+                                     f"each server says: {await _each_server(url, last)}; the log's tail:\n"
+                                     + "\n".join(await _tail(lg, last)))
+        print(f"RECORD r3: the gate's backlog drained {time.monotonic() - t_run:.1f} s after the run, at {last} events")
         fresh = ClusterState()
         for seq, e in stored:
             fresh.apply(seq, e)

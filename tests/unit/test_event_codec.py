@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 
 from schemas import events as E
 from schemas.errors import InvalidCommand
-from schemas.events import ModelRef, Skipped, decode_event, decode_or_skip, encode_event, model_ref
-from schemas.keys import canonical_model_key, check_repo_id
+from schemas.events import ModelRef, Skipped, decode_event, decode_or_skip, encode_event, model_ref, ref_key
+from schemas.keys import check_repo_id
 from schemas.status import EvictionReason, Level
 
 GPT2 = 'nnsight.modeling.language.LanguageModel:{"repo_id": "openai-community/gpt2", "revision": null}'
@@ -143,7 +143,8 @@ _rev = st.none() | st.text(min_size=1, max_size=12)
 @given(repo=_repo | st.from_regex(r"/[a-z0-9_/-]{1,20}", fullmatch=True), rev=_rev,
        cls=st.sampled_from(["nnsight.modeling.language.LanguageModel", "pkg.mod.Other"]))
 def test_any_canonical_key_round_trips_through_the_fields(repo, rev, cls):
-    key = canonical_model_key(f"{cls}:{json.dumps({'repo_id': repo, 'revision': rev})}")
+    # Built as the codec spells keys: a log may hold a class or a revision that input no longer takes.
+    key = ref_key(cls, repo, rev)
     ev = loaded(key)
     body = encode_event(ev)
     assert decode_event(body) == ev == decode_event(_plain.encode(ev))

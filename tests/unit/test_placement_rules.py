@@ -388,7 +388,7 @@ def test_relative_paths_are_canonicalised_by_the_client_and_refused_by_the_contr
     cmd = AdminClient(log=None)._cmd(Deploy, None, model_key="./tiny")  # type: ignore[arg-type]
     assert model_parts(cmd.model_key)[1] == os.path.join(str(tmp_path), "tiny")
     ctl = Controller(Parts(MemoryEventLog(), None))
-    for rel in ("./tiny", "../tiny", "~/tiny", ".", 'X.Y:{"repo_id": "./tiny", "revision": null}'):
+    for rel in ("./tiny", "../tiny", "~/tiny", ".", 'nnsight.modeling.language.LanguageModel:{"repo_id": "./tiny", "revision": null}'):
         with pytest.raises(InvalidCommand, match="relative"):
             ctl._canonical(Deploy(command_id="c", model_key=rel))
     with pytest.raises(InvalidCommand, match="relative"):

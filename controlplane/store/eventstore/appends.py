@@ -165,7 +165,8 @@ async def _admitted(js: JetStreamContext, ev: Event, facts_seq: int, timeout: fl
     subject = event_subject(ev)
     refusal_subject = refused_subject(subject.rsplit(".", 1)[-1], facts_seq)
     loop = asyncio.get_running_loop()
-    deadline, pause = loop.time() + timeout, 0.0005
+    start = loop.time()
+    deadline, pause = start + timeout, 0.0005
     while True:
         # The refusal first: the gate decides facts in order and keeps a refusal before it takes the
         # next fact, so a later fact of this subject in the log says nothing of this one until then.
@@ -185,7 +186,9 @@ async def _admitted(js: JetStreamContext, ev: Event, facts_seq: int, timeout: fl
                 f"it into {EVENTS_STREAM} within {timeout}s: is a controller running (`ndif up`, `ndif controller`)? "
                 "A resend is deduplicated")
         await asyncio.sleep(pause)
-        pause = min(pause * 2, 0.05)
+        # Quick polls for a gate keeping up; slower ones once it is behind, where every waiting fact's
+        # polls would take the servers' time from the gate itself (a backlog that feeds itself).
+        pause = min(pause * 2, 0.05 if loop.time() - start < 1.0 else 0.5)
 
 
 async def _publish_one(nc: NatsClient, ev: Event, expected: int | None, timeout: float, *,
