@@ -199,9 +199,23 @@ def _size(state: ClusterState, model_key: str, registration: Registration | None
     if registration is None:
         raise UnknownModel(f"unknown model {display_name(model_key)}: not registered and not resolved "
                            "(give a local checkpoint dir, a repo in the HF cache, or --size-gib)")
+    twin = same_checkpoint(state, model_key, registration)
+    if twin is not None:
+        # A second key for a registered checkpoint would be a second model (its own replicas and
+        # cards) loading the same weights.
+        raise InvalidCommand(f"{display_name(model_key)} is the checkpoint the model {display_name(twin)} is "
+                             f"registered with: one checkpoint is one model here; use {display_name(twin)}")
     if override is not None:
         registration = msgspec.structs.replace(registration, size_bytes=override)
     return registration.size_bytes, registration
+
+
+def same_checkpoint(state: ClusterState, model_key: str, registration: Registration) -> str | None:
+    """Another model registered with the checkpoint `registration` resolved `model_key` to, if any."""
+    for other, m in state.models.items():
+        if other != model_key and m.registration is not None and m.registration.checkpoint == registration.checkpoint:
+            return other
+    return None
 
 
 def model_headroom(state: ClusterState, model_key: str, default: float) -> float:

@@ -59,7 +59,7 @@ def find_checkpoint(model_key: str) -> tuple[str, str | None]:
     _, repo, revision = model_parts(model_key)
     if repo.startswith("/"):
         if (Path(repo) / "config.json").is_file():
-            return repo, revision
+            return os.path.realpath(repo), revision  # a link's target: one checkpoint, one registration
         why = "has no config.json" if Path(repo).is_dir() else "does not exist on the controller's machine"
         raise UnknownModel(f"unknown model {display_name(model_key)}: {repo} {why}")
     try:
@@ -68,7 +68,8 @@ def find_checkpoint(model_key: str) -> tuple[str, str | None]:
         raise UnknownModel(f"unknown model {display_name(model_key)}: huggingface_hub is not installed") from None
     found = try_to_load_from_cache(repo, "config.json", revision=revision)
     if isinstance(found, str) and os.path.isfile(found):
-        return str(Path(found).parent), revision
+        # The snapshot directory: a branch, a tag and the commit they name resolve to the same one.
+        return os.path.realpath(Path(found).parent), revision
     raise UnknownModel(
         f"unknown model {display_name(model_key)}: not a local checkpoint dir and not in the Hugging Face cache "
         "(this control plane never downloads; put it in the cache or pass a directory)"

@@ -113,7 +113,9 @@ class FactGate:
                 problem = f"not appended to the log after {GATE_TRIES} tries: {type(exc).__name__}: {exc}"
         if problem and not await self._refuse(msg, problem, facts_seq):
             return  # the refusal is not kept: undecided, the fact is given again after the ack wait
-        await msg.ack_sync(timeout=self.timeout)
+        # Not ack_sync: with one fact in flight the next is given only once the server has this ack,
+        # and a lost ack gives this fact again, which the log's dedup keeps once.
+        await msg.ack()
 
     async def _append(self, ev: AnyEvent, facts_seq: int) -> str:
         """Append the admitted fact; "" once the log holds it, else why the log will not (a refusal:

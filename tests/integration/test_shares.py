@@ -1,0 +1,105 @@
+"""One user's share of what everyone shares, tried with a researcher's real credentials on a real
+nats-server run with the config `ndif up` generates (docs/reliability.md "What one user can take").
+
+- one checkpoint is one model: keys that differ only in what a load ignores (a revision on a
+  directory, extra fields, another class) are refused, through the SDK and on the raw subject, and
+  a second path to a registered checkpoint (a link) is refused as that model's twin; none of them
+  registers, deploys or appends anything.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime
+from pathlib import Path
+
+import msgspec
+import pytest
+import pytest_asyncio
+
+from controlplane.ops.auth import LocalAuth, ensure_local
+from controlplane.ops.nats_server import EmbeddedNats
+from controlplane.service.controller import Controller
+from controlplane.service.registry import ModelRoots
+from controlplane.store.admin import AdminClient
+from controlplane.store.credentials import request_msg_id
+from controlplane.store.eventstore import JetStreamEventLog
+from dataplane.client import Client, RequestFailed
+from dataplane.serving.dispatcher import Dispatcher
+from schemas import errors as errs
+from schemas.keys import DEFAULT_MODEL_CLASS, canonical_model_key
+from schemas.subjects import request_subject
+from tests.checkpoints import TinyModels
+from tests.conftest import bounded
+from tests.integration.probe import raw_connect
+from tests.waiting import until_state
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture
+def auth(tmp_path: Path) -> LocalAuth:
+    return ensure_local([], clients=["alice"], home=tmp_path / "home")
+
+
+@pytest_asyncio.fixture
+async def url(auth: LocalAuth, tmp_path: Path) -> AsyncIterator[str]:
+    with EmbeddedNats(tmp_path / "nats", config_file=auth.config_path) as srv:
+        lg = await JetStreamEventLog.open(srv.url, creds=auth.role("admin"))  # what `ndif up` does first
+        await lg.close()
+        yield srv.url
+
+
+def _key(repo: str, **fields: object) -> str:
+    return f"{fields.pop('cls', DEFAULT_MODEL_CLASS)}:{json.dumps({'repo_id': repo, 'revision': None, **fields})}"
+
+
+async def test_aliases_of_one_checkpoint_are_refused_and_append_nothing(tiny_models: TinyModels, url: str,
+                                                                        auth: LocalAuth, tmp_path: Path) -> None:
+    root = tmp_path / "models"
+    tiny = tiny_models.gpt2(root / "tiny")
+    (root / "link").symlink_to(tiny, target_is_directory=True)
+    offered = canonical_model_key(str(tiny))
+    aliases = [_key(str(tiny), revision="x1"), _key(str(tiny), note="x" * 4000), _key(str(tiny), cls="my.Other")]
+    ctl = await Controller.from_url(url, creds=auth.role("controller"), model_roots=ModelRoots((str(root),))).start()
+    disp = await Dispatcher.from_url(url, creds=auth.role("dispatcher")).start()
+    admin = await AdminClient.open(url, timeout=30, creds=auth.role("admin"))
+    creds = auth.role("client:alice")
+    try:
+        async with Client(url, creds=creds) as alice:
+            job = await alice.submit(offered, {"op": "forward", "input_ids": [[1]]})  # deployed for her request
+            await until_state(admin, lambda s: offered in s.models and s.models[offered].registration is not None)
+            await job.close()
+            before = await admin.log.last_seq()
+            for alias in aliases:  # the SDK refuses before sending
+                with pytest.raises(errs.InvalidCommand, match=r"revision|not read by a load|not served"):
+                    await alice.submit(alias, {"op": "forward", "input_ids": [[1]]})
+            nc = await raw_connect(url, **creds.connect_options())
+            try:
+                for alias in aliases:  # and the front door refuses what is sent by hand
+                    rid = f"alias-{uuid.uuid4().hex[:8]}"
+                    body = msgspec.json.encode({"request_id": rid, "model_key": alias, "payload": {"op": "forward"},
+                                                "submitted_at": datetime.now(UTC).isoformat()})
+                    await nc.jetstream().publish(request_subject(alias, "alice"), body,
+                                                 headers={"Nats-Msg-Id": request_msg_id(rid, creds)})
+                    with pytest.raises(RequestFailed) as exc:
+                        await (await alice.job(rid)).result(timeout=30)
+                    assert exc.value.error == "InvalidCommand", exc.value
+            finally:
+                await nc.close()
+            twin = await alice.submit(str(root / "link"), {"op": "forward", "input_ids": [[1]]})
+            with pytest.raises(RequestFailed) as exc:
+                await twin.result(timeout=30)
+            assert exc.value.error == "InvalidCommand" and "one checkpoint is one model" in str(exc.value), exc.value
+            assert f"use {tiny}" in str(exc.value)
+        state = await admin.state()
+        assert set(state.models) == {offered}
+        assert await admin.log.last_seq() == before  # no event for any alias
+        with pytest.raises(errs.InvalidCommand, match="one checkpoint is one model"):
+            await admin.deploy(str(root / "link"), 1)  # the operator's deploy is held to the same rule
+    finally:
+        await admin.close()
+        await bounded(disp.stop(), "dispatcher.stop")
+        await bounded(ctl.stop(), "controller.stop")
