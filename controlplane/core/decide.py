@@ -638,7 +638,8 @@ def summarize(command_id: str, events: Sequence[Event], first_seq: int, *, dupli
     if policy is not None:
         parts.append("autoscaling off: the replica count stays as it is" if policy.policy is None else
                      f"autoscaling on: {policy.policy.min_replicas}..{policy.policy.max_replicas} replicas, "
-                     f"{policy.policy.target_queue_per_replica:g} queued per replica")
+                     f"{policy.policy.target_queue_per_replica:g} queued per replica, idle after "
+                     f"{policy.policy.idle_after_s:g} s to {policy.policy.idle_to}")
     if not parts:
         parts.append(head.note if head is not None and head.note else "nothing to do")
     ok = short == 0

@@ -80,18 +80,19 @@ def add_routes(app: web.Application, d: Served) -> None:
         seq, live, t1, st = await position(d, q)
         t0 = window(m, q, t1)
         points = query_int(q, "points", lo=10, hi=MAX_POINTS, default=DEFAULT_POINTS)
-        out: dict[str, Any] = {"seq": seq, "live": live, "t0": t0, "t1": t1, "outages": outage_spans(st, t0, t1)}
+        outages = outage_spans(st, t0, t1)
+        out: dict[str, Any] = {"seq": seq, "live": live, "t0": t0, "t1": t1, "outages": outages}
         model = q.get("model")
         if model:
             mk = m.resolve_model(model[:2000])
             out["model_key"] = mk
-            out["replicas"] = m.series.model_window(mk, t0, t1, seq, points)
+            out["replicas"] = m.series.model_window(mk, t0, t1, seq, points, outages)
             out["queue"] = {"sampled": True, **d.samples.series(mk, t0, t1, points)}
         node = q.get("node")
         if node:
             if node not in st.nodes:
                 raise BadQuery(f"unknown node {node[:100]!r} at seq {seq}")
-            out["node"] = m.series.node_window(st, node, t0, t1, seq, points)
+            out["node"] = m.series.node_window(st, node, t0, t1, seq, points, outages)
         if not model and not node:
             raise BadQuery("series needs ?model=MODEL and/or ?node=NODE_ID")
         return _json(out)

@@ -193,8 +193,12 @@ class QueueSamples:
                 for c in cols.values():
                     c.append(None)
                 continue
-            cols["waiting"].append(waiting(prev) if prev else 0)
-            cols["running"].append(prev.in_flight if prev else 0)
+            if prev is None:  # nothing sampled of this model yet (its queue began later): not drawn
+                for c in cols.values():
+                    c.append(None)
+                continue
+            cols["waiting"].append(waiting(prev))
+            cols["running"].append(prev.in_flight)
             cols["completed_per_s"].append(round(done / width, 3))
             cols["errors_per_s"].append(round(errs / width, 3))
             for q in QUANTILES:

@@ -160,6 +160,25 @@ class Steps:
         return xs, cols, kept_from
 
 
+def gap_outages(xs: list[float], cols: list[list[Any]], outages: list[list[float]]) -> tuple[list[float], list[list[Any]]]:
+    """A step series (`Steps.window`) with each outage a gap: null from its start, and from its end
+    the value held then (what the log knew when the cluster stopped is not what ran while it was off)."""
+    if not outages or not xs:
+        return xs, cols
+    pts: list[tuple[float, tuple[Any, ...]]] = list(zip(xs, zip(*cols, strict=True), strict=True))
+    gap = (None,) * len(cols)
+    for oa, ob in sorted(outages):
+        if ob <= pts[0][0] or oa >= pts[-1][0]:
+            continue
+        before = [p for p in pts if p[0] < oa]
+        inside = [p for p in pts if oa <= p[0] < ob]
+        after = [p for p in pts if p[0] >= ob]
+        held = (inside or before or [(0.0, gap)])[-1][1]
+        resume = [] if (after and after[0][0] == ob) or held == gap else [(ob, held)]
+        pts = [*before, (max(oa, pts[0][0]), gap), *resume, *after]
+    return [p[0] for p in pts], [list(c) for c in zip(*(p[1] for p in pts), strict=True)]
+
+
 def _same_footprint(a: ReplicaView, b: ReplicaView) -> bool:
     """Do two views (both on GPU) hold the same bytes on the same cards, with the same intent?"""
     return (a.node_id == b.node_id and a.gpu_indices == b.gpu_indices and a.bytes_per_gpu == b.bytes_per_gpu
@@ -235,19 +254,24 @@ class LogSeries:
         counts[_PHASE_INDEX["COLD"]] -= n
         st.put(seq, t, counts)
 
-    def model_window(self, model_key: str, t0: float, t1: float, seq_max: int, points: int) -> dict[str, Any]:
+    def model_window(self, model_key: str, t0: float, t1: float, seq_max: int, points: int,
+                     outages: list[list[float]] | None = None) -> dict[str, Any]:
+        """The model's replicas in each phase over the window; a gap through each of `outages`."""
         s = self.models.get(model_key) or Steps(len(PHASES), self.keep)
         xs, cols, kept_from = s.window(t0, t1, seq_max, points, from_first=True)
+        xs, cols = gap_outages(xs, cols, outages or [])
         return {"t": xs, **dict(zip(PHASES, cols, strict=True)), "kept_from": kept_from}
 
     def node_window(self, state: ClusterState, node_id: str, t0: float, t1: float, seq_max: int,
-                    points: int) -> dict[str, Any]:
-        """Committed bytes of each card of the node (as `state` knows it) over the window."""
+                    points: int, outages: list[list[float]] | None = None) -> dict[str, Any]:
+        """Committed bytes of each card of the node (as `state` knows it) over the window; a gap
+        through each of `outages`."""
         node = state.nodes.get(node_id)
         cards = []
         for g in node.gpus if node else ():
             s = self.cards.get((node_id, g.index)) or Steps(2, self.keep)
-            xs, (committed, reserved), kept_from = s.window(t0, t1, seq_max, points)
+            xs, cols, kept_from = s.window(t0, t1, seq_max, points)
+            xs, (committed, reserved) = gap_outages(xs, cols, outages or [])
             cards.append({"index": g.index, "total_bytes": g.memory_bytes, "t": xs, "committed": committed,
                           "reserved": reserved, "kept_from": kept_from})
         return {"node_id": node_id, "cards": cards}

@@ -419,7 +419,8 @@ async def _history(a: argparse.Namespace, admin: AdminClient) -> int:
         raise errs.InvalidCommand(f"--limit must be 1..{H.MAX_LIMIT:,}, got {a.limit}")
     if a.before is not None and a.before < 1:
         raise errs.InvalidCommand(f"--before must be a sequence number (1 or more), got {a.before}")
-    mk = resolve_name(await admin.state(), a.model)
+    state = await admin.state()
+    mk = resolve_name(state, a.model)
     page = await H.model_history(admin.log, mk, replica_id=a.replica_id, before=a.before, limit=a.limit)
     if not page.steps:
         raise errs.NotFound(f"no events for {display_name(mk)}" + (f" replica {a.replica_id}" if a.replica_id is not None
@@ -430,7 +431,13 @@ async def _history(a: argparse.Namespace, admin: AdminClient) -> int:
                         + ([f"--replica-id {a.replica_id}"] if a.replica_id is not None else [])
                         + [f"--limit {a.limit}", f"--before {page.before}"])
         print(f"note: older events left out; `{more}` shows them", file=sys.stderr)
+    # The cluster's outages within the page's span are this model's too: its replicas ran through none.
+    downs = [o.seq for o in state.outages if page.steps and o.seq > page.steps[0].seq
+             and (a.before is None or o.seq < a.before)]
+    outages = [(seq, item) for o in downs async for seq, item in admin.log.read(o, stop_seq=o)]
     for step in page.steps:
+        while outages and outages[0][0] < step.seq:
+            print(_event_line(*outages.pop(0)))
         after = ""
         if step.row is not None:
             _, st, level, desired, _anomaly = step.row
@@ -439,6 +446,8 @@ async def _history(a: argparse.Namespace, admin: AdminClient) -> int:
             after = (f"-> {st} ({level}, desired {desired})" if st else
                      "-> (not a replica: refused)" if step.anomaly else "-> gone (unloaded, no longer kept)")
         print(_event_line(step.seq, step.item) + printable(f"  {after}" + (f"  ANOMALY: {step.anomaly}" if step.anomaly else "")))
+    for seq, item in outages:
+        print(_event_line(seq, item))
     return 0
 
 

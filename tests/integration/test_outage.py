@@ -11,11 +11,13 @@ import pytest
 
 from controlplane.ops.nats_server import EmbeddedNats
 from controlplane.service.controller import Controller
+from controlplane.store.admin import AdminClient
 from controlplane.store.eventstore import JetStreamEventLog
 from controlplane.store.heartbeats import last_heard
 from schemas.events import ClusterDown
 from tests.agent_sim import ScriptedAgent
 from tests.conftest import bounded
+from tests.integration.cluster import ndif
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -53,3 +55,26 @@ async def test_a_start_after_a_gap_records_the_outage_and_one_within_the_grace_d
     ctl = await Controller.from_url(url, heartbeat_grace_s=30.0).start()
     await bounded(ctl.stop(), "controller.stop")
     assert len(await _downs(event_log)) == 1
+
+
+async def test_a_models_history_shows_the_outage_it_lived_through(nats_server: EmbeddedNats, event_log: JetStreamEventLog,
+                                                                  tmp_path) -> None:
+    url = nats_server.url
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text('{"model_type": "gpt2"}')
+    ctl = await Controller.from_url(url, heartbeat_grace_s=1.0).start()
+    admin = await AdminClient.open(url, timeout=30)
+    try:
+        await admin.deploy(str(tmp_path / "m"), 1, size_bytes=10**6)  # registered; no node to place it on
+    finally:
+        await admin.close()
+        await bounded(ctl.stop(), "controller.stop")
+    await asyncio.sleep(2.0)  # nothing heard for longer than the grace
+    ctl = await Controller.from_url(url, heartbeat_grace_s=1.0).start()
+    try:
+        ran = await ndif(url, "history", str(tmp_path / "m"))
+        assert ran.rc == 0, ran
+        lines = ran.out.splitlines()
+        assert "ClusterDown" in lines[-1] and "cluster down" in lines[-1], ran.out
+    finally:
+        await bounded(ctl.stop(), "controller.stop")

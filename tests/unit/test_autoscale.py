@@ -366,3 +366,11 @@ def test_turning_autoscaling_on_never_acts_on_idleness_from_before_it():
     apply(b.state, decide(b.state, Autoscale(command_id="re", model_key=M, policy=policy), ctx("re", now=at(30))))
     assert tick(b.state, figures(idle=500), at(60)) == []
     assert tick(b.state, figures(idle=500), at(70))[0].target == 0
+
+
+def test_the_reply_to_autoscale_repeats_the_whole_policy():
+    from controlplane.core.decide import summarize
+
+    on = E.AutoscalePolicySet(event_id="y", ts=T0, actor="cli", model_key=M, policy=POLICY)
+    msg = summarize("c", [on], 7).message
+    assert f"idle after {POLICY.idle_after_s:g} s to {POLICY.idle_to}" in msg, msg

@@ -314,3 +314,25 @@ def test_a_models_counts_begin_when_it_does_not_as_zeros_before():
     assert xs[0] == 0.0 and cols[0][0] == 0
     assert s.window(0.0, 50.0, 6, from_first=True)[0] == []  # a window before the model: no points
     assert s.window(0.0, 200.0, 4, from_first=True)[0] == []  # a seq before its first change: none either
+
+
+def test_a_step_plot_is_a_gap_through_an_outage_and_resumes_at_its_end():
+    from controlplane.dashboard.series import gap_outages
+
+    xs, cols = [0.0, 10.0, 30.0], [[2, 1, 1], [0, 1, 1]]
+    assert gap_outages(xs, cols, []) == (xs, cols)
+    gx, gc = gap_outages(xs, cols, [[5.0, 20.0]])
+    # 2 HOT until the cluster stopped at 5; nothing drawn until it was back at 20; then what held.
+    assert gx == [0.0, 5.0, 20.0, 30.0] and gc == [[2, None, 1, 1], [0, None, 1, 1]]
+    gx, gc = gap_outages(xs, cols, [[-5.0, 3.0], [25.0, 30.0]])  # at the window's two ends
+    assert gx == [0.0, 3.0, 10.0, 25.0, 30.0] and gc[0] == [None, 2, 1, None, 1]
+
+
+def test_a_model_sampled_only_later_has_no_zeros_before_its_queue_began():
+    q = QueueSamples(poll_s=1.0)
+    for t in (10.0, 11.0, 12.0, 13.0):
+        q.record(t, {"dispatcher": "d", "models": {"old": row(0, 0)}})
+    q.record(14.0, {"dispatcher": "d", "models": {"old": row(0, 0), "new": row(2, 0)}})
+    s = q.series("new", 10.0, 16.0, points=3)
+    assert s["waiting"][0] is None and s["completed_per_s"][0] is None  # (10, 12]: before its processor
+    assert s["completed_per_s"][1] == 1.0  # (12, 14]: its first two requests, counted from its start at 13

@@ -49,7 +49,10 @@ function drawNoData(u) {
 const timeTicks = (u, vals) => ((u.drawn = u.drawn || {}).x = vals.map((v) => fullTime(v).slice(11, 19)));
 const valueTicks = (u, vals) => ((u.drawn = u.drawn || {}).y = ticks(vals));
 
-function makePlot(el, series, { yLabel, stepped: isStep = false, dots = false } = {}) {
+// Steps for an axis of counts (replicas, requests): whole numbers only, never "0.5 replicas".
+const COUNT_INCRS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000];
+
+function makePlot(el, series, { yLabel, stepped: isStep = false, dots = false, counts = false } = {}) {
   const opts = {
     width: Math.max(200, el.clientWidth), height: HEIGHT,
     hooks: { draw: [drawOutages, drawNoData] },
@@ -57,7 +60,7 @@ function makePlot(el, series, { yLabel, stepped: isStep = false, dots = false } 
     cursor: { drag: { x: false, y: false } },
     scales: { x: { time: true } },
     tzDate: (ts) => window.uPlot.tzDate(new Date(ts * 1e3), "Etc/UTC"), // the page's times are UTC
-    axes: [{ space: 90, values: timeTicks }, { label: yLabel, size: 50, values: valueTicks }],
+    axes: [{ space: 90, values: timeTicks }, { label: yLabel, size: 50, values: valueTicks, ...(counts ? { incrs: COUNT_INCRS } : {}) }],
     series: [{ value: (u, v) => (v == null ? "-" : fullTime(v)) },
       ...series.map((s) => ({ label: s.label, stroke: s.color, width: 1.5, spanGaps: false,
         paths: isStep ? stepped() : undefined, points: { show: dots, size: 5 } }))],
@@ -74,6 +77,14 @@ export class Trends {
       const u = this.charts[name];
       return u && u.drawn ? { x: u.drawn.x, y: u.drawn.y, width: u.bbox.width / devicePixelRatio } : null;
     };
+    // For the browser tests: each series' value drawn at time `t` (the step that holds then; null: a gap).
+    probe.plotValues = (name, t) => {
+      const u = this.charts[name];
+      if (!u) return null;
+      let i = -1;
+      u.data[0].forEach((x, j) => { if (x <= t) i = j; });
+      return i < 0 ? null : u.data.slice(1).map((col) => col[i]);
+    };
     probe.plotPixel = (name, t, yFrac) => {
       const u = this.charts[name];
       if (!u) return null;
@@ -89,11 +100,11 @@ export class Trends {
 
   ensureCharts() {
     if (this.charts.queue || !window.uPlot) return !!this.charts.queue;
-    this.charts.queue = makePlot($("plot-queue"), [{ label: "waiting", color: "#1c7ed6" }, { label: "running", color: "#2f9e44" }], { stepped: true });
+    this.charts.queue = makePlot($("plot-queue"), [{ label: "waiting", color: "#1c7ed6" }, { label: "running", color: "#2f9e44" }], { stepped: true, counts: true });
     this.charts.rate = makePlot($("plot-rate"), [{ label: "completed/s", color: "#2f9e44" }, { label: "errors/s", color: "#c92a2a" }]);
     this.charts.latency = makePlot($("plot-latency"), [{ label: "p50", color: "#1c7ed6" }, { label: "p99", color: "#ae3ec9" }],
       { dots: true }); // a slice alone between gaps still shows
-    this.charts.replicas = makePlot($("plot-replicas"), Object.keys(COLORS).map((p) => ({ label: p, color: COLORS[p] })), { stepped: true });
+    this.charts.replicas = makePlot($("plot-replicas"), Object.keys(COLORS).map((p) => ({ label: p, color: COLORS[p] })), { stepped: true, counts: true });
     return true;
   }
 
