@@ -43,6 +43,9 @@ class Deploy(Command, frozen=True, kw_only=True, tag="deploy"):
     # must be one the operator offers (controlplane/service/registry.py). Trusted as sent: only the
     # operator and the dispatcher may send commands (controlplane/ops/auth.py).
     for_request: bool = False
+    # The user whose request asked for it (the request subject's, never the body's; "" on an open
+    # server): what the operator's on-demand rights and limits are counted against.
+    for_user: str | None = None
 
 
 class Scale(Command, frozen=True, kw_only=True, tag="scale"):
@@ -135,6 +138,33 @@ class Limits(msgspec.Struct, frozen=True, kw_only=True):
         return cls(**vals)
 
 
+ON_DEMAND_PER_USER = 2  # models one user's requests may have deployed at once (docs/reliability.md)
+ON_DEMAND_TOTAL = 8  # models all users' requests may have deployed at once
+
+
+class OnDemand(msgspec.Struct, frozen=True, kw_only=True):
+    """Who may make the cluster load a model by sending it a request, and how many such models
+    may be deployed at once: per user and in all. Such a deploy takes free room only (it evicts
+    nobody's replica). `users` None: every user; empty: nobody (the operator deploys every model)."""
+
+    users: frozenset[str] | None = None
+    per_user: int = ON_DEMAND_PER_USER
+    total: int = ON_DEMAND_TOTAL
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> OnDemand:
+        """NDIF_ON_DEMAND_USERS (`*`, the default: every user; a comma-separated list; empty: nobody),
+        NDIF_ON_DEMAND_PER_USER and NDIF_ON_DEMAND_TOTAL (0 allowed: none) of `env`."""
+        raw = env.get("NDIF_ON_DEMAND_USERS", "*").strip()
+        users = None if raw == "*" else frozenset(u.strip() for u in raw.split(",") if u.strip())
+        vals = {"per_user": _env_int(env, "NDIF_ON_DEMAND_PER_USER", ON_DEMAND_PER_USER),
+                "total": _env_int(env, "NDIF_ON_DEMAND_TOTAL", ON_DEMAND_TOTAL)}
+        for k, v in vals.items():
+            if not 0 <= v <= ABSOLUTE_MAX_REPLICAS:
+                raise InvalidCommand(f"NDIF_ON_DEMAND_{k.upper()} must be between 0 and {ABSOLUTE_MAX_REPLICAS}, got {v}")
+        return cls(users=users, **vals)
+
+
 def _env_int(env: Mapping[str, str], name: str, default: int) -> int:
     raw = env.get(name, "").strip()
     if not raw:
@@ -208,7 +238,7 @@ def validate(cmd: AnyCommand, limits: Limits | None = None) -> AnyCommand:
 # Fields added to a command after commands were first recorded, with their defaults: at the default
 # they are left out of the fingerprint, so a command recorded before a field existed keeps its
 # fingerprint (a resent old command id is still recognised, and old decisions re-decide byte for byte).
-_LATER_FIELDS: dict[str, object] = {"rolling": False, "for_request": False, "requires": None}
+_LATER_FIELDS: dict[str, object] = {"rolling": False, "for_request": False, "requires": None, "for_user": None}
 
 
 def fingerprint(cmd: AnyCommand) -> str:

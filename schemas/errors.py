@@ -65,6 +65,11 @@ class AlreadyDeployed(InvalidCommand):
     one deployed first) tells it apart without reading the message."""
 
 
+class OnDemandRefused(InvalidCommand):
+    """A user's request may not make the cluster load its model (no right to, or the limit of models
+    deployed on demand is reached); nothing was appended. The message says what to ask the operator."""
+
+
 class NotFound(NdifError, LookupError):
     """A model, replica, node or request that does not exist."""
 

@@ -245,6 +245,9 @@ class DeploymentRequested(Event, frozen=True, kw_only=True, tag="DeploymentReque
     # What a node must offer to hold its replicas; unset (and not written, so a decision without it
     # is stored byte for byte as before the field): unchanged.
     requires: Requirements | msgspec.UnsetType = msgspec.UNSET
+    # A deploy a user's request asked for (the dispatcher's), and whose; unset (not written): the
+    # operator's. The fold keeps it for the model until an operator deploys or scales it.
+    for_user: str | msgspec.UnsetType = msgspec.UNSET
 
 
 class PlacementRejected(Event, frozen=True, kw_only=True, tag="PlacementRejected"):

@@ -49,7 +49,7 @@ async def memory_stack(make_caller: Callable[[FakeRuntime], Any], **dispatcher_s
     sizes: dict[str, int] = {}
     ctl = await Controller(Parts(log, None), policy_interval_s=60).start()
 
-    async def deploy(model_key: str, replicas: int) -> CommandResult:
+    async def deploy(model_key: str, replicas: int, user: str) -> CommandResult:
         """The controller's answer to the dispatcher's deploy, refusals raised as the admin client does."""
         cmd = Deploy(command_id=f"cmd-{uuid.uuid4().hex[:8]}", actor="dispatcher:unit", model_key=model_key,
                      replicas=replicas, size_bytes=sizes.get(model_key, GB))

@@ -37,6 +37,7 @@ from schemas.commands import (
     CommandResult,
     Deploy,
     Evict,
+    OnDemand,
     Rejection,
     ReplicaOutcome,
     Restart,
@@ -45,7 +46,7 @@ from schemas.commands import (
     Undeploy,
     fingerprint,
 )
-from schemas.errors import AlreadyDeployed, CommandIdConflict, InvalidCommand, NotFound, UnknownModel
+from schemas.errors import AlreadyDeployed, CommandIdConflict, InvalidCommand, NotFound, OnDemandRefused, UnknownModel
 from schemas.events import (
     AutoscalePolicySet,
     ClusterDown,
@@ -73,11 +74,13 @@ MAX_RESTARTS = 3
 
 def decide(state: ClusterState, cmd: AnyCommand, ctx: DecisionContext, *,
            registration: Registration | None = None, min_deploy_s: float = MIN_DEPLOY_S,
-           headroom: float = PADDING, max_replicas_per_model: int = MAX_REPLICAS_PER_MODEL) -> list[Event]:
+           headroom: float = PADDING, max_replicas_per_model: int = MAX_REPLICAS_PER_MODEL,
+           on_demand: OnDemand | None = None) -> list[Event]:
     """The events `cmd` yields on `state`. Raises InvalidCommand / NotFound / UnknownModel.
 
     `min_deploy_s` and `headroom` are the controller's settings (a model's own headroom, recorded
-    at deploy, wins over `headroom`); the events record what was used.
+    at deploy, wins over `headroom`); the events record what was used. `on_demand`: who may have a
+    model deployed by a request, and how many (the default: `OnDemand()`).
 
     Every decision starts with `CommandDecided` (verb, fingerprint of what was asked), also when
     it changes nothing: the command id is then in the log, so the same id later appends nothing
@@ -101,9 +104,15 @@ def decide(state: ClusterState, cmd: AnyCommand, ctx: DecisionContext, *,
             kept = state.models.get(cmd.model_key)
             gpus = cmd.gpus if cmd.gpus is not None else (kept.gpus if kept is not None else None)
             requires = cmd.requires if cmd.requires is not None else (kept.requires if kept is not None else None)
+            # A request's deploy of a model the operator deployed before brings the operator's model
+            # back; of any other, it is on demand: a right, bounded, and it takes free room only.
+            user = None
+            if cmd.for_request and (kept is None or kept.registration is None or kept.on_demand_for is not None):
+                user = cmd.for_user or ""
+                _on_demand_allowed(state, cmd.model_key, user, on_demand or OnDemand())
             body = _grow(state, cmd.model_key, cmd.replicas, cmd.replicas, DeploymentOp.DEPLOY, cmd.replicas,
                          cmd.dedicated, ctx, registration, cmd.size_bytes, min_deploy_s,
-                         headroom if cmd.headroom is None else cmd.headroom, gpus, requires)
+                         headroom if cmd.headroom is None else cmd.headroom, gpus, requires, for_user=user)
         case Scale():
             _not_undeploying(state, cmd.model_key)
             current = state.replica_count(cmd.model_key)
@@ -210,6 +219,31 @@ def _size(state: ClusterState, model_key: str, registration: Registration | None
     return registration.size_bytes, registration
 
 
+def on_demand_models(state: ClusterState, user: str | None = None) -> list[str]:
+    """Models deployed on demand that still want replicas HOT: `user`'s (None: everyone's)."""
+    return [k for k, m in state.models.items() if m.on_demand_for is not None and not m.undeployed
+            and m.target_hot > 0 and (user is None or m.on_demand_for == user)]
+
+
+def _on_demand_allowed(state: ClusterState, model_key: str, user: str, policy: OnDemand) -> None:
+    """Refuse (OnDemandRefused) a request's deploy its user has no right to, or that is over a limit."""
+    name = display_name(model_key)
+    ask = f"ask the operator to deploy {name} (`ndif deploy {name}`)"
+    who = f"user {user!r}" if user else "a request"
+    if policy.users is not None and user not in policy.users:
+        raise OnDemandRefused(f"{who} may not have models deployed by its requests here: {ask}, or to grant it "
+                              "(NDIF_ON_DEMAND_USERS)")
+    mine = [k for k in on_demand_models(state, user) if k != model_key]
+    if len(mine) >= policy.per_user:
+        raise OnDemandRefused(f"{who} has {len(mine)} model(s) deployed by its requests, the limit per user "
+                              f"({', '.join(display_name(k) for k in mine[:3])}): {ask}, or wait until one is "
+                              "scaled down (NDIF_ON_DEMAND_PER_USER)")
+    every = [k for k in on_demand_models(state) if k != model_key]
+    if len(every) >= policy.total:
+        raise OnDemandRefused(f"{len(every)} models are deployed by requests, the limit for all users: {ask}, or "
+                              "wait until one is scaled down (NDIF_ON_DEMAND_TOTAL)")
+
+
 def same_checkpoint(state: ClusterState, model_key: str, registration: Registration) -> str | None:
     """Another model registered with the checkpoint `registration` resolved `model_key` to, if any."""
     for other, m in state.models.items():
@@ -227,7 +261,8 @@ def model_headroom(state: ClusterState, model_key: str, default: float) -> float
 def _grow(state: ClusterState, model_key: str, new: int, target: int, op: DeploymentOp, typed: int,
           dedicated: bool, ctx: DecisionContext, registration: Registration | None, override: int | None,
           min_deploy_s: float, headroom: float, gpus: int | None,
-          requires: Requirements | None = None) -> list[Event]:
+          requires: Requirements | None = None, *, for_user: str | None = None) -> list[Event]:
+    """`for_user`: deployed on demand for that user's request (recorded; free room only)."""
     size, reg = _size(state, model_key, registration, override)
     # Refused before anything is reserved (nothing is appended): no live node meets what the model
     # requires, or none has the cards its GPU count asks for.
@@ -242,9 +277,10 @@ def _grow(state: ClusterState, model_key: str, new: int, target: int, op: Deploy
                                 revision=reg.revision, size_bytes=reg.size_bytes, dtype=reg.dtype))
     events.append(ctx.event(DeploymentRequested, model_key=model_key, op=op, replicas=typed, target_hot=target,
                             dedicated=dedicated, headroom=headroom, gpus=gpus,
-                            requires=msgspec.UNSET if requires is None else requires))
+                            requires=msgspec.UNSET if requires is None else requires,
+                            for_user=msgspec.UNSET if for_user is None else for_user))
     p = plan(state, [PlacementRequest(model_key=model_key, size_bytes=size, replicas=new, dedicated=dedicated,
-                             headroom=headroom, gpus=gpus, requires=requires)],
+                             headroom=headroom, gpus=gpus, requires=requires, evicts=for_user is None)],
              now_s=ctx.now.timestamp(), seed=ctx.seed, min_deploy_s=min_deploy_s)
     return events + plan_events(p, ctx)
 
@@ -566,7 +602,8 @@ def _replace_replicas(state: ClusterState, gone: Sequence[ReplicaView], ctx: Dec
         if m is not None and m.registration is not None:
             reqs.append(PlacementRequest(model_key=mk, size_bytes=m.registration.size_bytes, replicas=n,
                                 dedicated=any(r.dedicated for r in gone if r.model_key == mk),
-                                headroom=model_headroom(state, mk, headroom), gpus=m.gpus, requires=m.requires))
+                                headroom=model_headroom(state, mk, headroom), gpus=m.gpus, requires=m.requires,
+                                evicts=m.on_demand_for is None))
     p = plan(state, reqs, now_s=ctx.now.timestamp(), seed=ctx.seed, min_deploy_s=min_deploy_s) if reqs else None
     for pl in p.placed if p is not None else ():
         placed[pl.model_key] = placed.get(pl.model_key, 0) + 1

@@ -79,6 +79,7 @@ class PlacementRequest(msgspec.Struct, frozen=True, kw_only=True):
     headroom: float = PADDING  # charged size = ceil(size_bytes * (1 + headroom))
     gpus: int | None = None  # exactly this many cards of one node per replica; None: as few as fit
     requires: Requirements | None = None  # only nodes meeting these are considered (None: any)
+    evicts: bool = True  # False (a deploy a user's request asked for): free room only, no replica evicted
 
 
 class Placed(msgspec.Struct, frozen=True, kw_only=True):
@@ -213,7 +214,7 @@ def _card_evictions(w: _Work, node_id: str, g: int, total: int, bpg: int, req: P
         return (0, 0, ())
     cands = sorted(
         ((b, k) for k, b in w.state.card_replicas(node_id, g).items()
-         if k not in w.gone and _evictable(w.state.replicas[k], req.model_key, req.dedicated, now_s, min_deploy_s)),
+         if k not in w.gone and req.evicts and _evictable(w.state.replicas[k], req.model_key, req.dedicated, now_s, min_deploy_s)),
         key=lambda t: (t[0], t[1]),
     )
     if not cands or sum(b for b, _ in cands) < need:
@@ -282,7 +283,7 @@ def _node_evictions(w: _Work, node_id: str, req: PlacementRequest, n: int, bpg: 
             if k in w.gone:
                 continue
             r = w.state.replicas[k]
-            if r.desired is Level.HOT and _evictable(r, req.model_key, req.dedicated, now_s, min_deploy_s):
+            if r.desired is Level.HOT and req.evicts and _evictable(r, req.model_key, req.dedicated, now_s, min_deploy_s):
                 vic.setdefault(k, []).append((g, b))
 
     def cards_after(victims: Iterable[RKey]) -> tuple[int, ...] | None:

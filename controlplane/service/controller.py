@@ -54,7 +54,7 @@ from controlplane.store.credentials import JS_API, Creds
 from controlplane.store.heartbeats import beat_counts, last_heard
 from controlplane.store.rebuild import store_of
 from schemas.autoscale import FIGURES_STALE_S, QueueFigures, decode_figures, sum_figures
-from schemas.commands import MAX_COMMAND_BYTES, AnyCommand, CommandResult, Limits, decode_command
+from schemas.commands import MAX_COMMAND_BYTES, AnyCommand, CommandResult, Limits, OnDemand, decode_command
 from schemas.errors import NdifError
 from schemas.events import (
     AutoscaleDecided,
@@ -120,6 +120,8 @@ class Controller:
         # a count past them is refused before placement runs. Defaults, then env, then arguments.
         self.limits = Limits.from_env(os.environ, max_replicas_per_model=max_replicas_per_model,
                                       max_replicas_per_command=max_replicas_per_command)
+        # Who may have models deployed by their requests, and how many (NDIF_ON_DEMAND_*).
+        self.on_demand = OnDemand.from_env(os.environ)
         self.name = name or default_name()
         # Settings that change decisions: every path that decides (commands, failure replacement,
         # node loss) gets them, and the events record what was used, so replay needs no flags.
@@ -289,7 +291,8 @@ class Controller:
         def run(state: ClusterState) -> list[Event]:
             ctx = DecisionContext(now=now, actor=cmd.actor, command_id=cmd.command_id, seed=seed_of(cmd.command_id))
             return decide(state, cmd, ctx, registration=registration, min_deploy_s=self.min_deploy_s,
-                          headroom=self.headroom, max_replicas_per_model=self.limits.max_replicas_per_model)
+                          headroom=self.headroom, max_replicas_per_model=self.limits.max_replicas_per_model,
+                          on_demand=self.on_demand)
 
         res = await self.committer.submit(run)
         if not res.events and already_decided(self.state, cmd):

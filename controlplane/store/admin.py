@@ -46,7 +46,8 @@ from schemas.subjects import command_subject
 
 _encoder = msgspec.json.Encoder()
 _ERRORS: dict[str, type[errs.NdifError]] = {
-    c.__name__: c for c in (errs.InvalidCommand, errs.CommandIdConflict, errs.AlreadyDeployed, errs.NotFound,
+    c.__name__: c for c in (errs.InvalidCommand, errs.CommandIdConflict, errs.AlreadyDeployed, errs.OnDemandRefused,
+                            errs.NotFound,
                             errs.UnknownModel, errs.ConflictError, errs.PlacementError, errs.InfrastructureError)
 }
 
@@ -137,13 +138,14 @@ class AdminClient:
 
     async def deploy(self, model: str, replicas: int = 1, *, dedicated: bool = False, size_bytes: int | None = None,
                      command_id: str | None = None, headroom: float | None = None,
-                     gpus: int | None = None, for_request: bool = False,
+                     gpus: int | None = None, for_request: bool = False, for_user: str | None = None,
                      requires: Requirements | None = None) -> CommandResult:
-        """`for_request`: asked for by a user's request (the dispatcher), so only a model the operator
-        offers is deployed (controlplane/service/registry.py)."""
+        """`for_request`: asked for by a user's request (the dispatcher, for `for_user`), so only a
+        model the operator offers is deployed (controlplane/service/registry.py), within the
+        operator's on-demand rights and limits (`OnDemandRefused` otherwise)."""
         return await self.command(self._cmd(Deploy, command_id, model_key=model, replicas=replicas,
                                             dedicated=dedicated, size_bytes=size_bytes, headroom=headroom, gpus=gpus,
-                                            for_request=for_request, requires=requires))
+                                            for_request=for_request, for_user=for_user, requires=requires))
 
     async def scale(self, model: str, replicas: int, *, scale_up: bool = False, dedicated: bool = False,
                     command_id: str | None = None, gpus: int | None = None) -> CommandResult:

@@ -223,8 +223,9 @@ async def open_ports(nc: NatsClient, log: JetStreamEventLog, *, actor: str, ack_
     js = nc.jetstream()
     admin = AdminClient(JetStreamEventLog(nc), actor=actor)  # commands only: a request on `nc`
 
-    async def deploy(model_key: str, replicas: int) -> CommandResult:
-        return await admin.deploy(model_key, replicas, for_request=True)  # only what the operator offers
+    async def deploy(model_key: str, replicas: int, user: str) -> CommandResult:
+        # Only what the operator offers, and only as the operator's on-demand rights allow `user`.
+        return await admin.deploy(model_key, replicas, for_request=True, for_user=user)
 
     return ServingPorts(
         requests=JetStreamRequests(nc, js, ack_wait_s=ack_wait_s, fetch_batch=fetch_batch),

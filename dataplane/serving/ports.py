@@ -19,7 +19,8 @@ from schemas.commands import CommandResult
 from schemas.errors import NdifError
 
 Publish = Callable[[str, bytes, str, dict[str, str] | None], Awaitable[None]]  # (subject, body, reply or "", headers)
-Deploy = Callable[[str, int], Awaitable[CommandResult]]  # (model key, replicas) -> the controller's answer
+# (model key, replicas, the user whose request asks) -> the controller's answer
+Deploy = Callable[[str, int, str], Awaitable[CommandResult]]
 
 
 # Deliveries of one request before it is ended `DeadLetter` (at the last one, without running): a

@@ -281,6 +281,13 @@ class Processor:
             self.queue.remove(p)
             self.hooks.finish_soon(p, R.ERROR, error=error, message=message)
 
+    def fail_user(self, user: str, error: str, message: str) -> None:
+        """End `user`'s waiting requests (a refusal that is that user's alone)."""
+        for p in list(self.queue):
+            if p.req.user == user:
+                self.queue.remove(p)
+                self.hooks.finish_soon(p, R.ERROR, error=error, message=message)
+
     def held(self) -> list[Pending]:
         return [*self.queue, *(p for running in self.in_flight.values() for p in running.values())]
 

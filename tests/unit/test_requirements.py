@@ -42,7 +42,7 @@ def test_a_deploy_without_requirements_keeps_its_fingerprint() -> None:
     """`requires` is a later field: a command without it fingerprints as it always did."""
     cmd = Deploy(command_id="c", model_key="m", replicas=2)
     before = {k: v for k, v in msgspec.to_builtins(msgspec.structs.replace(cmd, command_id="", actor="")).items()
-              if k not in ("requires", "for_request")}  # what a deploy was made of before the field
+              if k not in ("requires", "for_request", "for_user")}  # what a deploy was made of before the fields
     assert fingerprint(cmd) == hashlib.blake2b(msgspec.json.encode(before), digest_size=12).hexdigest()
     sent = Deploy(command_id="c", model_key="m", replicas=1, requires=Requirements(gpu="H100", labels={"p": "r"}))
     got = decode_command(msgspec.json.encode(sent), verb="deploy")

@@ -48,7 +48,7 @@ from schemas.events import (
     author_problem,
 )
 from schemas.inventory import NodeInventory, Requirements
-from schemas.status import Level, ModelStatus, ReplicaState
+from schemas.status import DeploymentOp, Level, ModelStatus, ReplicaState
 from schemas.units import gib
 
 RKey = tuple[str, int]  # (model_key, replica_id)
@@ -174,6 +174,9 @@ class ModelView(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     # dispatcher's provisioning) change of the count under it, the autoscaler's own last raise.
     # Figures older than any of these do not show what the operator or the new count meant.
     autoscale_idle_from: datetime | None = None
+    # The user whose request had it deployed (on demand; "" on an open server), until an operator
+    # deploys or scales it; None: the operator's.
+    on_demand_for: str | None = None
 
 
 class CommandRecord(msgspec.Struct, frozen=True, kw_only=True, gc=False):
@@ -361,7 +364,8 @@ class ClusterState(Projection):
                     # (a dispatcher's provisioning deploy of a model at zero is not an operator's)
                     autoscale_manual=m.autoscale_manual or (m.autoscale is not None
                                                             and (ev.command_id or "") != m.autoscale_cid
-                                                            and not ev.actor.startswith("dispatcher:")))
+                                                            and not ev.actor.startswith("dispatcher:")),
+                    on_demand_for=_on_demand_for(m, ev))
             case AutoscalePolicySet():
                 m = self._model(ev.model_key)
                 self.models[ev.model_key] = _replace(m, autoscale=ev.policy, autoscale_manual=False,
@@ -775,3 +779,15 @@ def encode_snapshot(state: ClusterState) -> bytes:
 
 def decode_snapshot(data: bytes) -> ClusterState:
     return ClusterState.from_snapshot(_snapshot_decoder.decode(data))
+
+
+def _on_demand_for(m: ModelView, ev: DeploymentRequested) -> str | None:
+    """Whose request the model is deployed for after `ev`: its user when on demand; None once an
+    operator deploys or scales it up; else unchanged (a scale-down, the autoscaler, the dispatcher
+    bringing an operator's model back)."""
+    if isinstance(ev.for_user, str):
+        return ev.for_user
+    grows = ev.op in (DeploymentOp.DEPLOY, DeploymentOp.SCALE, DeploymentOp.SCALE_UP)
+    if grows and (ev.command_id or "") != m.autoscale_cid and not ev.actor.startswith("dispatcher:"):
+        return None
+    return m.on_demand_for

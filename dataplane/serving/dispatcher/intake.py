@@ -263,7 +263,7 @@ class Intake:
         except Exception as exc:  # noqa: BLE001 - InvalidCommand, or anything a check did not foresee
             await self._refuse_stored(seq, data, raw.headers, type(exc).__name__, str(exc), user)
             return True
-        refused = self.provisioner.refusal(mk)
+        refused = self.provisioner.refusal(mk, user)
         if refused is not None:
             await self._refuse_stored(seq, data, raw.headers, *refused, user)
             return True
@@ -272,7 +272,7 @@ class Intake:
                              message=f"model {display_name(mk)} is not deployed: asking the controller "
                                      "to deploy it")
         try:
-            refused = await self.provisioner.deploy_first(mk)
+            refused = await self.provisioner.deploy_first(mk, user)
         except errs.NdifError as exc:
             # No controller: the request stays stored, and the sweep routes its subject again
             # (every UNKNOWN_CONSUMER_SWEEP_S); this triage's place goes to the next name.

@@ -105,7 +105,7 @@ class Provisioner:
     async def _provision(self, p: Processor) -> None:
         assert p.model_key is not None
         try:
-            res = await self.deploy(p.model_key, self.default_replicas)
+            res = await self.deploy(p.model_key, self.default_replicas, _first_user(p))
             if res.rejections and not res.replicas:
                 r = res.rejections[0]
                 await self._folded(res.last_seq)
@@ -131,6 +131,8 @@ class Provisioner:
             logger.info("provisioned", model_key=p.model_key, replicas=self.default_replicas)
         except errs.AlreadyDeployed:
             pass  # another dispatcher (or an operator) was first: fine
+        except errs.OnDemandRefused as exc:  # that user's requests end; another's may have the right
+            p.fail_user(_first_user(p), type(exc).__name__, str(exc))
         except errs.InvalidCommand as exc:
             p.fail_all(type(exc).__name__, f"cannot deploy {p.model_key}: {exc}")
         except errs.NotFound as exc:
@@ -158,14 +160,15 @@ class Provisioner:
 
     # ---- for triage: the first request of a model the log does not know ----------------------
 
-    def refusal(self, model_key: str) -> Refusal | None:
-        """Why this model's requests end at once (refused by the controller a moment ago), or None."""
-        refused = self._refused.get(model_key)
-        if refused is not None and refused[0] > time.monotonic():
-            return refused[1], refused[2]
+    def refusal(self, model_key: str, user: str) -> Refusal | None:
+        """Why this model's requests (of `user`) end at once (refused by the controller a moment ago), or None."""
+        for key in (model_key, _for(model_key, user)):
+            refused = self._refused.get(key)
+            if refused is not None and refused[0] > time.monotonic():
+                return refused[1], refused[2]
         return None
 
-    async def deploy_first(self, model_key: str) -> Refusal | None:
+    async def deploy_first(self, model_key: str, user: str) -> Refusal | None:
         """Deploy a model the log does not know yet, for its first request (a few at a time).
 
         None: deployed, or deployed by someone first. A refusal (invalid, unknown model) is
@@ -174,10 +177,14 @@ class Provisioner:
         """
         try:
             async with self._triage_deploys:
-                await self.deploy(model_key, self.default_replicas)
+                await self.deploy(model_key, self.default_replicas, user)
             logger.info("provisioned", model_key=model_key, replicas=self.default_replicas, by="first request")
         except errs.AlreadyDeployed:
             pass  # deployed by someone first: its processor takes the requests
+        except errs.OnDemandRefused as exc:  # this user's: another user's request may have the right
+            now = time.monotonic()
+            _memo_put(self._refused, _for(model_key, user), (now + REFUSED_MODEL_MEMO_S, type(exc).__name__, str(exc)), now)
+            return type(exc).__name__, str(exc)
         except (errs.InvalidCommand, errs.NotFound) as exc:
             msg = f"cannot deploy {display_name(model_key)}: {exc}"
             serving = [k for k, m in self.state.models.items() if not m.undeployed and m.target_hot > 0]
@@ -188,6 +195,16 @@ class Provisioner:
             _memo_put(self._refused, model_key, (now + REFUSED_MODEL_MEMO_S, type(exc).__name__, msg), now)
             return type(exc).__name__, msg
         return None
+
+
+def _for(model_key: str, user: str) -> str:
+    """The memo's key of a refusal that is one user's (NUL: in neither a model key nor a user)."""
+    return f"{model_key}\0{user}"
+
+
+def _first_user(p: Processor) -> str:
+    """The user of the oldest waiting request: whose right a deploy for the queue is counted against."""
+    return next((w.req.user for w in p.queue), "")
 
 
 def _memo_put(memo: dict[str, tuple[float, str, str]], key: str, value: tuple[float, str, str], now: float,
