@@ -4,7 +4,9 @@ nats-server run with the config `ndif up` generates (docs/reliability.md "What o
 - one checkpoint is one model: keys that differ only in what a load ignores (a revision on a
   directory, extra fields, another class) are refused, through the SDK and on the raw subject, and
   a second path to a registered checkpoint (a link) is refused as that model's twin; none of them
-  registers, deploys or appends anything.
+  registers, deploys or appends anything;
+- a deploy her requests ask for takes free room only (the operator's replica stays) and her share
+  of such models is bounded (`OnDemandRefused`, saying what to ask the operator).
 """
 
 from __future__ import annotations
@@ -27,21 +29,27 @@ from controlplane.store.admin import AdminClient
 from controlplane.store.credentials import request_msg_id
 from controlplane.store.eventstore import JetStreamEventLog
 from dataplane.client import Client, RequestFailed
+from dataplane.node.agent import NodeAgent, declared_gpus
 from dataplane.serving.dispatcher import Dispatcher
 from schemas import errors as errs
-from schemas.keys import DEFAULT_MODEL_CLASS, canonical_model_key
+from schemas import events as E
+from schemas.keys import DEFAULT_MODEL_CLASS, canonical_model_key, display_name
+from schemas.status import ReplicaState, RequestStatus
 from schemas.subjects import request_subject
 from tests.checkpoints import TinyModels
 from tests.conftest import bounded
+from tests.fake_runtime import FakeRuntime
 from tests.integration.probe import raw_connect
 from tests.waiting import until_state
 
 pytestmark = pytest.mark.timeout(180)
+NODE = "node-s"
+GB = 10**9
 
 
 @pytest.fixture
 def auth(tmp_path: Path) -> LocalAuth:
-    return ensure_local([], clients=["alice"], home=tmp_path / "home")
+    return ensure_local([NODE], clients=["alice"], home=tmp_path / "home")
 
 
 @pytest_asyncio.fixture
@@ -103,4 +111,46 @@ async def test_aliases_of_one_checkpoint_are_refused_and_append_nothing(tiny_mod
     finally:
         await admin.close()
         await bounded(disp.stop(), "dispatcher.stop")
+        await bounded(ctl.stop(), "controller.stop")
+
+
+async def test_her_requests_take_free_room_only_and_a_bounded_share(tiny_models: TinyModels, url: str, auth: LocalAuth,
+                                                                    tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("NDIF_ON_DEMAND_PER_USER", "1")
+    root = tmp_path / "models"
+    ops, first, second = (canonical_model_key(str(tiny_models.gpt2(root / n))) for n in ("ops", "first", "second"))
+    ctl = await Controller.from_url(url, creds=auth.role("controller"), model_roots=ModelRoots((str(root),)),
+                                    min_deploy_s=0).start()
+    node = await (await NodeAgent.open(url, NODE, creds=auth.role(f"agent:{NODE}"), runtime=FakeRuntime(f"sim:{NODE}"),
+                                       gpus=declared_gpus(1, GB), cpu_cache_bytes=0, heartbeat_s=0.3,
+                                       health_interval_s=0.3, drain_timeout_s=0.0)).start()
+    disp = await Dispatcher.from_url(url, creds=auth.role("dispatcher")).start()
+    admin = await AdminClient.open(url, timeout=30, creds=auth.role("admin"))
+    try:
+        await until_state(admin, lambda s: NODE in s.nodes)
+        res = await admin.deploy(ops, 1, size_bytes=GB, headroom=0.0)  # the operator's model fills the card
+        assert res.ok, res
+        await until_state(admin, lambda s: any(r.model_key == ops and r.state is ReplicaState.AVAILABLE
+                                               for r in s.replicas.values()))
+        async with Client(url, creds=auth.role("client:alice")) as alice:
+            job = await alice.submit(first, {"op": "forward", "input_ids": [[1]]})
+            async for u in job.statuses(timeout=30):  # waits for room; it takes none
+                if u.status is RequestStatus.PROVISIONING and "no room" in (u.message or ""):
+                    break
+            state = await admin.state()
+            assert state.models[first].on_demand_for == "alice"
+            assert [r.state for r in state.replicas.values() if r.model_key == ops] == [ReplicaState.AVAILABLE]
+            assert not [e async for _, e in admin.log.read(1) if isinstance(e, E.ReplicaEvictionRequested)]
+            # Her share is one model wanted at a time: the second is refused, saying what to ask.
+            other = await alice.submit(second, {"op": "forward", "input_ids": [[1]]})
+            with pytest.raises(RequestFailed) as exc:
+                await other.result(timeout=30)
+            assert exc.value.error == "OnDemandRefused", exc.value
+            assert f"ndif deploy {display_name(second)}" in str(exc.value) and "NDIF_ON_DEMAND_PER_USER" in str(exc.value)
+            assert second not in (await admin.state()).models
+            await job.close()
+    finally:
+        await admin.close()
+        await bounded(disp.stop(), "dispatcher.stop")
+        await bounded(node.stop(), "agent.stop")
         await bounded(ctl.stop(), "controller.stop")
