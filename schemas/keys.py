@@ -105,6 +105,8 @@ def canonical_model_key(text: str, *, relative: bool = True) -> str:
         if not isinstance(kwargs, dict) or not isinstance(kwargs.get("repo_id"), str) or not kwargs["repo_id"]:
             raise InvalidCommand(f"model key {text!r}: its JSON part needs a non-empty \"repo_id\"")
         rev = kwargs.get("revision")
+        if rev == "":  # no revision, as `name` has none (and `name@` is refused)
+            rev = kwargs["revision"] = None
         if rev is not None and not isinstance(rev, str):
             raise InvalidCommand(f"model key {text!r}: \"revision\" must be a string or null")
         _loaded_fields_only(m.group("cls"), kwargs, text)

@@ -112,7 +112,8 @@ def decide(state: ClusterState, cmd: AnyCommand, ctx: DecisionContext, *,
                 _on_demand_allowed(state, cmd.model_key, user, on_demand or OnDemand())
             body = _grow(state, cmd.model_key, cmd.replicas, cmd.replicas, DeploymentOp.DEPLOY, cmd.replicas,
                          cmd.dedicated, ctx, registration, cmd.size_bytes, min_deploy_s,
-                         headroom if cmd.headroom is None else cmd.headroom, gpus, requires, for_user=user)
+                         headroom if cmd.headroom is None else cmd.headroom, gpus, requires, for_user=user,
+                         evicts=not cmd.for_request)  # a request's deploy never evicts, the operator's model too
         case Scale():
             _not_undeploying(state, cmd.model_key)
             current = state.replica_count(cmd.model_key)
@@ -235,13 +236,13 @@ def _on_demand_allowed(state: ClusterState, model_key: str, user: str, policy: O
                               "(NDIF_ON_DEMAND_USERS)")
     mine = [k for k in on_demand_models(state, user) if k != model_key]
     if len(mine) >= policy.per_user:
-        raise OnDemandRefused(f"{who} has {len(mine)} model(s) deployed by its requests, the limit per user "
-                              f"({', '.join(display_name(k) for k in mine[:3])}): {ask}, or wait until one is "
-                              "scaled down (NDIF_ON_DEMAND_PER_USER)")
+        shown = ", ".join(display_name(k) for k in mine[:3])
+        raise OnDemandRefused(f"{who} has {len(mine)} model(s) deployed by its requests (limit {policy.per_user} "
+                              f"per user: NDIF_ON_DEMAND_PER_USER): {ask}, or to scale down one of {shown}")
     every = [k for k in on_demand_models(state) if k != model_key]
     if len(every) >= policy.total:
-        raise OnDemandRefused(f"{len(every)} models are deployed by requests, the limit for all users: {ask}, or "
-                              "wait until one is scaled down (NDIF_ON_DEMAND_TOTAL)")
+        raise OnDemandRefused(f"{len(every)} models are deployed by requests (limit {policy.total} for all users: "
+                              f"NDIF_ON_DEMAND_TOTAL): {ask}, or to scale down one of them")
 
 
 def same_checkpoint(state: ClusterState, model_key: str, registration: Registration) -> str | None:
@@ -261,8 +262,9 @@ def model_headroom(state: ClusterState, model_key: str, default: float) -> float
 def _grow(state: ClusterState, model_key: str, new: int, target: int, op: DeploymentOp, typed: int,
           dedicated: bool, ctx: DecisionContext, registration: Registration | None, override: int | None,
           min_deploy_s: float, headroom: float, gpus: int | None,
-          requires: Requirements | None = None, *, for_user: str | None = None) -> list[Event]:
-    """`for_user`: deployed on demand for that user's request (recorded; free room only)."""
+          requires: Requirements | None = None, *, for_user: str | None = None, evicts: bool = True) -> list[Event]:
+    """`for_user`: deployed on demand for that user's request (recorded). `evicts` False: free room
+    only (so is any deploy for a user)."""
     size, reg = _size(state, model_key, registration, override)
     # Refused before anything is reserved (nothing is appended): no live node meets what the model
     # requires, or none has the cards its GPU count asks for.
@@ -280,7 +282,8 @@ def _grow(state: ClusterState, model_key: str, new: int, target: int, op: Deploy
                             requires=msgspec.UNSET if requires is None else requires,
                             for_user=msgspec.UNSET if for_user is None else for_user))
     p = plan(state, [PlacementRequest(model_key=model_key, size_bytes=size, replicas=new, dedicated=dedicated,
-                             headroom=headroom, gpus=gpus, requires=requires, evicts=for_user is None)],
+                             headroom=headroom, gpus=gpus, requires=requires,
+                             evicts=evicts and for_user is None)],
              now_s=ctx.now.timestamp(), seed=ctx.seed, min_deploy_s=min_deploy_s)
     return events + plan_events(p, ctx)
 
@@ -346,7 +349,8 @@ def grow(state: ClusterState, model_key: str, target: int, ctx: DecisionContext,
         return []
     m = state.models[model_key]
     return _grow(state, model_key, target - current, target, DeploymentOp.SCALE, target, m.dedicated, ctx, None,
-                 None, min_deploy_s, model_headroom(state, model_key, headroom), m.gpus, m.requires)
+                 None, min_deploy_s, model_headroom(state, model_key, headroom), m.gpus, m.requires,
+                 evicts=m.on_demand_for is None)
 
 
 def _evict(state: ClusterState, cmd: Evict, ctx: DecisionContext) -> list[Event]:

@@ -278,7 +278,14 @@ class Controller:
         # client canonicalises before sending, and what still arrives relative is refused.
         mk = getattr(cmd, "model_key", None)
         if mk:
-            return msgspec.structs.replace(cmd, model_key=canonical_model_key(mk, relative=False))  # type: ignore[type-var]
+            try:
+                canonical = canonical_model_key(mk, relative=False)
+            except NdifError:
+                if self.committer is not None and mk in self.state.models:  # a key an earlier version took:
+                    # its model stays the operator's to manage
+                    return cmd
+                raise
+            return msgspec.structs.replace(cmd, model_key=canonical)  # type: ignore[type-var]
         return cmd
 
     async def _decide(self, cmd: AnyCommand) -> CommandResult:

@@ -11,7 +11,7 @@ from controlplane.core.decide import decide, on_demand_models
 from controlplane.core.projections.cluster import ClusterState, Registration
 from schemas import events as E
 from schemas.commands import Deploy, OnDemand, Scale
-from schemas.errors import OnDemandRefused
+from schemas.errors import InvalidCommand, OnDemandRefused
 from tests.cluster_builder import GB, Builder, ctx
 
 
@@ -34,10 +34,10 @@ def test_per_user_and_in_all_each_refused_with_what_to_ask() -> None:
     policy = OnDemand(per_user=2, total=3)
     ask(st_, "a1", "alice", policy)
     ask(st_, "a2", "alice", policy)
-    with pytest.raises(OnDemandRefused, match=r"user 'alice' has 2 model\(s\).*ndif deploy a3"):
+    with pytest.raises(OnDemandRefused, match=r"user 'alice' has 2 model\(s\).*\(limit 2 per user.*ndif deploy a3"):
         ask(st_, "a3", "alice", policy)
     ask(st_, "b1", "bob", policy)  # bob's own share
-    with pytest.raises(OnDemandRefused, match="3 models are deployed by requests, the limit for all users"):
+    with pytest.raises(OnDemandRefused, match=r"3 models are deployed by requests \(limit 3 for all users"):
         ask(st_, "b2", "bob", policy)
     assert sorted(on_demand_models(st_, "alice")) == ["a1", "a2"] and len(on_demand_models(st_)) == 3
     # The operator takes one over: it is no user's share any more.
@@ -93,5 +93,17 @@ def test_the_settings_from_the_environment() -> None:
                              "NDIF_ON_DEMAND_TOTAL": "0"})
     assert got == OnDemand(users=frozenset({"alice", "bob"}), per_user=1, total=0)
     assert OnDemand.from_env({"NDIF_ON_DEMAND_USERS": ""}).users == frozenset()
-    with pytest.raises(Exception, match="between 0"):
+    with pytest.raises(InvalidCommand, match="between 0"):
         OnDemand.from_env({"NDIF_ON_DEMAND_PER_USER": "-1"})
+
+
+def test_neither_a_request_bringing_back_the_operators_model_nor_the_autoscaler_of_hers_evicts() -> None:
+    from controlplane.core.decide import grow
+
+    b = Builder().node("n0", gpus=1, gpu_gb=80)
+    b.hot("running", 0, "n0", (0,), 70).target("running", 1)
+    b.model("op-model", 30).target("op-model", 0)
+    evs = ask(b.state, "op-model", "alice")
+    assert not any(isinstance(e, E.ReplicaEvictionRequested) for e in evs)
+    ask(b.state, "hers", "alice")  # waits for room
+    assert not any(isinstance(e, E.ReplicaEvictionRequested) for e in grow(b.state, "hers", 2, ctx("as")))

@@ -471,3 +471,16 @@ def test_headroom_and_gpus_are_bounded():
                                                                      gpus=65)):
         with pytest.raises(InvalidCommand):
             validate(bad)
+
+
+async def test_a_key_an_earlier_version_took_is_still_the_operators_to_manage():
+    from controlplane.core.projections.cluster import ModelView
+    from schemas.commands import Undeploy
+
+    ctl = await Controller(Parts(MemoryEventLog(), None)).start()
+    legacy = 'pkg.mod.Other:{"repo_id": "/m/x", "revision": null}'  # another class: refused as new input
+    ctl.state.models[legacy] = ModelView(model_key=legacy)
+    assert ctl._canonical(Undeploy(command_id="u", model_key=legacy)).model_key == legacy
+    with pytest.raises(InvalidCommand, match="not served"):
+        ctl._canonical(Undeploy(command_id="u", model_key=legacy.replace("/m/x", "/m/y")))
+    await ctl.stop()

@@ -61,7 +61,7 @@ _DEAD = frozenset({ReplicaState.FAILED, ReplicaState.LOAD_FAILED})
 
 _AUTHORED = AGENT_FACTS | DISPATCHER_FACTS
 
-SNAPSHOT_SCHEMA = 4  # of ClusterSnapshot: a snapshot of another schema is never loaded (folded anew instead)
+SNAPSHOT_SCHEMA = 5  # of ClusterSnapshot: a snapshot of another schema is never loaded (folded anew instead)
 # Commands whose records (the idempotency of a command id, its events' positions) are kept: a
 # command id sent again after this many newer commands is decided anew.
 MAX_COMMANDS_KEPT = 10_000

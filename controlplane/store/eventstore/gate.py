@@ -113,7 +113,7 @@ class FactGate:
                 problem = f"not appended to the log after {GATE_TRIES} tries: {type(exc).__name__}: {exc}"
         if problem and not await self._refuse(msg, problem, facts_seq):
             return  # the refusal is not kept: undecided, the fact is given again after the ack wait
-        # Not ack_sync: with one fact in flight the next is given only once the server has this ack,
+        # A plain ack: with one fact in flight the next is given only once the server has this ack,
         # and a lost ack gives this fact again, which the log's dedup keeps once.
         await msg.ack()
 

@@ -104,8 +104,9 @@ class Provisioner:
 
     async def _provision(self, p: Processor) -> None:
         assert p.model_key is not None
+        user = _first_user(p)  # before the await: the refusal is this user's, whoever waits by then
         try:
-            res = await self.deploy(p.model_key, self.default_replicas, _first_user(p))
+            res = await self.deploy(p.model_key, self.default_replicas, user)
             if res.rejections and not res.replicas:
                 r = res.rejections[0]
                 await self._folded(res.last_seq)
@@ -132,7 +133,7 @@ class Provisioner:
         except errs.AlreadyDeployed:
             pass  # another dispatcher (or an operator) was first: fine
         except errs.OnDemandRefused as exc:  # that user's requests end; another's may have the right
-            p.fail_user(_first_user(p), type(exc).__name__, str(exc))
+            p.fail_user(user, type(exc).__name__, str(exc))
         except errs.InvalidCommand as exc:
             p.fail_all(type(exc).__name__, f"cannot deploy {p.model_key}: {exc}")
         except errs.NotFound as exc:
