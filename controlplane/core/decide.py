@@ -104,12 +104,7 @@ def decide(state: ClusterState, cmd: AnyCommand, ctx: DecisionContext, *,
             kept = state.models.get(cmd.model_key)
             gpus = cmd.gpus if cmd.gpus is not None else (kept.gpus if kept is not None else None)
             requires = cmd.requires if cmd.requires is not None else (kept.requires if kept is not None else None)
-            # A request's deploy of a model the operator deployed before brings the operator's model
-            # back; of any other, it is on demand: a right, bounded, and it takes free room only.
-            user = None
-            if cmd.for_request and (kept is None or kept.registration is None or kept.on_demand_for is not None):
-                user = cmd.for_user or ""
-                _on_demand_allowed(state, cmd.model_key, user, on_demand or OnDemand())
+            user = on_demand_user(state, cmd, on_demand or OnDemand())
             body = _grow(state, cmd.model_key, cmd.replicas, cmd.replicas, DeploymentOp.DEPLOY, cmd.replicas,
                          cmd.dedicated, ctx, registration, cmd.size_bytes, min_deploy_s,
                          headroom if cmd.headroom is None else cmd.headroom, gpus, requires, for_user=user,
@@ -218,6 +213,18 @@ def _size(state: ClusterState, model_key: str, registration: Registration | None
     if override is not None:
         registration = msgspec.structs.replace(registration, size_bytes=override)
     return registration.size_bytes, registration
+
+
+def on_demand_user(state: ClusterState, cmd: Deploy, policy: OnDemand) -> str | None:
+    """The user a deploy is on demand for (None: the operator's), once its right and bounds are
+    checked (OnDemandRefused). A request's deploy of a model the operator deployed before brings
+    the operator's model back; of any other, it is on demand: a right, bounded, on free room only."""
+    kept = state.models.get(cmd.model_key)
+    if not cmd.for_request or (kept is not None and kept.registration is not None and kept.on_demand_for is None):
+        return None
+    user = cmd.for_user or ""
+    _on_demand_allowed(state, cmd.model_key, user, policy)
+    return user
 
 
 def on_demand_models(state: ClusterState, user: str | None = None) -> list[str]:

@@ -38,6 +38,7 @@ from controlplane.core.decide import (
     decide_outage,
     decide_rollout,
     decide_unplaced,
+    on_demand_user,
     summarize,
 )
 from controlplane.core.placement import MIN_DEPLOY_S, PADDING
@@ -54,7 +55,7 @@ from controlplane.store.credentials import JS_API, Creds
 from controlplane.store.heartbeats import beat_counts, last_heard
 from controlplane.store.rebuild import store_of
 from schemas.autoscale import FIGURES_STALE_S, QueueFigures, decode_figures, sum_figures
-from schemas.commands import MAX_COMMAND_BYTES, AnyCommand, CommandResult, Limits, OnDemand, decode_command
+from schemas.commands import MAX_COMMAND_BYTES, AnyCommand, CommandResult, Deploy, Limits, OnDemand, decode_command
 from schemas.errors import NdifError
 from schemas.events import (
     AutoscaleDecided,
@@ -292,6 +293,8 @@ class Controller:
         assert self.committer is not None
         if already_decided(self.state, cmd):  # CommandIdConflict when the id was used for another command
             return await self._recorded(cmd.command_id)
+        if isinstance(cmd, Deploy):
+            on_demand_user(self.state, cmd, self.on_demand)  # refused before the checkpoint is measured
         registration = await self._registration(cmd)
         now = utcnow()
 
