@@ -8,10 +8,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-from collections.abc import Awaitable, Callable
+import os
+from collections.abc import Awaitable, Callable, Mapping
 
+import msgspec
 import nats.errors
 import nats.js.errors
+import structlog
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext, api
@@ -26,9 +29,11 @@ from dataplane.serving.ports import (
     ResultsUnavailable,
     RevisionMoved,
     ServingPorts,
+    StorageFull,
     StoredRequest,
 )
 from dataplane.serving.pull import PullConsumer
+from schemas import errors as errs
 from schemas.commands import CommandResult
 from schemas.subjects import (
     REQUEST_STATUS_BUCKET,
@@ -45,6 +50,8 @@ CONSUMER_PAGE = 256  # consumers the server lists per request
 MAX_CONSUMERS_LISTED = 100_000  # a bound on one sweep's listing (about 5,800 models' consumers)
 NO_MESSAGE_FOUND = 10057  # the server's error code for a stream message that is not (any more) there
 
+
+logger = structlog.get_logger("ndif.dispatcher")
 
 class JetStreamRequests:
     """`RequestStream` on the work-queue stream `NDIF_REQUESTS`: each of a model's durable consumers
@@ -181,14 +188,39 @@ class JetStreamStatusKV:
             raise RevisionMoved(f"{key} is past revision {last}") from exc
 
 
+RESULTS_MAX_BYTES = 1 << 30  # one user's kept large results (NDIF_RESULTS_MAX_BYTES)
+RESULTS_MAX_AGE_S = 24 * 3600.0  # how long a large result is kept (NDIF_RESULTS_MAX_AGE_S)
+
+
+class ResultLimits(msgspec.Struct, frozen=True, kw_only=True):
+    """Each user's results bucket: at most `max_bytes` kept, each result for `max_age_s`."""
+
+    max_bytes: int = RESULTS_MAX_BYTES
+    max_age_s: float = RESULTS_MAX_AGE_S
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> ResultLimits:
+        try:
+            out = cls(max_bytes=int(env.get("NDIF_RESULTS_MAX_BYTES") or RESULTS_MAX_BYTES),
+                      max_age_s=float(env.get("NDIF_RESULTS_MAX_AGE_S") or RESULTS_MAX_AGE_S))
+        except ValueError as exc:
+            raise errs.InvalidCommand(f"NDIF_RESULTS_MAX_BYTES / NDIF_RESULTS_MAX_AGE_S: {exc}") from None
+        if out.max_bytes < 1 or not out.max_age_s > 0:
+            raise errs.InvalidCommand("NDIF_RESULTS_MAX_BYTES and NDIF_RESULTS_MAX_AGE_S must be positive")
+        return out
+
+
 class JetStreamResults:
     """`ResultStores` on Object Store buckets: `ndif_results_<user>` (only that client may read it),
-    created on its user's first large result with `replicas` copies; `shared` without a user."""
+    created on its user's first large result with `replicas` copies and `limits` (a bucket an
+    earlier version made gets them when first opened here); `shared` without a user."""
 
-    def __init__(self, js: JetStreamContext, shared: ObjectStore, *, replicas: int) -> None:
+    def __init__(self, js: JetStreamContext, shared: ObjectStore, *, replicas: int,
+                 limits: ResultLimits | None = None) -> None:
         self.js = js
         self.shared = shared
         self.replicas = replicas
+        self.limits = limits or ResultLimits()
         self._stores: dict[str, ObjectStore] = {}  # user -> its bucket, opened or created
 
     async def store(self, user: str) -> ObjectStore:
@@ -200,9 +232,11 @@ class JetStreamResults:
             bucket = results_bucket(user)
             try:
                 store = await self.js.object_store(bucket)
+                await self._limit(bucket)
             except nats.js.errors.NotFoundError:
                 store = await self.js.create_object_store(bucket, config=api.ObjectStoreConfig(
-                    bucket=bucket, replicas=self.replicas, storage=api.StorageType.FILE))
+                    bucket=bucket, replicas=self.replicas, storage=api.StorageType.FILE,
+                    max_bytes=self.limits.max_bytes, ttl=self.limits.max_age_s))
             self._stores[user] = store
         return store
 
@@ -213,11 +247,39 @@ class JetStreamResults:
             # No bucket for this user and no right to make one (a client user added to the server
             # without the config's dispatcher grant).
             raise ResultsUnavailable(str(exc) or type(exc).__name__) from exc
-        await store.put(name, body)
+        try:
+            await store.put(name, body)
+        except nats.js.errors.APIError as exc:
+            if not _over_limit(exc):
+                raise
+            # Its chunks stored before the limit was reached age out with the bucket's max age.
+            raise StorageFull(f"the results store of user {user!r} is full ({self.limits.max_bytes} bytes kept at "
+                              f"most, each for {self.limits.max_age_s:g} s): fetch or wait for older results to "
+                              "expire, or ask the operator to raise NDIF_RESULTS_MAX_BYTES",
+                              limit_bytes=self.limits.max_bytes) from exc
+
+    async def _limit(self, bucket: str) -> None:
+        """Give a bucket without this service's limits (made by an earlier version) its limits."""
+        info = await self.js.stream_info(f"OBJ_{bucket}")
+        cfg = info.config
+        age = self.limits.max_age_s
+        if cfg.max_bytes == self.limits.max_bytes and cfg.max_age == age:
+            return
+        cfg.max_bytes, cfg.max_age = self.limits.max_bytes, age
+        try:
+            await self.js.update_stream(cfg)
+        except nats.js.errors.APIError as exc:
+            logger.warning("results_bucket_unlimited", bucket=bucket, error=str(exc))
+
+
+def _over_limit(exc: nats.js.errors.APIError) -> bool:
+    """A publish refused because the stream is at its byte limit (or the server's store is full)."""
+    text = (exc.description or "").lower()
+    return "maximum bytes" in text or "insufficient resources" in text or exc.err_code in (10047, 10054)
 
 
 async def open_ports(nc: NatsClient, log: JetStreamEventLog, *, actor: str, ack_wait_s: float,
-                     fetch_batch: int) -> ServingPorts:
+                     fetch_batch: int, results_limits: ResultLimits | None = None) -> ServingPorts:
     """The serving ports on `nc`: the request stream, status bucket and results buckets of the server
     `log` is on, and commands (`deploy`) to the controllers that append to it."""
     js = nc.jetstream()
@@ -230,5 +292,6 @@ async def open_ports(nc: NatsClient, log: JetStreamEventLog, *, actor: str, ack_
     return ServingPorts(
         requests=JetStreamRequests(nc, js, ack_wait_s=ack_wait_s, fetch_batch=fetch_batch),
         statuses=JetStreamStatusKV(await js.key_value(REQUEST_STATUS_BUCKET)),
-        results=JetStreamResults(js, await js.object_store(RESULTS_BUCKET), replicas=log.replicas),
+        results=JetStreamResults(js, await js.object_store(RESULTS_BUCKET), replicas=log.replicas,
+                                 limits=results_limits or ResultLimits.from_env(os.environ)),
         publish=nc.publish, deploy=deploy)

@@ -119,6 +119,18 @@ class ResultsUnavailable(NdifError):
     """No results store for this user, and none may be made (a permission the server lacks)."""
 
 
+class StorageFull(NdifError):
+    """A store is at its byte limit: the write was not kept (`limit_bytes`: the limit)."""
+
+    def __init__(self, message: str, *, limit_bytes: int | None = None) -> None:
+        super().__init__(message)
+        self._set(limit_bytes=limit_bytes)
+
+    @property
+    def limit_bytes(self) -> int | None:
+        return self._limit_bytes  # type: ignore[attr-defined,no-any-return]
+
+
 class StatusKV(Protocol):
     """The kept status of each request, by key (`status_key`): the latest write wins, compare-and-set."""
 

@@ -6,7 +6,9 @@ nats-server run with the config `ndif up` generates (docs/reliability.md "What o
   a second path to a registered checkpoint (a link) is refused as that model's twin; none of them
   registers, deploys or appends anything;
 - a deploy her requests ask for takes free room only (the operator's replica stays) and her share
-  of such models is bounded (`OnDemandRefused`, saying what to ask the operator).
+  of such models is bounded (`OnDemandRefused`, saying what to ask the operator);
+- her kept large results are bounded in bytes and age: past the limit her request ends
+  `StorageFull` with the limit, and another user's results are stored as before.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from schemas.status import ReplicaState, RequestStatus
 from schemas.subjects import request_subject
 from tests.checkpoints import TinyModels
 from tests.conftest import bounded
-from tests.fake_runtime import FakeRuntime
+from tests.fake_runtime import FakeCaller, FakeRuntime
 from tests.integration.probe import raw_connect
 from tests.waiting import until_state
 
@@ -49,7 +51,7 @@ GB = 10**9
 
 @pytest.fixture
 def auth(tmp_path: Path) -> LocalAuth:
-    return ensure_local([NODE], clients=["alice"], home=tmp_path / "home")
+    return ensure_local([NODE], clients=["alice", "bob"], home=tmp_path / "home")
 
 
 @pytest_asyncio.fixture
@@ -149,6 +151,39 @@ async def test_her_requests_take_free_room_only_and_a_bounded_share(tiny_models:
             assert f"ndif deploy {display_name(second)}" in str(exc.value) and "NDIF_ON_DEMAND_PER_USER" in str(exc.value)
             assert second not in (await admin.state()).models
             await job.close()
+    finally:
+        await admin.close()
+        await bounded(disp.stop(), "dispatcher.stop")
+        await bounded(node.stop(), "agent.stop")
+        await bounded(ctl.stop(), "controller.stop")
+
+
+async def test_her_large_results_are_bounded_and_anothers_are_kept(tiny_models: TinyModels, url: str, auth: LocalAuth,
+                                                                   tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("NDIF_RESULTS_MAX_BYTES", str(700_000))  # two results of ~300 kB, not three
+    monkeypatch.setenv("NDIF_RESULTS_MAX_AGE_S", "3600")
+    model = canonical_model_key(str(tiny_models.gpt2(tmp_path / "models" / "m")))
+    runtime = FakeRuntime(f"sim:{NODE}")
+    ctl = await Controller.from_url(url, creds=auth.role("controller")).start()
+    node = await (await NodeAgent.open(url, NODE, creds=auth.role(f"agent:{NODE}"), runtime=runtime,
+                                       gpus=declared_gpus(1, 80 * GB), cpu_cache_bytes=0, heartbeat_s=0.3,
+                                       health_interval_s=0.3, drain_timeout_s=0.0)).start()
+    disp = await Dispatcher.from_url(url, creds=auth.role("dispatcher"), caller=FakeCaller([runtime])).start()
+    admin = await AdminClient.open(url, timeout=30, creds=auth.role("admin"))
+    big = {"op": "forward", "input_ids": [[1]], "blob": "x" * 300_000}  # echoed: a result over the inline limit
+    try:
+        await until_state(admin, lambda s: NODE in s.nodes)
+        assert (await admin.deploy(model, 1, size_bytes=GB)).ok
+        async with Client(url, creds=auth.role("client:alice")) as alice, \
+                Client(url, creds=auth.role("client:bob")) as bob:
+            for _ in range(2):
+                assert (await (await alice.submit(model, big)).result(timeout=60))["echo"]["blob"] == big["blob"]
+            with pytest.raises(RequestFailed) as exc:
+                await (await alice.submit(model, big)).result(timeout=60)
+            assert exc.value.error == "StorageFull" and "700000 bytes" in str(exc.value), exc.value
+            assert (await (await bob.submit(model, big)).result(timeout=60))["echo"]["blob"] == big["blob"]
+        info = await admin.log.js.stream_info("OBJ_ndif_results_alice")
+        assert info.config.max_bytes == 700_000 and info.config.max_age == 3600
     finally:
         await admin.close()
         await bounded(disp.stop(), "dispatcher.stop")

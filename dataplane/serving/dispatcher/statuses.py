@@ -24,7 +24,15 @@ import msgspec
 import structlog
 
 from dataplane.serving.dispatcher.background import Background
-from dataplane.serving.ports import Delivery, Publish, ResultStores, ResultsUnavailable, RevisionMoved, StatusKV
+from dataplane.serving.ports import (
+    Delivery,
+    Publish,
+    ResultStores,
+    ResultsUnavailable,
+    RevisionMoved,
+    StatusKV,
+    StorageFull,
+)
 from dataplane.serving.processor import Pending
 from schemas.errors import InfrastructureError
 from schemas.requests import INLINE_RESULT_BYTES, StatusUpdate, encode_status, status_or_none
@@ -161,6 +169,12 @@ class StatusWriter:
                 name = f"{status_key(p.req.request_id, p.req.user)}.json"
                 try:
                     await self.results.put(p.req.user, name, body)
+                except StorageFull as exc:
+                    # Her store is at its limit: the request ends saying so (others' stores are their own).
+                    logger.warning("results_store_full", request_id=p.req.request_id, user=p.req.user,
+                                   limit_bytes=exc.limit_bytes)
+                    status, kw = R.ERROR, {k: v for k, v in kw.items() if k != "result"}
+                    kw.update(error="StorageFull", message=f"the result ({len(body)} bytes) was not stored: {exc}")
                 except ResultsUnavailable as exc:
                     # No bucket for this user and no right to make one: say so, never drop it.
                     why = type(exc.__cause__ or exc).__name__
