@@ -160,9 +160,13 @@ class Steps:
         return xs, cols, kept_from
 
 
+GAP_EPS_S = 0.001  # the value held at an outage's start is drawn up to it, then null just after
+
+
 def gap_outages(xs: list[float], cols: list[list[Any]], outages: list[list[float]]) -> tuple[list[float], list[list[Any]]]:
-    """A step series (`Steps.window`) with each outage a gap: null from its start, and from its end
-    the value held then (what the log knew when the cluster stopped is not what ran while it was off)."""
+    """A step series (`Steps.window`) with each outage a gap: the value held up to its start, null
+    just after (a stepped line draws a run only between two values), and from its end the value
+    held then (what the log knew when the cluster stopped is not what ran while it was off)."""
     if not outages or not xs:
         return xs, cols
     pts: list[tuple[float, tuple[Any, ...]]] = list(zip(xs, zip(*cols, strict=True), strict=True))
@@ -175,7 +179,9 @@ def gap_outages(xs: list[float], cols: list[list[Any]], outages: list[list[float
         after = [p for p in pts if p[0] >= ob]
         held = (inside or before or [(0.0, gap)])[-1][1]
         resume = [] if (after and after[0][0] == ob) or held == gap else [(ob, held)]
-        pts = [*before, (max(oa, pts[0][0]), gap), *resume, *after]
+        start = max(oa, pts[0][0])
+        upto = [(start, before[-1][1])] if before and before[-1][0] < start and before[-1][1] != gap else []
+        pts = [*before, *upto, (min(start + GAP_EPS_S, ob) if upto else start, gap), *resume, *after]
     return [p[0] for p in pts], [list(c) for c in zip(*(p[1] for p in pts), strict=True)]
 
 

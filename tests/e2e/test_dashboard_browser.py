@@ -441,8 +441,10 @@ async def test_an_outage_is_drawn_as_cluster_down_not_as_the_state_before_it(sce
     assert inside[3] > 0 and max(inside[:3]) - min(inside[:3]) < 30 and max(inside[:3]) < 235, inside  # grey, drawn
     assert outside != inside, (inside, outside)
     # No line through it: the replicas plot has a gap there, and its lines go on after it.
-    gap, after = await page.evaluate("""() => { const [a, b] = window.ndif.plots.outages[0];
-        return [window.ndif.plotValues('replicas', (a + b) / 2), window.ndif.plotValues('replicas', b + 0.5)]; }""")
+    upto, gap, after = await page.evaluate("""() => { const [a, b] = window.ndif.plots.outages[0];
+        return [window.ndif.plotValues('replicas', a), window.ndif.plotValues('replicas', (a + b) / 2),
+                window.ndif.plotValues('replicas', b + 0.5)]; }""")
+    assert upto is None or any(v for v in upto), upto  # the state before it is drawn up to its start
     assert gap and all(v is None for v in gap), gap
     assert after and any(v for v in after), after
     await page.close()

@@ -322,10 +322,10 @@ def test_a_step_plot_is_a_gap_through_an_outage_and_resumes_at_its_end():
     xs, cols = [0.0, 10.0, 30.0], [[2, 1, 1], [0, 1, 1]]
     assert gap_outages(xs, cols, []) == (xs, cols)
     gx, gc = gap_outages(xs, cols, [[5.0, 20.0]])
-    # 2 HOT until the cluster stopped at 5; nothing drawn until it was back at 20; then what held.
-    assert gx == [0.0, 5.0, 20.0, 30.0] and gc == [[2, None, 1, 1], [0, None, 1, 1]]
+    # 2 HOT up to when the cluster stopped at 5; nothing drawn until it was back at 20; then what held.
+    assert gx == [0.0, 5.0, 5.001, 20.0, 30.0] and gc == [[2, 2, None, 1, 1], [0, 0, None, 1, 1]]
     gx, gc = gap_outages(xs, cols, [[-5.0, 3.0], [25.0, 30.0]])  # at the window's two ends
-    assert gx == [0.0, 3.0, 10.0, 25.0, 30.0] and gc[0] == [None, 2, 1, None, 1]
+    assert gx == [0.0, 3.0, 10.0, 25.0, 25.001, 30.0] and gc[0] == [None, 2, 1, 1, None, 1]
 
 
 def test_a_model_sampled_only_later_has_no_zeros_before_its_queue_began():

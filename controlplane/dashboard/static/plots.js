@@ -179,7 +179,7 @@ export class Trends {
     const times = [...new Set(cards.flatMap((c) => c.t))].sort((a, b2) => a - b2);
     const cols = cards.map((c) => {
       let j = 0;
-      return times.map((t) => { while (j + 1 < c.t.length && c.t[j + 1] <= t) j++; return c.committed[j] / 2 ** 30; });
+      return times.map((t) => { while (j + 1 < c.t.length && c.t[j + 1] <= t) j++; return c.committed[j] == null ? null : c.committed[j] / 2 ** 30; });
     });
     this.charts.node.setData([times, ...cols]);
     for (const c of cards) this.clamped(c.kept_from);
