@@ -81,6 +81,29 @@ async def env(nats_server: EmbeddedNats) -> AsyncIterator[Env]:
             await lg.close()
 
 
+@pytest_asyncio.fixture(autouse=True)
+async def at_rest(env: Env) -> AsyncIterator[None]:
+    """Each test starts with no triage under way and nothing a sweep would still end: an earlier
+    test's flood keeps places and stored requests for a while after its own checks passed, and a
+    test that counts either would count those."""
+    di = env.dispatcher.intake
+    assert di is not None
+
+    async def idle() -> None:
+        while di.triage.running or di.triage.waiting:
+            await asyncio.sleep(0.05)
+
+    async with asyncio.timeout(180):
+        await idle()
+        while before := await _stored(env.log):
+            await di.route_stored()  # the sweep (an hour here): what it would end, it ends now
+            await asyncio.sleep(0.2)
+            await idle()
+            if await _stored(env.log) >= before:
+                break  # what is left, a sweep does not end
+    yield
+
+
 async def _consumers(lg: JetStreamEventLog) -> list[str]:
     return sorted(c.name or "" for c in await lg.js.consumers_info(REQUESTS_STREAM))
 

@@ -63,6 +63,8 @@ TRIAGE_SHARE = 4
 MAX_TRIAGE_WAITING = 10_000
 TRIAGE_WAITING_SHARE = 625
 TRIAGE_RETRIES = 3  # a triage whose reads fail is tried again this often (0.5, 1, 2 s later), then left to the sweep
+FRESH_LOOKS = 5  # a name a publish woke, found empty, is read again 0.2, 0.4, ... 3.2 s apart (FRESH_WAIT_S in all)
+FRESH_WAIT_S = 0.2 * (2 ** FRESH_LOOKS - 1)
 TRIAGE_REREADS = 3  # a triage published on again while it reads reads again this often, then lines up again
 UNKNOWN_CONSUMER_SWEEP_S = 10.0  # consumers of models the log does not know are deleted this often
 KNOWN_GRACE_S = 10.0  # a processor made as its model was deployed waits this long for the fold to show it
@@ -174,7 +176,8 @@ class Intake:
         subject, or for a model the controller refuses ends ERROR and is deleted from the stream.
 
         A triage holds one of MAX_TRIAGES places only while it reads: woken by a publish (`fresh`)
-        that the stream may not have stored yet, it looks twice more when it found nothing, and once
+        that the stream may not have stored yet, it looks again for FRESH_WAIT_S when it found nothing
+        (a synced store acknowledges after its disk does, and a busy disk takes a while), and once
         more whenever the subject was published on again while it read; with no controller
         answering, it leaves the request stored (PROVISIONING said) for the sweep. A name that waited
         for its place keeps whether a publish woke it; a triage whose reads fail is tried again
@@ -198,10 +201,10 @@ class Intake:
                         return
                     fresh, waits, rereads = True, 0, rereads + 1  # published on again while we read: once more
                     continue
-                if found or not fresh or waits >= 2:
+                if found or not fresh or waits >= FRESH_LOOKS:
                     return
+                await asyncio.sleep(0.2 * 2 ** waits)
                 waits += 1
-                await asyncio.sleep(0.2 * waits)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - a read or delete failed (NATS slow or away)
