@@ -126,6 +126,13 @@ class LogRewound(InfrastructureError):
         return int(self._last_seq)  # type: ignore[attr-defined]
 
 
+class QuotaExceeded(InfrastructureError):
+    """The server refused this account more of what it may hold at once (its connections): it
+    holds its limit; one of its own clients must close first, or the operator raise the limit."""
+
+    default_retryable = False
+
+
 class InfrastructureTimeout(InfrastructureError, TimeoutError):
     """A call did not answer within its timeout; the outcome may be unknown."""
 

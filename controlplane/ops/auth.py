@@ -31,6 +31,10 @@ that imports another account's token. Results buckets are exported privately to 
 The system's JetStream API is imported under `$JS.NDIF.API` (controlplane/store/credentials.py
 `IMPORTED_JS_API`): every account also has the server's own `$JS.API.>`.
 
+Each untrusted account holds at most its role's connections and subscriptions (`AccountLimits`,
+the account's `limits`): one researcher cannot take the server's descriptors or multiply each of
+her statuses by subscribing to it many times.
+
 Within each account, each user still has an allow list of publish and subscribe subjects and its own
 inbox prefix (`_INBOX_<user>.>`). No role outside the system account may create a consumer or read
 stream info of the status bucket (which would list every user's request ids).
@@ -46,10 +50,14 @@ imports of an account that a config reload adds (observed: its requests get "no 
 from __future__ import annotations
 
 import json
+import os
 import secrets
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
+
+import msgspec
 
 from controlplane.store.credentials import (
     DASHBOARD_ACCOUNT,
@@ -111,6 +119,45 @@ from schemas.subjects import (
 )
 
 ROLES = ("admin", "controller", "agent", "dispatcher", "client", "dashboard")
+
+
+class AccountLimits(msgspec.Struct, frozen=True, kw_only=True):
+    """What one account of an untrusted role may hold on the server at once (the account's `limits`
+    in the server config; past them the server refuses the connection or the subscription). Each
+    subscription to a status subject is one more copy of every status the server sends. An SDK
+    client holds one connection and two subscriptions; an agent one connection for itself and one
+    per replica on its node; the dashboard one. `NDIF_<ROLE>_MAX_CONNECTIONS` / `_SUBSCRIPTIONS`."""
+
+    client_connections: int = 32
+    client_subscriptions: int = 256
+    agent_connections: int = 512
+    agent_subscriptions: int = 8192
+    dashboard_connections: int = 16
+    dashboard_subscriptions: int = 512
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> AccountLimits:
+        got: dict[str, int] = {}
+        for field in cls.__struct_fields__:
+            role, what = field.split("_", 1)
+            name = f"NDIF_{role.upper()}_MAX_{what.upper()}"
+            raw = env.get(name)
+            if not raw:
+                continue
+            try:
+                got[field] = int(raw)
+            except ValueError:
+                raise InvalidCommand(f"{name}={raw!r}: a whole number") from None
+            if got[field] < 1:
+                raise InvalidCommand(f"{name}={raw!r}: at least 1")
+        return cls(**got)
+
+    def of(self, role: str) -> dict[str, int] | None:
+        """The `limits` block of an account of `role` (None: the system's, which runs the service)."""
+        if role not in ("client", "agent", "dashboard"):
+            return None
+        return {"max_connections": getattr(self, f"{role}_connections"),
+                "max_subscriptions": getattr(self, f"{role}_subscriptions")}
 
 
 # ---- permissions and accounts -------------------------------------------------------------------
@@ -312,9 +359,11 @@ def permissions(role: str, *, name: str = "", node_id: str = "", clients: tuple[
             "allow_responses": role in ("controller", "dispatcher", "agent")}
 
 
-def accounts(users: list[Creds]) -> dict[str, Any]:
+def accounts(users: list[Creds], limits: AccountLimits | None = None) -> dict[str, Any]:
     """The `accounts` block of the server config: the system's account (JetStream, exports, each
-    node's replica endpoints imported) and one account per client, per node agent, for the dashboard."""
+    node's replica endpoints imported) and one account per client, per node agent, for the dashboard,
+    each with its role's `limits`."""
+    limits = limits or AccountLimits()
     for c in users:
         if c.role not in ROLES:
             raise InvalidCommand(f"user {c.user}: unknown role {c.role!r}")
@@ -348,6 +397,8 @@ def accounts(users: list[Creds]) -> dict[str, Any]:
             continue
         first = members[0]
         entry: dict[str, Any] = {"users": [user_entry(c) for c in members]}
+        if (held := limits.of(first.role)) is not None:
+            entry["limits"] = held
         entry["imports"] = [{i.kind: {"account": SYSTEM_ACCOUNT, "subject": i.subject}, **({"to": i.to} if i.to else {})}
                             for i in imports(first.role, name=first.name, node_id=first.node_id)]
         if first.role == "agent":
@@ -359,7 +410,7 @@ def accounts(users: list[Creds]) -> dict[str, Any]:
     return out
 
 
-def server_config(users: list[Creds]) -> str:
+def server_config(users: list[Creds], limits: AccountLimits | None = None) -> str:
     """The `accounts` block of a nats-server config (the payload limit is the server's own setting).
 
     Values are JSON (which nats-server's config format reads), so subjects such as `$JS.API.>` are
@@ -367,7 +418,7 @@ def server_config(users: list[Creds]) -> str:
     """
     return (f"# Generated by ndif (controlplane/ops/auth.py): one user per role, the system's account and one\n"
             f"# account per client, node agent and the dashboard. Keep it private (0600).\n"
-            f"accounts: {json.dumps(accounts(users), indent=2)}\n")
+            f"accounts: {json.dumps(accounts(users, limits), indent=2)}\n")
 
 
 def make_creds(role: str, *, name: str = "", node_id: str = "") -> Creds:
@@ -391,9 +442,11 @@ class LocalAuth:
         return self.users[role]
 
 
-def ensure_local(node_ids: list[str], *, clients: list[str] | None = None, home: Path | None = None) -> LocalAuth:
-    """Credentials for every role (made once, kept), the server config written from them and the
-    dashboard's operator token (`auth/dashboard.token`), all 0600 in a 0700 directory."""
+def ensure_local(node_ids: list[str], *, clients: list[str] | None = None, home: Path | None = None,
+                 limits: AccountLimits | None = None) -> LocalAuth:
+    """Credentials for every role (made once, kept), the server config written from them (with
+    `limits`, by default from the environment) and the dashboard's operator token
+    (`auth/dashboard.token`), all 0600 in a 0700 directory."""
     clients = clients or [local_client_name()]
     wanted: list[tuple[str, str, str]] = [(r, "", "") for r in ("admin", "controller", "dispatcher", "dashboard")]
     wanted += [("client", _check_client_name(c), "") for c in clients]
@@ -418,7 +471,7 @@ def ensure_local(node_ids: list[str], *, clients: list[str] | None = None, home:
         users.setdefault(f"{c.role}:{c.name or c.node_id}" if c.role in ("client", "agent") else c.role, c)
     conf = auth_dir(home) / "nats-auth.conf"
     unique = {c.user: c for c in users.values()}
-    _write_private(conf, server_config(list(unique.values())).encode())
+    _write_private(conf, server_config(list(unique.values()), limits or AccountLimits.from_env(os.environ)).encode())
     return LocalAuth(config_path=conf, users=users, dashboard_token=ensure_dashboard_token(home))
 
 

@@ -13,13 +13,16 @@ nats-server run with the config `ndif up` generates (docs/reliability.md "What o
 
 from __future__ import annotations
 
+import contextlib
 import json
 import uuid
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import msgspec
+import nats.errors
 import pytest
 import pytest_asyncio
 
@@ -37,7 +40,7 @@ from schemas import errors as errs
 from schemas import events as E
 from schemas.keys import DEFAULT_MODEL_CLASS, canonical_model_key, display_name
 from schemas.status import ReplicaState, RequestStatus
-from schemas.subjects import request_subject
+from schemas.subjects import request_subject, user_statuses
 from tests.checkpoints import TinyModels
 from tests.conftest import bounded
 from tests.fake_runtime import FakeCaller, FakeRuntime
@@ -189,3 +192,49 @@ async def test_her_large_results_are_bounded_and_anothers_are_kept(tiny_models: 
         await bounded(disp.stop(), "dispatcher.stop")
         await bounded(node.stop(), "agent.stop")
         await bounded(ctl.stop(), "controller.stop")
+
+
+async def test_her_connections_and_subscriptions_are_bounded_and_another_user_connects(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One client held 19,900 of the server's connections, and 300 subscriptions to her own statuses
+    made every status 300 copies: her account holds NDIF_CLIENT_MAX_CONNECTIONS connections and
+    NDIF_CLIENT_MAX_SUBSCRIPTIONS subscriptions at most; past them the server refuses her, the SDK
+    says which limit, and bob connects and is answered as before."""
+    monkeypatch.setenv("NDIF_CLIENT_MAX_CONNECTIONS", "4")
+    monkeypatch.setenv("NDIF_CLIENT_MAX_SUBSCRIPTIONS", "16")
+    auth = ensure_local([NODE], clients=["alice", "bob"], home=tmp_path / "home")
+    alice, bob = auth.role("client:alice"), auth.role("client:bob")
+    with EmbeddedNats(tmp_path / "nats", config_file=auth.config_path) as srv:
+        lg = await JetStreamEventLog.open(srv.url, creds=auth.role("admin"))
+        held: list[Any] = []
+        try:
+            held += [await raw_connect(srv.url, allow_reconnect=False, **alice.connect_options()) for _ in range(4)]
+            with pytest.raises(nats.errors.Error, match="maximum account active connections"):
+                held.append(await raw_connect(srv.url, allow_reconnect=False, **alice.connect_options()))
+            with pytest.raises(errs.QuotaExceeded, match="NDIF_CLIENT_MAX_CONNECTIONS"):
+                async with Client(srv.url, creds=alice, timeout=5):
+                    pass
+            async with Client(srv.url, creds=bob, timeout=5) as b:  # another account: untouched
+                await b.log.nc.flush(timeout=5)
+                assert b.log.nc.is_connected
+            await held.pop().close()
+            nc = await raw_connect(srv.url, allow_reconnect=False, **alice.connect_options())
+            held.append(nc)
+            subscribed = 0
+            for i in range(40):  # her own statuses, which she may read: each a copy of every status
+                if not nc.is_connected:
+                    break
+                await nc.subscribe(f"{user_statuses('alice').removesuffix('>')}{i}")
+                subscribed += 1
+                with contextlib.suppress(nats.errors.Error):
+                    await nc.flush(timeout=5)
+            # the server refuses the 17th and closes that connection (a client cannot go on without it)
+            assert "maximum subscriptions exceeded" in str(nc.last_error), nc.last_error
+            assert nc.is_closed and subscribed == 17, subscribed
+            async with Client(srv.url, creds=alice, timeout=5) as a:  # within her limits she works again
+                await a.log.nc.flush(timeout=5)
+        finally:
+            for c in held:
+                with contextlib.suppress(Exception):
+                    await c.close()
+            await lg.close()

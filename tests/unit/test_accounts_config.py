@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from controlplane.ops.auth import accounts, imports, make_creds, permissions, system_subject
+from controlplane.ops.auth import AccountLimits, accounts, imports, make_creds, permissions, system_subject
 from controlplane.store.credentials import (
     DASHBOARD_ACCOUNT,
     IMPORTED_JS_API,
@@ -100,6 +100,27 @@ def test_a_users_permissions_are_its_accounts_imports() -> None:
 def test_imported_api_subjects_arrive_as_the_systems() -> None:
     assert system_subject(f"{IMPORTED_JS_API}.DIRECT.GET.X") == f"{JS_API}.DIRECT.GET.X"
     assert system_subject("ndif.req.m.alice") == "ndif.req.m.alice"
+
+
+def test_every_untrusted_account_has_its_roles_limits_and_the_system_none() -> None:
+    limits = AccountLimits.from_env({"NDIF_CLIENT_MAX_CONNECTIONS": "7", "NDIF_AGENT_MAX_SUBSCRIPTIONS": "99"})
+    acc = accounts(_users(), limits)
+    assert "limits" not in acc[SYSTEM_ACCOUNT]
+    for c in CLIENTS:
+        assert acc[account_name("client", name=c)]["limits"] == {"max_connections": 7, "max_subscriptions": 256}
+    for n in NODES:
+        assert acc[account_name("agent", node_id=n)]["limits"] == {"max_connections": 512, "max_subscriptions": 99}
+    assert acc[DASHBOARD_ACCOUNT]["limits"] == {"max_connections": 16, "max_subscriptions": 512}
+
+
+@pytest.mark.parametrize("raw", ["", "0", "-3", "x", "1.5"])
+def test_account_limits_from_the_environment_are_whole_positive_numbers(raw: str) -> None:
+    env = {"NDIF_DASHBOARD_MAX_CONNECTIONS": raw}
+    if raw == "":
+        assert AccountLimits.from_env(env) == AccountLimits()  # unset: the default
+        return
+    with pytest.raises(InvalidCommand, match="NDIF_DASHBOARD_MAX_CONNECTIONS"):
+        AccountLimits.from_env(env)
 
 
 def test_names_that_would_share_an_account_are_refused() -> None:

@@ -18,7 +18,7 @@ from nats.aio.subscription import Subscription
 
 from controlplane.store.credentials import Creds
 from controlplane.store.direct import STATUS_LINE
-from schemas.errors import InfrastructureError, InvalidCommand
+from schemas.errors import InfrastructureError, InvalidCommand, QuotaExceeded
 from schemas.events import MAX_EVENT_BYTES
 from schemas.requests import MAX_STATUS_BYTES
 
@@ -176,10 +176,13 @@ async def connect(url: str, *, name: str = "ndif", timeout: float = 5.0, creds: 
 
     connecting = True
     refused: list[str] = []
+    full: list[str] = []  # the account holds all the connections it may (AccountLimits)
 
     async def error_cb(err: Exception) -> None:
         if "authorization violation" in str(err).lower():
             refused.append(str(err))
+        if "maximum account active connections" in str(err).lower():
+            full.append(str(err))
         if connecting:
             logger.debug("nats_connect_attempt_failed", url=url, error=str(err) or type(err).__name__)
         elif isinstance(err, nats.errors.SlowConsumerError):
@@ -210,6 +213,12 @@ async def connect(url: str, *, name: str = "ndif", timeout: float = 5.0, creds: 
         connecting = False
         return nc
     except (TimeoutError, OSError, nats.errors.NoServersError) as exc:
+        if full:
+            who, limit = ((f"{creds.user}'s account", f"NDIF_{creds.role.upper()}_MAX_CONNECTIONS") if creds
+                          else ("this account", "its account's max_connections"))
+            raise QuotaExceeded(
+                f"NATS at {url} refused a connection: {who} holds as many connections as it may (the "
+                f"operator's {limit}); close another of its clients, or ask the operator for more") from None
         if refused:
             raise InfrastructureError(
                 (f"NATS at {url} refused the credentials of {creds.user}: " if creds else
