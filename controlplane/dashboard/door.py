@@ -1,5 +1,10 @@
 """The dashboard's door: who may ask it anything, under which name, and how many live streams each.
 
+Before any request, the connection itself: at most `per_client` open connections per client
+address and `total` in all (one more is closed unread), and a connection with no request under way
+for `idle_s` (its request head still unsent, or kept alive between requests) is closed, so idle or
+slow sockets cannot hold the process's descriptors (`Connections`).
+
 Four checks, in this order, on every request (docs/dashboard.md, "Who can see it"):
 
 - the Host header must name this dashboard: a loopback name, the address it listens on, or a name
@@ -15,8 +20,10 @@ Four checks, in this order, on every request (docs/dashboard.md, "Who can see it
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import ipaddress
+import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
@@ -172,3 +179,120 @@ async def add_security_headers(request: web.Request, resp: web.StreamResponse) -
     for k, v in SECURITY_HEADERS.items():
         resp.headers[k] = v
     resp.headers.setdefault(hdrs.CACHE_CONTROL, "no-store")
+
+
+MAX_CONNECTIONS = 512  # open TCP connections in all
+MAX_CONNECTIONS_PER_ADDRESS = 64  # one client address's (a browser opens about 6 to a host)
+IDLE_S = 15.0  # a connection with no request under way this long is closed (a slow request head too)
+
+
+@dataclass(eq=False)
+class Connections:
+    """Open connections, per client address and in all, each with its requests under way and when it
+    last had one: `admit` on connect (False: close it unread), `begin`/`end` around each request,
+    `release` when it closes. A connection idle for `idle_s` is closed by its own timer."""
+
+    total: int = MAX_CONNECTIONS
+    per_client: int = MAX_CONNECTIONS_PER_ADDRESS
+    idle_s: float = IDLE_S
+    held: Counter[str] = field(default_factory=Counter)
+    _open: dict[asyncio.BaseTransport, _Conn] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self._open)
+
+    def admit(self, transport: asyncio.BaseTransport) -> bool:
+        peer = transport.get_extra_info("peername")
+        client = str(peer[0]) if isinstance(peer, tuple) and peer else "?"
+        if self.held[client] >= self.per_client or len(self._open) >= self.total:
+            return False
+        self.held[client] += 1
+        conn = self._open[transport] = _Conn(client)
+        conn.timer = asyncio.get_running_loop().call_later(self.idle_s, self._check, transport)
+        return True
+
+    def begin(self, transport: asyncio.BaseTransport | None) -> None:
+        if transport is not None and (conn := self._open.get(transport)) is not None:
+            conn.busy += 1
+
+    def end(self, transport: asyncio.BaseTransport | None) -> None:
+        if transport is not None and (conn := self._open.get(transport)) is not None:
+            conn.busy -= 1
+            conn.last = time.monotonic()
+
+    def release(self, transport: asyncio.BaseTransport) -> None:
+        conn = self._open.pop(transport, None)
+        if conn is None:
+            return
+        if conn.timer is not None:
+            conn.timer.cancel()
+        self.held[conn.client] -= 1
+        if self.held[conn.client] <= 0:
+            del self.held[conn.client]
+
+    def _check(self, transport: asyncio.BaseTransport) -> None:
+        conn = self._open.get(transport)
+        if conn is None:
+            return
+        idle = time.monotonic() - conn.last
+        if conn.busy == 0 and idle >= self.idle_s:
+            transport.close()
+            return
+        wait = self.idle_s if conn.busy else self.idle_s - idle
+        conn.timer = asyncio.get_running_loop().call_later(wait, self._check, transport)
+
+
+@dataclass(eq=False)
+class _Conn:
+    client: str
+    busy: int = 0
+    last: float = field(default_factory=time.monotonic)
+    timer: asyncio.TimerHandle | None = None
+
+
+class GuardedProtocol(asyncio.Protocol):
+    """The HTTP server's protocol for one connection, let through only when `Connections` admits it."""
+
+    def __init__(self, inner: asyncio.Protocol, connections: Connections) -> None:
+        self.inner = inner
+        self.connections = connections
+        self.transport: asyncio.BaseTransport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        if not self.connections.admit(transport):
+            transport.close()  # nothing read, nothing answered: the cap is for sockets, not for pages
+            return
+        self.transport = transport
+        self.inner.connection_made(transport)
+
+    def data_received(self, data: bytes) -> None:
+        if self.transport is not None:
+            self.inner.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return self.inner.eof_received() if self.transport is not None else None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.transport is not None:
+            self.connections.release(self.transport)
+            self.inner.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        self.inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.inner.resume_writing()
+
+
+def connections_middleware(connections: Connections) -> Callable[..., Awaitable[web.StreamResponse]]:
+    """A request under way keeps its connection from being closed as idle (a live stream for hours)."""
+
+    @web.middleware
+    async def under_way(request: web.Request, handler: Handler) -> web.StreamResponse:
+        connections.begin(request.transport)
+        try:
+            return await handler(request)
+        finally:
+            connections.end(request.transport)
+
+    return under_way

@@ -29,7 +29,16 @@ from nats.aio.client import Client as NatsClient
 
 from controlplane.core.ports import EventLog
 from controlplane.core.projections import ClusterState
-from controlplane.dashboard.door import TOKEN_QUERY, Door, StreamSlots, add_security_headers, door_middleware
+from controlplane.dashboard.door import (
+    TOKEN_QUERY,
+    Connections,
+    Door,
+    GuardedProtocol,
+    StreamSlots,
+    add_security_headers,
+    connections_middleware,
+    door_middleware,
+)
 from controlplane.dashboard.metrics import registry_for
 from controlplane.dashboard.model import (
     WINDOW,
@@ -128,13 +137,16 @@ class Dashboard:
     def __init__(self, parts: Parts | Connect, *, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,
                  window: int = WINDOW, queue_poll_s: float = QUEUE_POLL_S, token: str | None = None,
                  allowed_hosts: tuple[str, ...] = (), max_streams: int = MAX_CLIENTS,
-                 max_streams_per_client: int = MAX_CLIENTS_PER_ADDRESS) -> None:
+                 max_streams_per_client: int = MAX_CLIENTS_PER_ADDRESS, connections: Connections | None = None) -> None:
         """`token`: the operator token (None: a new one for this process, in `url`); `allowed_hosts`:
-        names besides the loopback ones and `host` that the Host header may carry."""
+        names besides the loopback ones and `host` that the Host header may carry; `connections`:
+        the caps on open connections and their idle time (door.py's defaults)."""
         self.parts = parts
         self.host, self.port = host, port
         self.door = Door.make(token, bound=host, extra=allowed_hosts)
         self.slots = StreamSlots(total=max_streams, per_client=max_streams_per_client)
+        self.connections = Connections() if connections is None else connections
+        self._listening: asyncio.Server | None = None
         self.window = window  # newest events kept in memory (older pages read the log)
         self.model = DashboardModel(window=window)  # replaced on start by one from the newest snapshot
         self.past: Past | None = None
@@ -180,7 +192,8 @@ class Dashboard:
         return {"Authorization": f"Bearer {self.door.token}"}
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[_errors, door_middleware(self.door, lambda: self.port, _error)])
+        app = web.Application(middlewares=[connections_middleware(self.connections), _errors,
+                                           door_middleware(self.door, lambda: self.port, _error)])
         app.on_response_prepare.append(add_security_headers)
         app.router.add_get("/", self._index)
         app.router.add_get("/favicon.ico", self._favicon)
@@ -212,14 +225,16 @@ class Dashboard:
         # not at the next write.
         self.runner = web.AppRunner(self.app(), access_log=None, handle_signals=False, handler_cancellation=True)
         await self.runner.setup()
-        site = web.TCPSite(self.runner, self.host, self.port)
-        try:
-            await site.start()
+        server = self.runner.server
+        assert server is not None
+        try:  # the runner's HTTP protocol behind the connection caps (door.py `Connections`)
+            self._listening = await asyncio.get_running_loop().create_server(
+                lambda: GuardedProtocol(server(), self.connections), self.host, self.port)
         except OSError as exc:
             raise errs.InfrastructureError(f"dashboard cannot listen on {self.host}:{self.port} ({exc.strerror}); "
                                            "try --port") from None
         if self.port == 0:
-            self.port = int(self.runner.addresses[0][1])
+            self.port = int(self._listening.sockets[0].getsockname()[1])
         self._tasks += [asyncio.create_task(self._follow(), name="dashboard-follow"),
                         asyncio.create_task(self._poll_queues(), name="dashboard-queues")]
         logger.info("dashboard_started", url=self.base_url, seq=self.model.seq)  # never the token: logs are read by many
@@ -232,6 +247,8 @@ class Dashboard:
         if self._flush_at is not None:
             self._flush_at.cancel()
         await cancel_and_wait(self._tasks, owner="dashboard")
+        if self._listening is not None:
+            self._listening.close()  # no new connection; the runner's cleanup ends the open ones
         if self.runner is not None:
             await self.runner.cleanup()
         if self._close is not None:

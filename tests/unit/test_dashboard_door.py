@@ -4,6 +4,9 @@ the memory log behind it, no NATS needed).
 - without the operator token, or with a wrong one, every route but the favicon is refused (401);
 - a Host header that is not one of its names (a DNS-rebinding page) is refused (421), token or not;
 - one client address cannot take every live-stream slot, even with requests sent all at once;
+- nor every connection: past its cap (or the cap in all) a connection is closed unread, and one
+  with no request under way (nothing sent, or a request head sent a byte at a time) is closed
+  after the idle time, while a live stream stays open for as long as it runs;
 - every response carries the security headers, refusals and the live stream included.
 """
 
@@ -21,7 +24,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from controlplane.dashboard.door import SECURITY_HEADERS, Door, StreamSlots, host_name
+from controlplane.dashboard.door import SECURITY_HEADERS, Connections, Door, StreamSlots, host_name
 from controlplane.dashboard.server import MAX_CLIENTS_PER_ADDRESS, Dashboard
 from controlplane.service.parts import Parts
 from controlplane.store.memlog import MemoryEventLog
@@ -234,6 +237,66 @@ async def test_the_streams_in_all_are_bounded_with_a_clear_refusal() -> None:
                 r.close()
             for c in clients:
                 await c.close()
+
+
+async def _socket(d: Dashboard, local: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    return await asyncio.open_connection("127.0.0.1", d.port, local_addr=(local, 0))
+
+
+async def _closed(reader: asyncio.StreamReader, within: float) -> bool:
+    """Whether the server closes the connection within `within` s (what it sent before is read past)."""
+    try:
+        async with asyncio.timeout(within):
+            while await reader.read(65536):
+                pass
+        return True
+    except TimeoutError:
+        return False
+    except ConnectionError:
+        return True
+
+
+async def test_one_address_cannot_hold_every_connection_nor_all_of_them_the_dashboard() -> None:
+    async with dashboard(connections=Connections(total=8, per_client=5, idle_s=30)) as d:
+        held = [await _socket(d, "127.0.0.2") for _ in range(5)]
+        one_more = await _socket(d, "127.0.0.2")
+        assert await _closed(one_more[0], 2), "a sixth connection from one address was kept"
+        held += [await _socket(d, "127.0.0.3") for _ in range(3)]  # another address: 8 in all
+        assert not any([await _closed(r, 0.2) for r, _ in held])
+        assert await _closed((await _socket(d, "127.0.0.4"))[0], 2), "a ninth connection in all was kept"
+        for _, w in held[:4]:
+            w.close()
+        async with asyncio.timeout(5):
+            while len(d.connections) > 4:
+                await asyncio.sleep(0.02)
+        async with session("127.0.0.5") as http:  # room again: a page is served
+            assert (await status_of(http, d.base_url + "api/state", headers=d.auth_headers()))[0] == 200
+        for _, w in held[4:]:
+            w.close()
+
+
+async def test_idle_and_slow_connections_are_closed_and_a_live_stream_is_not() -> None:
+    async with dashboard(connections=Connections(idle_s=0.5)) as d:
+        silent, _ = await _socket(d, "127.0.0.2")
+        assert await _closed(silent, 3), "a connection that sent nothing was kept"
+        slow_r, slow_w = await _socket(d, "127.0.0.2")
+        slow_w.write(b"GET /api/state HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+        try:
+            for i in range(30):  # a header line every 0.1 s: the head is never complete
+                slow_w.write(f"X-Slow-{i}: x\r\n".encode())
+                await slow_w.drain()
+                await asyncio.sleep(0.1)
+            kept = True
+        except ConnectionError:
+            kept = False
+        assert not kept or await _closed(slow_r, 0.1), "a request head sent a line at a time held its connection"
+        r, w = await _socket(d, "127.0.0.3")
+        w.write(f"GET /api/stream HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {TOKEN}\r\n\r\n".encode())
+        head = await asyncio.wait_for(r.readuntil(b"\r\n\r\n"), 5)
+        assert head.startswith(b"HTTP/1.1 200"), head
+        assert not await _closed(r, 1.5), "a live stream was closed as idle"
+        w.close()
+        assert len(d.connections) <= 1
 
 
 @settings(max_examples=200, deadline=None)
