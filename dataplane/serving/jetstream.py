@@ -180,12 +180,35 @@ class JetStreamStatusKV:
             return await self.kv.create(key, data)
         except nats.js.errors.KeyWrongLastSequenceError as exc:
             raise RevisionMoved(f"{key} exists") from exc
+        except nats.js.errors.APIError as exc:
+            if (full := _store_full(exc)) is not None:
+                raise full from exc
+            raise
 
     async def update(self, key: str, data: bytes, last: int) -> int:
         try:
             return await self.kv.update(key, data, last=last)
         except nats.js.errors.KeyWrongLastSequenceError as exc:
             raise RevisionMoved(f"{key} is past revision {last}") from exc
+        except nats.js.errors.APIError as exc:
+            if (full := _store_full(exc)) is not None:
+                raise full from exc
+            raise
+
+
+# JetStream's codes for a write refused for want of room: the server's store has no more
+# (insufficient resources; storage resources exceeded), or the stream is at a limit (store failed:
+# "maximum bytes exceeded", "maximum messages exceeded").
+STORE_FULL_CODES = frozenset({10023, 10047})
+STORE_FAILED_CODE = 10077
+
+
+def _store_full(exc: nats.js.errors.APIError) -> StorageFull | None:
+    at_limit = exc.err_code == STORE_FAILED_CODE and "exceeded" in (exc.description or "")
+    if exc.err_code not in STORE_FULL_CODES and not at_limit:
+        return None
+    return StorageFull(f"the server's status store is full ({exc.description}, JetStream error {exc.err_code}); "
+                       "the operator frees room or raises the server's max_file_store")
 
 
 RESULTS_MAX_BYTES = 1 << 30  # one user's kept large results (NDIF_RESULTS_MAX_BYTES)

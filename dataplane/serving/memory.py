@@ -12,7 +12,7 @@ import asyncio
 import itertools
 from collections.abc import Awaitable, Callable
 
-from dataplane.serving.ports import Deploy, OnDelivery, RevisionMoved, ServingPorts, StoredRequest
+from dataplane.serving.ports import Deploy, OnDelivery, RevisionMoved, ServingPorts, StorageFull, StoredRequest
 from schemas.requests import Request, StatusUpdate, encode_request, status_decoder
 from schemas.subjects import (
     request_consumer_partition,
@@ -150,6 +150,7 @@ class MemoryStatusKV:
     def __init__(self) -> None:
         self.entries: dict[str, tuple[bytes, int]] = {}
         self._rev = 0
+        self.full = False  # as a server whose store is full: every write refused (StorageFull)
 
     async def get(self, key: str) -> tuple[bytes, int] | None:
         return self.entries.get(key)
@@ -166,6 +167,8 @@ class MemoryStatusKV:
         return self._put(key, data)
 
     def _put(self, key: str, data: bytes) -> int:
+        if self.full:
+            raise StorageFull("the server's status store is full (insufficient resources)")
         self._rev += 1
         self.entries[key] = (bytes(data), self._rev)
         return self._rev

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import nats
 import nats.errors
 import pytest
 import pytest_asyncio
@@ -36,6 +37,8 @@ from controlplane.store.eventstore import JetStreamEventLog
 from dataplane.client import Client, RequestFailed
 from dataplane.node.agent import NodeAgent, declared_gpus
 from dataplane.serving.dispatcher import Dispatcher
+from dataplane.serving.jetstream import JetStreamStatusKV
+from dataplane.serving.ports import StorageFull
 from schemas import errors as errs
 from schemas import events as E
 from schemas.keys import DEFAULT_MODEL_CLASS, canonical_model_key, display_name
@@ -238,3 +241,21 @@ async def test_her_connections_and_subscriptions_are_bounded_and_another_user_co
                 with contextlib.suppress(Exception):
                     await c.close()
             await lg.close()
+
+
+async def test_a_status_store_at_its_limit_is_storage_full_not_an_unknown_error(nats_server: EmbeddedNats) -> None:
+    """The status port says StorageFull when JetStream refuses a write for want of room (here a
+    bucket at its max_bytes; a full server store answers "insufficient resources", the same class),
+    which the dispatcher turns into the request's honest end (tests/unit/test_dispatcher_memlog.py)."""
+    nc = await nats.connect(nats_server.url)
+    bucket = f"full_{uuid.uuid4().hex[:8]}"
+    try:
+        kv = JetStreamStatusKV(await nc.jetstream().create_key_value(bucket=bucket, max_bytes=20_000))
+        with pytest.raises(StorageFull, match="status store is full"):
+            for i in range(100):
+                await kv.create(f"k{i}", b"x" * 1000)
+        assert i > 5  # what fitted was kept
+    finally:
+        with contextlib.suppress(Exception):
+            await nc.jetstream().delete_key_value(bucket)
+        await nc.close()

@@ -8,6 +8,7 @@ its requests at once; a draining replica with nothing in flight is reported drai
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -22,7 +23,7 @@ from dataplane.replica.wire import Answer, Completed, NotRun
 from schemas import events as E
 from schemas.commands import Deploy, Evict, Restart
 from schemas.keys import canonical_model_key
-from schemas.requests import Request, StatusUpdate
+from schemas.requests import Request, StatusUpdate, status_or_none
 from schemas.status import DrainReason, ReplicaState, RequestStatus
 from schemas.subjects import subject_matches
 from tests.fake_runtime import FakeProcess, FakeRuntime
@@ -202,3 +203,29 @@ async def test_requests_for_a_model_whose_every_load_failed_end_with_what_to_do(
     again = request(mk, 3)
     await stack.serving.submit(again)
     assert (await final(stack, again)).status is R.COMPLETED
+
+
+async def test_an_outcome_the_full_store_cannot_keep_ends_the_request_storage_full_once(stack: Stack,
+                                                                                        tmp_path) -> None:
+    """At the server's store limit the terminal status could not be kept: the request ran again and
+    again and ended DeadLetter, a false reason. It ends once, ERROR StorageFull, said live (nothing
+    can be kept), and is acked."""
+    mk = checkpoint(tmp_path, "tiny")
+    first = request(mk, 1)
+    await stack.serving.submit(first)
+    assert (await final(stack, first)).status is R.COMPLETED
+    caller = stack.dispatcher.caller
+    calls = caller.calls
+    stack.serving.statuses.full = True
+    r = request(mk, 2, user="alice")
+    seq = await stack.serving.submit(r)
+
+    def said() -> list[StatusUpdate]:
+        return [u for s, b in stack.serving.published if subject_matches(s, "ndif.status.>")
+                and (u := status_or_none(b)) is not None and u.request_id == r.request_id and u.terminal]
+
+    await until(lambda: bool(said()) and seq in stack.serving.requests.settled, timeout=10)
+    (end,) = said()
+    assert end.status is R.ERROR and end.error == "StorageFull" and "could not be kept" in (end.message or "")
+    await asyncio.sleep(2.5)  # a request not acked is delivered again after ack_wait (1 s)
+    assert caller.calls == calls + 1 and len(said()) == 1 and stack.serving.requests.stored == {}

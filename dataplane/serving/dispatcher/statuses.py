@@ -186,11 +186,26 @@ class StatusWriter:
                 else:
                     kw = {**kw, "result": None, "result_ref": name}
         u = self._update(p, status, **kw)
-        wrote = await self._kv_put(u, encode_status(u), terminal=True)
+        try:
+            wrote = await self._kv_put(u, encode_status(u), terminal=True)
+        except StorageFull as exc:
+            wrote = False
+            self._not_kept(p, u, exc)
+            await self.flush()
         if p.msg is not None:
             with contextlib.suppress(Exception):
                 await p.msg.ack()
         return wrote
+
+    def _not_kept(self, p: Pending, u: StatusUpdate, exc: StorageFull) -> None:
+        """The server's store refused the terminal status: the request ends ERROR StorageFull,
+        published (not kept: nothing can be), and is acked, since running it again would end the
+        same way and a retry count would end it with a false reason."""
+        logger.error("status_store_full", request_id=u.request_id, user=u.user, outcome=u.status.value,
+                     error=str(exc))
+        honest = self._update(p, R.ERROR, error="StorageFull",
+                              message=f"the request's outcome ({u.status.value}) could not be kept: {exc}")
+        self.send(status_subject(u.request_id, u.user), encode_status(honest))
 
     def finish_soon(self, p: Pending, status: RequestStatus, **kw: Any) -> None:
         """`finish` for a lane that goes on at once: the write starts now, the ack follows it from
@@ -205,17 +220,19 @@ class StatusWriter:
         fut = self._kv_put(u, data, terminal=True)
         msg = p.msg
         if msg is not None and msg.reply:
-            fut.add_done_callback(lambda f: self._ack_after(f, msg))
+            fut.add_done_callback(lambda f: self._ack_after(f, msg, p, u))
 
     async def republish(self, subject: str, u: StatusUpdate) -> None:
         """Publish a kept status again on `subject`, as it is (a redelivered request's terminal status)."""
         await self.publish(subject, encode_status(u), "", None)
 
-    def _ack_after(self, fut: asyncio.Future[bool], msg: Delivery) -> None:
+    def _ack_after(self, fut: asyncio.Future[bool], msg: Delivery, p: Pending, u: StatusUpdate) -> None:
         if fut.cancelled():
             return  # stopping: redelivered
-        if fut.exception() is not None:
-            logger.warning("terminal_status_not_kept", error=str(fut.exception()))  # not acked: redelivered
+        if isinstance(exc := fut.exception(), StorageFull):
+            self._not_kept(p, u, exc)  # then acked, in order after it
+        elif exc is not None:
+            logger.warning("terminal_status_not_kept", error=str(exc))  # not acked: redelivered
             return
         self.send(msg.reply, b"")  # the ack (what Msg.ack() sends), in order after the statuses
 
