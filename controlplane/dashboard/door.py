@@ -1,9 +1,10 @@
 """The dashboard's door: who may ask it anything, under which name, and how many live streams each.
 
 Before any request, the connection itself: at most `per_client` open connections per client
-address and `total` in all (one more is closed unread), and a connection with no request under way
-for `idle_s` (its request head still unsent, or kept alive between requests) is closed, so idle or
-slow sockets cannot hold the process's descriptors (`Connections`).
+address and `total` in all (past them the oldest that never carried the token makes room, else the
+new one is closed unread), and a connection with no request with the token under way for `idle_s`
+is closed, so idle, slow or tokenless sockets cannot hold the process's descriptors nor keep the
+operator out (`Connections`).
 
 Four checks, in this order, on every request (docs/dashboard.md, "Who can see it"):
 
@@ -146,9 +147,10 @@ class StreamSlots:
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-def door_middleware(door: Door, port: Callable[[], int],
-                    refuse: Callable[[int, str], web.StreamResponse]) -> Callable[..., Awaitable[web.StreamResponse]]:
-    """Host check, then the token (`port()`: the port the dashboard listens on, for its cookie's name)."""
+def door_middleware(door: Door, port: Callable[[], int], refuse: Callable[[int, str], web.StreamResponse],
+                    passed: Callable[[web.Request], None] = lambda _: None) -> Callable[..., Awaitable[web.StreamResponse]]:
+    """Host check, then the token (`port()`: the port the dashboard listens on, for its cookie's
+    name); `passed` is told of each request that carried it."""
 
     @web.middleware
     async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -166,6 +168,7 @@ def door_middleware(door: Door, port: Callable[[], int],
                                "(the token is in $NDIF_HOME/auth/dashboard.token)")
             resp.headers[hdrs.WWW_AUTHENTICATE] = 'Bearer realm="ndif dashboard"'
             return resp
+        passed(request)
         resp = await handler(request)
         if in_query is not None:
             resp.set_cookie(door.cookie_name(port()), door.token, path="/", httponly=True, samesite="Strict")
@@ -189,14 +192,19 @@ IDLE_S = 15.0  # a connection with no request under way this long is closed (a s
 @dataclass(eq=False)
 class Connections:
     """Open connections, per client address and in all, each with its requests under way and when it
-    last had one: `admit` on connect (False: close it unread), `begin`/`end` around each request,
-    `release` when it closes. A connection idle for `idle_s` is closed by its own timer."""
+    last had one that carried the token: `admit` on connect, `begin`/`end` around each request,
+    `trusted` when a request passed the token check, `release` when it closes.
+
+    Past a cap, the oldest connection that never carried the token and has nothing under way is
+    closed to make room (else the new one is closed unread), so connections without the token
+    cannot keep the operator out. A connection idle for `idle_s` is closed by its own timer; only
+    a request with the token makes it less idle (one without lives `idle_s` from its connect)."""
 
     total: int = MAX_CONNECTIONS
     per_client: int = MAX_CONNECTIONS_PER_ADDRESS
     idle_s: float = IDLE_S
     held: Counter[str] = field(default_factory=Counter)
-    _open: dict[asyncio.BaseTransport, _Conn] = field(default_factory=dict)
+    _open: dict[asyncio.BaseTransport, _Conn] = field(default_factory=dict)  # oldest first
 
     def __len__(self) -> int:
         return len(self._open)
@@ -204,21 +212,37 @@ class Connections:
     def admit(self, transport: asyncio.BaseTransport) -> bool:
         peer = transport.get_extra_info("peername")
         client = str(peer[0]) if isinstance(peer, tuple) and peer else "?"
-        if self.held[client] >= self.per_client or len(self._open) >= self.total:
+        if self.held[client] >= self.per_client and not self._make_room(client):
+            return False
+        if len(self._open) >= self.total and not self._make_room(None):
             return False
         self.held[client] += 1
         conn = self._open[transport] = _Conn(client)
         conn.timer = asyncio.get_running_loop().call_later(self.idle_s, self._check, transport)
         return True
 
+    def _make_room(self, client: str | None) -> bool:
+        """Close the oldest untrusted connection with nothing under way (of `client`, or of anyone)."""
+        for transport, conn in self._open.items():
+            if not conn.trusted and conn.busy == 0 and client in (None, conn.client):
+                self.release(transport)
+                transport.close()
+                return True
+        return False
+
     def begin(self, transport: asyncio.BaseTransport | None) -> None:
         if transport is not None and (conn := self._open.get(transport)) is not None:
             conn.busy += 1
 
+    def trusted(self, transport: asyncio.BaseTransport | None) -> None:
+        if transport is not None and (conn := self._open.get(transport)) is not None:
+            conn.trusted = True
+
     def end(self, transport: asyncio.BaseTransport | None) -> None:
         if transport is not None and (conn := self._open.get(transport)) is not None:
             conn.busy -= 1
-            conn.last = time.monotonic()
+            if conn.trusted:
+                conn.last = time.monotonic()
 
     def release(self, transport: asyncio.BaseTransport) -> None:
         conn = self._open.pop(transport, None)
@@ -235,10 +259,12 @@ class Connections:
         if conn is None:
             return
         idle = time.monotonic() - conn.last
-        if conn.busy == 0 and idle >= self.idle_s:
+        # an answer still being written to a slow reader is a request under way too
+        writing = isinstance(transport, asyncio.WriteTransport) and transport.get_write_buffer_size() > 0
+        if conn.busy == 0 and not writing and idle >= self.idle_s:
             transport.close()
             return
-        wait = self.idle_s if conn.busy else self.idle_s - idle
+        wait = self.idle_s if conn.busy or writing else self.idle_s - idle
         conn.timer = asyncio.get_running_loop().call_later(wait, self._check, transport)
 
 
@@ -246,6 +272,7 @@ class Connections:
 class _Conn:
     client: str
     busy: int = 0
+    trusted: bool = False  # a request on it carried the operator token
     last: float = field(default_factory=time.monotonic)
     timer: asyncio.TimerHandle | None = None
 

@@ -193,7 +193,8 @@ class Dashboard:
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[connections_middleware(self.connections), _errors,
-                                           door_middleware(self.door, lambda: self.port, _error)])
+                                           door_middleware(self.door, lambda: self.port, _error,
+                                                           lambda r: self.connections.trusted(r.transport))])
         app.on_response_prepare.append(add_security_headers)
         app.router.add_get("/", self._index)
         app.router.add_get("/favicon.ico", self._favicon)

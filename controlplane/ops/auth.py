@@ -31,9 +31,9 @@ that imports another account's token. Results buckets are exported privately to 
 The system's JetStream API is imported under `$JS.NDIF.API` (controlplane/store/credentials.py
 `IMPORTED_JS_API`): every account also has the server's own `$JS.API.>`.
 
-Each untrusted account holds at most its role's connections and subscriptions (`AccountLimits`,
-the account's `limits`): one researcher cannot take the server's descriptors or multiply each of
-her statuses by subscribing to it many times.
+Each untrusted account holds at most its role's connections, each with at most its role's
+subscriptions (`AccountLimits`, the account's `limits`): one researcher cannot take the server's
+descriptors, nor multiply each of her statuses past their product.
 
 Within each account, each user still has an allow list of publish and subscribe subjects and its own
 inbox prefix (`_INBOX_<user>.>`). No role outside the system account may create a consumer or read
@@ -122,18 +122,20 @@ ROLES = ("admin", "controller", "agent", "dispatcher", "client", "dashboard")
 
 
 class AccountLimits(msgspec.Struct, frozen=True, kw_only=True):
-    """What one account of an untrusted role may hold on the server at once (the account's `limits`
-    in the server config; past them the server refuses the connection or the subscription). Each
-    subscription to a status subject is one more copy of every status the server sends. An SDK
-    client holds one connection and two subscriptions; an agent one connection for itself and one
-    per replica on its node; the dashboard one. `NDIF_<ROLE>_MAX_CONNECTIONS` / `_SUBSCRIPTIONS`."""
+    """What an account of an untrusted role may hold on the server at once (the account's `limits`
+    in the server config): connections in all, and subscriptions on each connection (nats-server
+    applies an account's `max_subscriptions` per connection). Past them the server refuses the
+    connection, or the subscription (nats-py then closes that connection). Each subscription to a
+    status subject is one more copy of every status, so a client's copies are at most the product.
+    An SDK client holds one connection with two subscriptions; an agent one connection for itself
+    and one per replica on its node; the dashboard one. `NDIF_<ROLE>_MAX_CONNECTIONS` / `_SUBSCRIPTIONS`."""
 
-    client_connections: int = 32
-    client_subscriptions: int = 256
+    client_connections: int = 16
+    client_subscriptions: int = 16
     agent_connections: int = 512
-    agent_subscriptions: int = 8192
+    agent_subscriptions: int = 512
     dashboard_connections: int = 16
-    dashboard_subscriptions: int = 512
+    dashboard_subscriptions: int = 256
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> AccountLimits:
@@ -445,8 +447,8 @@ class LocalAuth:
 def ensure_local(node_ids: list[str], *, clients: list[str] | None = None, home: Path | None = None,
                  limits: AccountLimits | None = None) -> LocalAuth:
     """Credentials for every role (made once, kept), the server config written from them (with
-    `limits`, by default from the environment) and the dashboard's operator token
-    (`auth/dashboard.token`), all 0600 in a 0700 directory."""
+    `limits`; None: the defaults) and the dashboard's operator token (`auth/dashboard.token`), all
+    0600 in a 0700 directory."""
     clients = clients or [local_client_name()]
     wanted: list[tuple[str, str, str]] = [(r, "", "") for r in ("admin", "controller", "dispatcher", "dashboard")]
     wanted += [("client", _check_client_name(c), "") for c in clients]
@@ -471,7 +473,7 @@ def ensure_local(node_ids: list[str], *, clients: list[str] | None = None, home:
         users.setdefault(f"{c.role}:{c.name or c.node_id}" if c.role in ("client", "agent") else c.role, c)
     conf = auth_dir(home) / "nats-auth.conf"
     unique = {c.user: c for c in users.values()}
-    _write_private(conf, server_config(list(unique.values()), limits or AccountLimits.from_env(os.environ)).encode())
+    _write_private(conf, server_config(list(unique.values()), limits).encode())
     return LocalAuth(config_path=conf, users=users, dashboard_token=ensure_dashboard_token(home))
 
 
@@ -486,7 +488,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--node", action="append", default=[], help="a node id that runs an agent (repeat)")
     p.add_argument("--client", action="append", default=[], help="a client user name (repeat)")
     a = p.parse_args(argv)
-    made = ensure_local(a.node, clients=a.client or None, home=a.home)
+    made = ensure_local(a.node, clients=a.client or None, home=a.home, limits=AccountLimits.from_env(os.environ))
     print(f"server config: {made.config_path}")
     for key, c in sorted(made.users.items()):
         if key in ("client", "agent"):

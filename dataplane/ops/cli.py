@@ -156,7 +156,7 @@ async def _up(a: argparse.Namespace) -> int:
                               stay=a.stay, dashboard_port=a.dashboard_port)
     import socket
 
-    from controlplane.ops.auth import LocalAuth, ensure_local
+    from controlplane.ops.auth import AccountLimits, LocalAuth, ensure_local
     from controlplane.store.credentials import ndif_home
     from dataplane.node.agent import detect_gpus
     from dataplane.ops.local import LocalCluster, until_signal
@@ -173,7 +173,7 @@ async def _up(a: argparse.Namespace) -> int:
                   "read every prompt and delete the history; use --open on loopback only", file=sys.stderr,
                   flush=True)
     else:
-        auth = ensure_local([node_id])
+        auth = ensure_local([node_id], limits=AccountLimits.from_env(os.environ))
     # Nothing of ours outlives this process, even on SIGKILL: nats-server and Ray's core processes
     # get the parent-death signal, and the watchdog kills what remains (Ray's helper agents).
     from dataplane.node import watchdog

@@ -196,19 +196,24 @@ class JetStreamStatusKV:
             raise
 
 
-# JetStream's codes for a write refused for want of room: the server's store has no more
-# (insufficient resources; storage resources exceeded), or the stream is at a limit (store failed:
-# "maximum bytes exceeded", "maximum messages exceeded").
-STORE_FULL_CODES = frozenset({10023, 10047})
+# JetStream's codes for a write refused for want of room, and what would make room: the server's
+# store has no more (insufficient resources; storage resources exceeded), the account's JetStream
+# limit is reached, or the bucket is at its own limit (store failed: "maximum bytes exceeded").
+STORE_FULL_REMEDIES = {
+    10023: "the operator frees room on the server's disk or raises its max_file_store",
+    10047: "the operator frees room on the server's disk or raises its max_file_store",
+    10002: "the operator raises the system account's JetStream limits",
+}
 STORE_FAILED_CODE = 10077
 
 
 def _store_full(exc: nats.js.errors.APIError) -> StorageFull | None:
-    at_limit = exc.err_code == STORE_FAILED_CODE and "exceeded" in (exc.description or "")
-    if exc.err_code not in STORE_FULL_CODES and not at_limit:
+    remedy = STORE_FULL_REMEDIES.get(exc.err_code or 0)
+    if remedy is None and exc.err_code == STORE_FAILED_CODE and "exceeded" in (exc.description or ""):
+        remedy = "the bucket is at its own limit: older statuses must expire first, or the operator raises it"
+    if remedy is None:
         return None
-    return StorageFull(f"the server's status store is full ({exc.description}, JetStream error {exc.err_code}); "
-                       "the operator frees room or raises the server's max_file_store")
+    return StorageFull(f"the status store is full ({exc.description}, JetStream error {exc.err_code}); {remedy}")
 
 
 RESULTS_MAX_BYTES = 1 << 30  # one user's kept large results (NDIF_RESULTS_MAX_BYTES)

@@ -93,7 +93,7 @@ async def at_rest(env: Env) -> AsyncIterator[None]:
         while di.triage.running or di.triage.waiting:
             await asyncio.sleep(0.05)
 
-    async with asyncio.timeout(180):
+    async with asyncio.timeout(60):  # well inside pytest's own timeout, which ends the whole process
         await idle()
         while before := await _stored(env.log):
             await di.route_stored()  # the sweep (an hour here): what it would end, it ends now

@@ -27,7 +27,7 @@ import nats.errors
 import pytest
 import pytest_asyncio
 
-from controlplane.ops.auth import LocalAuth, ensure_local
+from controlplane.ops.auth import AccountLimits, LocalAuth, ensure_local
 from controlplane.ops.nats_server import EmbeddedNats
 from controlplane.service.controller import Controller
 from controlplane.service.registry import ModelRoots
@@ -197,15 +197,12 @@ async def test_her_large_results_are_bounded_and_anothers_are_kept(tiny_models: 
         await bounded(ctl.stop(), "controller.stop")
 
 
-async def test_her_connections_and_subscriptions_are_bounded_and_another_user_connects(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """One client held 19,900 of the server's connections, and 300 subscriptions to her own statuses
-    made every status 300 copies: her account holds NDIF_CLIENT_MAX_CONNECTIONS connections and
-    NDIF_CLIENT_MAX_SUBSCRIPTIONS subscriptions at most; past them the server refuses her, the SDK
-    says which limit, and bob connects and is answered as before."""
-    monkeypatch.setenv("NDIF_CLIENT_MAX_CONNECTIONS", "4")
-    monkeypatch.setenv("NDIF_CLIENT_MAX_SUBSCRIPTIONS", "16")
-    auth = ensure_local([NODE], clients=["alice", "bob"], home=tmp_path / "home")
+async def test_her_connections_and_subscriptions_are_bounded_and_another_user_connects(tmp_path: Path) -> None:
+    """Her account holds at most NDIF_CLIENT_MAX_CONNECTIONS connections, each with at most
+    NDIF_CLIENT_MAX_SUBSCRIPTIONS subscriptions (each to her statuses a copy of every status): past
+    them the server refuses her, the SDK says which setting, and bob connects as before."""
+    limits = AccountLimits.from_env({"NDIF_CLIENT_MAX_CONNECTIONS": "4", "NDIF_CLIENT_MAX_SUBSCRIPTIONS": "8"})
+    auth = ensure_local([NODE], clients=["alice", "bob"], home=tmp_path / "home", limits=limits)
     alice, bob = auth.role("client:alice"), auth.role("client:bob")
     with EmbeddedNats(tmp_path / "nats", config_file=auth.config_path) as srv:
         lg = await JetStreamEventLog.open(srv.url, creds=auth.role("admin"))
@@ -220,20 +217,20 @@ async def test_her_connections_and_subscriptions_are_bounded_and_another_user_co
             async with Client(srv.url, creds=bob, timeout=5) as b:  # another account: untouched
                 await b.log.nc.flush(timeout=5)
                 assert b.log.nc.is_connected
-            await held.pop().close()
-            nc = await raw_connect(srv.url, allow_reconnect=False, **alice.connect_options())
-            held.append(nc)
-            subscribed = 0
-            for i in range(40):  # her own statuses, which she may read: each a copy of every status
-                if not nc.is_connected:
-                    break
-                await nc.subscribe(f"{user_statuses('alice').removesuffix('>')}{i}")
-                subscribed += 1
-                with contextlib.suppress(nats.errors.Error):
-                    await nc.flush(timeout=5)
-            # the server refuses the 17th and closes that connection (a client cannot go on without it)
-            assert "maximum subscriptions exceeded" in str(nc.last_error), nc.last_error
-            assert nc.is_closed and subscribed == 17, subscribed
+            counts = []
+            for n, nc in enumerate(held[:2]):  # per connection: each takes 8, the 9th is refused
+                subscribed = 0
+                for i in range(20):  # her own statuses, which she may read
+                    if not nc.is_connected:
+                        break
+                    await nc.subscribe(f"{user_statuses('alice').removesuffix('>')}{n}.{i}")
+                    subscribed += 1
+                    with contextlib.suppress(nats.errors.Error):
+                        await nc.flush(timeout=5)
+                # the server refuses the 9th (and keeps the connection); nats-py closes it on that error
+                assert "maximum subscriptions exceeded" in str(nc.last_error), nc.last_error
+                counts.append(subscribed)
+            assert counts == [9, 9], counts  # 8 kept and the refused 9th, on each
             async with Client(srv.url, creds=alice, timeout=5) as a:  # within her limits she works again
                 await a.log.nc.flush(timeout=5)
         finally:

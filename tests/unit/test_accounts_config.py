@@ -107,10 +107,10 @@ def test_every_untrusted_account_has_its_roles_limits_and_the_system_none() -> N
     acc = accounts(_users(), limits)
     assert "limits" not in acc[SYSTEM_ACCOUNT]
     for c in CLIENTS:
-        assert acc[account_name("client", name=c)]["limits"] == {"max_connections": 7, "max_subscriptions": 256}
+        assert acc[account_name("client", name=c)]["limits"] == {"max_connections": 7, "max_subscriptions": 16}
     for n in NODES:
         assert acc[account_name("agent", node_id=n)]["limits"] == {"max_connections": 512, "max_subscriptions": 99}
-    assert acc[DASHBOARD_ACCOUNT]["limits"] == {"max_connections": 16, "max_subscriptions": 512}
+    assert acc[DASHBOARD_ACCOUNT]["limits"] == {"max_connections": 16, "max_subscriptions": 256}
 
 
 @pytest.mark.parametrize("raw", ["", "0", "-3", "x", "1.5"])

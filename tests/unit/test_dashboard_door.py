@@ -256,33 +256,48 @@ async def _closed(reader: asyncio.StreamReader, within: float) -> bool:
         return True
 
 
-async def test_one_address_cannot_hold_every_connection_nor_all_of_them_the_dashboard() -> None:
+async def _asked(d: Dashboard, local: str, path: str = "/api/state", token: bool = True) -> tuple[
+        asyncio.StreamReader, asyncio.StreamWriter]:
+    """A kept-alive connection that asked once (with the token, or without), its answer's head read."""
+    r, w = await _socket(d, local)
+    auth = f"Authorization: Bearer {TOKEN}\r\n" if token else ""
+    w.write(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n{auth}\r\n".encode())
+    head = await asyncio.wait_for(r.readuntil(b"\r\n\r\n"), 5)
+    assert head.startswith(b"HTTP/1.1 "), head
+    return r, w
+
+
+async def test_connections_without_the_token_make_room_and_one_address_cannot_hold_every_connection() -> None:
     async with dashboard(connections=Connections(total=8, per_client=5, idle_s=30)) as d:
         held = [await _socket(d, "127.0.0.2") for _ in range(5)]
-        one_more = await _socket(d, "127.0.0.2")
-        assert await _closed(one_more[0], 2), "a sixth connection from one address was kept"
-        held += [await _socket(d, "127.0.0.3") for _ in range(3)]  # another address: 8 in all
-        assert not any([await _closed(r, 0.2) for r, _ in held])
-        assert await _closed((await _socket(d, "127.0.0.4"))[0], 2), "a ninth connection in all was kept"
-        for _, w in held[:4]:
-            w.close()
-        async with asyncio.timeout(5):
-            while len(d.connections) > 4:
-                await asyncio.sleep(0.02)
-        async with session("127.0.0.5") as http:  # room again: a page is served
+        held.append(await _socket(d, "127.0.0.2"))  # a sixth from that address: its oldest makes room
+        assert await _closed(held[0][0], 2), "the oldest of one address's connections was kept past its cap"
+        assert d.connections.held["127.0.0.2"] == 5
+        held += [await _socket(d, "127.0.0.3") for _ in range(3)]  # 8 in all
+        async with session("127.0.0.4") as http:  # the operator: a tokenless one makes room for her
             assert (await status_of(http, d.base_url + "api/state", headers=d.auth_headers()))[0] == 200
-        for _, w in held[4:]:
+        assert await _closed(held[1][0], 2), "the oldest tokenless connection was kept past the cap in all"
+        assert len(d.connections) <= 8
+        for _, w in held:
+            w.close()
+    async with dashboard(connections=Connections(total=4, per_client=4, idle_s=30)) as d:
+        trusted = [await _asked(d, "127.0.0.2") for _ in range(4)]  # each carried the token
+        refused, refused_w = await _socket(d, "127.0.0.3")
+        assert await _closed(refused, 2), "a fifth connection was kept while four trusted ones were open"
+        assert not any([await _closed(r, 0.2) for r, _ in trusted])
+        for _, w in [*trusted, (refused, refused_w)]:
             w.close()
 
 
-async def test_idle_and_slow_connections_are_closed_and_a_live_stream_is_not() -> None:
-    async with dashboard(connections=Connections(idle_s=0.5)) as d:
-        silent, _ = await _socket(d, "127.0.0.2")
-        assert await _closed(silent, 3), "a connection that sent nothing was kept"
+async def test_idle_slow_and_tokenless_connections_are_closed_and_a_live_stream_is_not() -> None:
+    idle_s = 2.0
+    async with dashboard(connections=Connections(idle_s=idle_s)) as d:
+        silent, silent_w = await _socket(d, "127.0.0.2")
+        assert await _closed(silent, 3 * idle_s), "a connection that sent nothing was kept"
         slow_r, slow_w = await _socket(d, "127.0.0.2")
         slow_w.write(b"GET /api/state HTTP/1.1\r\nHost: 127.0.0.1\r\n")
         try:
-            for i in range(30):  # a header line every 0.1 s: the head is never complete
+            for i in range(int(3 * idle_s / 0.1)):  # a header line every 0.1 s: the head is never complete
                 slow_w.write(f"X-Slow-{i}: x\r\n".encode())
                 await slow_w.drain()
                 await asyncio.sleep(0.1)
@@ -290,13 +305,21 @@ async def test_idle_and_slow_connections_are_closed_and_a_live_stream_is_not() -
         except ConnectionError:
             kept = False
         assert not kept or await _closed(slow_r, 0.1), "a request head sent a line at a time held its connection"
-        r, w = await _socket(d, "127.0.0.3")
-        w.write(f"GET /api/stream HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {TOKEN}\r\n\r\n".encode())
-        head = await asyncio.wait_for(r.readuntil(b"\r\n\r\n"), 5)
-        assert head.startswith(b"HTTP/1.1 200"), head
-        assert not await _closed(r, 1.5), "a live stream was closed as idle"
-        w.close()
-        assert len(d.connections) <= 1
+        # Asking without the token, again and again, does not keep a connection either.
+        r, w = await _asked(d, "127.0.0.3", "/favicon.ico", token=False)
+        try:
+            for _ in range(int(4 * idle_s / 0.3)):
+                w.write(b"GET /favicon.ico HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+                await w.drain()
+                await asyncio.sleep(0.3)
+            kept = True
+        except ConnectionError:
+            kept = False
+        assert not kept or await _closed(r, 0.1), "tokenless requests kept their connection open"
+        sr, sw = await _asked(d, "127.0.0.4", "/api/stream")
+        assert not await _closed(sr, 1.5 * idle_s), "a live stream was closed as idle"
+        for x in (silent_w, slow_w, w, sw):
+            x.close()
 
 
 @settings(max_examples=200, deadline=None)

@@ -207,9 +207,8 @@ async def test_requests_for_a_model_whose_every_load_failed_end_with_what_to_do(
 
 async def test_an_outcome_the_full_store_cannot_keep_ends_the_request_storage_full_once(stack: Stack,
                                                                                         tmp_path) -> None:
-    """At the server's store limit the terminal status could not be kept: the request ran again and
-    again and ended DeadLetter, a false reason. It ends once, ERROR StorageFull, said live (nothing
-    can be kept), and is acked."""
+    """A terminal status the full store refuses: the request ends once, ERROR StorageFull with the
+    outcome it had, said live (nothing can be kept), and is acked, not run again."""
     mk = checkpoint(tmp_path, "tiny")
     first = request(mk, 1)
     await stack.serving.submit(first)
@@ -226,6 +225,6 @@ async def test_an_outcome_the_full_store_cannot_keep_ends_the_request_storage_fu
 
     await until(lambda: bool(said()) and seq in stack.serving.requests.settled, timeout=10)
     (end,) = said()
-    assert end.status is R.ERROR and end.error == "StorageFull" and "could not be kept" in (end.message or "")
+    assert end.status is R.ERROR and end.error == "StorageFull" and "(COMPLETED) could not be kept" in (end.message or "")
     await asyncio.sleep(2.5)  # a request not acked is delivered again after ack_wait (1 s)
     assert caller.calls == calls + 1 and len(said()) == 1 and stack.serving.requests.stored == {}

@@ -94,6 +94,7 @@ class Intake:
         places=MAX_TRIAGES, share=TRIAGE_SHARE, waiting_limit=MAX_TRIAGE_WAITING, waiting_share=TRIAGE_WAITING_SHARE))
     _triage_failures: dict[str, int] = field(default_factory=dict)  # token -> triages in a row that raised
     _triage_again: set[str] = field(default_factory=set)  # tokens (being triaged) published on again meanwhile
+    _fresh_looks: dict[str, int] = field(default_factory=dict)  # token -> looks a woken name found empty
     _unknown_seen: set[str] = field(default_factory=set)  # consumer names found unknown at the last sweep
     _bad_seen: set[str] = field(default_factory=set)  # subject tokens that are no model's, said once (bounded)
 
@@ -126,6 +127,7 @@ class Intake:
             return
         if token in self.known_tokens():
             self._triage_failures.pop(token, None)
+            self._fresh_looks.pop(token, None)
             self.processor(token)
         elif token in self.triage.running:
             self._triage_again.add(token)  # published again meanwhile: its triage reads once more
@@ -177,7 +179,8 @@ class Intake:
 
         A triage holds one of MAX_TRIAGES places only while it reads: woken by a publish (`fresh`)
         that the stream may not have stored yet, it looks again for FRESH_WAIT_S when it found nothing
-        (a synced store acknowledges after its disk does, and a busy disk takes a while), and once
+        (a synced store acknowledges after its disk does, and a busy disk takes a while: past the
+        first 0.6 s it gives its place up between looks and is routed again), and once
         more whenever the subject was published on again while it read; with no controller
         answering, it leaves the request stored (PROVISIONING said) for the sweep. A name that waited
         for its place keeps whether a publish woke it; a triage whose reads fail is tried again
@@ -187,7 +190,7 @@ class Intake:
         failed = requeue = False
         user = self.triage.running.get(token, "")
         try:
-            waits = rereads = 0
+            waits, rereads = self._fresh_looks.pop(token, 0), 0
             while True:
                 self._triage_again.discard(token)
                 # userless subjects (an open server), each user partition's and every user subject,
@@ -203,8 +206,15 @@ class Intake:
                     continue
                 if found or not fresh or waits >= FRESH_LOOKS:
                     return
-                await asyncio.sleep(0.2 * 2 ** waits)
-                waits += 1
+                delay, waits = 0.2 * 2 ** waits, waits + 1
+                if waits <= 2:
+                    await asyncio.sleep(delay)  # the usual wait for a store: its place kept
+                    continue
+                # Longer: its place goes to the next in turn meanwhile, and it is routed again.
+                if len(self._fresh_looks) < MAX_TRIAGE_WAITING:
+                    self._fresh_looks[token] = waits
+                    self.bg.spawn(self._route_later(token, user, delay))
+                return
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - a read or delete failed (NATS slow or away)
@@ -291,7 +301,8 @@ class Intake:
                              message: str, user: str = "") -> None:
         """End a stored request that will never run: ERROR under its id (if it has a valid one), then
         delete it from the work queue (nothing else would ever take it). Raises, deleting nothing,
-        when the status could not be kept."""
+        when the status could not be kept for a while (a bucket's server lost a moment); at a full
+        store it is said live as StorageFull and deleted (statuses.py `_not_kept`)."""
         rid = _id_of(data, headers)
         logger.warning("request_refused", request_id=rid, error=error, message=message[:300])
         if rid and _valid_user(user):
@@ -385,7 +396,8 @@ class Intake:
         """End a delivered request that will not run: ERROR under its key when one can be formed (the
         kept status's write acks it), else terminated (nobody can be told; never redelivered). When
         the status cannot be kept (a bucket's server lost a moment), it is left unacked, so it is
-        delivered again after the ack wait and ended then; on its `last` delivery it is terminated."""
+        delivered again after the ack wait and ended then; on its `last` delivery it is terminated.
+        At a full store it is said live as StorageFull and acked (statuses.py `_not_kept`)."""
         rid = _id_of(m.data, m.headers)
         logger.warning("request_refused", request_id=rid, error=error, message=message[:300])
         if rid and _valid_user(user):

@@ -189,9 +189,11 @@ class StatusWriter:
         try:
             wrote = await self._kv_put(u, encode_status(u), terminal=True)
         except StorageFull as exc:
-            wrote = False
             self._not_kept(p, u, exc)
-            await self.flush()
+            if p.msg is not None and p.msg.reply:
+                self.send(p.msg.reply, b"")  # the ack, from the outbox after the status it follows
+                return False
+            wrote = False
         if p.msg is not None:
             with contextlib.suppress(Exception):
                 await p.msg.ack()
@@ -203,8 +205,9 @@ class StatusWriter:
         same way and a retry count would end it with a false reason."""
         logger.error("status_store_full", request_id=u.request_id, user=u.user, outcome=u.status.value,
                      error=str(exc))
+        outcome = u.status.value + (f" {u.error}: {u.message}" if u.error else "")
         honest = self._update(p, R.ERROR, error="StorageFull",
-                              message=f"the request's outcome ({u.status.value}) could not be kept: {exc}")
+                              message=f"the request's outcome ({outcome[:2000]}) could not be kept: {exc}")
         self.send(status_subject(u.request_id, u.user), encode_status(honest))
 
     def finish_soon(self, p: Pending, status: RequestStatus, **kw: Any) -> None:
