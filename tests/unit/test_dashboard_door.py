@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ipaddress
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from datetime import UTC, datetime
 from typing import Any
 
@@ -267,6 +267,19 @@ async def _asked(d: Dashboard, local: str, path: str = "/api/state", token: bool
     return r, w
 
 
+async def _cut_while_sending(r: asyncio.StreamReader, w: asyncio.StreamWriter, chunks: Iterable[bytes],
+                             every_s: float) -> bool:
+    """Whether the server closed the connection while (or just after) `chunks` were sent `every_s` apart."""
+    try:
+        for chunk in chunks:
+            w.write(chunk)
+            await w.drain()
+            await asyncio.sleep(every_s)
+    except ConnectionError:
+        return True
+    return await _closed(r, 0.1)
+
+
 async def test_connections_without_the_token_make_room_and_one_address_cannot_hold_every_connection() -> None:
     async with dashboard(connections=Connections(total=8, per_client=5, idle_s=30)) as d:
         held = [await _socket(d, "127.0.0.2") for _ in range(5)]
@@ -296,26 +309,12 @@ async def test_idle_slow_and_tokenless_connections_are_closed_and_a_live_stream_
         assert await _closed(silent, 3 * idle_s), "a connection that sent nothing was kept"
         slow_r, slow_w = await _socket(d, "127.0.0.2")
         slow_w.write(b"GET /api/state HTTP/1.1\r\nHost: 127.0.0.1\r\n")
-        try:
-            for i in range(int(3 * idle_s / 0.1)):  # a header line every 0.1 s: the head is never complete
-                slow_w.write(f"X-Slow-{i}: x\r\n".encode())
-                await slow_w.drain()
-                await asyncio.sleep(0.1)
-            kept = True
-        except ConnectionError:
-            kept = False
-        assert not kept or await _closed(slow_r, 0.1), "a request head sent a line at a time held its connection"
+        lines = (f"X-Slow-{i}: x\r\n".encode() for i in range(int(3 * idle_s / 0.1)))  # the head never ends
+        assert await _cut_while_sending(slow_r, slow_w, lines, 0.1), "a request head sent a line at a time held its connection"
         # Asking without the token, again and again, does not keep a connection either.
         r, w = await _asked(d, "127.0.0.3", "/favicon.ico", token=False)
-        try:
-            for _ in range(int(4 * idle_s / 0.3)):
-                w.write(b"GET /favicon.ico HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
-                await w.drain()
-                await asyncio.sleep(0.3)
-            kept = True
-        except ConnectionError:
-            kept = False
-        assert not kept or await _closed(r, 0.1), "tokenless requests kept their connection open"
+        asks = (b"GET /favicon.ico HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n" for _ in range(int(4 * idle_s / 0.3)))
+        assert await _cut_while_sending(r, w, asks, 0.3), "tokenless requests kept their connection open"
         sr, sw = await _asked(d, "127.0.0.4", "/api/stream")
         assert not await _closed(sr, 1.5 * idle_s), "a live stream was closed as idle"
         for x in (silent_w, slow_w, w, sw):
