@@ -62,9 +62,10 @@ ray_refused() {
 # stop_all: SIGTERM the leader of every process group of RUN/*.pid (newest first), wait up to NDIF_STOP_WAIT_S
 # (default 30) for each, then SIGKILL what is left of its group; the pid files go.
 stop_all() {
-  local f pid waited
+  local f pid waited stopped=0
   [[ -d $RUN ]] || die "no run directory $RUN"
   for f in $(ls -t "$RUN"/*.pid 2>/dev/null); do
+    stopped=$((stopped + 1))
     pid=$(cat "$f")
     if kill -0 "$pid" 2>/dev/null; then
       kill -TERM "$pid" 2>/dev/null || true  # the leader stops what it started (`ray start --block` its node)
@@ -77,6 +78,7 @@ stop_all() {
     echo "$SCRIPT: stopped $(basename "$f" .pid) (process group $pid)"
     rm -f "$f"
   done
+  ((stopped)) || echo "$SCRIPT: nothing to stop (no process group recorded in $RUN)"
 }
 
 # forget_ray_cluster FILE: `ray start --head --block` leaves Ray's cluster file (`ray_current_cluster`

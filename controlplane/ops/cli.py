@@ -79,9 +79,11 @@ def _out(obj: object) -> None:
     sys.stdout.write(json.dumps(obj, sort_keys=True, default=str) + "\n")
 
 
-def _print_result(verb: str, res: CommandResult, as_json: bool, why: dict[tuple[str, int], str] | None = None) -> None:
+def _print_result(verb: str, res: CommandResult, as_json: bool, why: dict[tuple[str, int], str] | None = None,
+                  hint: str | None = None) -> None:
     if as_json:
-        sys.stdout.write(_json.encode(res).decode() + "\n")
+        out = msgspec.to_builtins(res) | ({"hint": hint} if hint else {})
+        sys.stdout.write(_json.encode(out).decode() + "\n")
         return
     lines = [f"{verb}: {res.message}" + (f"  [seq {res.first_seq}..{res.last_seq}]" if res.last_seq else "")]
     for r in res.replicas:
@@ -164,12 +166,13 @@ async def _command_on(a: argparse.Namespace, admin: AdminClient) -> int:
         decision = [(seq, e) async for seq, e in admin.log.read(res.first_seq, stop_seq=res.last_seq)
                     if isinstance(e, Event)]
         why = explain_decision(before, decision)
-    _print_result(a.cmd, res, a.json, why)
+    # placed fewer than asked: the decision stands, the exit code says it fell short, the hint what would help
+    hint = _room_hint(await admin.state(), res) if not res.ok else None
+    _print_result(a.cmd, res, a.json, why, hint)
     code = 0
-    if not res.ok:  # placed fewer than asked: the decision stands, the exit code says it fell short
+    if not res.ok:
         code = EXIT_PLACED_NONE if res.placed == 0 else EXIT_PLACED_SOME
         if not a.json:
-            hint = _room_hint(await admin.state(), res)
             print(f"error: placed {res.placed} of {res.asked} replica(s); the rest found no room ({hint})",
                   file=sys.stderr)
     if getattr(a, "wait", False) and res.replicas:

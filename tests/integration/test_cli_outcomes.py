@@ -9,6 +9,7 @@ sequence the log does not have, undeploy forgets a model, and counts are bounded
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -90,6 +91,9 @@ async def test_a_short_placement_on_nodes_without_gpus_names_the_gpus_flag(nats_
         ran = await ndif(url, "deploy", config_only(tmp_path, "nogpu", tiny), "--size-gib", "1")
         assert ran.rc == 7, (ran.rc, ran.out, ran.err)
         assert "no node has a GPU" in ran.err and "--gpus N" in ran.err and "`ndif evict`" not in ran.err, ran.err
+        ran = await ndif(url, "deploy", config_only(tmp_path, "nogpu2", tiny), "--size-gib", "1", "--json")
+        out = json.loads(ran.out.splitlines()[0])  # the same hint for a script
+        assert ran.rc == 7 and not out["ok"] and "--gpus N" in out["hint"], (ran.rc, ran.out)
 
 
 async def test_command_id_is_never_two_commands(nats_server: EmbeddedNats, admin: AdminClient,
