@@ -418,9 +418,14 @@ async def test_an_outage_is_drawn_as_cluster_down_not_as_the_state_before_it(sce
     """A `ClusterDown` in the log (a controller started after a gap): the lifelines show every replica
     `down` through it, and each plot a band that says "cluster down"."""
     if not [e async for _, e in scene.log.read(1) if isinstance(e, E.ClusterDown)]:
+        # dated after the replicas loaded (run alone, this test may come right after their deploy)
+        loaded = max([e.ts async for _, e in scene.log.read(1) if isinstance(e, E.ReplicaLoaded)],
+                     default=datetime.now(UTC) - timedelta(seconds=10))
+        await asyncio.sleep(max(0.0, (loaded + timedelta(seconds=7) - datetime.now(UTC)).total_seconds()))
         now = datetime.now(UTC)
         down = E.ClusterDown(event_id="outage-e2e", ts=now, actor="controller:e2e", command_id="outage-e2e",
-                             down_from=now - timedelta(seconds=8), up_at=now - timedelta(seconds=3))
+                             down_from=max(now - timedelta(seconds=8), loaded + timedelta(seconds=1)),
+                             up_at=now - timedelta(seconds=2))
         await scene.log.append([down], None)
         await settle(scene.admin)
     page = await scene.page(width=width, height=900)
@@ -431,6 +436,12 @@ async def test_an_outage_is_drawn_as_cluster_down_not_as_the_state_before_it(sce
     assert all(p.split().index("down") < len(p.split()) - 1 for p in phases), phases  # back after it
     await until(page, "window.ndif.plots.outages && window.ndif.plots.outages.length > 0", timeout=10)
     assert await page.locator("#lifeline .down-label").count() >= 1
+    touching = await page.evaluate("""() => {  // the caption has a line of its own: it meets no time label
+        const box = (q) => [...document.querySelectorAll(q)].map((e) => e.getBoundingClientRect());
+        const ticks = box('#lifeline text.tick:not(.down-label)');
+        return box('#lifeline .down-label').some((a) => ticks.some((b) =>
+            a.left < b.right && b.left < a.right && a.top < b.bottom && b.top < a.bottom)); }""")
+    assert not touching
     seg = page.locator('#lifeline rect[data-phase="down"]').first
     await seg.hover()
     assert "cluster down" in await page.inner_text("#tip")

@@ -228,8 +228,10 @@ export class Lifelines {
       const t = d.t0 + (span * i) / 4;
       ticks.push(`<text x="${x(t).toFixed(1)}" y="12" class="tick" text-anchor="${i === 0 ? "start" : i === 4 ? "end" : "middle"}">${esc(fullTime(t).slice(11, 19))}</text>`);
     }
+    // an outage's caption gets a line of its own under the time labels, so the two never touch
+    const axis = (d.outages || []).length ? AXIS + 12 : AXIS;
     const rows = d.replicas.map((l, i) => {
-      const y = AXIS + i * ROW;
+      const y = axis + i * ROW;
       let cursor = 0; // a segment too short to see is widened to 2 px, and the next starts after it
       const segs = l.segments.map((s, j) => {
         const x0 = Math.max(x(s.t0), cursor), w = Math.max(2, x(s.t1) - x0);
@@ -238,10 +240,10 @@ export class Lifelines {
       }).join("");
       return `<g data-line="${i}" data-model="${esc(l.model_key)}" data-replica="${l.replica_id}"><text x="4" y="${y + ROW - 4}" class="lname">${esc(l.name.split("/").pop())} #${l.replica_id}</text>${segs}</g>`;
     }).join("");
-    const h = AXIS + d.replicas.length * ROW + 4;
+    const h = axis + d.replicas.length * ROW + 4;
     const hatch = `<defs><pattern id="down-hatch" width="6" height="6" patternUnits="userSpaceOnUse" patternTransform="rotate(45)">` +
       `<rect width="6" height="6" fill="#f1f3f5"></rect><rect width="3" height="6" fill="#adb5bd"></rect></pattern></defs>`;
-    const bands = (d.outages || []).map(([a, b]) => `<text x="${((x(a) + x(b)) / 2).toFixed(1)}" y="${AXIS - 2}" class="tick down-label" text-anchor="middle">cluster down</text>`).join("");
+    const bands = (d.outages || []).map(([a, b]) => `<text x="${((x(a) + x(b)) / 2).toFixed(1)}" y="${axis - 4}" class="tick down-label" text-anchor="middle">cluster down</text>`).join("");
     el.innerHTML = `<svg width="${width}" height="${h}" viewBox="0 0 ${width} ${h}">${hatch}${ticks.join("")}${bands}${rows}</svg>` +
       (d.replicas.length ? "" : `<p class="muted">no replica in this window</p>`);
     const pr = this.probe.lifeline;
