@@ -128,7 +128,7 @@ class AccountLimits(msgspec.Struct, frozen=True, kw_only=True):
     connection, or the subscription (nats-py then closes that connection). Each subscription to a
     status subject is one more copy of every status, so a client's copies are at most the product.
     An SDK client holds one connection with two subscriptions; an agent one connection for itself
-    and one per replica on its node; the dashboard one. `NDIF_<ROLE>_MAX_CONNECTIONS` / `_SUBSCRIPTIONS`."""
+    and one per replica on its node; the dashboard one. Set by `ACCOUNT_LIMIT_SETTINGS`."""
 
     client_connections: int = 16
     client_subscriptions: int = 16
@@ -140,9 +140,7 @@ class AccountLimits(msgspec.Struct, frozen=True, kw_only=True):
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> AccountLimits:
         got: dict[str, int] = {}
-        for field in cls.__struct_fields__:
-            role, what = field.split("_", 1)
-            name = f"NDIF_{role.upper()}_MAX_{what.upper()}"
+        for field, name in ACCOUNT_LIMIT_SETTINGS.items():
             raw = env.get(name)
             if not raw:
                 continue
@@ -160,6 +158,16 @@ class AccountLimits(msgspec.Struct, frozen=True, kw_only=True):
             return None
         return {"max_connections": getattr(self, f"{role}_connections"),
                 "max_subscriptions": getattr(self, f"{role}_subscriptions")}
+
+
+ACCOUNT_LIMIT_SETTINGS = {  # AccountLimits field -> the environment setting that sets it
+    "client_connections": "NDIF_CLIENT_MAX_CONNECTIONS",
+    "client_subscriptions": "NDIF_CLIENT_MAX_SUBSCRIPTIONS",
+    "agent_connections": "NDIF_AGENT_MAX_CONNECTIONS",
+    "agent_subscriptions": "NDIF_AGENT_MAX_SUBSCRIPTIONS",
+    "dashboard_connections": "NDIF_DASHBOARD_MAX_CONNECTIONS",
+    "dashboard_subscriptions": "NDIF_DASHBOARD_MAX_SUBSCRIPTIONS",
+}
 
 
 # ---- permissions and accounts -------------------------------------------------------------------
