@@ -148,8 +148,8 @@ class AccountLimits(msgspec.Struct, frozen=True, kw_only=True):
                 got[field] = int(raw)
             except ValueError:
                 raise InvalidCommand(f"{name}={raw!r}: a whole number") from None
-            if got[field] < 1:
-                raise InvalidCommand(f"{name}={raw!r}: at least 1")
+            if not 1 <= got[field] <= MAX_ACCOUNT_LIMIT:
+                raise InvalidCommand(f"{name}={raw!r}: 1 to {MAX_ACCOUNT_LIMIT:,}")
         return cls(**got)
 
     def of(self, role: str) -> dict[str, int] | None:
@@ -160,6 +160,7 @@ class AccountLimits(msgspec.Struct, frozen=True, kw_only=True):
                 "max_subscriptions": getattr(self, f"{role}_subscriptions")}
 
 
+MAX_ACCOUNT_LIMIT = 1_000_000  # nats-server keeps each limit in 32 bits: a larger one would wrap, not bound
 ACCOUNT_LIMIT_SETTINGS = {  # AccountLimits field -> the environment setting that sets it
     "client_connections": "NDIF_CLIENT_MAX_CONNECTIONS",
     "client_subscriptions": "NDIF_CLIENT_MAX_SUBSCRIPTIONS",

@@ -113,7 +113,7 @@ def test_every_untrusted_account_has_its_roles_limits_and_the_system_none() -> N
     assert acc[DASHBOARD_ACCOUNT]["limits"] == {"max_connections": 16, "max_subscriptions": 256}
 
 
-@pytest.mark.parametrize("raw", ["", "0", "-3", "x", "1.5"])
+@pytest.mark.parametrize("raw", ["", "0", "-3", "x", "1.5", "1000001", str(2**32)])
 def test_account_limits_from_the_environment_are_whole_positive_numbers(raw: str) -> None:
     env = {"NDIF_DASHBOARD_MAX_CONNECTIONS": raw}
     if raw == "":
